@@ -1,0 +1,56 @@
+//! Errors of the admin API and their mapping to gRPC status codes.
+
+use laneway_proto::LEADER_ADDR_METADATA;
+use tonic::metadata::MetadataValue;
+use tonic::Status;
+
+/// Why an admin call failed. Mapped exhaustively to a `tonic::Status` in [`From`].
+#[derive(Debug, thiserror::Error)]
+pub enum AdminError {
+    /// The request was malformed; the message says which field and what is expected.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// A value was outside its allowed range.
+    #[error("{0}")]
+    OutOfRange(String),
+    /// This controller is not the leader; the request must go to `leader_addr`.
+    #[error("node {node_id} is not the leader; the leader is node {leader_id} at {leader_addr} (lanectl follows this redirect)")]
+    NotLeader {
+        node_id: u64,
+        leader_id: u64,
+        leader_addr: String,
+    },
+    /// No leader is known (an election is in progress or there is no quorum).
+    #[error("node {node_id} knows no leader (election in progress or no quorum); retry in a moment, and check `lanectl cluster status` if it persists")]
+    NoLeader { node_id: u64 },
+    /// The request conflicts with the cluster's state.
+    #[error("{0}")]
+    FailedPrecondition(String),
+    /// The operation did not finish in time.
+    #[error("{0}")]
+    DeadlineExceeded(String),
+    /// A storage or Raft failure on this controller.
+    #[error("internal error on this controller: {0}")]
+    Internal(String),
+}
+
+impl From<AdminError> for Status {
+    fn from(e: AdminError) -> Status {
+        let msg = e.to_string();
+        match e {
+            AdminError::InvalidArgument(_) => Status::invalid_argument(msg),
+            AdminError::OutOfRange(_) => Status::out_of_range(msg),
+            AdminError::NotLeader { leader_addr, .. } => {
+                let mut status = Status::failed_precondition(msg);
+                if let Ok(v) = MetadataValue::try_from(leader_addr.as_str()) {
+                    status.metadata_mut().insert(LEADER_ADDR_METADATA, v);
+                }
+                status
+            }
+            AdminError::NoLeader { .. } => Status::unavailable(msg),
+            AdminError::FailedPrecondition(_) => Status::failed_precondition(msg),
+            AdminError::DeadlineExceeded(_) => Status::deadline_exceeded(msg),
+            AdminError::Internal(_) => Status::internal(msg),
+        }
+    }
+}

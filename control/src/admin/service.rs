@@ -1,0 +1,334 @@
+//! Admin API service: cluster membership, status, settings and snapshots.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use laneway_proto::admin::admin_service_server::AdminService;
+use laneway_proto::admin::{
+    AddLearnerRequest, DeleteSettingRequest, GetSettingReply, GetSettingRequest, InitReply, InitRequest,
+    MembershipReply, NodeStatus, PromoteRequest, PutSettingRequest, RemoveRequest, SnapshotReply, SnapshotRequest,
+    StatusRequest, WriteReply,
+};
+use openraft::error::{ForwardToLeader, RaftError};
+use openraft::{ChangeMembers, ServerState};
+use tonic::{Request, Response, Status};
+
+use super::pb_impl::{members, state_name};
+use super::AdminError;
+use crate::command::{validate_key, Command, CommandEnvelope};
+use crate::config::validate_peer_addr;
+use crate::node::ControllerNode;
+use crate::store::{LogStore, StateMachineStore};
+use crate::typ::{NodeId, Raft, RaftMetrics};
+
+/// How long `add` waits for a new learner to catch up before giving up.
+const LEARNER_CATCH_UP_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long snapshot/purge requests wait for completion.
+const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Serves the admin API of one controller.
+pub struct AdminGrpc {
+    raft: Raft,
+    node_id: NodeId,
+    cluster: String,
+    advertise: String,
+    log: LogStore,
+    sm: StateMachineStore,
+}
+
+impl AdminGrpc {
+    pub fn new(raft: Raft, node_id: NodeId, cluster: String, advertise: String, log: LogStore, sm: StateMachineStore) -> Self {
+        AdminGrpc {
+            raft,
+            node_id,
+            cluster,
+            advertise,
+            log,
+            sm,
+        }
+    }
+
+    fn metrics(&self) -> RaftMetrics {
+        self.raft.metrics().borrow().clone()
+    }
+
+    /// Maps a Raft error: a forward-to-leader becomes a redirect, the rest internal errors.
+    fn raft_error<E>(&self, e: RaftError<NodeId, E>) -> AdminError
+    where
+        E: std::error::Error + openraft::TryAsRef<ForwardToLeader<NodeId, ControllerNode>>,
+    {
+        if let Some(f) = e.forward_to_leader::<ControllerNode>() {
+            return match (f.leader_id, &f.leader_node) {
+                (Some(leader_id), Some(node)) => AdminError::NotLeader {
+                    node_id: self.node_id,
+                    leader_id,
+                    leader_addr: node.addr.clone(),
+                },
+                _ => AdminError::NoLeader { node_id: self.node_id },
+            };
+        }
+        match e {
+            RaftError::APIError(api) => AdminError::FailedPrecondition(api.to_string()),
+            RaftError::Fatal(f) => AdminError::Internal(f.to_string()),
+        }
+    }
+
+    async fn write(&self, command: Command) -> Result<WriteReply, AdminError> {
+        command.validate().map_err(|e| match e {
+            crate::command::CommandError::KeyTooLong { .. } | crate::command::CommandError::ValueTooLarge { .. } => {
+                AdminError::OutOfRange(e.to_string())
+            }
+            crate::command::CommandError::EmptyKey | crate::command::CommandError::KeyNotPrintable { .. } => {
+                AdminError::InvalidArgument(e.to_string())
+            }
+        })?;
+        let resp = self
+            .raft
+            .client_write(CommandEnvelope::new(command))
+            .await
+            .map_err(|e| self.raft_error(e))?;
+        Ok(WriteReply {
+            log_index: resp.log_id.index,
+            previous: resp.data.previous,
+        })
+    }
+
+    fn membership_reply(&self, log_index: u64) -> MembershipReply {
+        MembershipReply {
+            log_index,
+            members: members(&self.metrics().membership_config),
+        }
+    }
+
+    fn check_node_id(&self, node_id: u64) -> Result<(), AdminError> {
+        if node_id == 0 {
+            return Err(AdminError::InvalidArgument("node_id must be > 0".into()));
+        }
+        Ok(())
+    }
+}
+
+#[tonic::async_trait]
+impl AdminService for AdminGrpc {
+    async fn init(&self, _req: Request<InitRequest>) -> Result<Response<InitReply>, Status> {
+        let nodes = BTreeMap::from([(
+            self.node_id,
+            ControllerNode {
+                addr: self.advertise.clone(),
+            },
+        )]);
+        match self.raft.initialize(nodes).await {
+            Ok(()) => Ok(Response::new(InitReply {
+                node_id: self.node_id,
+                cluster: self.cluster.clone(),
+            })),
+            Err(RaftError::APIError(e)) => Err(AdminError::FailedPrecondition(format!(
+                "cannot initialize: {e}; this controller already has cluster state (use `lanectl cluster add` to grow an existing cluster)"
+            ))
+            .into()),
+            Err(RaftError::Fatal(f)) => Err(AdminError::Internal(f.to_string()).into()),
+        }
+    }
+
+    async fn status(&self, _req: Request<StatusRequest>) -> Result<Response<NodeStatus>, Status> {
+        let m = self.metrics();
+        let view = self.sm.view();
+        let leader_addr = m
+            .current_leader
+            .and_then(|id| m.membership_config.membership().get_node(&id).map(|n| n.addr.clone()))
+            .unwrap_or_default();
+        let initialized = m.membership_config.membership().nodes().next().is_some();
+        Ok(Response::new(NodeStatus {
+            node_id: self.node_id,
+            cluster: self.cluster.clone(),
+            addr: self.advertise.clone(),
+            state: state_name(m.state).to_string(),
+            term: m.current_term,
+            leader_id: m.current_leader.unwrap_or(0),
+            leader_addr,
+            last_log_index: m.last_log_index.unwrap_or(0),
+            committed_index: self.log.db().committed().map_or(0, |l| l.index),
+            applied_index: view.last_applied.map_or(0, |l| l.index),
+            snapshot_index: view.snapshot.map_or(0, |l| l.index),
+            purged_index: m.purged.map_or(0, |l| l.index),
+            members: members(&m.membership_config),
+            state_hash: view.state.state_hash(),
+            initialized,
+            retired_node_ids: view.state.retired_node_ids.iter().copied().collect(),
+        }))
+    }
+
+    async fn add_learner(&self, req: Request<AddLearnerRequest>) -> Result<Response<MembershipReply>, Status> {
+        let req = req.into_inner();
+        self.check_node_id(req.node_id)?;
+        validate_peer_addr("addr", &req.addr).map_err(|e| AdminError::InvalidArgument(e.to_string()))?;
+        if self.sm.is_retired(req.node_id) {
+            return Err(AdminError::FailedPrecondition(format!(
+                "node id {} was removed from this cluster and node ids are never reused; start the new controller with a fresh --node-id and an empty data dir",
+                req.node_id
+            ))
+            .into());
+        }
+        let m = self.metrics();
+        if let Some(existing) = m.membership_config.membership().get_node(&req.node_id) {
+            if existing.addr != req.addr {
+                return Err(AdminError::FailedPrecondition(format!(
+                    "node {} is already a member at {}; remove it first or use a new node id for {}",
+                    req.node_id, existing.addr, req.addr
+                ))
+                .into());
+            }
+            // Already a member at this address: nothing to change.
+            return Ok(Response::new(self.membership_reply(m.last_log_index.unwrap_or(0))));
+        }
+        let node = ControllerNode { addr: req.addr.clone() };
+        let resp = tokio::time::timeout(LEARNER_CATCH_UP_TIMEOUT, self.raft.add_learner(req.node_id, node, true))
+            .await
+            .map_err(|_| {
+                AdminError::DeadlineExceeded(format!(
+                    "node {} was added as a learner but did not catch up within {}s; is laneway-control running at {} with cluster_name {:?}?",
+                    req.node_id,
+                    LEARNER_CATCH_UP_TIMEOUT.as_secs(),
+                    req.addr,
+                    self.cluster
+                ))
+            })?
+            .map_err(|e| self.raft_error(e))?;
+        Ok(Response::new(self.membership_reply(resp.log_id.index)))
+    }
+
+    async fn promote(&self, req: Request<PromoteRequest>) -> Result<Response<MembershipReply>, Status> {
+        let id = req.into_inner().node_id;
+        self.check_node_id(id)?;
+        let m = self.metrics();
+        let membership = m.membership_config.membership();
+        if membership.voter_ids().any(|v| v == id) {
+            return Ok(Response::new(self.membership_reply(m.last_log_index.unwrap_or(0))));
+        }
+        if membership.get_node(&id).is_none() {
+            return Err(AdminError::FailedPrecondition(format!(
+                "node {id} is not a learner of this cluster; add it first with `lanectl cluster add {id} HOST:PORT`"
+            ))
+            .into());
+        }
+        let resp = self
+            .raft
+            .change_membership(ChangeMembers::AddVoterIds(BTreeSet::from([id])), false)
+            .await
+            .map_err(|e| self.raft_error(e))?;
+        Ok(Response::new(self.membership_reply(resp.log_id.index)))
+    }
+
+    async fn remove(&self, req: Request<RemoveRequest>) -> Result<Response<MembershipReply>, Status> {
+        let id = req.into_inner().node_id;
+        self.check_node_id(id)?;
+        let m = self.metrics();
+        let membership = m.membership_config.membership();
+        let voters: BTreeSet<u64> = membership.voter_ids().collect();
+        let change = if voters.contains(&id) {
+            if voters.len() == 1 {
+                return Err(AdminError::FailedPrecondition(format!(
+                    "node {id} is the only voter; a cluster cannot remove its last voter"
+                ))
+                .into());
+            }
+            ChangeMembers::RemoveVoters(BTreeSet::from([id]))
+        } else if membership.get_node(&id).is_some() {
+            ChangeMembers::RemoveNodes(BTreeSet::from([id]))
+        } else {
+            return Err(AdminError::FailedPrecondition(format!("node {id} is not a member of this cluster")).into());
+        };
+        let resp = self
+            .raft
+            .change_membership(change, false)
+            .await
+            .map_err(|e| self.raft_error(e))?;
+        Ok(Response::new(self.membership_reply(resp.log_id.index)))
+    }
+
+    async fn put_setting(&self, req: Request<PutSettingRequest>) -> Result<Response<WriteReply>, Status> {
+        let req = req.into_inner();
+        Ok(Response::new(
+            self.write(Command::PutSetting {
+                key: req.key,
+                value: req.value,
+            })
+            .await?,
+        ))
+    }
+
+    async fn delete_setting(&self, req: Request<DeleteSettingRequest>) -> Result<Response<WriteReply>, Status> {
+        let req = req.into_inner();
+        Ok(Response::new(self.write(Command::DeleteSetting { key: req.key }).await?))
+    }
+
+    async fn get_setting(&self, req: Request<GetSettingRequest>) -> Result<Response<GetSettingReply>, Status> {
+        let req = req.into_inner();
+        validate_key(&req.key).map_err(|e| AdminError::InvalidArgument(e.to_string()))?;
+        if req.linearizable {
+            self.raft.ensure_linearizable().await.map_err(|e| self.raft_error(e))?;
+        }
+        let (value, applied) = self.sm.get_setting(&req.key);
+        Ok(Response::new(GetSettingReply {
+            value,
+            applied_index: applied.map_or(0, |l| l.index),
+        }))
+    }
+
+    async fn snapshot(&self, req: Request<SnapshotRequest>) -> Result<Response<SnapshotReply>, Status> {
+        let purge = req.into_inner().purge;
+        let m = self.metrics();
+        if m.state == ServerState::Shutdown {
+            return Err(AdminError::Internal("raft is shut down".into()).into());
+        }
+        let target = m.last_applied.map_or(0, |l| l.index);
+        self.raft
+            .trigger()
+            .snapshot()
+            .await
+            .map_err(|e| AdminError::Internal(e.to_string()))?;
+        let mut rx = self.raft.metrics();
+        let wait = async {
+            loop {
+                let snap = rx.borrow().snapshot.map_or(0, |l| l.index);
+                if snap >= target {
+                    return snap;
+                }
+                if rx.changed().await.is_err() {
+                    return 0;
+                }
+            }
+        };
+        let snapshot_index = tokio::time::timeout(SNAPSHOT_TIMEOUT, wait)
+            .await
+            .map_err(|_| AdminError::DeadlineExceeded(format!("snapshot did not complete within {}s", SNAPSHOT_TIMEOUT.as_secs())))?;
+        let mut purged_index = m.purged.map_or(0, |l| l.index);
+        if purge && snapshot_index > 0 {
+            self.raft
+                .trigger()
+                .purge_log(snapshot_index)
+                .await
+                .map_err(|e| AdminError::Internal(e.to_string()))?;
+            let wait = async {
+                loop {
+                    let p = rx.borrow().purged.map_or(0, |l| l.index);
+                    if p >= snapshot_index {
+                        return p;
+                    }
+                    if rx.changed().await.is_err() {
+                        return p;
+                    }
+                }
+            };
+            purged_index = tokio::time::timeout(SNAPSHOT_TIMEOUT, wait).await.map_err(|_| {
+                AdminError::DeadlineExceeded(
+                    "log purge did not complete in time (a follower may still need those entries)".into(),
+                )
+            })?;
+        }
+        Ok(Response::new(SnapshotReply {
+            snapshot_index,
+            purged_index,
+        }))
+    }
+}

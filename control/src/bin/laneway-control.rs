@@ -1,0 +1,106 @@
+//! `laneway-control`: a Laneway controller.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use laneway_control::config::RunArgs;
+use laneway_control::dev::{self, DevArgs, DevError};
+use laneway_control::server;
+
+#[derive(Parser)]
+#[command(name = "laneway-control", version, about = "Laneway controller: the Raft-replicated control plane of a GPU inference fleet")]
+struct Cli {
+    /// Log filter (tracing EnvFilter syntax), e.g. `info,openraft=warn`.
+    #[arg(long, env = "LANEWAY_LOG", default_value = "info,openraft=warn", global = true)]
+    log: String,
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run one controller of a cluster.
+    Run(RunArgs),
+    /// Run the embedded default: a single-node cluster in a temp dir, for trying Laneway out.
+    Dev(DevArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    // Validate configuration before starting the runtime, binding ports or opening files.
+    let run_cfg = match &cli.command {
+        Cmd::Run(args) => match args.resolve() {
+            Ok(c) => Some(c),
+            Err(e) => {
+                eprintln!("laneway-control: {e}");
+                return ExitCode::from(2);
+            }
+        },
+        Cmd::Dev(_) => None,
+    };
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("laneway-control: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    rt.block_on(async move {
+        match cli.command {
+            Cmd::Run(_) => {
+                let cfg = run_cfg.expect("resolved above");
+                let mut controller = match server::start(cfg).await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        eprintln!("laneway-control: {e}");
+                        return ExitCode::from(e.exit_code() as u8);
+                    }
+                };
+                println!("laneway-control: node listening on {} (advertised as {})", controller.addr, controller.advertise);
+                tokio::select! {
+                    res = controller.serve_until_stopped() => {
+                        if let Err(e) = res {
+                            eprintln!("laneway-control: gRPC server failed: {e}");
+                            return ExitCode::from(1);
+                        }
+                        ExitCode::SUCCESS
+                    }
+                    _ = tokio::signal::ctrl_c() => {
+                        controller.shutdown().await;
+                        ExitCode::SUCCESS
+                    }
+                }
+            }
+            Cmd::Dev(args) => {
+                let dev = match dev::start(args).await {
+                    Ok(d) => d,
+                    Err(DevError::Start(e)) => {
+                        eprintln!("laneway-control dev: {e}");
+                        return ExitCode::from(e.exit_code() as u8);
+                    }
+                    Err(e) => {
+                        eprintln!("laneway-control dev: {e}");
+                        return ExitCode::from(1);
+                    }
+                };
+                let addr = dev.controller.advertise.clone();
+                println!("Laneway dev controller is up (single-node Raft cluster \"dev\").");
+                println!("  admin + raft gRPC: {addr}");
+                println!("  data dir:          {}", dev.data_dir.display());
+                println!("Try:");
+                println!("  lanectl --addr {addr} cluster status");
+                println!("  lanectl --addr {addr} settings set fleet.region eu-west");
+                println!("Press Ctrl-C to stop.");
+                let _ = tokio::signal::ctrl_c().await;
+                println!("stopping");
+                dev.controller.shutdown().await;
+                ExitCode::SUCCESS
+            }
+        }
+    })
+}

@@ -1,0 +1,325 @@
+//! Controller configuration in two layers: what the operator wrote (TOML file, flags, env, all
+//! optional) and the validated [`ControllerConfig`] the controller runs with. Validation happens
+//! before any port is bound or file opened; an invalid configuration names the field, the value
+//! and what was expected, and the binary exits with code 2.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// Outer layer: the TOML file. Unknown fields are refused (a typo must not silently fall back to
+/// a default on a controller).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub node_id: Option<u64>,
+    pub cluster_name: Option<String>,
+    pub listen: Option<String>,
+    pub advertise: Option<String>,
+    pub data_dir: Option<PathBuf>,
+    #[serde(default)]
+    pub raft: FileRaftConfig,
+    pub max_admin_request_bytes: Option<usize>,
+}
+
+/// `[raft]` table of the TOML file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileRaftConfig {
+    pub heartbeat_ms: Option<u64>,
+    pub election_timeout_min_ms: Option<u64>,
+    pub election_timeout_max_ms: Option<u64>,
+    pub snapshot_logs: Option<u64>,
+    pub keep_logs: Option<u64>,
+}
+
+/// Outer layer: flags and environment variables; each overrides the file.
+#[derive(Debug, Default, Clone, clap::Args)]
+pub struct RunArgs {
+    /// TOML configuration file (see deploy/examples/controller.toml).
+    #[arg(long, env = "LANEWAY_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Raft node id of this controller (> 0, never reused once removed).
+    #[arg(long, env = "LANEWAY_NODE_ID")]
+    pub node_id: Option<u64>,
+    /// Cluster name; a controller refuses data dirs and peers of another cluster. Default `laneway`.
+    #[arg(long, env = "LANEWAY_CLUSTER_NAME")]
+    pub cluster_name: Option<String>,
+    /// gRPC listen address (Raft transport + admin API). Default `127.0.0.1:7001`.
+    #[arg(long, env = "LANEWAY_LISTEN")]
+    pub listen: Option<String>,
+    /// Address other controllers and lanectl use to reach this one. Default: the listen address.
+    #[arg(long, env = "LANEWAY_ADVERTISE")]
+    pub advertise: Option<String>,
+    /// Directory for the Raft log, state and snapshots.
+    #[arg(long, env = "LANEWAY_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Leader heartbeat interval in ms. Default 100.
+    #[arg(long, env = "LANEWAY_RAFT_HEARTBEAT_MS")]
+    pub heartbeat_ms: Option<u64>,
+    /// Lower bound of the randomized election timeout in ms. Default 400.
+    #[arg(long, env = "LANEWAY_RAFT_ELECTION_TIMEOUT_MIN_MS")]
+    pub election_timeout_min_ms: Option<u64>,
+    /// Upper bound (exclusive) of the election timeout in ms. Default 700.
+    #[arg(long, env = "LANEWAY_RAFT_ELECTION_TIMEOUT_MAX_MS")]
+    pub election_timeout_max_ms: Option<u64>,
+    /// Take a snapshot after this many applied entries since the last one. Default 10000.
+    #[arg(long, env = "LANEWAY_RAFT_SNAPSHOT_LOGS")]
+    pub snapshot_logs: Option<u64>,
+}
+
+/// Raft timing and compaction settings, validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RaftSettings {
+    /// Leader heartbeat interval, ms. Default 100.
+    pub heartbeat_ms: u64,
+    /// Election timeout range `[min, max)`, ms. Defaults 400 and 700: a dead leader is replaced
+    /// in well under a second, while three heartbeats fit in the shortest timeout.
+    pub election_timeout_min_ms: u64,
+    pub election_timeout_max_ms: u64,
+    /// Snapshot after this many entries since the last snapshot. Default 10000.
+    pub snapshot_logs: u64,
+    /// Entries kept in the log behind a snapshot, for slow followers. Default 1000.
+    pub keep_logs: u64,
+}
+
+impl Default for RaftSettings {
+    fn default() -> Self {
+        RaftSettings {
+            heartbeat_ms: 100,
+            election_timeout_min_ms: 400,
+            election_timeout_max_ms: 700,
+            snapshot_logs: 10_000,
+            keep_logs: 1_000,
+        }
+    }
+}
+
+/// Inner layer: the validated configuration a controller runs with.
+#[derive(Debug, Clone)]
+pub struct ControllerConfig {
+    pub node_id: u64,
+    pub cluster_name: String,
+    pub listen: SocketAddr,
+    /// `host:port` peers dial; empty means "the address actually bound".
+    pub advertise: Option<String>,
+    pub data_dir: PathBuf,
+    pub raft: RaftSettings,
+    /// Largest admin request accepted, bytes. Default 1 MiB.
+    pub max_admin_request_bytes: usize,
+}
+
+/// An invalid configuration value.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("invalid configuration: {field} = {value}: {expected}")]
+pub struct ConfigError {
+    pub field: &'static str,
+    pub value: String,
+    pub expected: String,
+}
+
+fn bad(field: &'static str, value: impl std::fmt::Debug, expected: impl Into<String>) -> ConfigError {
+    ConfigError {
+        field,
+        value: format!("{value:?}"),
+        expected: expected.into(),
+    }
+}
+
+/// Reads and parses a TOML config file.
+pub fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| bad("config", path.display().to_string(), format!("cannot read the file: {e}")))?;
+    toml::from_str(&text).map_err(|e| {
+        bad(
+            "config",
+            path.display().to_string(),
+            format!("not a valid controller config: {}", e.to_string().trim()),
+        )
+    })
+}
+
+/// Checks a cluster name: 1–63 characters of `[a-z0-9-]`.
+pub fn validate_cluster_name(name: &str) -> Result<(), ConfigError> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
+    if ok {
+        Ok(())
+    } else {
+        Err(bad("cluster_name", name, "1 to 63 characters of a-z, 0-9 and '-'"))
+    }
+}
+
+/// Checks a `host:port` address that peers will dial.
+pub fn validate_peer_addr(field: &'static str, addr: &str) -> Result<(), ConfigError> {
+    let (host, port) = addr
+        .rsplit_once(':')
+        .ok_or_else(|| bad(field, addr, "host:port, e.g. 10.0.0.5:7001"))?;
+    if host.is_empty() || port.parse::<u16>().map_or(true, |p| p == 0) {
+        return Err(bad(field, addr, "host:port with a non-zero port, e.g. 10.0.0.5:7001"));
+    }
+    Ok(())
+}
+
+impl RunArgs {
+    /// Merges file, env and flags (flags win) and validates the result.
+    pub fn resolve(&self) -> Result<ControllerConfig, ConfigError> {
+        let file = match &self.config {
+            Some(p) => read_file(p)?,
+            None => FileConfig::default(),
+        };
+        let node_id = self
+            .node_id
+            .or(file.node_id)
+            .ok_or_else(|| bad("node_id", "<unset>", "a node id > 0 (flag --node-id, env LANEWAY_NODE_ID or `node_id` in the file)"))?;
+        if node_id == 0 {
+            return Err(bad("node_id", node_id, "a node id > 0"));
+        }
+        let cluster_name = self
+            .cluster_name
+            .clone()
+            .or(file.cluster_name)
+            .unwrap_or_else(|| "laneway".to_string());
+        validate_cluster_name(&cluster_name)?;
+        let listen_raw = self
+            .listen
+            .clone()
+            .or(file.listen)
+            .unwrap_or_else(|| "127.0.0.1:7001".to_string());
+        let listen: SocketAddr = listen_raw
+            .parse()
+            .map_err(|_| bad("listen", &listen_raw, "an IP:port to listen on, e.g. 0.0.0.0:7001"))?;
+        let advertise = self.advertise.clone().or(file.advertise);
+        match &advertise {
+            Some(a) => validate_peer_addr("advertise", a)?,
+            None if listen.ip().is_unspecified() => {
+                return Err(bad(
+                    "advertise",
+                    "<unset>",
+                    format!("an address peers can dial; listen is {listen}, which peers cannot dial"),
+                ))
+            }
+            None => {}
+        }
+        let data_dir = self
+            .data_dir
+            .clone()
+            .or(file.data_dir)
+            .ok_or_else(|| bad("data_dir", "<unset>", "a directory for this controller's data (flag --data-dir)"))?;
+        let defaults = RaftSettings::default();
+        let raft = RaftSettings {
+            heartbeat_ms: self.heartbeat_ms.or(file.raft.heartbeat_ms).unwrap_or(defaults.heartbeat_ms),
+            election_timeout_min_ms: self
+                .election_timeout_min_ms
+                .or(file.raft.election_timeout_min_ms)
+                .unwrap_or(defaults.election_timeout_min_ms),
+            election_timeout_max_ms: self
+                .election_timeout_max_ms
+                .or(file.raft.election_timeout_max_ms)
+                .unwrap_or(defaults.election_timeout_max_ms),
+            snapshot_logs: self.snapshot_logs.or(file.raft.snapshot_logs).unwrap_or(defaults.snapshot_logs),
+            keep_logs: file.raft.keep_logs.unwrap_or(defaults.keep_logs),
+        };
+        validate_raft(&raft)?;
+        let max_admin_request_bytes = file.max_admin_request_bytes.unwrap_or(1024 * 1024);
+        if !(4096..=64 * 1024 * 1024).contains(&max_admin_request_bytes) {
+            return Err(bad("max_admin_request_bytes", max_admin_request_bytes, "between 4096 and 67108864"));
+        }
+        Ok(ControllerConfig {
+            node_id,
+            cluster_name,
+            listen,
+            advertise,
+            data_dir,
+            raft,
+            max_admin_request_bytes,
+        })
+    }
+}
+
+fn validate_raft(r: &RaftSettings) -> Result<(), ConfigError> {
+    if !(10..=10_000).contains(&r.heartbeat_ms) {
+        return Err(bad("raft.heartbeat_ms", r.heartbeat_ms, "between 10 and 10000 ms"));
+    }
+    if r.election_timeout_min_ms < 3 * r.heartbeat_ms {
+        return Err(bad(
+            "raft.election_timeout_min_ms",
+            r.election_timeout_min_ms,
+            format!("at least 3 × raft.heartbeat_ms ({} ms)", 3 * r.heartbeat_ms),
+        ));
+    }
+    if r.election_timeout_max_ms <= r.election_timeout_min_ms {
+        return Err(bad(
+            "raft.election_timeout_max_ms",
+            r.election_timeout_max_ms,
+            format!("greater than raft.election_timeout_min_ms ({} ms)", r.election_timeout_min_ms),
+        ));
+    }
+    if r.snapshot_logs < 100 {
+        return Err(bad("raft.snapshot_logs", r.snapshot_logs, "at least 100 entries"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args() -> RunArgs {
+        RunArgs {
+            node_id: Some(1),
+            data_dir: Some("/tmp/x".into()),
+            ..RunArgs::default()
+        }
+    }
+
+    #[test]
+    fn defaults_resolve() {
+        let c = args().resolve().unwrap();
+        assert_eq!(c.cluster_name, "laneway");
+        assert_eq!(c.listen.to_string(), "127.0.0.1:7001");
+        assert_eq!(c.raft, RaftSettings::default());
+    }
+
+    #[test]
+    fn errors_name_field_value_and_expectation() {
+        let cases: Vec<(RunArgs, &str)> = vec![
+            (RunArgs { node_id: Some(0), ..args() }, "node_id"),
+            (RunArgs { node_id: None, ..args() }, "node_id"),
+            (RunArgs { cluster_name: Some("Prod EU".into()), ..args() }, "cluster_name"),
+            (RunArgs { listen: Some("nowhere".into()), ..args() }, "listen"),
+            (RunArgs { listen: Some("0.0.0.0:7001".into()), ..args() }, "advertise"),
+            (RunArgs { advertise: Some("host".into()), ..args() }, "advertise"),
+            (RunArgs { heartbeat_ms: Some(200), ..args() }, "raft.election_timeout_min_ms"),
+            (
+                RunArgs {
+                    election_timeout_max_ms: Some(300),
+                    ..args()
+                },
+                "raft.election_timeout_max_ms",
+            ),
+            (RunArgs { data_dir: None, ..args() }, "data_dir"),
+        ];
+        for (a, field) in cases {
+            let e = a.resolve().unwrap_err();
+            assert_eq!(e.field, field, "{e}");
+            assert!(!e.expected.is_empty());
+        }
+    }
+
+    #[test]
+    fn unknown_file_field_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.toml");
+        std::fs::write(&p, "node_id = 1\nelection_timeout = 5\n").unwrap();
+        let e = RunArgs {
+            config: Some(p),
+            ..args()
+        }
+        .resolve()
+        .unwrap_err();
+        assert!(e.expected.contains("election_timeout"), "{e}");
+    }
+}

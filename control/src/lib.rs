@@ -1,0 +1,16 @@
+//! Laneway controller.
+//!
+//! A controller is one member of a small Raft group (openraft over tonic, redb storage) that holds
+//! the fleet's desired state. This crate holds the storage, the replicated state machine, the
+//! Raft transport, the operator API, configuration, and the client used by `lanectl`.
+
+pub mod admin;
+pub mod client;
+pub mod command;
+pub mod config;
+pub mod dev;
+pub mod network;
+pub mod node;
+pub mod server;
+pub mod store;
+pub mod typ;

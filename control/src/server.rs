@@ -1,0 +1,159 @@
+//! Starting and stopping one controller: storage, Raft, and the gRPC listener.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use laneway_proto::admin::admin_service_server::AdminServiceServer;
+use laneway_proto::raft::raft_service_server::RaftServiceServer;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::TcpListenerStream;
+
+use crate::admin::AdminGrpc;
+use crate::config::ControllerConfig;
+use crate::network::raft_client::NetworkFactory;
+use crate::network::raft_service::RaftGrpc;
+use crate::network::MAX_RAFT_MESSAGE_BYTES;
+use crate::store::{self, Identity, StateMachineStore, StoreError};
+use crate::typ::Raft;
+
+/// Why a controller could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The data dir is not this controller's (another node, another cluster, newer format).
+    #[error("{0}")]
+    DataDir(StoreError),
+    #[error("cannot open the data dir: {0}")]
+    Storage(StoreError),
+    #[error("cannot listen on {addr}: {source}; is another controller already using it?")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid raft settings: {0}")]
+    RaftConfig(String),
+    #[error("raft failed to start: {0}")]
+    Raft(String),
+}
+
+impl StartError {
+    /// Process exit code: 2 for a misconfiguration the operator must fix, 1 otherwise.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            StartError::DataDir(_) | StartError::RaftConfig(_) => 2,
+            StartError::Storage(_) | StartError::Bind { .. } | StartError::Raft(_) => 1,
+        }
+    }
+}
+
+/// A running controller.
+pub struct Controller {
+    pub raft: Raft,
+    pub state: StateMachineStore,
+    /// The address actually bound.
+    pub addr: SocketAddr,
+    /// The address peers dial.
+    pub advertise: String,
+    shutdown: Option<oneshot::Sender<()>>,
+    server: JoinHandle<Result<(), tonic::transport::Error>>,
+}
+
+/// Opens the data dir, starts Raft and serves the Raft and admin gRPC services.
+pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
+    let listener = TcpListener::bind(cfg.listen)
+        .await
+        .map_err(|source| StartError::Bind { addr: cfg.listen, source })?;
+    let addr = listener.local_addr().map_err(|source| StartError::Bind { addr: cfg.listen, source })?;
+    let advertise = cfg.advertise.clone().unwrap_or_else(|| addr.to_string());
+
+    let identity = Identity {
+        cluster: cfg.cluster_name.clone(),
+        node_id: cfg.node_id,
+    };
+    let (log, sm) = store::open(&cfg.data_dir, &identity).map_err(|e| match e {
+        StoreError::WrongIdentity { .. } | StoreError::NewerFormat { .. } => StartError::DataDir(e),
+        other => StartError::Storage(other),
+    })?;
+
+    let raft_config = openraft::Config {
+        cluster_name: cfg.cluster_name.clone(),
+        heartbeat_interval: cfg.raft.heartbeat_ms,
+        election_timeout_min: cfg.raft.election_timeout_min_ms,
+        election_timeout_max: cfg.raft.election_timeout_max_ms,
+        install_snapshot_timeout: 10_000,
+        snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(cfg.raft.snapshot_logs),
+        max_in_snapshot_log_to_keep: cfg.raft.keep_logs,
+        ..Default::default()
+    }
+    .validate()
+    .map_err(|e| StartError::RaftConfig(e.to_string()))?;
+
+    let raft = Raft::new(
+        cfg.node_id,
+        Arc::new(raft_config),
+        NetworkFactory::new(cfg.cluster_name.clone()),
+        log.clone(),
+        sm.clone(),
+    )
+    .await
+    .map_err(|e| StartError::Raft(e.to_string()))?;
+
+    let raft_svc = RaftServiceServer::new(RaftGrpc::new(raft.clone(), cfg.cluster_name.clone(), cfg.node_id))
+        .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES);
+    let admin_svc = AdminServiceServer::new(AdminGrpc::new(
+        raft.clone(),
+        cfg.node_id,
+        cfg.cluster_name.clone(),
+        advertise.clone(),
+        log,
+        sm.clone(),
+    ))
+    .max_decoding_message_size(cfg.max_admin_request_bytes);
+
+    let (tx, rx) = oneshot::channel::<()>();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .tcp_nodelay(true)
+            .timeout(Duration::from_secs(120))
+            .add_service(raft_svc)
+            .add_service(admin_svc)
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+                let _ = rx.await;
+            }),
+    );
+    tracing::info!(node_id = cfg.node_id, %addr, %advertise, cluster = %cfg.cluster_name, data_dir = %cfg.data_dir.display(), "controller started");
+    Ok(Controller {
+        raft,
+        state: sm,
+        addr,
+        advertise,
+        shutdown: Some(tx),
+        server,
+    })
+}
+
+impl Controller {
+    /// Stops serving and shuts Raft down.
+    pub async fn shutdown(mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Err(e) = self.raft.shutdown().await {
+            tracing::warn!(error = %e, "raft shutdown");
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(5), &mut self.server).await;
+    }
+
+    /// Waits until the gRPC server stops (it only stops on shutdown or a fatal listener error).
+    pub async fn serve_until_stopped(&mut self) -> Result<(), String> {
+        match (&mut self.server).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+}

@@ -1,0 +1,76 @@
+//! Snapshot files: a self-describing JSON document (format, snapshot meta, application state)
+//! written to a temporary name, fsync'd, renamed into place, and the directory fsync'd, so a
+//! snapshot file either exists whole or not at all.
+
+use std::fs::{self, File};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::state_machine::AppState;
+use crate::typ::SnapshotMeta;
+
+/// Current snapshot file format.
+pub const SNAPSHOT_FORMAT: u32 = 1;
+
+/// Contents of a snapshot file; also the bytes streamed to a follower on install.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SnapshotFile {
+    pub format: u32,
+    pub meta: SnapshotMeta,
+    pub state: AppState,
+}
+
+impl SnapshotFile {
+    pub fn encode(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("snapshot serializes to JSON")
+    }
+
+    /// Decodes snapshot bytes, refusing a format this binary does not know.
+    pub fn decode(bytes: &[u8]) -> io::Result<Self> {
+        let file: SnapshotFile = serde_json::from_slice(bytes).map_err(io::Error::other)?;
+        if file.format > SNAPSHOT_FORMAT {
+            return Err(io::Error::other(format!(
+                "snapshot format {} is newer than this binary's {SNAPSHOT_FORMAT}; upgrade laneway-control",
+                file.format
+            )));
+        }
+        Ok(file)
+    }
+}
+
+/// File name for a snapshot id.
+pub fn file_name(snapshot_id: &str) -> String {
+    format!("{snapshot_id}.snap")
+}
+
+/// Writes `bytes` to `dir/name` atomically and durably.
+pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> io::Result<PathBuf> {
+    fs::create_dir_all(dir)?;
+    let tmp = dir.join(format!("{name}.tmp"));
+    let path = dir.join(name);
+    {
+        let mut f = File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+    }
+    fs::rename(&tmp, &path)?;
+    File::open(dir)?.sync_all()?;
+    Ok(path)
+}
+
+/// Removes every file in `dir` except `keep` (leftover temp files and superseded snapshots).
+pub fn remove_all_but(dir: &Path, keep: Option<&str>) -> io::Result<()> {
+    let Ok(rd) = fs::read_dir(dir) else {
+        return Ok(());
+    };
+    for entry in rd {
+        let entry = entry?;
+        let name = entry.file_name();
+        if Some(name.to_string_lossy().as_ref()) != keep {
+            fs::remove_file(entry.path())?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,488 @@
+//! The replicated state machine: application state applied from the Raft log, persisted in redb,
+//! with snapshots as files.
+//!
+//! Durability: `apply` commits to redb without an fsync (`Durability::None`) because everything
+//! it applies is already durable in the Raft log of a quorum and the committed log id is kept in
+//! the log store, so openraft re-applies whatever a crash lost. Snapshot installs and snapshot
+//! pointers commit with an fsync (which also flushes every earlier non-durable commit), and at
+//! open the state machine is restored from the snapshot file if it is older than the snapshot —
+//! so a purge of the log can never leave the state machine behind a hole.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Cursor;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use openraft::storage::{RaftStateMachine, Snapshot};
+use openraft::{AnyError, EntryPayload, OptionalSend, RaftSnapshotBuilder, StorageIOError, StoredMembership};
+use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::snapshot_file::{self, SnapshotFile, SNAPSHOT_FORMAT};
+use super::{StoreError, SNAPSHOT_DIR, STATE_DB_FILE};
+use crate::command::{Command, CommandResponse, COMMAND_FORMAT};
+use crate::node::ControllerNode;
+use crate::typ::{Entry, LogId, SnapshotMeta, StorageError, TypeConfig};
+
+const SETTINGS: TableDefinition<&str, &str> = TableDefinition::new("settings");
+const SM_META: TableDefinition<&str, &[u8]> = TableDefinition::new("sm_meta");
+
+const KEY_FORMAT: &str = "format";
+const KEY_LAST_APPLIED: &str = "last_applied";
+const KEY_MEMBERSHIP: &str = "last_membership";
+const KEY_RETIRED: &str = "retired_node_ids";
+const KEY_SNAPSHOT: &str = "snapshot";
+
+/// Current format of the state database.
+pub const STATE_FORMAT: u32 = 1;
+
+/// The application state every controller holds identically.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AppState {
+    /// Operator-owned cluster settings.
+    pub settings: BTreeMap<String, String>,
+    /// Node ids that were members once and were removed; they can never be reused.
+    pub retired_node_ids: BTreeSet<u64>,
+}
+
+impl AppState {
+    /// sha256 (hex) over a canonical encoding of the state; equal on every member that has
+    /// applied the same log prefix.
+    pub fn state_hash(&self) -> String {
+        // BTreeMap/BTreeSet iterate in key order, so the JSON encoding is canonical.
+        let bytes = serde_json::to_vec(self).expect("state serializes");
+        hex::encode(Sha256::digest(&bytes))
+    }
+
+    /// Applies one command. Deterministic: depends only on the state and the command.
+    pub fn apply(&mut self, command: &Command) -> CommandResponse {
+        match command {
+            Command::PutSetting { key, value } => CommandResponse {
+                previous: self.settings.insert(key.clone(), value.clone()),
+            },
+            Command::DeleteSetting { key } => CommandResponse {
+                previous: self.settings.remove(key),
+            },
+        }
+    }
+
+    /// Records the members dropped by a membership change as retired.
+    fn retire_removed(&mut self, before: &StoredMembership<u64, ControllerNode>, after: &openraft::Membership<u64, ControllerNode>) {
+        let now: BTreeSet<u64> = after.nodes().map(|(id, _)| *id).collect();
+        for (id, _) in before.membership().nodes() {
+            if !now.contains(id) {
+                self.retired_node_ids.insert(*id);
+            }
+        }
+    }
+}
+
+/// Pointer to the current snapshot, stored in the state database.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct SnapshotPointer {
+    meta: SnapshotMeta,
+    file: String,
+}
+
+struct Inner {
+    state: AppState,
+    last_applied: Option<LogId>,
+    last_membership: StoredMembership<u64, ControllerNode>,
+    snapshot: Option<SnapshotPointer>,
+}
+
+/// The state machine handed to openraft. Clones share state: the admin API keeps one to read.
+#[derive(Clone)]
+pub struct StateMachineStore {
+    inner: Arc<RwLock<Inner>>,
+    db: Arc<Database>,
+    snapshot_dir: PathBuf,
+}
+
+/// A consistent copy of what the state machine has applied.
+#[derive(Debug, Clone)]
+pub struct AppliedView {
+    pub state: AppState,
+    pub last_applied: Option<LogId>,
+    pub snapshot: Option<LogId>,
+}
+
+fn sm_err(what: &str, e: impl std::fmt::Display) -> StorageError {
+    StorageIOError::write_state_machine(AnyError::error(format!("{what}: {e}"))).into()
+}
+
+impl StateMachineStore {
+    /// Opens or creates the state database and snapshot directory under `data_dir`.
+    pub fn open(data_dir: &Path) -> Result<Self, StoreError> {
+        let path = data_dir.join(STATE_DB_FILE);
+        let snapshot_dir = data_dir.join(SNAPSHOT_DIR);
+        let corrupt = |what: &str, e: &dyn std::fmt::Display| StoreError::Corrupt {
+            path: path.clone(),
+            what: what.to_string(),
+            message: e.to_string(),
+        };
+        let db = Database::create(&path).map_err(|e| StoreError::db(format!("opening {}", path.display()), e))?;
+        let txn = db.begin_write().map_err(|e| StoreError::db("opening write txn", e))?;
+        {
+            let _ = txn.open_table(SETTINGS).map_err(|e| StoreError::db("opening settings", e))?;
+            let mut meta = txn.open_table(SM_META).map_err(|e| StoreError::db("opening sm_meta", e))?;
+            let format: Option<u32> = match meta.get(KEY_FORMAT).map_err(|e| StoreError::db("reading format", e))? {
+                Some(v) => Some(serde_json::from_slice(v.value()).map_err(|e| corrupt(KEY_FORMAT, &e))?),
+                None => None,
+            };
+            match format {
+                Some(f) if f > STATE_FORMAT => {
+                    return Err(StoreError::NewerFormat {
+                        path: path.clone(),
+                        found: f,
+                        supported: STATE_FORMAT,
+                    })
+                }
+                Some(_) => {}
+                None => {
+                    let bytes = serde_json::to_vec(&STATE_FORMAT).expect("u32 serializes");
+                    meta.insert(KEY_FORMAT, bytes.as_slice())
+                        .map_err(|e| StoreError::db("writing format", e))?;
+                }
+            }
+        }
+        txn.commit().map_err(|e| StoreError::db("committing format", e))?;
+
+        let mut inner = Inner {
+            state: AppState::default(),
+            last_applied: None,
+            last_membership: StoredMembership::default(),
+            snapshot: None,
+        };
+        {
+            let rtxn = db.begin_read().map_err(|e| StoreError::db("opening read txn", e))?;
+            let settings = rtxn.open_table(SETTINGS).map_err(|e| StoreError::db("opening settings", e))?;
+            for row in settings.iter().map_err(|e| StoreError::db("scanning settings", e))? {
+                let (k, v) = row.map_err(|e| StoreError::db("scanning settings", e))?;
+                inner.state.settings.insert(k.value().to_string(), v.value().to_string());
+            }
+            let meta = rtxn.open_table(SM_META).map_err(|e| StoreError::db("opening sm_meta", e))?;
+            let raw = |key: &str| -> Result<Option<Vec<u8>>, StoreError> {
+                Ok(meta
+                    .get(key)
+                    .map_err(|e| StoreError::db(format!("reading {key}"), e))?
+                    .map(|v| v.value().to_vec()))
+            };
+            if let Some(b) = raw(KEY_LAST_APPLIED)? {
+                inner.last_applied = serde_json::from_slice(&b).map_err(|e| corrupt(KEY_LAST_APPLIED, &e))?;
+            }
+            if let Some(b) = raw(KEY_MEMBERSHIP)? {
+                inner.last_membership = serde_json::from_slice(&b).map_err(|e| corrupt(KEY_MEMBERSHIP, &e))?;
+            }
+            if let Some(b) = raw(KEY_RETIRED)? {
+                inner.state.retired_node_ids = serde_json::from_slice(&b).map_err(|e| corrupt(KEY_RETIRED, &e))?;
+            }
+            if let Some(b) = raw(KEY_SNAPSHOT)? {
+                inner.snapshot = Some(serde_json::from_slice(&b).map_err(|e| corrupt(KEY_SNAPSHOT, &e))?);
+            }
+        }
+        snapshot_file::remove_all_but(&snapshot_dir, inner.snapshot.as_ref().map(|p| p.file.as_str()))
+            .map_err(|source| StoreError::Io {
+                what: format!("cleaning {}", snapshot_dir.display()),
+                source,
+            })?;
+
+        let store = StateMachineStore {
+            inner: Arc::new(RwLock::new(inner)),
+            db: Arc::new(db),
+            snapshot_dir,
+        };
+        store.restore_from_snapshot_if_behind()?;
+        Ok(store)
+    }
+
+    /// If a crash lost non-durable applies that the current snapshot covers, reload the state
+    /// from the snapshot file (the log before it may already be purged).
+    fn restore_from_snapshot_if_behind(&self) -> Result<(), StoreError> {
+        let (pointer, applied) = {
+            let inner = self.read();
+            (inner.snapshot.clone(), inner.last_applied)
+        };
+        let Some(pointer) = pointer else { return Ok(()) };
+        if pointer.meta.last_log_id <= applied {
+            return Ok(());
+        }
+        let path = self.snapshot_dir.join(&pointer.file);
+        let bytes = std::fs::read(&path).map_err(|source| StoreError::Io {
+            what: format!("reading snapshot {}", path.display()),
+            source,
+        })?;
+        let file = SnapshotFile::decode(&bytes).map_err(|e| StoreError::Corrupt {
+            path: path.clone(),
+            what: "snapshot".into(),
+            message: e.to_string(),
+        })?;
+        tracing::warn!(
+            snapshot = ?pointer.meta.last_log_id,
+            applied = ?applied,
+            "state machine is older than its snapshot (crash before a flush); restoring from the snapshot"
+        );
+        self.replace_state(file.state, &pointer.meta, pointer.clone())
+            .map_err(|e| StoreError::db("restoring from snapshot", e))
+    }
+
+    fn read(&self) -> RwLockReadGuard<'_, Inner> {
+        self.inner.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, Inner> {
+        self.inner.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A consistent copy of the applied state.
+    pub fn view(&self) -> AppliedView {
+        let inner = self.read();
+        AppliedView {
+            state: inner.state.clone(),
+            last_applied: inner.last_applied,
+            snapshot: inner.snapshot.as_ref().and_then(|p| p.meta.last_log_id),
+        }
+    }
+
+    /// Reads one setting and the index it was read at.
+    pub fn get_setting(&self, key: &str) -> (Option<String>, Option<LogId>) {
+        let inner = self.read();
+        (inner.state.settings.get(key).cloned(), inner.last_applied)
+    }
+
+    /// Whether `node_id` was a member once and has been removed.
+    pub fn is_retired(&self, node_id: u64) -> bool {
+        self.read().state.retired_node_ids.contains(&node_id)
+    }
+
+    /// Replaces the whole state (snapshot install or restore) durably.
+    fn replace_state(&self, state: AppState, meta: &SnapshotMeta, pointer: SnapshotPointer) -> Result<(), redb::Error> {
+        let txn = self.db.begin_write()?;
+        {
+            let mut settings = txn.open_table(SETTINGS)?;
+            settings.retain(|_, _| false)?;
+            for (k, v) in &state.settings {
+                settings.insert(k.as_str(), v.as_str())?;
+            }
+            let mut m = txn.open_table(SM_META)?;
+            m.insert(KEY_LAST_APPLIED, json(&meta.last_log_id).as_slice())?;
+            m.insert(KEY_MEMBERSHIP, json(&meta.last_membership).as_slice())?;
+            m.insert(KEY_RETIRED, json(&state.retired_node_ids).as_slice())?;
+            m.insert(KEY_SNAPSHOT, json(&pointer).as_slice())?;
+        }
+        txn.commit()?;
+        let mut inner = self.write();
+        inner.state = state;
+        inner.last_applied = meta.last_log_id;
+        inner.last_membership = meta.last_membership.clone();
+        inner.snapshot = Some(pointer);
+        Ok(())
+    }
+
+    /// Saves a snapshot file and points the state database at it (fsync'd).
+    fn save_snapshot(&self, file: &SnapshotFile, bytes: &[u8]) -> Result<SnapshotPointer, StorageError> {
+        let name = snapshot_file::file_name(&file.meta.snapshot_id);
+        snapshot_file::write_atomic(&self.snapshot_dir, &name, bytes).map_err(|e| sm_err("writing snapshot file", e))?;
+        Ok(SnapshotPointer {
+            meta: file.meta.clone(),
+            file: name,
+        })
+    }
+
+    fn commit_pointer(&self, pointer: &SnapshotPointer) -> Result<(), redb::Error> {
+        let txn = self.db.begin_write()?;
+        {
+            let mut m = txn.open_table(SM_META)?;
+            m.insert(KEY_SNAPSHOT, json(pointer).as_slice())?;
+        }
+        txn.commit()?;
+        Ok(())
+    }
+}
+
+fn json<T: Serialize>(v: &T) -> Vec<u8> {
+    serde_json::to_vec(v).expect("state machine types serialize to JSON")
+}
+
+/// Builds snapshots from a copy of the state taken when the builder is created.
+pub struct SnapshotBuilder {
+    store: StateMachineStore,
+}
+
+impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
+    async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
+        let (state, last_applied, last_membership) = {
+            let inner = self.store.read();
+            (inner.state.clone(), inner.last_applied, inner.last_membership.clone())
+        };
+        let snapshot_id = match last_applied {
+            Some(l) => format!("{}-{}-{}", l.leader_id.term, l.index, uuid::Uuid::new_v4().simple()),
+            None => format!("empty-{}", uuid::Uuid::new_v4().simple()),
+        };
+        let file = SnapshotFile {
+            format: SNAPSHOT_FORMAT,
+            meta: SnapshotMeta {
+                last_log_id: last_applied,
+                last_membership,
+                snapshot_id,
+            },
+            state,
+        };
+        let bytes = file.encode();
+        let store = self.store.clone();
+        let meta = file.meta.clone();
+        let data = bytes.clone();
+        tokio::task::spawn_blocking(move || -> Result<(), StorageError> {
+            let pointer = store.save_snapshot(&file, &bytes)?;
+            store.commit_pointer(&pointer).map_err(|e| sm_err("recording snapshot", e))?;
+            store.write().snapshot = Some(pointer.clone());
+            snapshot_file::remove_all_but(&store.snapshot_dir, Some(&pointer.file))
+                .map_err(|e| sm_err("removing old snapshots", e))?;
+            Ok(())
+        })
+        .await
+        .map_err(|e| sm_err("snapshot task", e))??;
+        Ok(Snapshot {
+            meta,
+            snapshot: Box::new(Cursor::new(data)),
+        })
+    }
+}
+
+impl RaftStateMachine<TypeConfig> for StateMachineStore {
+    type SnapshotBuilder = SnapshotBuilder;
+
+    async fn applied_state(&mut self) -> Result<(Option<LogId>, StoredMembership<u64, ControllerNode>), StorageError> {
+        let inner = self.read();
+        Ok((inner.last_applied, inner.last_membership.clone()))
+    }
+
+    async fn apply<I>(&mut self, entries: I) -> Result<Vec<CommandResponse>, StorageError>
+    where
+        I: IntoIterator<Item = Entry> + OptionalSend,
+        I::IntoIter: OptionalSend,
+    {
+        let mut replies = Vec::new();
+        // Keys touched in this batch with their final value (None = removed).
+        let mut touched: BTreeMap<String, Option<String>> = BTreeMap::new();
+        let mut membership_changed = false;
+        let (last_applied, membership, retired) = {
+            let mut inner = self.write();
+            for entry in entries {
+                match entry.payload {
+                    EntryPayload::Blank => replies.push(CommandResponse::default()),
+                    EntryPayload::Normal(env) => {
+                        if env.format > COMMAND_FORMAT {
+                            // Refuse rather than guess: a half-upgraded cluster must stop visibly.
+                            return Err(StorageIOError::apply(
+                                entry.log_id,
+                                AnyError::error(format!(
+                                    "command format {} is newer than this binary's {COMMAND_FORMAT}; upgrade laneway-control",
+                                    env.format
+                                )),
+                            )
+                            .into());
+                        }
+                        let reply = inner.state.apply(&env.command);
+                        match &env.command {
+                            Command::PutSetting { key, value } => {
+                                touched.insert(key.clone(), Some(value.clone()));
+                            }
+                            Command::DeleteSetting { key } => {
+                                touched.insert(key.clone(), None);
+                            }
+                        }
+                        replies.push(reply);
+                    }
+                    EntryPayload::Membership(m) => {
+                        let before = inner.last_membership.clone();
+                        inner.state.retire_removed(&before, &m);
+                        inner.last_membership = StoredMembership::new(Some(entry.log_id), m);
+                        membership_changed = true;
+                        replies.push(CommandResponse::default());
+                    }
+                }
+                inner.last_applied = Some(entry.log_id);
+            }
+            (
+                inner.last_applied,
+                membership_changed.then(|| inner.last_membership.clone()),
+                membership_changed.then(|| inner.state.retired_node_ids.clone()),
+            )
+        };
+        let db = self.db.clone();
+        tokio::task::spawn_blocking(move || -> Result<(), redb::Error> {
+            let mut txn = db.begin_write()?;
+            txn.set_durability(Durability::None)?;
+            {
+                let mut settings = txn.open_table(SETTINGS)?;
+                for (k, v) in &touched {
+                    match v {
+                        Some(v) => settings.insert(k.as_str(), v.as_str()).map(|_| ())?,
+                        None => settings.remove(k.as_str()).map(|_| ())?,
+                    }
+                }
+                let mut m = txn.open_table(SM_META)?;
+                m.insert(KEY_LAST_APPLIED, json(&last_applied).as_slice())?;
+                if let Some(membership) = membership {
+                    m.insert(KEY_MEMBERSHIP, json(&membership).as_slice())?;
+                }
+                if let Some(retired) = retired {
+                    m.insert(KEY_RETIRED, json(&retired).as_slice())?;
+                }
+            }
+            txn.commit()?;
+            Ok(())
+        })
+        .await
+        .map_err(|e| sm_err("apply task", e))?
+        .map_err(|e| sm_err("persisting applied state", e))?;
+        Ok(replies)
+    }
+
+    async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
+        SnapshotBuilder { store: self.clone() }
+    }
+
+    async fn begin_receiving_snapshot(&mut self) -> Result<Box<Cursor<Vec<u8>>>, StorageError> {
+        Ok(Box::new(Cursor::new(Vec::new())))
+    }
+
+    async fn install_snapshot(&mut self, meta: &SnapshotMeta, snapshot: Box<Cursor<Vec<u8>>>) -> Result<(), StorageError> {
+        let bytes = snapshot.into_inner();
+        let file = SnapshotFile::decode(&bytes).map_err(|e| sm_err("decoding received snapshot", e))?;
+        let file = SnapshotFile {
+            meta: meta.clone(),
+            ..file
+        };
+        let store = self.clone();
+        let meta = meta.clone();
+        tokio::task::spawn_blocking(move || -> Result<(), StorageError> {
+            let bytes = file.encode();
+            let pointer = store.save_snapshot(&file, &bytes)?;
+            store
+                .replace_state(file.state, &meta, pointer.clone())
+                .map_err(|e| sm_err("installing snapshot", e))?;
+            snapshot_file::remove_all_but(&store.snapshot_dir, Some(&pointer.file))
+                .map_err(|e| sm_err("removing old snapshots", e))?;
+            Ok(())
+        })
+        .await
+        .map_err(|e| sm_err("install task", e))?
+    }
+
+    async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
+        let Some(pointer) = self.read().snapshot.clone() else {
+            return Ok(None);
+        };
+        let path = self.snapshot_dir.join(&pointer.file);
+        let bytes = tokio::fs::read(&path)
+            .await
+            .map_err(|e| StorageError::from(StorageIOError::read_snapshot(None, AnyError::new(&e))))?;
+        Ok(Some(Snapshot {
+            meta: pointer.meta,
+            snapshot: Box::new(Cursor::new(bytes)),
+        }))
+    }
+}

@@ -1,0 +1,6 @@
+//! Integration tests of the controller crate (one test binary, see PRACTICES §14).
+
+mod cluster;
+mod harness;
+mod power_loss;
+mod store_suite;

@@ -1,0 +1,12 @@
+//! Generates the gRPC code from `proto/*.proto` with `protox` (a pure-Rust protobuf compiler), so
+//! a fresh machine needs no system `protoc`.
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let files = ["proto/raft.proto", "proto/admin.proto"];
+    for f in files {
+        println!("cargo:rerun-if-changed={f}");
+    }
+    let fds = protox::compile(files, ["proto"])?;
+    tonic_prost_build::configure().compile_fds(fds)?;
+    Ok(())
+}
