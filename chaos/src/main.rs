@@ -1,0 +1,48 @@
+//! `laneway-chaos`: fault-injection harness and benchmarks for Laneway.
+//!
+//! Benchmarks print one JSON object per line per figure (`{"bench": …}`), and compare against a
+//! baseline measured in the same run, because the machines they run on are shared and noisy.
+
+mod bench;
+mod process_cluster;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "laneway-chaos", version, about = "Laneway fault injection and benchmarks")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Raft write throughput/latency on a 3-process cluster, and leader failover time.
+    Bench(bench::BenchArgs),
+}
+
+/// Default path of a sibling binary (the one Cargo built next to this one).
+pub fn sibling_bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    exe.with_file_name(name)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
+    let res = rt.block_on(async {
+        match cli.command {
+            Cmd::Bench(args) => bench::run(args).await,
+        }
+    });
+    match res {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("laneway-chaos: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}

@@ -107,10 +107,13 @@ impl AdminClient {
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
         let client = AdminServiceClient::new(self.channel(addr)?);
-        f(client).await.map(|r| r.into_inner()).map_err(|status| ClientError::Status {
-            addr: addr.to_string(),
-            status,
-        })
+        f(client)
+            .await
+            .map(|r| r.into_inner())
+            .map_err(|status| ClientError::Status {
+                addr: addr.to_string(),
+                status,
+            })
     }
 
     /// Calls the cluster: follows leader redirects, and retries other controllers while none
@@ -165,7 +168,7 @@ impl AdminClient {
                 });
             }
             next += 1;
-            if next % order.len() == 0 {
+            if next.is_multiple_of(order.len()) {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
             target = order[next % order.len()].clone();

@@ -102,7 +102,10 @@ mod tests {
     fn validation_names_the_problem() {
         let long = "k".repeat(MAX_SETTING_KEY_BYTES + 1);
         let cases = [
-            (Command::DeleteSetting { key: String::new() }, Some(CommandError::EmptyKey)),
+            (
+                Command::DeleteSetting { key: String::new() },
+                Some(CommandError::EmptyKey),
+            ),
             (
                 Command::DeleteSetting { key: long.clone() },
                 Some(CommandError::KeyTooLong { len: long.len() }),

@@ -55,13 +55,13 @@ pub struct RunArgs {
     /// Directory for the Raft log, state and snapshots.
     #[arg(long, env = "LANEWAY_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
-    /// Leader heartbeat interval in ms. Default 100.
+    /// Leader heartbeat interval in ms. Default 50.
     #[arg(long, env = "LANEWAY_RAFT_HEARTBEAT_MS")]
     pub heartbeat_ms: Option<u64>,
-    /// Lower bound of the randomized election timeout in ms. Default 400.
+    /// Lower bound of the randomized election timeout in ms. Default 250.
     #[arg(long, env = "LANEWAY_RAFT_ELECTION_TIMEOUT_MIN_MS")]
     pub election_timeout_min_ms: Option<u64>,
-    /// Upper bound (exclusive) of the election timeout in ms. Default 700.
+    /// Upper bound (exclusive) of the election timeout in ms. Default 400.
     #[arg(long, env = "LANEWAY_RAFT_ELECTION_TIMEOUT_MAX_MS")]
     pub election_timeout_max_ms: Option<u64>,
     /// Take a snapshot after this many applied entries since the last one. Default 10000.
@@ -72,10 +72,12 @@ pub struct RunArgs {
 /// Raft timing and compaction settings, validated.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RaftSettings {
-    /// Leader heartbeat interval, ms. Default 100.
+    /// Leader heartbeat interval, ms. Default 50.
     pub heartbeat_ms: u64,
-    /// Election timeout range `[min, max)`, ms. Defaults 400 and 700: a dead leader is replaced
-    /// in well under a second, while three heartbeats fit in the shortest timeout.
+    /// Election timeout range `[min, max)`, ms. Defaults 250 and 400. openraft makes a follower
+    /// that knew a leader wait `max` (the leader lease) plus a random timeout in `[min, max)`
+    /// before campaigning, so a dead leader is replaced after 650–800 ms, under the 1 s target,
+    /// while five heartbeats still fit in the shortest timeout.
     pub election_timeout_min_ms: u64,
     pub election_timeout_max_ms: u64,
     /// Snapshot after this many entries since the last snapshot. Default 10000.
@@ -87,9 +89,9 @@ pub struct RaftSettings {
 impl Default for RaftSettings {
     fn default() -> Self {
         RaftSettings {
-            heartbeat_ms: 100,
-            election_timeout_min_ms: 400,
-            election_timeout_max_ms: 700,
+            heartbeat_ms: 50,
+            election_timeout_min_ms: 250,
+            election_timeout_max_ms: 400,
             snapshot_logs: 10_000,
             keep_logs: 1_000,
         }
@@ -129,8 +131,13 @@ fn bad(field: &'static str, value: impl std::fmt::Debug, expected: impl Into<Str
 
 /// Reads and parses a TOML config file.
 pub fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| bad("config", path.display().to_string(), format!("cannot read the file: {e}")))?;
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        bad(
+            "config",
+            path.display().to_string(),
+            format!("cannot read the file: {e}"),
+        )
+    })?;
     toml::from_str(&text).map_err(|e| {
         bad(
             "config",
@@ -144,7 +151,9 @@ pub fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
 pub fn validate_cluster_name(name: &str) -> Result<(), ConfigError> {
     let ok = !name.is_empty()
         && name.len() <= 63
-        && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
     if ok {
         Ok(())
     } else {
@@ -170,10 +179,13 @@ impl RunArgs {
             Some(p) => read_file(p)?,
             None => FileConfig::default(),
         };
-        let node_id = self
-            .node_id
-            .or(file.node_id)
-            .ok_or_else(|| bad("node_id", "<unset>", "a node id > 0 (flag --node-id, env LANEWAY_NODE_ID or `node_id` in the file)"))?;
+        let node_id = self.node_id.or(file.node_id).ok_or_else(|| {
+            bad(
+                "node_id",
+                "<unset>",
+                "a node id > 0 (flag --node-id, env LANEWAY_NODE_ID or `node_id` in the file)",
+            )
+        })?;
         if node_id == 0 {
             return Err(bad("node_id", node_id, "a node id > 0"));
         }
@@ -203,14 +215,19 @@ impl RunArgs {
             }
             None => {}
         }
-        let data_dir = self
-            .data_dir
-            .clone()
-            .or(file.data_dir)
-            .ok_or_else(|| bad("data_dir", "<unset>", "a directory for this controller's data (flag --data-dir)"))?;
+        let data_dir = self.data_dir.clone().or(file.data_dir).ok_or_else(|| {
+            bad(
+                "data_dir",
+                "<unset>",
+                "a directory for this controller's data (flag --data-dir)",
+            )
+        })?;
         let defaults = RaftSettings::default();
         let raft = RaftSettings {
-            heartbeat_ms: self.heartbeat_ms.or(file.raft.heartbeat_ms).unwrap_or(defaults.heartbeat_ms),
+            heartbeat_ms: self
+                .heartbeat_ms
+                .or(file.raft.heartbeat_ms)
+                .unwrap_or(defaults.heartbeat_ms),
             election_timeout_min_ms: self
                 .election_timeout_min_ms
                 .or(file.raft.election_timeout_min_ms)
@@ -219,13 +236,20 @@ impl RunArgs {
                 .election_timeout_max_ms
                 .or(file.raft.election_timeout_max_ms)
                 .unwrap_or(defaults.election_timeout_max_ms),
-            snapshot_logs: self.snapshot_logs.or(file.raft.snapshot_logs).unwrap_or(defaults.snapshot_logs),
+            snapshot_logs: self
+                .snapshot_logs
+                .or(file.raft.snapshot_logs)
+                .unwrap_or(defaults.snapshot_logs),
             keep_logs: file.raft.keep_logs.unwrap_or(defaults.keep_logs),
         };
         validate_raft(&raft)?;
         let max_admin_request_bytes = file.max_admin_request_bytes.unwrap_or(1024 * 1024);
         if !(4096..=64 * 1024 * 1024).contains(&max_admin_request_bytes) {
-            return Err(bad("max_admin_request_bytes", max_admin_request_bytes, "between 4096 and 67108864"));
+            return Err(bad(
+                "max_admin_request_bytes",
+                max_admin_request_bytes,
+                "between 4096 and 67108864",
+            ));
         }
         Ok(ControllerConfig {
             node_id,
@@ -254,7 +278,10 @@ fn validate_raft(r: &RaftSettings) -> Result<(), ConfigError> {
         return Err(bad(
             "raft.election_timeout_max_ms",
             r.election_timeout_max_ms,
-            format!("greater than raft.election_timeout_min_ms ({} ms)", r.election_timeout_min_ms),
+            format!(
+                "greater than raft.election_timeout_min_ms ({} ms)",
+                r.election_timeout_min_ms
+            ),
         ));
     }
     if r.snapshot_logs < 100 {
@@ -286,13 +313,55 @@ mod tests {
     #[test]
     fn errors_name_field_value_and_expectation() {
         let cases: Vec<(RunArgs, &str)> = vec![
-            (RunArgs { node_id: Some(0), ..args() }, "node_id"),
-            (RunArgs { node_id: None, ..args() }, "node_id"),
-            (RunArgs { cluster_name: Some("Prod EU".into()), ..args() }, "cluster_name"),
-            (RunArgs { listen: Some("nowhere".into()), ..args() }, "listen"),
-            (RunArgs { listen: Some("0.0.0.0:7001".into()), ..args() }, "advertise"),
-            (RunArgs { advertise: Some("host".into()), ..args() }, "advertise"),
-            (RunArgs { heartbeat_ms: Some(200), ..args() }, "raft.election_timeout_min_ms"),
+            (
+                RunArgs {
+                    node_id: Some(0),
+                    ..args()
+                },
+                "node_id",
+            ),
+            (
+                RunArgs {
+                    node_id: None,
+                    ..args()
+                },
+                "node_id",
+            ),
+            (
+                RunArgs {
+                    cluster_name: Some("Prod EU".into()),
+                    ..args()
+                },
+                "cluster_name",
+            ),
+            (
+                RunArgs {
+                    listen: Some("nowhere".into()),
+                    ..args()
+                },
+                "listen",
+            ),
+            (
+                RunArgs {
+                    listen: Some("0.0.0.0:7001".into()),
+                    ..args()
+                },
+                "advertise",
+            ),
+            (
+                RunArgs {
+                    advertise: Some("host".into()),
+                    ..args()
+                },
+                "advertise",
+            ),
+            (
+                RunArgs {
+                    heartbeat_ms: Some(200),
+                    ..args()
+                },
+                "raft.election_timeout_min_ms",
+            ),
             (
                 RunArgs {
                     election_timeout_max_ms: Some(300),
@@ -300,7 +369,13 @@ mod tests {
                 },
                 "raft.election_timeout_max_ms",
             ),
-            (RunArgs { data_dir: None, ..args() }, "data_dir"),
+            (
+                RunArgs {
+                    data_dir: None,
+                    ..args()
+                },
+                "data_dir",
+            ),
         ];
         for (a, field) in cases {
             let e = a.resolve().unwrap_err();

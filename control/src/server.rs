@@ -63,10 +63,14 @@ pub struct Controller {
 
 /// Opens the data dir, starts Raft and serves the Raft and admin gRPC services.
 pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
-    let listener = TcpListener::bind(cfg.listen)
-        .await
-        .map_err(|source| StartError::Bind { addr: cfg.listen, source })?;
-    let addr = listener.local_addr().map_err(|source| StartError::Bind { addr: cfg.listen, source })?;
+    let listener = TcpListener::bind(cfg.listen).await.map_err(|source| StartError::Bind {
+        addr: cfg.listen,
+        source,
+    })?;
+    let addr = listener.local_addr().map_err(|source| StartError::Bind {
+        addr: cfg.listen,
+        source,
+    })?;
     let advertise = cfg.advertise.clone().unwrap_or_else(|| addr.to_string());
 
     let identity = Identity {

@@ -37,7 +37,14 @@ pub struct AdminGrpc {
 }
 
 impl AdminGrpc {
-    pub fn new(raft: Raft, node_id: NodeId, cluster: String, advertise: String, log: LogStore, sm: StateMachineStore) -> Self {
+    pub fn new(
+        raft: Raft,
+        node_id: NodeId,
+        cluster: String,
+        advertise: String,
+        log: LogStore,
+        sm: StateMachineStore,
+    ) -> Self {
         AdminGrpc {
             raft,
             node_id,
@@ -259,7 +266,9 @@ impl AdminService for AdminGrpc {
 
     async fn delete_setting(&self, req: Request<DeleteSettingRequest>) -> Result<Response<WriteReply>, Status> {
         let req = req.into_inner();
-        Ok(Response::new(self.write(Command::DeleteSetting { key: req.key }).await?))
+        Ok(Response::new(
+            self.write(Command::DeleteSetting { key: req.key }).await?,
+        ))
     }
 
     async fn get_setting(&self, req: Request<GetSettingRequest>) -> Result<Response<GetSettingReply>, Status> {
@@ -299,9 +308,12 @@ impl AdminService for AdminGrpc {
                 }
             }
         };
-        let snapshot_index = tokio::time::timeout(SNAPSHOT_TIMEOUT, wait)
-            .await
-            .map_err(|_| AdminError::DeadlineExceeded(format!("snapshot did not complete within {}s", SNAPSHOT_TIMEOUT.as_secs())))?;
+        let snapshot_index = tokio::time::timeout(SNAPSHOT_TIMEOUT, wait).await.map_err(|_| {
+            AdminError::DeadlineExceeded(format!(
+                "snapshot did not complete within {}s",
+                SNAPSHOT_TIMEOUT.as_secs()
+            ))
+        })?;
         let mut purged_index = m.purged.map_or(0, |l| l.index);
         if purge && snapshot_index > 0 {
             self.raft

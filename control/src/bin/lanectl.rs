@@ -15,7 +15,13 @@ use serde_json::json;
 #[command(name = "lanectl", version, about = "Operate a Laneway cluster")]
 struct Cli {
     /// Controller address(es), `host:port`, comma-separated; any member works.
-    #[arg(long, env = "LANECTL_ADDR", default_value = "127.0.0.1:7001", value_delimiter = ',', global = true)]
+    #[arg(
+        long,
+        env = "LANECTL_ADDR",
+        default_value = "127.0.0.1:7001",
+        value_delimiter = ',',
+        global = true
+    )]
     addr: Vec<String>,
     /// Output format.
     #[arg(short, long, value_enum, default_value_t = Output::Table, global = true)]
@@ -80,7 +86,10 @@ enum SettingsCmd {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
     match rt.block_on(run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -95,9 +104,14 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let out = cli.output;
     match cli.command {
         Cmd::Cluster(ClusterCmd::Init) => {
-            let r = client.call_one(&cli.addr[0], |mut c| async move { c.init(InitRequest {}).await }).await?;
+            let r = client
+                .call_one(&cli.addr[0], |mut c| async move { c.init(InitRequest {}).await })
+                .await?;
             print(out, json!({"node_id": r.node_id, "cluster": r.cluster}), || {
-                format!("initialized cluster {:?} with node {} as its first voter", r.cluster, r.node_id)
+                format!(
+                    "initialized cluster {:?} with node {} as its first voter",
+                    r.cluster, r.node_id
+                )
             });
         }
         Cmd::Cluster(ClusterCmd::Status) => status(&client, out).await?,
@@ -114,20 +128,33 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             print_membership(out, &r, &format!("node {node_id} added as a learner"));
         }
         Cmd::Cluster(ClusterCmd::Promote { node_id }) => {
-            let r = client.call(|mut c| async move { c.promote(PromoteRequest { node_id }).await }).await?;
+            let r = client
+                .call(|mut c| async move { c.promote(PromoteRequest { node_id }).await })
+                .await?;
             print_membership(out, &r, &format!("node {node_id} is now a voter"));
         }
         Cmd::Cluster(ClusterCmd::Remove { node_id }) => {
-            let r = client.call(|mut c| async move { c.remove(RemoveRequest { node_id }).await }).await?;
+            let r = client
+                .call(|mut c| async move { c.remove(RemoveRequest { node_id }).await })
+                .await?;
             print_membership(out, &r, &format!("node {node_id} removed; its id is retired"));
         }
         Cmd::Cluster(ClusterCmd::Snapshot { no_purge }) => {
             let r = client
-                .call_one(&cli.addr[0], |mut c| async move { c.snapshot(SnapshotRequest { purge: !no_purge }).await })
+                .call_one(&cli.addr[0], |mut c| async move {
+                    c.snapshot(SnapshotRequest { purge: !no_purge }).await
+                })
                 .await?;
-            print(out, json!({"snapshot_index": r.snapshot_index, "purged_index": r.purged_index}), || {
-                format!("snapshot at index {}, log purged up to {}", r.snapshot_index, r.purged_index)
-            });
+            print(
+                out,
+                json!({"snapshot_index": r.snapshot_index, "purged_index": r.purged_index}),
+                || {
+                    format!(
+                        "snapshot at index {}, log purged up to {}",
+                        r.snapshot_index, r.purged_index
+                    )
+                },
+            );
         }
         Cmd::Settings(SettingsCmd::Get { key, linearizable }) => {
             let r = client
@@ -136,10 +163,14 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     async move { c.get_setting(GetSettingRequest { key, linearizable }).await }
                 })
                 .await?;
-            print(out, json!({"key": key, "value": r.value, "applied_index": r.applied_index}), || match &r.value {
-                Some(v) => v.clone(),
-                None => format!("(not set: {key})"),
-            });
+            print(
+                out,
+                json!({"key": key, "value": r.value, "applied_index": r.applied_index}),
+                || match &r.value {
+                    Some(v) => v.clone(),
+                    None => format!("(not set: {key})"),
+                },
+            );
         }
         Cmd::Settings(SettingsCmd::Set { key, value }) => {
             let r = client
@@ -191,7 +222,9 @@ fn print_membership(out: Output, r: &MembershipReply, msg: &str) {
 
 /// Asks any member for the membership, then every member for its own view.
 async fn status(client: &AdminClient, out: Output) -> anyhow::Result<()> {
-    let first: NodeStatus = client.call(|mut c| async move { c.status(StatusRequest {}).await }).await?;
+    let first: NodeStatus = client
+        .call(|mut c| async move { c.status(StatusRequest {}).await })
+        .await?;
     let mut rows = Vec::new();
     for m in &first.members {
         let s = client
@@ -220,7 +253,16 @@ async fn status(client: &AdminClient, out: Output) -> anyhow::Result<()> {
             println!("{}", serde_json::to_string_pretty(&v)?);
         }
         Output::Table => {
-            println!("cluster {:?}  leader {}  term {}", first.cluster, if leader == 0 { "none".to_string() } else { leader.to_string() }, first.term);
+            println!(
+                "cluster {:?}  leader {}  term {}",
+                first.cluster,
+                if leader == 0 {
+                    "none".to_string()
+                } else {
+                    leader.to_string()
+                },
+                first.term
+            );
             println!(
                 "{:>4}  {:<21} {:<8} {:<12} {:>5} {:>9} {:>9} {:>9} {:>9}  STATE HASH",
                 "ID", "ADDR", "ROLE", "STATE", "TERM", "LAST LOG", "COMMITTED", "APPLIED", "SNAPSHOT"

@@ -8,7 +8,11 @@ use laneway_control::dev::{self, DevArgs, DevError};
 use laneway_control::server;
 
 #[derive(Parser)]
-#[command(name = "laneway-control", version, about = "Laneway controller: the Raft-replicated control plane of a GPU inference fleet")]
+#[command(
+    name = "laneway-control",
+    version,
+    about = "Laneway controller: the Raft-replicated control plane of a GPU inference fleet"
+)]
 struct Cli {
     /// Log filter (tracing EnvFilter syntax), e.g. `info,openraft=warn`.
     #[arg(long, env = "LANEWAY_LOG", default_value = "info,openraft=warn", global = true)]
@@ -61,7 +65,10 @@ fn main() -> ExitCode {
                         return ExitCode::from(e.exit_code() as u8);
                     }
                 };
-                println!("laneway-control: node listening on {} (advertised as {})", controller.addr, controller.advertise);
+                println!(
+                    "laneway-control: node listening on {} (advertised as {})",
+                    controller.addr, controller.advertise
+                );
                 tokio::select! {
                     res = controller.serve_until_stopped() => {
                         if let Err(e) = res {

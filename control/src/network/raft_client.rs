@@ -30,7 +30,9 @@ pub struct NetworkFactory {
 
 impl NetworkFactory {
     pub fn new(cluster: impl Into<String>) -> Self {
-        NetworkFactory { cluster: cluster.into() }
+        NetworkFactory {
+            cluster: cluster.into(),
+        }
     }
 }
 
@@ -40,10 +42,7 @@ impl RaftNetworkFactory<TypeConfig> for NetworkFactory {
     async fn new_client(&mut self, target: NodeId, node: &ControllerNode) -> PeerClient {
         let client = Endpoint::from_shared(format!("http://{}", node.addr))
             .map(|ep| {
-                let channel = ep
-                    .connect_timeout(CONNECT_TIMEOUT)
-                    .tcp_nodelay(true)
-                    .connect_lazy();
+                let channel = ep.connect_timeout(CONNECT_TIMEOUT).tcp_nodelay(true).connect_lazy();
                 RaftServiceClient::new(channel)
                     .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
                     .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES)
@@ -83,7 +82,11 @@ impl PeerClient {
     {
         let client = match &mut self.client {
             Ok(c) => c,
-            Err(msg) => return Err(RPCError::Unreachable(Unreachable::new(&std::io::Error::other(msg.clone())))),
+            Err(msg) => {
+                return Err(RPCError::Unreachable(Unreachable::new(&std::io::Error::other(
+                    msg.clone(),
+                ))))
+            }
         };
         let payload = serde_json::to_vec(req).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
         let mut request = tonic::Request::new(RaftRequest {

@@ -17,11 +17,7 @@ pub enum StoreError {
         "data in {path} is format {found}, but this laneway-control understands formats up to \
          {supported}; run a newer laneway-control on it (downgrades are not supported)"
     )]
-    NewerFormat {
-        path: PathBuf,
-        found: u32,
-        supported: u32,
-    },
+    NewerFormat { path: PathBuf, found: u32, supported: u32 },
     #[error(
         "data dir {path} belongs to node {found} of cluster {found_cluster:?}, but this controller \
          is configured as node {expected} of cluster {expected_cluster:?}; point --data-dir at \

@@ -53,10 +53,24 @@ struct Cached {
 
 /// One durable operation for the writer thread.
 enum Op {
-    Append { rows: Vec<(u64, Vec<u8>)>, done: Durable },
-    Truncate { since: u64, done: Durable },
-    Purge { upto: u64, last_purged: Vec<u8>, done: Durable },
-    PutMeta { key: &'static str, value: Vec<u8>, done: Durable },
+    Append {
+        rows: Vec<(u64, Vec<u8>)>,
+        done: Durable,
+    },
+    Truncate {
+        since: u64,
+        done: Durable,
+    },
+    Purge {
+        upto: u64,
+        last_purged: Vec<u8>,
+        done: Durable,
+    },
+    PutMeta {
+        key: &'static str,
+        value: Vec<u8>,
+        done: Durable,
+    },
 }
 
 /// The durable Raft log of one controller.
@@ -90,8 +104,12 @@ impl LogDb {
         // Make sure both tables exist so read transactions can open them.
         let txn = db.begin_write().map_err(|e| StoreError::db("opening write txn", e))?;
         let stored_header: Option<DataHeader> = {
-            let _ = txn.open_table(LOG).map_err(|e| StoreError::db("opening log table", e))?;
-            let meta = txn.open_table(META).map_err(|e| StoreError::db("opening meta table", e))?;
+            let _ = txn
+                .open_table(LOG)
+                .map_err(|e| StoreError::db("opening log table", e))?;
+            let meta = txn
+                .open_table(META)
+                .map_err(|e| StoreError::db("opening meta table", e))?;
             let raw = meta.get(KEY_HEADER).map_err(|e| StoreError::db("reading header", e))?;
             match raw {
                 Some(v) => Some(serde_json::from_slice(v.value()).map_err(|e| corrupt(KEY_HEADER, e))?),
@@ -100,7 +118,9 @@ impl LogDb {
         };
         let header = header::check(path, stored_header.clone(), identity)?;
         if stored_header.as_ref() != Some(&header) {
-            let mut meta = txn.open_table(META).map_err(|e| StoreError::db("opening meta table", e))?;
+            let mut meta = txn
+                .open_table(META)
+                .map_err(|e| StoreError::db("opening meta table", e))?;
             let bytes = serde_json::to_vec(&header).expect("header serializes");
             meta.insert(KEY_HEADER, bytes.as_slice())
                 .map_err(|e| StoreError::db("writing header", e))?;
@@ -110,7 +130,9 @@ impl LogDb {
         let mut cached = Cached::default();
         {
             let rtxn = db.begin_read().map_err(|e| StoreError::db("opening read txn", e))?;
-            let meta = rtxn.open_table(META).map_err(|e| StoreError::db("opening meta table", e))?;
+            let meta = rtxn
+                .open_table(META)
+                .map_err(|e| StoreError::db("opening meta table", e))?;
             let get = |key: &str| -> Result<Option<Vec<u8>>, StoreError> {
                 Ok(meta
                     .get(key)
@@ -123,7 +145,9 @@ impl LogDb {
             cached.vote = decode(get(KEY_VOTE)?).map_err(|e| corrupt(KEY_VOTE, e))?;
             cached.committed = decode(get(KEY_COMMITTED)?).map_err(|e| corrupt(KEY_COMMITTED, e))?;
             cached.last_purged = decode(get(KEY_PURGED)?).map_err(|e| corrupt(KEY_PURGED, e))?;
-            let log = rtxn.open_table(LOG).map_err(|e| StoreError::db("opening log table", e))?;
+            let log = rtxn
+                .open_table(LOG)
+                .map_err(|e| StoreError::db("opening log table", e))?;
             for row in log.iter().map_err(|e| StoreError::db("scanning log", e))? {
                 let (k, v) = row.map_err(|e| StoreError::db("scanning log", e))?;
                 let entry: Entry =
@@ -209,16 +233,25 @@ impl LogDb {
         .await
     }
 
-    /// Stores the committed log id; returns once it is synced.
-    pub async fn save_committed(&self, committed: Option<LogId>) -> Result<(), StoreError> {
+    /// Stores the committed log id without waiting for the sync.
+    ///
+    /// openraft awaits this inline on its core loop each time the commit index moves, so waiting
+    /// for an fsync here would serialize every commit behind a disk flush. It is queued behind
+    /// every earlier append (one FIFO), so it never points past durable entries, and it becomes
+    /// durable with the next group commit. Losing the newest value in a crash only means a
+    /// restarted node re-applies a little less before hearing the commit index from the leader.
+    pub fn save_committed(&self, committed: Option<LogId>) -> Result<(), StoreError> {
         self.cache().committed = committed;
         let value = encode(&committed);
-        self.wait(|done| Op::PutMeta {
+        self.send(Op::PutMeta {
             key: KEY_COMMITTED,
             value,
-            done,
+            done: Box::new(|res| {
+                if let Err(e) = res {
+                    tracing::warn!(error = %e, "saving the committed log id failed");
+                }
+            }),
         })
-        .await
     }
 
     async fn wait(&self, op: impl FnOnce(Durable) -> Op) -> Result<(), StoreError> {
@@ -289,7 +322,10 @@ fn writer_loop(db: Database, rx: mpsc::Receiver<Op>) {
         }
         for op in batch {
             let done = match op {
-                Op::Append { done, .. } | Op::Truncate { done, .. } | Op::Purge { done, .. } | Op::PutMeta { done, .. } => done,
+                Op::Append { done, .. }
+                | Op::Truncate { done, .. }
+                | Op::Purge { done, .. }
+                | Op::PutMeta { done, .. } => done,
             };
             done(result.clone().map_err(io::Error::other));
         }

@@ -71,7 +71,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     }
 
     async fn save_committed(&mut self, committed: Option<LogId>) -> Result<(), StorageError> {
-        self.db.save_committed(committed).await.map_err(write_err)
+        self.db.save_committed(committed).map_err(write_err)
     }
 
     async fn read_committed(&mut self) -> Result<Option<LogId>, StorageError> {

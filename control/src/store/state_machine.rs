@@ -68,7 +68,11 @@ impl AppState {
     }
 
     /// Records the members dropped by a membership change as retired.
-    fn retire_removed(&mut self, before: &StoredMembership<u64, ControllerNode>, after: &openraft::Membership<u64, ControllerNode>) {
+    fn retire_removed(
+        &mut self,
+        before: &StoredMembership<u64, ControllerNode>,
+        after: &openraft::Membership<u64, ControllerNode>,
+    ) {
         let now: BTreeSet<u64> = after.nodes().map(|(id, _)| *id).collect();
         for (id, _) in before.membership().nodes() {
             if !now.contains(id) {
@@ -125,8 +129,12 @@ impl StateMachineStore {
         let db = Database::create(&path).map_err(|e| StoreError::db(format!("opening {}", path.display()), e))?;
         let txn = db.begin_write().map_err(|e| StoreError::db("opening write txn", e))?;
         {
-            let _ = txn.open_table(SETTINGS).map_err(|e| StoreError::db("opening settings", e))?;
-            let mut meta = txn.open_table(SM_META).map_err(|e| StoreError::db("opening sm_meta", e))?;
+            let _ = txn
+                .open_table(SETTINGS)
+                .map_err(|e| StoreError::db("opening settings", e))?;
+            let mut meta = txn
+                .open_table(SM_META)
+                .map_err(|e| StoreError::db("opening sm_meta", e))?;
             let format: Option<u32> = match meta.get(KEY_FORMAT).map_err(|e| StoreError::db("reading format", e))? {
                 Some(v) => Some(serde_json::from_slice(v.value()).map_err(|e| corrupt(KEY_FORMAT, &e))?),
                 None => None,
@@ -157,12 +165,19 @@ impl StateMachineStore {
         };
         {
             let rtxn = db.begin_read().map_err(|e| StoreError::db("opening read txn", e))?;
-            let settings = rtxn.open_table(SETTINGS).map_err(|e| StoreError::db("opening settings", e))?;
+            let settings = rtxn
+                .open_table(SETTINGS)
+                .map_err(|e| StoreError::db("opening settings", e))?;
             for row in settings.iter().map_err(|e| StoreError::db("scanning settings", e))? {
                 let (k, v) = row.map_err(|e| StoreError::db("scanning settings", e))?;
-                inner.state.settings.insert(k.value().to_string(), v.value().to_string());
+                inner
+                    .state
+                    .settings
+                    .insert(k.value().to_string(), v.value().to_string());
             }
-            let meta = rtxn.open_table(SM_META).map_err(|e| StoreError::db("opening sm_meta", e))?;
+            let meta = rtxn
+                .open_table(SM_META)
+                .map_err(|e| StoreError::db("opening sm_meta", e))?;
             let raw = |key: &str| -> Result<Option<Vec<u8>>, StoreError> {
                 Ok(meta
                     .get(key)
@@ -182,11 +197,12 @@ impl StateMachineStore {
                 inner.snapshot = Some(serde_json::from_slice(&b).map_err(|e| corrupt(KEY_SNAPSHOT, &e))?);
             }
         }
-        snapshot_file::remove_all_but(&snapshot_dir, inner.snapshot.as_ref().map(|p| p.file.as_str()))
-            .map_err(|source| StoreError::Io {
+        snapshot_file::remove_all_but(&snapshot_dir, inner.snapshot.as_ref().map(|p| p.file.as_str())).map_err(
+            |source| StoreError::Io {
                 what: format!("cleaning {}", snapshot_dir.display()),
                 source,
-            })?;
+            },
+        )?;
 
         let store = StateMachineStore {
             inner: Arc::new(RwLock::new(inner)),
@@ -283,7 +299,8 @@ impl StateMachineStore {
     /// Saves a snapshot file and points the state database at it (fsync'd).
     fn save_snapshot(&self, file: &SnapshotFile, bytes: &[u8]) -> Result<SnapshotPointer, StorageError> {
         let name = snapshot_file::file_name(&file.meta.snapshot_id);
-        snapshot_file::write_atomic(&self.snapshot_dir, &name, bytes).map_err(|e| sm_err("writing snapshot file", e))?;
+        snapshot_file::write_atomic(&self.snapshot_dir, &name, bytes)
+            .map_err(|e| sm_err("writing snapshot file", e))?;
         Ok(SnapshotPointer {
             meta: file.meta.clone(),
             file: name,
@@ -335,7 +352,9 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
         let data = bytes.clone();
         tokio::task::spawn_blocking(move || -> Result<(), StorageError> {
             let pointer = store.save_snapshot(&file, &bytes)?;
-            store.commit_pointer(&pointer).map_err(|e| sm_err("recording snapshot", e))?;
+            store
+                .commit_pointer(&pointer)
+                .map_err(|e| sm_err("recording snapshot", e))?;
             store.write().snapshot = Some(pointer.clone());
             snapshot_file::remove_all_but(&store.snapshot_dir, Some(&pointer.file))
                 .map_err(|e| sm_err("removing old snapshots", e))?;
@@ -449,7 +468,11 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         Ok(Box::new(Cursor::new(Vec::new())))
     }
 
-    async fn install_snapshot(&mut self, meta: &SnapshotMeta, snapshot: Box<Cursor<Vec<u8>>>) -> Result<(), StorageError> {
+    async fn install_snapshot(
+        &mut self,
+        meta: &SnapshotMeta,
+        snapshot: Box<Cursor<Vec<u8>>>,
+    ) -> Result<(), StorageError> {
         let bytes = snapshot.into_inner();
         let file = SnapshotFile::decode(&bytes).map_err(|e| sm_err("decoding received snapshot", e))?;
         let file = SnapshotFile {

@@ -1,0 +1,256 @@
+//! A real three-process cluster: membership, writes through any node, leader kill, catch-up,
+//! snapshot install, node-id retirement, bad input and refused data dirs.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use laneway_control::client::AdminClient;
+use laneway_proto::admin::{
+    AddLearnerRequest, GetSettingRequest, InitRequest, PromoteRequest, PutSettingRequest, RemoveRequest,
+    SnapshotRequest,
+};
+use tonic::Code;
+
+use super::harness::{lanectl_bin, status, wait_for, Node};
+
+async fn put(client: &AdminClient, key: &str, value: &str) -> Result<u64, laneway_control::client::ClientError> {
+    let (key, value) = (key.to_string(), value.to_string());
+    client
+        .call(|mut c| {
+            let (key, value) = (key.clone(), value.clone());
+            async move { c.put_setting(PutSettingRequest { key, value }).await }
+        })
+        .await
+        .map(|r| r.log_index)
+}
+
+async fn add(client: &AdminClient, node: &Node) -> Result<(), laneway_control::client::ClientError> {
+    let (node_id, addr) = (node.id, node.addr.clone());
+    client
+        .call(|mut c| {
+            let addr = addr.clone();
+            async move { c.add_learner(AddLearnerRequest { node_id, addr }).await }
+        })
+        .await
+        .map(|_| ())
+}
+
+/// Waits until every running node in `nodes` has applied the same index with the same hash.
+async fn converged(nodes: &[&Node]) -> (u64, String) {
+    wait_for("all nodes to apply the same state", Duration::from_secs(20), || async {
+        let mut seen = BTreeSet::new();
+        for n in nodes {
+            let s = status(n).await?;
+            seen.insert((s.applied_index, s.state_hash));
+        }
+        (seen.len() == 1).then(|| seen.into_iter().next().unwrap())
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_process_cluster_survives_leader_kill_and_catches_up() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes: Vec<Node> = (1..=3).map(|id| Node::new(root.path(), id)).collect();
+    for n in &mut nodes {
+        n.start();
+    }
+
+    // Form the cluster: init on node 1, then add and promote through node 3 (a redirect).
+    let c1 = nodes[0].client();
+    wait_for("node 1 to answer", Duration::from_secs(10), || async {
+        status(&nodes[0]).await
+    })
+    .await;
+    c1.call_one(&nodes[0].addr, |mut c| async move { c.init(InitRequest {}).await })
+        .await
+        .expect("init");
+    let via3 = AdminClient::new(vec![nodes[2].addr.clone(), nodes[0].addr.clone()]);
+    add(&via3, &nodes[1]).await.expect("add node 2");
+    add(&via3, &nodes[2]).await.expect("add node 3");
+    for id in [2, 3] {
+        via3.call(|mut c| async move { c.promote(PromoteRequest { node_id: id }).await })
+            .await
+            .expect("promote");
+    }
+
+    // Writes through every node (followers redirect; the client follows).
+    for n in &nodes {
+        put(&n.client(), &format!("written-via-{}", n.id), "yes")
+            .await
+            .expect("write via node");
+    }
+
+    // lanectl shows all three members as voters.
+    let out = std::process::Command::new(lanectl_bin())
+        .args(["--addr", &nodes[1].addr, "-o", "json", "cluster", "status"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "lanectl failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let members = v["members"].as_array().unwrap();
+    assert_eq!(members.len(), 3, "{v}");
+    assert!(
+        members.iter().all(|m| m["role"] == "voter" && m["reachable"] == true),
+        "{v}"
+    );
+
+    // kill -9 the leader; the survivors elect a new one that accepts writes.
+    let old_leader = status(&nodes[0]).await.unwrap().leader_id;
+    assert!(old_leader != 0);
+    let li = (old_leader - 1) as usize;
+    nodes[li].kill();
+    let survivors: Vec<String> = nodes
+        .iter()
+        .filter(|n| n.id != old_leader)
+        .map(|n| n.addr.clone())
+        .collect();
+    let client = AdminClient::new(survivors).with_retry_for(Duration::from_secs(15));
+    for i in 0..50 {
+        put(&client, &format!("after-kill-{i}"), &i.to_string())
+            .await
+            .expect("write after leader kill");
+    }
+    let new_leader = status(nodes.iter().find(|n| n.id != old_leader).unwrap())
+        .await
+        .unwrap()
+        .leader_id;
+    assert!(new_leader != 0 && new_leader != old_leader, "new leader {new_leader}");
+
+    // Restart the killed node: it catches up and every state machine is identical.
+    nodes[li].start();
+    let (applied, hash) = converged(&nodes.iter().collect::<Vec<_>>()).await;
+    assert!(applied > 50, "applied {applied}");
+
+    // A linearizable read on a follower sees the latest write.
+    let follower = nodes.iter().find(|n| n.id != new_leader).unwrap();
+    let r = follower
+        .client()
+        .call_one(&follower.addr, |mut c| async move {
+            c.get_setting(GetSettingRequest {
+                key: "after-kill-49".into(),
+                linearizable: true,
+            })
+            .await
+        })
+        .await;
+    match r {
+        Ok(r) => assert_eq!(r.value.as_deref(), Some("49")),
+        // A follower may redirect linearizable reads to the leader instead.
+        Err(e) => assert_eq!(e.code(), Some(Code::FailedPrecondition), "{e}"),
+    }
+
+    // Snapshot and purge everywhere, then a fresh node 4 must catch up from a snapshot.
+    let mut snap_index = 0;
+    for n in &nodes {
+        let r = n
+            .client()
+            .call_one(&n.addr, |mut c| async move {
+                c.snapshot(SnapshotRequest { purge: true }).await
+            })
+            .await
+            .expect("snapshot");
+        assert!(r.snapshot_index > 0 && r.purged_index >= r.snapshot_index, "{r:?}");
+        snap_index = snap_index.max(r.snapshot_index);
+    }
+    let mut n4 = Node::new(root.path(), 4);
+    n4.start();
+    wait_for("node 4 to answer", Duration::from_secs(10), || async {
+        status(&n4).await
+    })
+    .await;
+    add(&client, &n4).await.expect("add node 4");
+    let all: Vec<&Node> = nodes.iter().chain(std::iter::once(&n4)).collect();
+    let (_, hash4) = converged(&all).await;
+    let s4 = status(&n4).await.unwrap();
+    assert!(
+        s4.snapshot_index >= snap_index,
+        "node 4 did not install a snapshot: {s4:?}"
+    );
+    assert_eq!(hash4, hash, "no writes happened since; the hash must not change");
+
+    // Remove node 4; re-adding the same id is refused.
+    client
+        .call(|mut c| async move { c.remove(RemoveRequest { node_id: 4 }).await })
+        .await
+        .expect("remove node 4");
+    n4.kill();
+    let err = add(&client, &n4).await.expect_err("re-adding a removed id must fail");
+    assert_eq!(err.code(), Some(Code::FailedPrecondition), "{err}");
+    assert!(err.to_string().contains("never reused"), "{err}");
+
+    // Bad input gets a clear error, never a panic; the node keeps serving.
+    let bad = [
+        ("", "v".to_string(), Code::InvalidArgument),
+        ("k", "v".repeat(70 * 1024), Code::OutOfRange),
+        (&*"k".repeat(300), "v".to_string(), Code::OutOfRange),
+    ];
+    for (key, value, code) in bad {
+        let e = client
+            .call(|mut c| {
+                let (key, value) = (key.to_string(), value.clone());
+                async move { c.put_setting(PutSettingRequest { key, value }).await }
+            })
+            .await
+            .expect_err("bad write must fail");
+        assert_eq!(e.code(), Some(code), "{e}");
+    }
+    let huge = "v".repeat(2 * 1024 * 1024);
+    let e = client
+        .call(|mut c| {
+            let value = huge.clone();
+            async move { c.put_setting(PutSettingRequest { key: "k".into(), value }).await }
+        })
+        .await
+        .expect_err("oversized request must fail");
+    assert!(
+        matches!(e.code(), Some(Code::OutOfRange) | Some(Code::ResourceExhausted)),
+        "{e}"
+    );
+    for (node_id, addr, code) in [
+        (0, "127.0.0.1:1", Code::InvalidArgument),
+        (9, "no-port", Code::InvalidArgument),
+    ] {
+        let e = client
+            .call(|mut c| async move {
+                c.add_learner(AddLearnerRequest {
+                    node_id,
+                    addr: addr.into(),
+                })
+                .await
+            })
+            .await
+            .expect_err("bad add must fail");
+        assert_eq!(e.code(), Some(code), "{e}");
+    }
+    put(&client, "still-serving", "yes")
+        .await
+        .expect("cluster still serves");
+
+    // A controller started on another node's or another cluster's data dir refuses to start.
+    let wrong_node = n4.run_expecting_exit(&["--node-id", "5"]);
+    assert_eq!(wrong_node.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&wrong_node.stderr);
+    assert!(stderr.contains("belongs to node 4"), "{stderr}");
+    let wrong_cluster = n4.run_expecting_exit(&["--cluster-name", "other"]);
+    assert_eq!(wrong_cluster.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&wrong_cluster.stderr).contains("cluster \"it\""));
+}
+
+#[test]
+fn invalid_config_exits_2_naming_the_field() {
+    let root = tempfile::tempdir().unwrap();
+    let n = Node::new(root.path(), 1);
+    let out = n.run_expecting_exit(&["--heartbeat-ms", "500"]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("raft.election_timeout_min_ms"), "{stderr}");
+    assert!(
+        !n.dir.join("data").exists(),
+        "nothing may be created before the config is valid"
+    );
+}

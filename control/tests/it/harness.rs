@@ -1,0 +1,143 @@
+//! Multi-process test harness: real `laneway-control` processes on 127.0.0.1.
+
+use std::fs::File;
+use std::future::Future;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+use laneway_control::client::AdminClient;
+use laneway_proto::admin::{NodeStatus, StatusRequest};
+use tokio::time::Instant;
+
+pub const CLUSTER: &str = "it";
+
+/// Path of the controller binary Cargo built for this test.
+pub fn control_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_laneway-control")
+}
+
+/// Path of the lanectl binary Cargo built for this test.
+pub fn lanectl_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_lanectl")
+}
+
+/// A port that was free a moment ago.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// One controller process.
+pub struct Node {
+    pub id: u64,
+    pub addr: String,
+    pub dir: PathBuf,
+    child: Option<Child>,
+}
+
+impl Node {
+    pub fn new(root: &Path, id: u64) -> Node {
+        Node {
+            id,
+            addr: format!("127.0.0.1:{}", free_port()),
+            dir: root.join(format!("node-{id}")),
+            child: None,
+        }
+    }
+
+    fn args(&self) -> Vec<String> {
+        vec![
+            "run".into(),
+            "--node-id".into(),
+            self.id.to_string(),
+            "--listen".into(),
+            self.addr.clone(),
+            "--data-dir".into(),
+            self.dir.join("data").display().to_string(),
+            "--cluster-name".into(),
+            CLUSTER.into(),
+            // Small snapshot threshold so snapshots happen during tests too.
+            "--snapshot-logs".into(),
+            "500".into(),
+        ]
+    }
+
+    /// Starts (or restarts) the process, logging to `dir/log-N.txt`.
+    pub fn start(&mut self) {
+        assert!(self.child.is_none(), "node {} already running", self.id);
+        std::fs::create_dir_all(&self.dir).unwrap();
+        let n = std::fs::read_dir(&self.dir).unwrap().count();
+        let log = File::create(self.dir.join(format!("log-{n}.txt"))).unwrap();
+        let child = Command::new(control_bin())
+            .args(self.args())
+            .env("LANEWAY_LOG", "info,openraft=info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn laneway-control");
+        self.child = Some(child);
+    }
+
+    /// `kill -9`.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Runs the controller in the foreground with extra/replaced args and returns its output
+    /// (for processes expected to refuse to start).
+    pub fn run_expecting_exit(&self, extra: &[&str]) -> Output {
+        let mut args = self.args();
+        for pair in extra.chunks(2) {
+            if let Some(i) = args.iter().position(|a| a == pair[0]) {
+                args[i + 1] = pair[1].to_string();
+            } else {
+                args.extend(pair.iter().map(|s| s.to_string()));
+            }
+        }
+        Command::new(control_bin())
+            .args(args)
+            .output()
+            .expect("run laneway-control")
+    }
+
+    pub fn client(&self) -> AdminClient {
+        AdminClient::new(vec![self.addr.clone()]).with_retry_for(Duration::from_secs(5))
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Polls `f` until it returns `Some`, failing the test with `what` after `limit`.
+pub async fn wait_for<T, F, Fut>(what: &str, limit: Duration, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {limit:?} waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Status of one node, or None if it does not answer.
+pub async fn status(node: &Node) -> Option<NodeStatus> {
+    node.client()
+        .call_one(&node.addr, |mut c| async move { c.status(StatusRequest {}).await })
+        .await
+        .ok()
+}

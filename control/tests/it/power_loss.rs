@@ -115,7 +115,11 @@ async fn run_seed(seed: u64) {
         // Check: every acknowledged entry is present, and the vote did not go back.
         for &index in acked.lock().unwrap().iter() {
             let got = db.entries(index..=index);
-            assert_eq!(got.len(), 1, "seed {seed} round {round}: acknowledged entry {index} lost");
+            assert_eq!(
+                got.len(),
+                1,
+                "seed {seed} round {round}: acknowledged entry {index} lost"
+            );
             assert_eq!(got[0].get_log_id().index, index);
         }
         if let Some(v) = acked_vote {
@@ -169,5 +173,8 @@ async fn run_seed(seed: u64) {
         disk = disk.after_power_loss();
         drop(db);
     }
-    assert!(!acked.lock().unwrap().is_empty(), "seed {seed}: nothing was ever acknowledged");
+    assert!(
+        !acked.lock().unwrap().is_empty(),
+        "seed {seed}: nothing was ever acknowledged"
+    );
 }

@@ -1,0 +1,186 @@
+//! A cluster of real `laneway-control` processes on 127.0.0.1 (the `process` backend).
+
+use std::fs::File;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use laneway_control::client::AdminClient;
+use laneway_proto::admin::{AddLearnerRequest, InitRequest, NodeStatus, PromoteRequest, StatusRequest};
+use tokio::time::Instant;
+
+/// One controller process of the cluster.
+pub struct Member {
+    pub id: u64,
+    pub addr: String,
+    data: PathBuf,
+    log: PathBuf,
+    child: Option<Child>,
+}
+
+/// Controllers started from one binary in one temp dir.
+pub struct ProcessCluster {
+    bin: PathBuf,
+    cluster: String,
+    pub members: Vec<Member>,
+    _root: tempfile::TempDir,
+}
+
+fn free_addr() -> anyhow::Result<String> {
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?.to_string())
+}
+
+impl ProcessCluster {
+    /// Starts `n` controllers and forms a cluster of `n` voters.
+    pub async fn start(bin: &Path, n: u64) -> anyhow::Result<Self> {
+        if !bin.exists() {
+            bail!(
+                "controller binary {} not found; build it first (cargo build --release --workspace) or pass --control-bin",
+                bin.display()
+            );
+        }
+        let root = tempfile::Builder::new().prefix("laneway-chaos-").tempdir()?;
+        let mut members = Vec::new();
+        for id in 1..=n {
+            members.push(Member {
+                id,
+                addr: free_addr()?,
+                data: root.path().join(format!("node-{id}")),
+                log: root.path().join(format!("node-{id}.log")),
+                child: None,
+            });
+        }
+        let mut c = ProcessCluster {
+            bin: bin.to_path_buf(),
+            cluster: "bench".into(),
+            members,
+            _root: root,
+        };
+        for i in 0..c.members.len() {
+            c.spawn(i)?;
+        }
+        let first = c.members[0].addr.clone();
+        let admin = c.client();
+        wait_until(Duration::from_secs(10), || async { status_of(&first).await.is_some() })
+            .await
+            .context("node 1 did not come up")?;
+        admin
+            .call_one(&first, |mut cl| async move { cl.init(InitRequest {}).await })
+            .await?;
+        for m in &c.members[1..] {
+            let (node_id, addr) = (m.id, m.addr.clone());
+            admin
+                .call(|mut cl| {
+                    let addr = addr.clone();
+                    async move { cl.add_learner(AddLearnerRequest { node_id, addr }).await }
+                })
+                .await?;
+            admin
+                .call(|mut cl| async move { cl.promote(PromoteRequest { node_id }).await })
+                .await?;
+        }
+        Ok(c)
+    }
+
+    fn spawn(&mut self, i: usize) -> anyhow::Result<()> {
+        let m = &mut self.members[i];
+        let log = File::options().create(true).append(true).open(&m.log)?;
+        let child = Command::new(&self.bin)
+            .args(["run", "--node-id", &m.id.to_string(), "--listen", &m.addr])
+            .arg("--data-dir")
+            .arg(&m.data)
+            .args(["--cluster-name", &self.cluster])
+            .env("LANEWAY_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("spawning {}", self.bin.display()))?;
+        m.child = Some(child);
+        Ok(())
+    }
+
+    /// `kill -9` member `i`.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut c) = self.members[i].child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Restarts member `i` with its data intact.
+    pub fn restart(&mut self, i: usize) -> anyhow::Result<()> {
+        self.spawn(i)
+    }
+
+    /// A client over every member's address.
+    pub fn client(&self) -> AdminClient {
+        AdminClient::new(self.members.iter().map(|m| m.addr.clone()).collect())
+    }
+
+    /// Index of the current leader, as seen by any member that answers.
+    pub async fn leader(&self) -> Option<usize> {
+        for m in &self.members {
+            if let Some(s) = status_of(&m.addr).await {
+                if s.leader_id != 0 {
+                    return self.members.iter().position(|x| x.id == s.leader_id);
+                }
+            }
+        }
+        None
+    }
+
+    /// Waits until every member answers and has applied the same index.
+    pub async fn wait_converged(&self, limit: Duration) -> anyhow::Result<()> {
+        let addrs: Vec<String> = self.members.iter().map(|m| m.addr.clone()).collect();
+        wait_until(limit, || {
+            let addrs = addrs.clone();
+            async move {
+                let mut applied = Vec::new();
+                for a in &addrs {
+                    match status_of(a).await {
+                        Some(s) if s.leader_id != 0 => applied.push(s.applied_index),
+                        _ => return false,
+                    }
+                }
+                applied.windows(2).all(|w| w[0] == w[1])
+            }
+        })
+        .await
+        .context("members did not converge")
+    }
+}
+
+impl Drop for ProcessCluster {
+    fn drop(&mut self) {
+        for i in 0..self.members.len() {
+            self.kill(i);
+        }
+    }
+}
+
+/// One member's own status, or None if it does not answer within 500 ms.
+pub async fn status_of(addr: &str) -> Option<NodeStatus> {
+    let c = AdminClient::new(vec![addr.to_string()]).with_call_timeout(Duration::from_millis(500));
+    c.call_one(addr, |mut cl| async move { cl.status(StatusRequest {}).await })
+        .await
+        .ok()
+}
+
+/// Polls `f` until true or `limit` passes.
+pub async fn wait_until<F, Fut>(limit: Duration, mut f: F) -> anyhow::Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if f().await {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    bail!("condition not met within {limit:?}")
+}
