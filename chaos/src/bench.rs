@@ -36,6 +36,9 @@ pub struct BenchArgs {
     /// Concurrent writers in the saturation run.
     #[arg(long, default_value_t = 256)]
     concurrency: usize,
+    /// Controllers in the cluster (failover needs at least 3).
+    #[arg(long, default_value_t = 3)]
+    nodes: u64,
     /// Leader kills for the failover measurement.
     #[arg(long, default_value_t = 20)]
     kills: usize,
@@ -63,7 +66,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let baseline = tokio::task::spawn_blocking(|| fsync_per_write_baseline(Duration::from_secs(3))).await??;
     line(json!({"bench": "baseline_redb_fsync_per_write", "writes_per_sec": baseline.round()}));
 
-    let cluster = ProcessCluster::start(&bin, 3).await?;
+    let cluster = ProcessCluster::start(&bin, args.nodes).await?;
     let clients: Vec<Arc<AdminClient>> = (0..4).map(|_| Arc::new(cluster.client())).collect();
     // Warm up connections and the leader hint.
     for c in &clients {
@@ -73,7 +76,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     for &rate in &args.rates {
         let f = open_loop(&clients, rate, duration).await;
         line(json!({
-            "bench": "raft_write_open_loop", "nodes": 3, "offered_per_sec": rate,
+            "bench": "raft_write_open_loop", "nodes": args.nodes, "offered_per_sec": rate,
             "achieved_per_sec": f.achieved.round(), "p50_ms": ms(f.hist.value_at_quantile(0.5)),
             "p99_ms": ms(f.hist.value_at_quantile(0.99)), "p999_ms": ms(f.hist.value_at_quantile(0.999)),
             "errors": f.errors,
@@ -81,12 +84,13 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     let sat = saturation(&clients, args.concurrency, duration).await;
     line(json!({
-        "bench": "raft_write_saturation", "nodes": 3, "concurrency": args.concurrency,
+        "bench": "raft_write_saturation", "nodes": args.nodes, "concurrency": args.concurrency,
         "writes_per_sec": sat.achieved.round(), "p50_ms": ms(sat.hist.value_at_quantile(0.5)),
         "p99_ms": ms(sat.hist.value_at_quantile(0.99)), "errors": sat.errors,
         "vs_baseline": (sat.achieved / baseline * 100.0).round() / 100.0,
     }));
 
+    anyhow::ensure!(args.kills == 0 || args.nodes >= 3, "failover needs --nodes >= 3");
     let mut cluster = cluster;
     let failover = failover(&mut cluster, args.kills).await?;
     line(json!({

@@ -40,6 +40,9 @@ pub enum Command {
     PutSetting { key: String, value: String },
     /// Remove a cluster setting; removing an absent key is not an error.
     DeleteSetting { key: String },
+    /// Several commands committed as one log entry (group commit), applied in order. Never
+    /// nested.
+    Batch(Vec<Command>),
 }
 
 /// What applying one log entry produced.
@@ -47,6 +50,9 @@ pub enum Command {
 pub struct CommandResponse {
     /// For settings commands: the value the key held before.
     pub previous: Option<String>,
+    /// For a batch: one response per command, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub batch: Vec<CommandResponse>,
 }
 
 /// Why a command was refused before it was proposed.
@@ -60,6 +66,8 @@ pub enum CommandError {
     KeyNotPrintable { key: String },
     #[error("setting value is {len} bytes; values are at most {MAX_SETTING_VALUE_BYTES} bytes")]
     ValueTooLarge { len: usize },
+    #[error("a batch may not contain another batch")]
+    NestedBatch,
 }
 
 impl Command {
@@ -74,6 +82,10 @@ impl Command {
                 Ok(())
             }
             Command::DeleteSetting { key } => validate_key(key),
+            Command::Batch(commands) => commands.iter().try_for_each(|c| match c {
+                Command::Batch(_) => Err(CommandError::NestedBatch),
+                other => other.validate(),
+            }),
         }
     }
 }

@@ -364,7 +364,7 @@ mod tests {
             ),
             (
                 RunArgs {
-                    election_timeout_max_ms: Some(300),
+                    election_timeout_max_ms: Some(200),
                     ..args()
                 },
                 "raft.election_timeout_max_ms",

@@ -15,9 +15,10 @@ use tonic::{Request, Response, Status};
 
 use super::pb_impl::{members, state_name};
 use super::AdminError;
-use crate::command::{validate_key, Command, CommandEnvelope};
+use crate::command::{validate_key, Command};
 use crate::config::validate_peer_addr;
 use crate::node::ControllerNode;
+use crate::proposer::Proposer;
 use crate::store::{LogStore, StateMachineStore};
 use crate::typ::{NodeId, Raft, RaftMetrics};
 
@@ -34,6 +35,7 @@ pub struct AdminGrpc {
     advertise: String,
     log: LogStore,
     sm: StateMachineStore,
+    proposer: Proposer,
 }
 
 impl AdminGrpc {
@@ -46,6 +48,7 @@ impl AdminGrpc {
         sm: StateMachineStore,
     ) -> Self {
         AdminGrpc {
+            proposer: Proposer::start(raft.clone()),
             raft,
             node_id,
             cluster,
@@ -85,18 +88,14 @@ impl AdminGrpc {
             crate::command::CommandError::KeyTooLong { .. } | crate::command::CommandError::ValueTooLarge { .. } => {
                 AdminError::OutOfRange(e.to_string())
             }
-            crate::command::CommandError::EmptyKey | crate::command::CommandError::KeyNotPrintable { .. } => {
-                AdminError::InvalidArgument(e.to_string())
-            }
+            crate::command::CommandError::EmptyKey
+            | crate::command::CommandError::KeyNotPrintable { .. }
+            | crate::command::CommandError::NestedBatch => AdminError::InvalidArgument(e.to_string()),
         })?;
-        let resp = self
-            .raft
-            .client_write(CommandEnvelope::new(command))
-            .await
-            .map_err(|e| self.raft_error(e))?;
+        let (log_index, resp) = self.proposer.propose(command).await.map_err(|e| self.raft_error(e))?;
         Ok(WriteReply {
-            log_index: resp.log_id.index,
-            previous: resp.data.previous,
+            log_index,
+            previous: resp.previous,
         })
     }
 

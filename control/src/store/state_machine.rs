@@ -60,9 +60,15 @@ impl AppState {
         match command {
             Command::PutSetting { key, value } => CommandResponse {
                 previous: self.settings.insert(key.clone(), value.clone()),
+                batch: Vec::new(),
             },
             Command::DeleteSetting { key } => CommandResponse {
                 previous: self.settings.remove(key),
+                batch: Vec::new(),
+            },
+            Command::Batch(commands) => CommandResponse {
+                previous: None,
+                batch: commands.iter().map(|c| self.apply(c)).collect(),
             },
         }
     }
@@ -318,6 +324,19 @@ impl StateMachineStore {
     }
 }
 
+/// Records the final value of every setting a command changed (None = removed).
+fn record_touched(command: &Command, touched: &mut BTreeMap<String, Option<String>>) {
+    match command {
+        Command::PutSetting { key, value } => {
+            touched.insert(key.clone(), Some(value.clone()));
+        }
+        Command::DeleteSetting { key } => {
+            touched.insert(key.clone(), None);
+        }
+        Command::Batch(commands) => commands.iter().for_each(|c| record_touched(c, touched)),
+    }
+}
+
 fn json<T: Serialize>(v: &T) -> Vec<u8> {
     serde_json::to_vec(v).expect("state machine types serialize to JSON")
 }
@@ -404,14 +423,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                             .into());
                         }
                         let reply = inner.state.apply(&env.command);
-                        match &env.command {
-                            Command::PutSetting { key, value } => {
-                                touched.insert(key.clone(), Some(value.clone()));
-                            }
-                            Command::DeleteSetting { key } => {
-                                touched.insert(key.clone(), None);
-                            }
-                        }
+                        record_touched(&env.command, &mut touched);
                         replies.push(reply);
                     }
                     EntryPayload::Membership(m) => {
@@ -507,5 +519,51 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             meta: pointer.meta,
             snapshot: Box::new(Cursor::new(bytes)),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn put(k: &str, v: &str) -> Command {
+        Command::PutSetting {
+            key: k.into(),
+            value: v.into(),
+        }
+    }
+
+    #[test]
+    fn batch_applies_in_order_and_answers_each_command() {
+        let mut state = AppState::default();
+        let batch = Command::Batch(vec![
+            put("a", "1"),
+            put("a", "2"),
+            Command::DeleteSetting { key: "a".into() },
+            put("b", "3"),
+        ]);
+        let r = state.apply(&batch);
+        let previous: Vec<Option<&str>> = r.batch.iter().map(|r| r.previous.as_deref()).collect();
+        assert_eq!(previous, vec![None, Some("1"), Some("2"), None]);
+        assert_eq!(state.settings.get("a"), None);
+        assert_eq!(state.settings.get("b").map(String::as_str), Some("3"));
+
+        let mut touched = BTreeMap::new();
+        record_touched(&batch, &mut touched);
+        assert_eq!(touched.get("a"), Some(&None));
+        assert_eq!(touched.get("b"), Some(&Some("3".to_string())));
+    }
+
+    #[test]
+    fn state_hash_depends_only_on_content() {
+        let mut a = AppState::default();
+        let mut b = AppState::default();
+        a.apply(&put("x", "1"));
+        a.apply(&put("y", "2"));
+        b.apply(&put("y", "2"));
+        b.apply(&put("x", "1"));
+        assert_eq!(a.state_hash(), b.state_hash());
+        b.apply(&put("x", "3"));
+        assert_ne!(a.state_hash(), b.state_hash());
     }
 }

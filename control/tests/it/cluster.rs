@@ -81,6 +81,41 @@ async fn three_process_cluster_survives_leader_kill_and_catches_up() {
             .expect("write via node");
     }
 
+    // Concurrent writes are batched into shared entries; each still gets its own answer.
+    let shared = std::sync::Arc::new(nodes[1].client());
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..300 {
+        let c = shared.clone();
+        tasks.spawn(async move { put(&c, &format!("concurrent-{i}"), &i.to_string()).await });
+    }
+    let mut indexes = BTreeSet::new();
+    while let Some(r) = tasks.join_next().await {
+        indexes.insert(r.unwrap().expect("concurrent write"));
+    }
+    assert!(
+        indexes.len() < 300,
+        "300 concurrent writes should share log entries, got {}",
+        indexes.len()
+    );
+    for i in [0, 150, 299] {
+        let key = format!("concurrent-{i}");
+        let r = nodes[0]
+            .client()
+            .call(|mut c| {
+                let key = key.clone();
+                async move {
+                    c.get_setting(GetSettingRequest {
+                        key,
+                        linearizable: true,
+                    })
+                    .await
+                }
+            })
+            .await
+            .unwrap();
+        assert_eq!(r.value, Some(i.to_string()));
+    }
+
     // lanectl shows all three members as voters.
     let out = std::process::Command::new(lanectl_bin())
         .args(["--addr", &nodes[1].addr, "-o", "json", "cluster", "status"])

@@ -1,0 +1,110 @@
+//! Proposal batching: concurrent writes become one Raft entry.
+//!
+//! openraft 0.9 runs its engine commands after every client write and waits for the log append
+//! to be flushed before it takes the next one, so one `client_write` per request costs one fsync
+//! per request on the leader. The proposer collects every write queued while the previous
+//! proposals are in flight and proposes them as a single [`Command::Batch`] entry: one fsync
+//! (and one replication round) then covers the whole batch. Under light load a batch is a single
+//! command and nothing waits for company.
+
+use std::sync::Arc;
+
+use tokio::sync::{mpsc, oneshot, Semaphore};
+
+use crate::command::{Command, CommandEnvelope, CommandResponse};
+use crate::typ::{NodeId, Raft};
+use openraft::error::{ClientWriteError, RaftError};
+
+/// Most commands folded into one entry.
+pub const MAX_BATCH: usize = 1024;
+/// Batches proposed concurrently; more let the leader's append overlap with replication.
+const MAX_IN_FLIGHT: usize = 4;
+/// Queue depth of pending writes before callers wait.
+const QUEUE: usize = 16 * 1024;
+
+/// The error a write gets back: openraft's, shared by every command of a failed batch.
+pub type ProposeError = RaftError<NodeId, ClientWriteError<NodeId, crate::node::ControllerNode>>;
+
+/// Result of one proposed command: the log index of its entry and its response.
+pub type ProposeResult = Result<(u64, CommandResponse), ProposeError>;
+
+struct Pending {
+    command: Command,
+    reply: oneshot::Sender<ProposeResult>,
+}
+
+/// Handle to the batching task; cheap to clone.
+#[derive(Clone)]
+pub struct Proposer {
+    tx: mpsc::Sender<Pending>,
+}
+
+impl Proposer {
+    /// Starts the batching task for `raft`.
+    pub fn start(raft: Raft) -> Self {
+        let (tx, rx) = mpsc::channel(QUEUE);
+        tokio::spawn(run(raft, rx));
+        Proposer { tx }
+    }
+
+    /// Proposes one (already validated) command and waits until it is committed and applied.
+    pub async fn propose(&self, command: Command) -> ProposeResult {
+        let (reply, rx) = oneshot::channel();
+        if self.tx.send(Pending { command, reply }).await.is_err() {
+            return Err(RaftError::Fatal(openraft::error::Fatal::Stopped));
+        }
+        rx.await
+            .unwrap_or(Err(RaftError::Fatal(openraft::error::Fatal::Stopped)))
+    }
+}
+
+async fn run(raft: Raft, mut rx: mpsc::Receiver<Pending>) {
+    let permits = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
+    loop {
+        // Wait for a free slot first, so writes keep accumulating while all slots are busy.
+        let Ok(permit) = permits.clone().acquire_owned().await else {
+            return;
+        };
+        let Some(first) = rx.recv().await else { return };
+        let mut batch = vec![first];
+        while batch.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(p) => batch.push(p),
+                Err(_) => break,
+            }
+        }
+        let raft = raft.clone();
+        tokio::spawn(async move {
+            propose_batch(&raft, batch).await;
+            drop(permit);
+        });
+    }
+}
+
+async fn propose_batch(raft: &Raft, mut batch: Vec<Pending>) {
+    if batch.len() == 1 {
+        let p = batch.pop().expect("one pending write");
+        let res = raft
+            .client_write(CommandEnvelope::new(p.command))
+            .await
+            .map(|r| (r.log_id.index, r.data));
+        let _ = p.reply.send(res);
+        return;
+    }
+    let (commands, replies): (Vec<Command>, Vec<_>) = batch.into_iter().map(|p| (p.command, p.reply)).unzip();
+    match raft.client_write(CommandEnvelope::new(Command::Batch(commands))).await {
+        Ok(resp) => {
+            let index = resp.log_id.index;
+            let mut results = resp.data.batch.into_iter();
+            for reply in replies {
+                let r = results.next().unwrap_or_default();
+                let _ = reply.send(Ok((index, r)));
+            }
+        }
+        Err(e) => {
+            for reply in replies {
+                let _ = reply.send(Err(e.clone()));
+            }
+        }
+    }
+}
