@@ -2,7 +2,7 @@
 //! a fresh machine needs no system `protoc`.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let files = ["proto/raft.proto", "proto/admin.proto"];
+    let files = ["proto/raft.proto", "proto/admin.proto", "proto/agent.proto"];
     for f in files {
         println!("cargo:rerun-if-changed={f}");
     }

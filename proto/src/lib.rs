@@ -15,5 +15,10 @@ pub mod admin {
     tonic::include_proto!("laneway.admin.v1");
 }
 
+/// Node agent API (registration and heartbeats).
+pub mod agent {
+    tonic::include_proto!("laneway.agent.v1");
+}
+
 /// Response metadata key that carries the current leader's address on a redirect.
 pub const LEADER_ADDR_METADATA: &str = "laneway-leader-addr";
