@@ -58,10 +58,10 @@ pub struct RunArgs {
     /// Leader heartbeat interval in ms. Default 50.
     #[arg(long, env = "LANEWAY_RAFT_HEARTBEAT_MS")]
     pub heartbeat_ms: Option<u64>,
-    /// Lower bound of the randomized election timeout in ms. Default 250.
+    /// Lower bound of the randomized election timeout in ms. Default 150.
     #[arg(long, env = "LANEWAY_RAFT_ELECTION_TIMEOUT_MIN_MS")]
     pub election_timeout_min_ms: Option<u64>,
-    /// Upper bound (exclusive) of the election timeout in ms. Default 400.
+    /// Upper bound (exclusive) of the election timeout in ms. Default 350.
     #[arg(long, env = "LANEWAY_RAFT_ELECTION_TIMEOUT_MAX_MS")]
     pub election_timeout_max_ms: Option<u64>,
     /// Take a snapshot after this many applied entries since the last one. Default 10000.
@@ -74,10 +74,11 @@ pub struct RunArgs {
 pub struct RaftSettings {
     /// Leader heartbeat interval, ms. Default 50.
     pub heartbeat_ms: u64,
-    /// Election timeout range `[min, max)`, ms. Defaults 250 and 400. openraft makes a follower
+    /// Election timeout range `[min, max)`, ms. Defaults 150 and 350. openraft makes a follower
     /// that knew a leader wait `max` (the leader lease) plus a random timeout in `[min, max)`
-    /// before campaigning, so a dead leader is replaced after 650–800 ms, under the 1 s target,
-    /// while five heartbeats still fit in the shortest timeout.
+    /// before campaigning, so a dead leader is replaced after 500–700 ms, and even a split vote
+    /// (another `[min, max)` round) stays near the 1 s target. A follower must miss heartbeats
+    /// for at least 500 ms before it campaigns, so a busy leader is not deposed by accident.
     pub election_timeout_min_ms: u64,
     pub election_timeout_max_ms: u64,
     /// Snapshot after this many entries since the last snapshot. Default 10000.
@@ -90,8 +91,8 @@ impl Default for RaftSettings {
     fn default() -> Self {
         RaftSettings {
             heartbeat_ms: 50,
-            election_timeout_min_ms: 250,
-            election_timeout_max_ms: 400,
+            election_timeout_min_ms: 150,
+            election_timeout_max_ms: 350,
             snapshot_logs: 10_000,
             keep_logs: 1_000,
         }
@@ -364,7 +365,7 @@ mod tests {
             ),
             (
                 RunArgs {
-                    election_timeout_max_ms: Some(200),
+                    election_timeout_max_ms: Some(100),
                     ..args()
                 },
                 "raft.election_timeout_max_ms",
