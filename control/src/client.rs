@@ -118,11 +118,21 @@ impl AdminClient {
 
     /// Calls the cluster: follows leader redirects, and retries other controllers while none
     /// answers or no leader is known, for up to `retry_for`.
+    ///
+    /// A request that timed out may still have been committed, and is then sent again: use it
+    /// for idempotent operations (setting a value, membership changes that check the current
+    /// membership first). Non-idempotent submissions carry their own idempotency key.
     pub async fn call<T, F, Fut>(&self, mut f: F) -> Result<T, ClientError>
     where
         F: FnMut(AdminServiceClient<Channel>) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
+        if self.addrs.is_empty() {
+            return Err(ClientError::BadAddress {
+                addr: String::new(),
+                message: "no controller address given".into(),
+            });
+        }
         let start = Instant::now();
         let mut order: Vec<String> = Vec::new();
         if let Some(p) = self.preferred.lock().unwrap_or_else(|p| p.into_inner()).clone() {

@@ -71,6 +71,15 @@ pub enum CommandError {
 }
 
 impl Command {
+    /// Bytes of user data the command carries (keys and values), for batch sizing.
+    pub fn payload_bytes(&self) -> usize {
+        match self {
+            Command::PutSetting { key, value } => key.len() + value.len(),
+            Command::DeleteSetting { key } => key.len(),
+            Command::Batch(commands) => commands.iter().map(Command::payload_bytes).sum(),
+        }
+    }
+
     /// Checks a command's arguments before it is proposed, so nothing malformed reaches the log.
     pub fn validate(&self) -> Result<(), CommandError> {
         match self {

@@ -162,15 +162,45 @@ pub fn validate_cluster_name(name: &str) -> Result<(), ConfigError> {
     }
 }
 
-/// Checks a `host:port` address that peers will dial.
+/// Checks a `host:port` address that peers will dial: a DNS name, an IPv4 address or a
+/// bracketed IPv6 address, and a non-zero port. Anything else would be committed into the
+/// membership and then be unreachable forever.
 pub fn validate_peer_addr(field: &'static str, addr: &str) -> Result<(), ConfigError> {
-    let (host, port) = addr
-        .rsplit_once(':')
-        .ok_or_else(|| bad(field, addr, "host:port, e.g. 10.0.0.5:7001"))?;
-    if host.is_empty() || port.parse::<u16>().map_or(true, |p| p == 0) {
-        return Err(bad(field, addr, "host:port with a non-zero port, e.g. 10.0.0.5:7001"));
+    let err = || {
+        bad(
+            field,
+            addr,
+            "host:port with a non-zero port, e.g. 10.0.0.5:7001, ctl-1.example.net:7001 or [fd00::1]:7001",
+        )
+    };
+    let port = if let Some(rest) = addr.strip_prefix('[') {
+        let (host, port) = rest.split_once("]:").ok_or_else(err)?;
+        host.parse::<std::net::Ipv6Addr>().map_err(|_| err())?;
+        port
+    } else {
+        let (host, port) = addr.rsplit_once(':').ok_or_else(err)?;
+        if host.parse::<std::net::Ipv4Addr>().is_err() && !is_dns_name(host) {
+            return Err(err());
+        }
+        port
+    };
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 => Ok(()),
+        _ => Err(err()),
     }
-    Ok(())
+}
+
+/// RFC 1123 host name: dot-separated labels of letters, digits and inner hyphens.
+fn is_dns_name(host: &str) -> bool {
+    !host.is_empty()
+        && host.len() <= 253
+        && host.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+                && label.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+        })
 }
 
 impl RunArgs {
@@ -382,6 +412,32 @@ mod tests {
             let e = a.resolve().unwrap_err();
             assert_eq!(e.field, field, "{e}");
             assert!(!e.expected.is_empty());
+        }
+    }
+
+    #[test]
+    fn peer_addresses() {
+        for ok in [
+            "10.0.0.5:7001",
+            "ctl-1.example.net:7001",
+            "[fd00::1]:7001",
+            "localhost:1",
+        ] {
+            assert_eq!(validate_peer_addr("addr", ok), Ok(()), "{ok}");
+        }
+        for bad in [
+            "",
+            "host",
+            "host:0",
+            "host:70000",
+            "fd00::1:7001",
+            "http://h:1",
+            "a b:1",
+            "h/x:1",
+            "-h:1",
+            "[::1]",
+        ] {
+            assert!(validate_peer_addr("addr", bad).is_err(), "{bad}");
         }
     }
 

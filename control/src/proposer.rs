@@ -17,6 +17,9 @@ use openraft::error::{ClientWriteError, RaftError};
 
 /// Most commands folded into one entry.
 pub const MAX_BATCH: usize = 1024;
+/// Most payload bytes (keys + values) folded into one entry, so that an entry always fits well
+/// inside a Raft message (`network::MAX_RAFT_MESSAGE_BYTES`), even JSON-escaped.
+pub const MAX_BATCH_BYTES: usize = 4 * 1024 * 1024;
 /// Batches proposed concurrently; more let the leader's append overlap with replication.
 const MAX_IN_FLIGHT: usize = 4;
 /// Queue depth of pending writes before callers wait.
@@ -66,10 +69,14 @@ async fn run(raft: Raft, mut rx: mpsc::Receiver<Pending>) {
             return;
         };
         let Some(first) = rx.recv().await else { return };
+        let mut bytes = first.command.payload_bytes();
         let mut batch = vec![first];
-        while batch.len() < MAX_BATCH {
+        while batch.len() < MAX_BATCH && bytes < MAX_BATCH_BYTES {
             match rx.try_recv() {
-                Ok(p) => batch.push(p),
+                Ok(p) => {
+                    bytes += p.command.payload_bytes();
+                    batch.push(p);
+                }
                 Err(_) => break,
             }
         }

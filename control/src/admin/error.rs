@@ -4,6 +4,10 @@ use laneway_proto::LEADER_ADDR_METADATA;
 use tonic::metadata::MetadataValue;
 use tonic::Status;
 
+use openraft::error::{ChangeMembershipError, CheckIsLeaderError, ClientWriteError};
+
+use crate::node::ControllerNode;
+
 /// Why an admin call failed. Mapped exhaustively to a `tonic::Status` in [`From`].
 #[derive(Debug, thiserror::Error)]
 pub enum AdminError {
@@ -26,6 +30,10 @@ pub enum AdminError {
     /// The request conflicts with the cluster's state.
     #[error("{0}")]
     FailedPrecondition(String),
+    /// This controller cannot serve the request now (no quorum, raft stopped, a membership
+    /// change in progress); another controller or a retry may succeed.
+    #[error("{0}")]
+    Unavailable(String),
     /// The operation did not finish in time.
     #[error("{0}")]
     DeadlineExceeded(String),
@@ -49,8 +57,43 @@ impl From<AdminError> for Status {
             }
             AdminError::NoLeader { .. } => Status::unavailable(msg),
             AdminError::FailedPrecondition(_) => Status::failed_precondition(msg),
+            AdminError::Unavailable(_) => Status::unavailable(msg),
             AdminError::DeadlineExceeded(_) => Status::deadline_exceeded(msg),
             AdminError::Internal(_) => Status::internal(msg),
+        }
+    }
+}
+
+/// Maps an openraft API error to an admin error: one exhaustive match per openraft error type,
+/// where retryability is decided.
+pub trait RaftApiError {
+    fn to_admin(&self, node_id: u64) -> AdminError;
+}
+
+impl RaftApiError for ClientWriteError<u64, ControllerNode> {
+    fn to_admin(&self, node_id: u64) -> AdminError {
+        match self {
+            // Callers turn forwards into redirects first; one without a leader lands here.
+            ClientWriteError::ForwardToLeader(_) => AdminError::NoLeader { node_id },
+            ClientWriteError::ChangeMembershipError(e) => match e {
+                ChangeMembershipError::InProgress(_) => AdminError::Unavailable(format!(
+                    "{e}; another membership change is still being committed, retry in a moment"
+                )),
+                ChangeMembershipError::EmptyMembership(_) | ChangeMembershipError::LearnerNotFound(_) => {
+                    AdminError::FailedPrecondition(e.to_string())
+                }
+            },
+        }
+    }
+}
+
+impl RaftApiError for CheckIsLeaderError<u64, ControllerNode> {
+    fn to_admin(&self, node_id: u64) -> AdminError {
+        match self {
+            CheckIsLeaderError::ForwardToLeader(_) => AdminError::NoLeader { node_id },
+            CheckIsLeaderError::QuorumNotEnough(e) => AdminError::Unavailable(format!(
+                "{e}; the leader cannot reach a quorum, so it cannot confirm a linearizable read"
+            )),
         }
     }
 }

@@ -13,6 +13,7 @@ use openraft::error::{ForwardToLeader, RaftError};
 use openraft::{ChangeMembers, ServerState};
 use tonic::{Request, Response, Status};
 
+use super::error::RaftApiError;
 use super::pb_impl::{members, state_name};
 use super::AdminError;
 use crate::command::{validate_key, Command};
@@ -36,6 +37,9 @@ pub struct AdminGrpc {
     log: LogStore,
     sm: StateMachineStore,
     proposer: Proposer,
+    /// One membership change at a time from this controller, so a concurrent `remove` and
+    /// `add` of the same id cannot both pass the retired-id check.
+    membership: tokio::sync::Mutex<()>,
 }
 
 impl AdminGrpc {
@@ -49,6 +53,7 @@ impl AdminGrpc {
     ) -> Self {
         AdminGrpc {
             proposer: Proposer::start(raft.clone()),
+            membership: tokio::sync::Mutex::new(()),
             raft,
             node_id,
             cluster,
@@ -65,7 +70,7 @@ impl AdminGrpc {
     /// Maps a Raft error: a forward-to-leader becomes a redirect, the rest internal errors.
     fn raft_error<E>(&self, e: RaftError<NodeId, E>) -> AdminError
     where
-        E: std::error::Error + openraft::TryAsRef<ForwardToLeader<NodeId, ControllerNode>>,
+        E: std::error::Error + openraft::TryAsRef<ForwardToLeader<NodeId, ControllerNode>> + RaftApiError,
     {
         if let Some(f) = e.forward_to_leader::<ControllerNode>() {
             return match (f.leader_id, &f.leader_node) {
@@ -78,8 +83,11 @@ impl AdminGrpc {
             };
         }
         match e {
-            RaftError::APIError(api) => AdminError::FailedPrecondition(api.to_string()),
-            RaftError::Fatal(f) => AdminError::Internal(f.to_string()),
+            RaftError::APIError(api) => api.to_admin(self.node_id),
+            RaftError::Fatal(f) => AdminError::Unavailable(format!(
+                "raft on node {} has stopped ({f}); use another controller and check this one's log",
+                self.node_id
+            )),
         }
     }
 
@@ -104,6 +112,46 @@ impl AdminGrpc {
             log_index,
             members: members(&self.metrics().membership_config),
         }
+    }
+
+    /// Commits a membership change (removed nodes are not kept as learners).
+    async fn change_membership(
+        &self,
+        change: ChangeMembers<NodeId, ControllerNode>,
+    ) -> Result<Response<MembershipReply>, Status> {
+        let resp = self
+            .raft
+            .change_membership(change, false)
+            .await
+            .map_err(|e| self.raft_error(e))?;
+        Ok(Response::new(self.membership_reply(resp.log_id.index)))
+    }
+
+    /// Waits until `index_of(metrics) >= target`, returning the value reached.
+    async fn wait_index(
+        &self,
+        what: &str,
+        target: u64,
+        index_of: impl Fn(&RaftMetrics) -> u64,
+    ) -> Result<u64, AdminError> {
+        let mut rx = self.raft.metrics();
+        let wait = async {
+            loop {
+                let now = index_of(&rx.borrow());
+                if now >= target {
+                    return Ok(now);
+                }
+                if rx.changed().await.is_err() {
+                    return Err(AdminError::Internal("raft stopped".into()));
+                }
+            }
+        };
+        tokio::time::timeout(SNAPSHOT_TIMEOUT, wait).await.map_err(|_| {
+            AdminError::DeadlineExceeded(format!(
+                "{what} did not reach index {target} within {}s",
+                SNAPSHOT_TIMEOUT.as_secs()
+            ))
+        })?
     }
 
     fn check_node_id(&self, node_id: u64) -> Result<(), AdminError> {
@@ -168,6 +216,7 @@ impl AdminService for AdminGrpc {
         let req = req.into_inner();
         self.check_node_id(req.node_id)?;
         validate_peer_addr("addr", &req.addr).map_err(|e| AdminError::InvalidArgument(e.to_string()))?;
+        let _one_at_a_time = self.membership.lock().await;
         if self.sm.is_retired(req.node_id) {
             return Err(AdminError::FailedPrecondition(format!(
                 "node id {} was removed from this cluster and node ids are never reused; start the new controller with a fresh --node-id and an empty data dir",
@@ -206,6 +255,7 @@ impl AdminService for AdminGrpc {
     async fn promote(&self, req: Request<PromoteRequest>) -> Result<Response<MembershipReply>, Status> {
         let id = req.into_inner().node_id;
         self.check_node_id(id)?;
+        let _one_at_a_time = self.membership.lock().await;
         let m = self.metrics();
         let membership = m.membership_config.membership();
         if membership.voter_ids().any(|v| v == id) {
@@ -217,17 +267,14 @@ impl AdminService for AdminGrpc {
             ))
             .into());
         }
-        let resp = self
-            .raft
-            .change_membership(ChangeMembers::AddVoterIds(BTreeSet::from([id])), false)
+        self.change_membership(ChangeMembers::AddVoterIds(BTreeSet::from([id])))
             .await
-            .map_err(|e| self.raft_error(e))?;
-        Ok(Response::new(self.membership_reply(resp.log_id.index)))
     }
 
     async fn remove(&self, req: Request<RemoveRequest>) -> Result<Response<MembershipReply>, Status> {
         let id = req.into_inner().node_id;
         self.check_node_id(id)?;
+        let _one_at_a_time = self.membership.lock().await;
         let m = self.metrics();
         let membership = m.membership_config.membership();
         let voters: BTreeSet<u64> = membership.voter_ids().collect();
@@ -244,12 +291,7 @@ impl AdminService for AdminGrpc {
         } else {
             return Err(AdminError::FailedPrecondition(format!("node {id} is not a member of this cluster")).into());
         };
-        let resp = self
-            .raft
-            .change_membership(change, false)
-            .await
-            .map_err(|e| self.raft_error(e))?;
-        Ok(Response::new(self.membership_reply(resp.log_id.index)))
+        self.change_membership(change).await
     }
 
     async fn put_setting(&self, req: Request<PutSettingRequest>) -> Result<Response<WriteReply>, Status> {
@@ -295,24 +337,9 @@ impl AdminService for AdminGrpc {
             .snapshot()
             .await
             .map_err(|e| AdminError::Internal(e.to_string()))?;
-        let mut rx = self.raft.metrics();
-        let wait = async {
-            loop {
-                let snap = rx.borrow().snapshot.map_or(0, |l| l.index);
-                if snap >= target {
-                    return snap;
-                }
-                if rx.changed().await.is_err() {
-                    return 0;
-                }
-            }
-        };
-        let snapshot_index = tokio::time::timeout(SNAPSHOT_TIMEOUT, wait).await.map_err(|_| {
-            AdminError::DeadlineExceeded(format!(
-                "snapshot did not complete within {}s",
-                SNAPSHOT_TIMEOUT.as_secs()
-            ))
-        })?;
+        let snapshot_index = self
+            .wait_index("snapshot", target, |m| m.snapshot.map_or(0, |l| l.index))
+            .await?;
         let mut purged_index = m.purged.map_or(0, |l| l.index);
         if purge && snapshot_index > 0 {
             self.raft
@@ -320,22 +347,10 @@ impl AdminService for AdminGrpc {
                 .purge_log(snapshot_index)
                 .await
                 .map_err(|e| AdminError::Internal(e.to_string()))?;
-            let wait = async {
-                loop {
-                    let p = rx.borrow().purged.map_or(0, |l| l.index);
-                    if p >= snapshot_index {
-                        return p;
-                    }
-                    if rx.changed().await.is_err() {
-                        return p;
-                    }
-                }
-            };
-            purged_index = tokio::time::timeout(SNAPSHOT_TIMEOUT, wait).await.map_err(|_| {
-                AdminError::DeadlineExceeded(
-                    "log purge did not complete in time (a follower may still need those entries)".into(),
-                )
-            })?;
+            // openraft may defer a purge while replication still reads those entries.
+            purged_index = self
+                .wait_index("log purge", snapshot_index, |m| m.purged.map_or(0, |l| l.index))
+                .await?;
         }
         Ok(Response::new(SnapshotReply {
             snapshot_index,

@@ -5,7 +5,9 @@ use std::time::Duration;
 use laneway_proto::raft::raft_reply::Result as ReplyResult;
 use laneway_proto::raft::raft_service_client::RaftServiceClient;
 use laneway_proto::raft::{RaftReply, RaftRequest};
-use openraft::error::{InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable};
+use openraft::error::{
+    InstallSnapshotError, NetworkError, PayloadTooLarge, RPCError, RaftError, RemoteError, Unreachable,
+};
 use openraft::network::{Backoff, RPCOption, RaftNetwork, RaftNetworkFactory};
 use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse, VoteRequest,
@@ -74,7 +76,13 @@ enum Rpc {
 type RpcResult<T, E> = Result<T, RPCError<NodeId, ControllerNode, RaftError<NodeId, E>>>;
 
 impl PeerClient {
-    async fn call<Req, Resp, E>(&mut self, rpc: Rpc, req: &Req, ttl: Duration) -> RpcResult<Resp, E>
+    async fn call<Req, Resp, E>(
+        &mut self,
+        rpc: Rpc,
+        req: &Req,
+        entry_count: Option<u64>,
+        ttl: Duration,
+    ) -> RpcResult<Resp, E>
     where
         Req: Serialize,
         Resp: DeserializeOwned,
@@ -89,6 +97,14 @@ impl PeerClient {
             }
         };
         let payload = serde_json::to_vec(req).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
+        if payload.len() > MAX_RAFT_MESSAGE_BYTES {
+            // Ask openraft to send fewer entries; it retries with the hint.
+            if let (Rpc::AppendEntries, Some(n)) = (rpc, entry_count) {
+                return Err(RPCError::PayloadTooLarge(PayloadTooLarge::new_entries_hint(
+                    (n / 2).max(1),
+                )));
+            }
+        }
         let mut request = tonic::Request::new(RaftRequest {
             cluster: self.cluster.clone(),
             target: self.target,
@@ -130,7 +146,8 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> RpcResult<AppendEntriesResponse<NodeId>, openraft::error::Infallible> {
-        self.call(Rpc::AppendEntries, &rpc, option.hard_ttl()).await
+        let n = rpc.entries.len() as u64;
+        self.call(Rpc::AppendEntries, &rpc, Some(n), option.hard_ttl()).await
     }
 
     async fn install_snapshot(
@@ -138,7 +155,7 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: InstallSnapshotRequest<TypeConfig>,
         option: RPCOption,
     ) -> RpcResult<InstallSnapshotResponse<NodeId>, InstallSnapshotError> {
-        self.call(Rpc::InstallSnapshot, &rpc, option.hard_ttl()).await
+        self.call(Rpc::InstallSnapshot, &rpc, None, option.hard_ttl()).await
     }
 
     async fn vote(
@@ -146,7 +163,7 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: VoteRequest<NodeId>,
         option: RPCOption,
     ) -> RpcResult<VoteResponse<NodeId>, openraft::error::Infallible> {
-        self.call(Rpc::Vote, &rpc, option.hard_ttl()).await
+        self.call(Rpc::Vote, &rpc, None, option.hard_ttl()).await
     }
 
     /// A peer that is down is retried every 200 ms (openraft's default is 500 ms), so a restarted

@@ -238,7 +238,7 @@ impl LogDb {
     /// openraft awaits this inline on its core loop each time the commit index moves, so waiting
     /// for an fsync here would serialize every commit behind a disk flush. It is queued behind
     /// every earlier append (one FIFO), so it never points past durable entries, and it becomes
-    /// durable with the next group commit. Losing the newest value in a crash only means a
+    /// durable with the transaction the writer commits next (its own, when the writer is idle). Losing the newest value in a crash only means a
     /// restarted node re-applies a little less before hearing the commit index from the leader.
     pub fn save_committed(&self, committed: Option<LogId>) -> Result<(), StoreError> {
         self.cache().committed = committed;

@@ -40,9 +40,13 @@ impl SnapshotFile {
     }
 }
 
-/// File name for a snapshot id.
-pub fn file_name(snapshot_id: &str) -> String {
-    format!("{snapshot_id}.snap")
+/// Local file name for a snapshot. The snapshot id comes from whichever leader built it, so it
+/// is hashed rather than used as a path: a name can never escape the snapshot directory.
+pub fn file_name(meta: &SnapshotMeta) -> String {
+    use sha2::{Digest, Sha256};
+    let (term, index) = meta.last_log_id.map_or((0, 0), |l| (l.leader_id.term, l.index));
+    let id = hex::encode(&Sha256::digest(meta.snapshot_id.as_bytes())[..8]);
+    format!("{term:020}-{index:020}-{id}.snap")
 }
 
 /// Writes `bytes` to `dir/name` atomically and durably.

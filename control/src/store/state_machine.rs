@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Cursor;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use openraft::storage::{RaftStateMachine, Snapshot};
 use openraft::{AnyError, EntryPayload, OptionalSend, RaftSnapshotBuilder, StorageIOError, StoredMembership};
@@ -108,6 +108,9 @@ pub struct StateMachineStore {
     inner: Arc<RwLock<Inner>>,
     db: Arc<Database>,
     snapshot_dir: PathBuf,
+    /// Serializes every change to the snapshot files and pointer, and reads of the current
+    /// snapshot: openraft builds snapshots on a task of their own, concurrently with installs.
+    snapshot_lock: Arc<Mutex<()>>,
 }
 
 /// A consistent copy of what the state machine has applied.
@@ -214,6 +217,7 @@ impl StateMachineStore {
             inner: Arc::new(RwLock::new(inner)),
             db: Arc::new(db),
             snapshot_dir,
+            snapshot_lock: Arc::default(),
         };
         store.restore_from_snapshot_if_behind()?;
         Ok(store)
@@ -247,6 +251,10 @@ impl StateMachineStore {
         );
         self.replace_state(file.state, &pointer.meta, pointer.clone())
             .map_err(|e| StoreError::db("restoring from snapshot", e))
+    }
+
+    fn lock_snapshots(&self) -> MutexGuard<'_, ()> {
+        self.snapshot_lock.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn read(&self) -> RwLockReadGuard<'_, Inner> {
@@ -304,7 +312,7 @@ impl StateMachineStore {
 
     /// Saves a snapshot file and points the state database at it (fsync'd).
     fn save_snapshot(&self, file: &SnapshotFile, bytes: &[u8]) -> Result<SnapshotPointer, StorageError> {
-        let name = snapshot_file::file_name(&file.meta.snapshot_id);
+        let name = snapshot_file::file_name(&file.meta);
         snapshot_file::write_atomic(&self.snapshot_dir, &name, bytes)
             .map_err(|e| sm_err("writing snapshot file", e))?;
         Ok(SnapshotPointer {
@@ -370,6 +378,13 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
         let meta = file.meta.clone();
         let data = bytes.clone();
         tokio::task::spawn_blocking(move || -> Result<(), StorageError> {
+            let _guard = store.lock_snapshots();
+            // An install (or a later build) may have moved the pointer past this snapshot while
+            // it was being serialized; never move it back.
+            let current = store.read().snapshot.as_ref().and_then(|p| p.meta.last_log_id);
+            if current.is_some() && current >= file.meta.last_log_id {
+                return Ok(());
+            }
             let pointer = store.save_snapshot(&file, &bytes)?;
             store
                 .commit_pointer(&pointer)
@@ -494,6 +509,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         let store = self.clone();
         let meta = meta.clone();
         tokio::task::spawn_blocking(move || -> Result<(), StorageError> {
+            let _guard = store.lock_snapshots();
             let bytes = file.encode();
             let pointer = store.save_snapshot(&file, &bytes)?;
             store
@@ -508,17 +524,24 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
     }
 
     async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
-        let Some(pointer) = self.read().snapshot.clone() else {
-            return Ok(None);
-        };
-        let path = self.snapshot_dir.join(&pointer.file);
-        let bytes = tokio::fs::read(&path)
-            .await
-            .map_err(|e| StorageError::from(StorageIOError::read_snapshot(None, AnyError::new(&e))))?;
-        Ok(Some(Snapshot {
-            meta: pointer.meta,
-            snapshot: Box::new(Cursor::new(bytes)),
-        }))
+        let store = self.clone();
+        tokio::task::spawn_blocking(move || -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
+            // Under the lock, so a finishing build cannot delete the file between reading the
+            // pointer and reading the file.
+            let _guard = store.lock_snapshots();
+            let Some(pointer) = store.read().snapshot.clone() else {
+                return Ok(None);
+            };
+            let path = store.snapshot_dir.join(&pointer.file);
+            let bytes = std::fs::read(&path)
+                .map_err(|e| StorageError::from(StorageIOError::read_snapshot(None, AnyError::new(&e))))?;
+            Ok(Some(Snapshot {
+                meta: pointer.meta,
+                snapshot: Box::new(Cursor::new(bytes)),
+            }))
+        })
+        .await
+        .map_err(|e| sm_err("snapshot read task", e))?
     }
 }
 
