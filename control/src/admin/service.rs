@@ -215,7 +215,8 @@ impl AdminService for AdminGrpc {
     async fn add_learner(&self, req: Request<AddLearnerRequest>) -> Result<Response<MembershipReply>, Status> {
         let req = req.into_inner();
         self.check_node_id(req.node_id)?;
-        validate_peer_addr("addr", &req.addr).map_err(|e| AdminError::InvalidArgument(e.to_string()))?;
+        validate_peer_addr("addr", &req.addr)
+            .map_err(|e| AdminError::InvalidArgument(format!("{} = {}: expected {}", e.field, e.value, e.expected)))?;
         let _one_at_a_time = self.membership.lock().await;
         if self.sm.is_retired(req.node_id) {
             return Err(AdminError::FailedPrecondition(format!(

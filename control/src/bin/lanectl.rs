@@ -56,7 +56,13 @@ enum ClusterCmd {
     /// Members, leader, term and log indexes of every member.
     Status,
     /// Add a controller as a learner and wait until it has caught up.
-    Add { node_id: u64, addr: String },
+    Add {
+        node_id: u64,
+        /// `host:port` the other controllers use to reach the new one. (Not named `addr`: that
+        /// id belongs to the global `--addr` flag, and clap would let one overwrite the other.)
+        #[arg(value_name = "HOST:PORT")]
+        node_addr: String,
+    },
     /// Promote a caught-up learner to voter.
     Promote { node_id: u64 },
     /// Remove a member. Its node id can never be used again.
@@ -115,13 +121,13 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             });
         }
         Cmd::Cluster(ClusterCmd::Status) => status(&client, out).await?,
-        Cmd::Cluster(ClusterCmd::Add { node_id, addr }) => {
+        Cmd::Cluster(ClusterCmd::Add { node_id, node_addr }) => {
             if out == Output::Table {
-                eprintln!("adding node {node_id} at {addr} as a learner and waiting for it to catch up…");
+                eprintln!("adding node {node_id} at {node_addr} as a learner and waiting for it to catch up…");
             }
             let r = client
                 .call(|mut c| {
-                    let addr = addr.clone();
+                    let addr = node_addr.clone();
                     async move { c.add_learner(AddLearnerRequest { node_id, addr }).await }
                 })
                 .await?;

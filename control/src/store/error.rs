@@ -19,7 +19,7 @@ pub enum StoreError {
     )]
     NewerFormat { path: PathBuf, found: u32, supported: u32 },
     #[error(
-        "data dir {path} belongs to node {found} of cluster {found_cluster:?}, but this controller \
+        "the data in {path} belongs to node {found} of cluster {found_cluster:?}, but this controller \
          is configured as node {expected} of cluster {expected_cluster:?}; point --data-dir at \
          this node's own directory (or an empty one to join as a new node)"
     )]
@@ -30,6 +30,11 @@ pub enum StoreError {
         expected: u64,
         expected_cluster: String,
     },
+    #[error(
+        "{path} is in use by another running process (another controller on the same data dir?); \
+         stop it or give this controller its own --data-dir"
+    )]
+    InUse { path: PathBuf },
     #[error("corrupt record {what} in {path}: {message}")]
     Corrupt {
         path: PathBuf,

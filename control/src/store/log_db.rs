@@ -83,7 +83,12 @@ pub struct LogDb {
 impl LogDb {
     /// Opens or creates the log database at `path`.
     pub fn open(path: &Path, identity: &Identity) -> Result<Self, StoreError> {
-        let db = Database::create(path).map_err(|e| StoreError::db(format!("opening {}", path.display()), e))?;
+        let db = Database::create(path).map_err(|e| match e {
+            redb::DatabaseError::DatabaseAlreadyOpen => StoreError::InUse {
+                path: path.to_path_buf(),
+            },
+            other => StoreError::db(format!("opening {}", path.display()), other),
+        })?;
         Self::from_database(db, path, identity)
     }
 

@@ -67,7 +67,24 @@ async fn three_process_cluster_survives_leader_kill_and_catches_up() {
         .expect("init");
     let via3 = AdminClient::new(vec![nodes[2].addr.clone(), nodes[0].addr.clone()]);
     add(&via3, &nodes[1]).await.expect("add node 2");
-    add(&via3, &nodes[2]).await.expect("add node 3");
+    // Node 3 is added with lanectl, asking node 3 first: it knows no leader yet, so lanectl
+    // moves on to node 1.
+    let out = std::process::Command::new(lanectl_bin())
+        .args([
+            "--addr",
+            &format!("{},{}", nodes[2].addr, nodes[0].addr),
+            "cluster",
+            "add",
+            "3",
+            &nodes[2].addr,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "lanectl cluster add: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     for id in [2, 3] {
         via3.call(|mut c| async move { c.promote(PromoteRequest { node_id: id }).await })
             .await
