@@ -6,8 +6,8 @@ use std::time::Duration;
 use laneway_proto::admin::admin_service_server::AdminService;
 use laneway_proto::admin::{
     AddLearnerRequest, DeleteSettingRequest, GetSettingReply, GetSettingRequest, InitReply, InitRequest,
-    MembershipReply, NodeStatus, PromoteRequest, PutSettingRequest, RemoveRequest, SnapshotReply, SnapshotRequest,
-    StatusRequest, WriteReply,
+    MembershipReply, NodeStatus, PromoteRequest, PutSettingRequest, ReadIndexReply, ReadIndexRequest, RemoveRequest,
+    SnapshotReply, SnapshotRequest, StatusRequest, WriteReply,
 };
 use openraft::error::{ForwardToLeader, RaftError};
 use openraft::{ChangeMembers, ServerState};
@@ -16,6 +16,7 @@ use tonic::{Request, Response, Status};
 use super::error::RaftApiError;
 use super::pb_impl::{members, state_name};
 use super::AdminError;
+use crate::client::AdminClient;
 use crate::command::{validate_key, Command};
 use crate::config::validate_peer_addr;
 use crate::node::ControllerNode;
@@ -25,6 +26,8 @@ use crate::typ::{NodeId, Raft, RaftMetrics};
 
 /// How long `add` waits for a new learner to catch up before giving up.
 const LEARNER_CATCH_UP_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a follower waits to apply up to a read index before giving up on a read.
+const READ_INDEX_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long snapshot/purge requests wait for completion.
 const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -37,6 +40,8 @@ pub struct AdminGrpc {
     log: LogStore,
     sm: StateMachineStore,
     proposer: Proposer,
+    /// Connections to other controllers (a follower asks the leader for read indexes).
+    peers: AdminClient,
     /// One membership change at a time from this controller, so a concurrent `remove` and
     /// `add` of the same id cannot both pass the retired-id check.
     membership: tokio::sync::Mutex<()>,
@@ -53,6 +58,7 @@ impl AdminGrpc {
     ) -> Self {
         AdminGrpc {
             proposer: Proposer::start(raft.clone()),
+            peers: AdminClient::new(Vec::new()).with_call_timeout(READ_INDEX_TIMEOUT),
             membership: tokio::sync::Mutex::new(()),
             raft,
             node_id,
@@ -152,6 +158,44 @@ impl AdminGrpc {
                 SNAPSHOT_TIMEOUT.as_secs()
             ))
         })?
+    }
+
+    /// Returns once a read on this controller is linearizable: the leader confirms its
+    /// leadership with a quorum and names a read index, and this controller has applied it.
+    /// A follower asks the leader for the index, then waits for its own state machine, so
+    /// reads are served by every member rather than all by the leader.
+    async fn linearizable_barrier(&self) -> Result<(), AdminError> {
+        let m = self.metrics();
+        let Some(leader_id) = m.current_leader else {
+            return Err(AdminError::NoLeader { node_id: self.node_id });
+        };
+        if leader_id == self.node_id {
+            self.raft.ensure_linearizable().await.map_err(|e| self.raft_error(e))?;
+            return Ok(());
+        }
+        let addr = m
+            .membership_config
+            .membership()
+            .get_node(&leader_id)
+            .map(|n| n.addr.clone())
+            .ok_or(AdminError::NoLeader { node_id: self.node_id })?;
+        let read_index = self
+            .peers
+            .call_one(&addr, |mut c| async move { c.read_index(ReadIndexRequest {}).await })
+            .await
+            .map_err(|e| AdminError::Unavailable(format!("leader {leader_id} at {addr} gave no read index: {e}")))?
+            .read_index;
+        self.raft
+            .wait(Some(READ_INDEX_TIMEOUT))
+            .applied_index_at_least(Some(read_index), "linearizable read")
+            .await
+            .map_err(|e| {
+                AdminError::DeadlineExceeded(format!(
+                    "node {} did not apply up to read index {read_index} in time ({e}); it may be partitioned from the leader",
+                    self.node_id
+                ))
+            })?;
+        Ok(())
     }
 
     fn check_node_id(&self, node_id: u64) -> Result<(), AdminError> {
@@ -317,7 +361,7 @@ impl AdminService for AdminGrpc {
         let req = req.into_inner();
         validate_key(&req.key).map_err(|e| AdminError::InvalidArgument(e.to_string()))?;
         if req.linearizable {
-            self.raft.ensure_linearizable().await.map_err(|e| self.raft_error(e))?;
+            self.linearizable_barrier().await?;
         }
         let (value, applied) = self.sm.get_setting(&req.key);
         Ok(Response::new(GetSettingReply {
@@ -356,6 +400,13 @@ impl AdminService for AdminGrpc {
         Ok(Response::new(SnapshotReply {
             snapshot_index,
             purged_index,
+        }))
+    }
+
+    async fn read_index(&self, _req: Request<ReadIndexRequest>) -> Result<Response<ReadIndexReply>, Status> {
+        let (read_log_id, _applied) = self.raft.get_read_log_id().await.map_err(|e| self.raft_error(e))?;
+        Ok(Response::new(ReadIndexReply {
+            read_index: read_log_id.map_or(0, |l| l.index),
         }))
     }
 }
