@@ -11,6 +11,7 @@ pub mod config;
 pub mod dev;
 pub mod network;
 pub mod node;
+pub mod planner;
 pub mod proposer;
 pub mod server;
 pub mod store;

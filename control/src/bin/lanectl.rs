@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use laneway_control::client::AdminClient;
+use laneway_control::planner;
 use laneway_proto::admin::{
     AddLearnerRequest, DeleteSettingRequest, GetSettingRequest, InitRequest, MembershipReply, NodeStatus,
     PromoteRequest, PutSettingRequest, RemoveRequest, SnapshotRequest, StatusRequest,
@@ -47,6 +48,15 @@ enum Cmd {
     /// Replicated cluster settings (string key/value).
     #[command(subcommand)]
     Settings(SettingsCmd),
+    /// Capacity plan from a scenario file: cards, bill, warm floor, tiers, and what 3x/10x
+    /// traffic does before new cards arrive (pure computation; no cluster needed).
+    Plan {
+        /// Scenario TOML (see deploy/examples/fleet.toml).
+        scenario: std::path::PathBuf,
+        /// Overload factors to plan for.
+        #[arg(long, value_delimiter = ',', default_value = "3,10")]
+        scale: Vec<f64>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -106,6 +116,9 @@ fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
+    if let Cmd::Plan { scenario, scale } = &cli.command {
+        return plan(scenario, scale, cli.output);
+    }
     let client = AdminClient::new(cli.addr.clone()).with_retry_for(Duration::from_secs(cli.retry_secs));
     let out = cli.output;
     match cli.command {
@@ -189,6 +202,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 format!("committed at index {}", r.log_index)
             });
         }
+        Cmd::Plan { .. } => unreachable!("handled before connecting"),
         Cmd::Settings(SettingsCmd::Delete { key }) => {
             let r = client
                 .call(|mut c| {
@@ -200,6 +214,19 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 format!("committed at index {}", r.log_index)
             });
         }
+    }
+    Ok(())
+}
+
+fn plan(scenario: &std::path::Path, scale: &[f64], out: Output) -> anyhow::Result<()> {
+    if let Some(bad) = scale.iter().find(|f| !(f.is_finite() && **f >= 1.0)) {
+        anyhow::bail!("--scale {bad}: overload factors must be numbers >= 1, e.g. --scale 3,10");
+    }
+    let scenario = planner::Scenario::from_file(scenario)?;
+    let plan = planner::plan(&scenario, scale)?;
+    match out {
+        Output::Json => println!("{}", serde_json::to_string_pretty(&plan)?),
+        Output::Table => print!("{}", planner::report::render(&plan)),
     }
     Ok(())
 }

@@ -2,5 +2,6 @@
 
 mod cluster;
 mod harness;
+mod plan_cli;
 mod power_loss;
 mod store_suite;
