@@ -1,0 +1,130 @@
+//! `laneway-agent`: the Laneway node agent.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use laneway_agent::gpu::nvml::NvmlBackend;
+use laneway_agent::gpu::sim::SimBackend;
+use laneway_agent::gpu::{Gpu, GpuBackend, GpuError};
+
+#[derive(Parser)]
+#[command(name = "laneway-agent", version, about = "Laneway node agent")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Backend {
+    /// Real GPUs through NVML (needs the NVIDIA driver).
+    Nvml,
+    /// Simulated GPUs described by --sim-config.
+    Sim,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum Output {
+    Table,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Print this host's GPU inventory: the first thing to run on a new host.
+    Gpus {
+        #[arg(long, value_enum, default_value_t = Backend::Nvml, env = "LANEWAY_GPU_BACKEND")]
+        backend: Backend,
+        /// Simulated GPU description (TOML), for --backend sim.
+        #[arg(long, env = "LANEWAY_SIM_CONFIG")]
+        sim_config: Option<PathBuf>,
+        #[arg(short, long, value_enum, default_value_t = Output::Table)]
+        output: Output,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Cmd::Gpus {
+            backend,
+            sim_config,
+            output,
+        } => {
+            let backend: Box<dyn GpuBackend> = match open(backend, sim_config) {
+                Ok(b) => b,
+                Err((code, msg)) => {
+                    eprintln!("laneway-agent: {msg}");
+                    return ExitCode::from(code);
+                }
+            };
+            match backend.inventory() {
+                Ok(gpus) => {
+                    print(&gpus, output);
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("laneway-agent: {e}");
+                    ExitCode::from(1)
+                }
+            }
+        }
+    }
+}
+
+/// Opens the backend; a missing or bad --sim-config is a usage error (exit 2), a host without
+/// NVML an environment error (exit 1).
+fn open(backend: Backend, sim_config: Option<PathBuf>) -> Result<Box<dyn GpuBackend>, (u8, String)> {
+    match backend {
+        Backend::Nvml => NvmlBackend::new()
+            .map(|b| Box::new(b) as Box<dyn GpuBackend>)
+            .map_err(|e| (1, e.to_string())),
+        Backend::Sim => {
+            let path = sim_config.ok_or((
+                2,
+                "--backend sim needs --sim-config FILE (see deploy/examples/sim-node.toml)".to_string(),
+            ))?;
+            SimBackend::from_file(&path)
+                .map(|b| Box::new(b) as Box<dyn GpuBackend>)
+                .map_err(|e: GpuError| (2, e.to_string()))
+        }
+    }
+}
+
+fn print(gpus: &[Gpu], output: Output) {
+    if output == Output::Json {
+        println!("{}", serde_json::to_string_pretty(gpus).expect("inventory serializes"));
+        return;
+    }
+    const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
+    println!(
+        "{:>3}  {:<12} {:<40} {:>10} {:>5}  {:<8} HEALTH",
+        "IDX", "PRODUCT", "UUID", "MEMORY", "UTIL", "MIG"
+    );
+    for g in gpus {
+        let mig = match (g.mig.capable, g.mig.enabled) {
+            (false, _) => "-".to_string(),
+            (true, false) => "off".to_string(),
+            (true, true) => format!("on ({})", g.mig.devices.len()),
+        };
+        let health = if g.health.healthy {
+            "ok".to_string()
+        } else {
+            g.health.reason.clone().unwrap_or_else(|| "unhealthy".into())
+        };
+        println!(
+            "{:>3}  {:<12} {:<40} {:>4.0}/{:<3.0}GiB {:>4}%  {:<8} {}",
+            g.index,
+            g.product.to_string(),
+            g.uuid,
+            g.memory_used_bytes as f64 / GIB,
+            g.memory_total_bytes as f64 / GIB,
+            g.utilisation_pct,
+            mig,
+            health
+        );
+        for d in &g.mig.devices {
+            println!("       └─ {:<10} {}", d.profile, d.uuid);
+        }
+    }
+}

@@ -1,0 +1,8 @@
+//! Laneway node agent.
+//!
+//! Runs on every GPU host: reports the GPU inventory (through NVML, or a simulated backend for
+//! dev mode, tests and chaos), applies MIG geometry, and — as later work lands — supervises
+//! model replicas, keeps the local weight cache and heartbeats to the controllers.
+
+pub mod gpu;
+pub mod mig;

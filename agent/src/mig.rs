@@ -1,0 +1,290 @@
+//! MIG geometry: declarative per-GPU layouts in mig-parted profile names, validated against the
+//! product's profile table, applied only to a drained GPU, idempotently.
+//!
+//! MIG geometry is a capacity plan, not an autoscaling lever (DESIGN §4): changing it destroys
+//! every MIG device on the GPU, so the controller drains the GPU before it asks for a change.
+
+use std::collections::BTreeMap;
+
+use crate::gpu::{GpuBackend, GpuError, Product};
+
+/// One MIG profile: the compute slices (of 7) and memory slices (of 8) it takes, and how many
+/// of it fit on one GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProfileSpec {
+    pub name: &'static str,
+    pub compute_slices: u32,
+    pub memory_slices: u32,
+    pub max_per_gpu: u32,
+}
+
+const fn p(name: &'static str, compute_slices: u32, memory_slices: u32, max_per_gpu: u32) -> ProfileSpec {
+    ProfileSpec {
+        name,
+        compute_slices,
+        memory_slices,
+        max_per_gpu,
+    }
+}
+
+const A100_40GB: &[ProfileSpec] = &[
+    p("1g.5gb", 1, 1, 7),
+    p("1g.10gb", 1, 2, 4),
+    p("2g.10gb", 2, 2, 3),
+    p("3g.20gb", 3, 4, 2),
+    p("4g.20gb", 4, 4, 1),
+    p("7g.40gb", 7, 8, 1),
+];
+const X_80GB: &[ProfileSpec] = &[
+    p("1g.10gb", 1, 1, 7),
+    p("1g.20gb", 1, 2, 4),
+    p("2g.20gb", 2, 2, 3),
+    p("3g.40gb", 3, 4, 2),
+    p("4g.40gb", 4, 4, 1),
+    p("7g.80gb", 7, 8, 1),
+];
+const H200: &[ProfileSpec] = &[
+    p("1g.18gb", 1, 1, 7),
+    p("1g.35gb", 1, 2, 4),
+    p("2g.35gb", 2, 2, 3),
+    p("3g.71gb", 3, 4, 2),
+    p("4g.71gb", 4, 4, 1),
+    p("7g.141gb", 7, 8, 1),
+];
+const B200: &[ProfileSpec] = &[
+    p("1g.23gb", 1, 1, 7),
+    p("1g.45gb", 1, 2, 4),
+    p("2g.45gb", 2, 2, 3),
+    p("3g.90gb", 3, 4, 2),
+    p("4g.90gb", 4, 4, 1),
+    p("7g.180gb", 7, 8, 1),
+];
+
+/// The MIG profiles of a product; `None` for products without MIG.
+pub fn profiles(product: &Product) -> Option<&'static [ProfileSpec]> {
+    match product {
+        Product::A100_40GB => Some(A100_40GB),
+        Product::A100_80GB | Product::H100_80GB => Some(X_80GB),
+        Product::H200 => Some(H200),
+        Product::B200 => Some(B200),
+        Product::L4 | Product::L40S | Product::Other(_) => None,
+    }
+}
+
+/// A geometry: profile name → how many devices of it.
+pub type Geometry = BTreeMap<String, u32>;
+
+/// Why a geometry was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum MigError {
+    #[error("{product} GPU {uuid} has no MIG; it supports time-slicing only, so give it whole-card replicas")]
+    NotMigCapable { product: Product, uuid: String },
+    #[error("{profile:?} is not a MIG profile of {product}; valid profiles: {valid}")]
+    UnknownProfile {
+        profile: String,
+        product: Product,
+        valid: String,
+    },
+    #[error("{count} x {profile} requested, but at most {max} fit on one {product}")]
+    TooMany {
+        profile: String,
+        count: u32,
+        max: u32,
+        product: Product,
+    },
+    #[error("the geometry needs {needed} of 7 compute slices on {product}; remove or shrink devices")]
+    ComputeOverflow { needed: u32, product: Product },
+    #[error("the geometry needs {needed} of 8 memory slices on {product}; remove or shrink devices")]
+    MemoryOverflow { needed: u32, product: Product },
+    #[error("GPU {uuid} still runs {replicas} replica(s); drain it before changing its MIG geometry")]
+    ReplicasRunning { uuid: String, replicas: usize },
+    #[error(transparent)]
+    Backend(#[from] GpuError),
+}
+
+/// Checks a geometry against the product's profile table.
+pub fn validate(product: &Product, uuid: &str, geometry: &Geometry) -> Result<(), MigError> {
+    let table = profiles(product).ok_or_else(|| MigError::NotMigCapable {
+        product: product.clone(),
+        uuid: uuid.to_string(),
+    })?;
+    let (mut compute, mut memory) = (0, 0);
+    for (name, &count) in geometry {
+        let spec = table
+            .iter()
+            .find(|s| s.name == name)
+            .ok_or_else(|| MigError::UnknownProfile {
+                profile: name.clone(),
+                product: product.clone(),
+                valid: table.iter().map(|s| s.name).collect::<Vec<_>>().join(", "),
+            })?;
+        if count > spec.max_per_gpu {
+            return Err(MigError::TooMany {
+                profile: name.clone(),
+                count,
+                max: spec.max_per_gpu,
+                product: product.clone(),
+            });
+        }
+        compute += spec.compute_slices * count;
+        memory += spec.memory_slices * count;
+    }
+    if compute > 7 {
+        return Err(MigError::ComputeOverflow {
+            needed: compute,
+            product: product.clone(),
+        });
+    }
+    if memory > 8 {
+        return Err(MigError::MemoryOverflow {
+            needed: memory,
+            product: product.clone(),
+        });
+    }
+    Ok(())
+}
+
+/// The devices a geometry expands to, largest first (the order NVIDIA recommends creating them).
+pub fn device_list(product: &Product, geometry: &Geometry) -> Vec<String> {
+    let table = profiles(product).unwrap_or(&[]);
+    let mut out: Vec<(u32, u32, String)> = Vec::new();
+    for (name, &count) in geometry {
+        let (c, m) = table
+            .iter()
+            .find(|s| s.name == name)
+            .map_or((0, 0), |s| (s.compute_slices, s.memory_slices));
+        for _ in 0..count {
+            out.push((c, m, name.clone()));
+        }
+    }
+    out.sort_by(|a, b| (b.0, b.1).cmp(&(a.0, a.1)).then(a.2.cmp(&b.2)));
+    out.into_iter().map(|(_, _, n)| n).collect()
+}
+
+/// What [`apply`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Applied {
+    /// The GPU already had this geometry; nothing was touched.
+    Unchanged,
+    /// The MIG devices were replaced.
+    Changed { devices: Vec<String> },
+}
+
+/// Applies `geometry` to GPU `uuid`: validated, idempotent, refused while replicas run on it.
+pub fn apply(
+    backend: &dyn GpuBackend,
+    uuid: &str,
+    geometry: &Geometry,
+    running_replicas: usize,
+) -> Result<Applied, MigError> {
+    let gpu = backend
+        .inventory()?
+        .into_iter()
+        .find(|g| g.uuid == uuid)
+        .ok_or_else(|| GpuError::UnknownGpu(uuid.to_string()))?;
+    validate(&gpu.product, uuid, geometry)?;
+    let desired = device_list(&gpu.product, geometry);
+    let mut current: Vec<String> = gpu.mig.devices.iter().map(|d| d.profile.clone()).collect();
+    let mut wanted = desired.clone();
+    current.sort();
+    wanted.sort();
+    if current == wanted && (gpu.mig.enabled || desired.is_empty()) {
+        return Ok(Applied::Unchanged);
+    }
+    if running_replicas > 0 {
+        return Err(MigError::ReplicasRunning {
+            uuid: uuid.to_string(),
+            replicas: running_replicas,
+        });
+    }
+    backend.set_mig_devices(uuid, &desired)?;
+    Ok(Applied::Changed { devices: desired })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu::sim::SimBackend;
+
+    /// A product, a geometry, and (for invalid ones) what the error must say.
+    type Case<'a> = (Product, &'a [(&'a str, u32)], &'a str);
+
+    fn geo(items: &[(&str, u32)]) -> Geometry {
+        items.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+    }
+
+    #[test]
+    fn valid_geometries_per_product() {
+        let ok: &[(Product, &[(&str, u32)])] = &[
+            (Product::H100_80GB, &[("1g.10gb", 7)]),
+            (Product::H100_80GB, &[("3g.40gb", 2)]),
+            (Product::H100_80GB, &[("4g.40gb", 1), ("2g.20gb", 1), ("1g.10gb", 1)]),
+            (Product::H100_80GB, &[("7g.80gb", 1)]),
+            (Product::H200, &[("1g.18gb", 7)]),
+            (Product::H200, &[("3g.71gb", 1), ("1g.35gb", 2)]),
+            (Product::A100_40GB, &[("3g.20gb", 1), ("2g.10gb", 1), ("1g.5gb", 2)]),
+        ];
+        for (product, g) in ok {
+            validate(product, "GPU-x", &geo(g)).unwrap_or_else(|e| panic!("{product} {g:?}: {e}"));
+        }
+    }
+
+    #[test]
+    fn invalid_geometries_say_why() {
+        let cases: &[Case] = &[
+            (Product::H100_80GB, &[("1g.10gb", 8)], "at most 7"),
+            (Product::H100_80GB, &[("7g.80gb", 1), ("1g.10gb", 1)], "compute slices"),
+            (Product::H100_80GB, &[("3g.40gb", 2), ("1g.20gb", 1)], "memory slices"),
+            (Product::H100_80GB, &[("4g.40gb", 1), ("1g.20gb", 3)], "memory slices"),
+            (Product::H100_80GB, &[("1g.18gb", 1)], "not a MIG profile of H100-80GB"),
+            (Product::H200, &[("1g.10gb", 1)], "valid profiles: 1g.18gb"),
+            (Product::L4, &[("1g.10gb", 1)], "time-slicing only"),
+            (Product::L40S, &[("1g.10gb", 1)], "time-slicing only"),
+        ];
+        for (product, g, want) in cases {
+            let e = validate(product, "GPU-x", &geo(g)).expect_err(want).to_string();
+            assert!(e.contains(want), "{product} {g:?}: {e}");
+        }
+    }
+
+    fn node() -> SimBackend {
+        SimBackend::from_toml("node = \"n\"\n[[gpu]]\nproduct = \"H100-80GB\"\n[[gpu]]\nproduct = \"L4\"\n").unwrap()
+    }
+
+    #[test]
+    fn apply_is_idempotent_and_refused_while_replicas_run() {
+        let b = node();
+        let g = geo(&[("3g.40gb", 1), ("1g.10gb", 2)]);
+        let h100 = "GPU-sim-n-0";
+        assert_eq!(
+            apply(&b, h100, &g, 0).unwrap(),
+            Applied::Changed {
+                devices: vec!["3g.40gb".into(), "1g.10gb".into(), "1g.10gb".into()]
+            }
+        );
+        let inv = b.inventory().unwrap();
+        assert!(inv[0].mig.enabled);
+        assert_eq!(inv[0].mig.devices.len(), 3);
+        assert!(inv[0].mig.devices.iter().all(|d| d.uuid.starts_with("MIG-")));
+        // Same geometry again: nothing to do, even with replicas running on it.
+        assert_eq!(apply(&b, h100, &g, 2).unwrap(), Applied::Unchanged);
+        // A different geometry while replicas run: refused, and the GPU is untouched.
+        let e = apply(&b, h100, &geo(&[("7g.80gb", 1)]), 1).unwrap_err();
+        assert!(matches!(e, MigError::ReplicasRunning { .. }), "{e}");
+        assert_eq!(b.inventory().unwrap()[0].mig.devices.len(), 3);
+        // Drained: applied.
+        assert!(matches!(
+            apply(&b, h100, &geo(&[("7g.80gb", 1)]), 0).unwrap(),
+            Applied::Changed { .. }
+        ));
+    }
+
+    #[test]
+    fn apply_refuses_non_mig_products_and_unknown_gpus() {
+        let b = node();
+        let e = apply(&b, "GPU-sim-n-1", &geo(&[("1g.10gb", 1)]), 0).unwrap_err();
+        assert!(matches!(e, MigError::NotMigCapable { .. }), "{e}");
+        let e = apply(&b, "GPU-nope", &geo(&[("1g.10gb", 1)]), 0).unwrap_err();
+        assert!(e.to_string().contains("no GPU with UUID GPU-nope"), "{e}");
+    }
+}
