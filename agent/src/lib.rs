@@ -6,3 +6,4 @@
 
 pub mod gpu;
 pub mod mig;
+pub mod weight_cache;
