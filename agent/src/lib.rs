@@ -6,4 +6,5 @@
 
 pub mod gpu;
 pub mod mig;
+pub mod sim_model;
 pub mod weight_cache;

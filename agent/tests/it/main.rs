@@ -1,5 +1,7 @@
 //! `laneway-agent` binary tests.
 
+mod sim_model;
+
 use std::process::Command;
 
 fn agent() -> Command {

@@ -1,0 +1,101 @@
+//! `laneway-sim-model`: simulated model server (KServe v2 over HTTP).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use laneway_agent::sim_model::{app, Faults, SimModelConfig};
+
+#[derive(Parser)]
+#[command(name = "laneway-sim-model", version, about = "Simulated model server for Laneway")]
+struct Cli {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    listen: SocketAddr,
+    /// Model name served.
+    #[arg(long)]
+    model: String,
+    /// GPU product this replica runs on (picks the service time).
+    #[arg(long)]
+    product: String,
+    /// Service time per batch by product, e.g. `L4=150,L40S=90,H100-80GB=45` (ms).
+    #[arg(long, value_delimiter = ',', value_parser = parse_pair)]
+    service_ms: Vec<(String, f64)>,
+    /// Largest batch.
+    #[arg(long, default_value_t = 8)]
+    max_batch: usize,
+    /// How long the first request of a batch waits for company, ms.
+    #[arg(long, default_value_t = 5)]
+    batch_window_ms: u64,
+    /// Crash (exit 101) on the request after this many were served.
+    #[arg(long)]
+    crash_after: Option<u64>,
+    /// Stop answering after this many requests.
+    #[arg(long)]
+    hang_after: Option<u64>,
+    /// Report not-ready for this long after start, ms.
+    #[arg(long, default_value_t = 0)]
+    slow_start_ms: u64,
+    /// Fraction of requests answered with HTTP 500.
+    #[arg(long, default_value_t = 0.0)]
+    error_rate: f64,
+    /// Seed of the failure RNG.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+fn parse_pair(s: &str) -> Result<(String, f64), String> {
+    let (k, v) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?}: expected PRODUCT=MS, e.g. L4=150"))?;
+    let ms: f64 = v
+        .parse()
+        .map_err(|_| format!("{s:?}: {v:?} is not a number of milliseconds"))?;
+    Ok((k.to_string(), ms))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt().with_writer(std::io::stderr).init();
+    let cfg = SimModelConfig {
+        model: cli.model,
+        product: cli.product,
+        service_ms: cli.service_ms.into_iter().collect::<BTreeMap<_, _>>(),
+        max_batch: cli.max_batch,
+        batch_window: Duration::from_millis(cli.batch_window_ms),
+        faults: Faults {
+            crash_after: cli.crash_after,
+            hang_after: cli.hang_after,
+            slow_start: Duration::from_millis(cli.slow_start_ms),
+            error_rate: cli.error_rate,
+            seed: cli.seed,
+        },
+    };
+    let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
+    rt.block_on(async move {
+        let router = match app(cfg) {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("laneway-sim-model: {e}");
+                return ExitCode::from(2);
+            }
+        };
+        let listener = match tokio::net::TcpListener::bind(cli.listen).await {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("laneway-sim-model: cannot listen on {}: {e}", cli.listen);
+                return ExitCode::from(1);
+            }
+        };
+        println!("laneway-sim-model listening on {}", cli.listen);
+        match axum::serve(listener, router).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("laneway-sim-model: {e}");
+                ExitCode::from(1)
+            }
+        }
+    })
+}
