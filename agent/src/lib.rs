@@ -7,4 +7,5 @@
 pub mod gpu;
 pub mod mig;
 pub mod sim_model;
+pub mod supervisor;
 pub mod weight_cache;

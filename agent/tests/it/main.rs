@@ -1,6 +1,7 @@
 //! `laneway-agent` binary tests.
 
 mod sim_model;
+mod supervisor;
 
 use std::process::Command;
 

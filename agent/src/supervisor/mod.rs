@@ -1,0 +1,401 @@
+//! Replica supervisor: starts model-server processes pinned to their GPU or MIG device, waits
+//! for health and warm-up before reporting Ready, restarts crashes with exponential backoff
+//! (reporting a crash loop upward), drains gracefully, and re-adopts or reaps the replicas an
+//! earlier incarnation of the agent left running.
+
+pub mod process;
+pub mod spec;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use serde::Serialize;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use process::{find_orphans, spawn, Orphan, Proc};
+pub use spec::{ReplicaSpec, RuntimeSpec, Warmup};
+
+/// Supervisor settings.
+#[derive(Debug, Clone)]
+pub struct SupervisorConfig {
+    /// Agent directory: replica logs go to `<dir>/replicas/<id>.log`.
+    pub dir: PathBuf,
+    /// First restart delay; doubles per consecutive crash. Default 1 s.
+    pub backoff_initial: Duration,
+    /// Longest restart delay. Default 30 s.
+    pub backoff_max: Duration,
+    /// Consecutive crashes after which the replica is reported as crash-looping. Default 5.
+    pub crash_loop_after: u32,
+    /// A replica Ready this long has its crash count reset. Default 60 s.
+    pub stable_after: Duration,
+}
+
+impl SupervisorConfig {
+    pub fn new(dir: PathBuf) -> Self {
+        SupervisorConfig {
+            dir,
+            backoff_initial: Duration::from_secs(1),
+            backoff_max: Duration::from_secs(30),
+            crash_loop_after: 5,
+            stable_after: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Lifecycle state of a replica, as reported upward.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum ReplicaState {
+    Starting,
+    Ready,
+    Draining,
+    Stopped,
+    /// Crashed; restarting after a delay.
+    Backoff {
+        restarts: u32,
+        last_exit: String,
+    },
+    /// Crashed `restarts` times in a row; still retrying at the longest delay.
+    CrashLoop {
+        restarts: u32,
+        last_exit: String,
+    },
+}
+
+/// A replica's status.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ReplicaStatus {
+    pub id: String,
+    pub model: String,
+    pub device: String,
+    pub port: u16,
+    pub pid: Option<i32>,
+    #[serde(flatten)]
+    pub state: ReplicaState,
+}
+
+/// Why a supervisor call failed.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SupervisorError {
+    #[error("{0}")]
+    InvalidSpec(String),
+    #[error("replica {0} is already supervised")]
+    Duplicate(String),
+    #[error("no replica {0} on this agent")]
+    Unknown(String),
+}
+
+/// Counts a replica's requests in flight (from the router side); drain waits for zero.
+pub type InFlight = Arc<dyn Fn() -> u64 + Send + Sync>;
+
+struct Drain {
+    in_flight: InFlight,
+    timeout: Duration,
+    grace: Duration,
+    done: oneshot::Sender<()>,
+}
+
+struct Handle {
+    status: watch::Receiver<ReplicaStatus>,
+    drain: mpsc::Sender<Drain>,
+    task: JoinHandle<()>,
+}
+
+/// Supervises the replicas of one agent.
+pub struct Supervisor {
+    cfg: SupervisorConfig,
+    http: reqwest::Client,
+    replicas: Mutex<HashMap<String, Handle>>,
+}
+
+impl Drop for Supervisor {
+    fn drop(&mut self) {
+        // Stop supervising, but leave the processes running: replicas keep serving while the
+        // agent restarts, and the next incarnation re-adopts them.
+        for h in self.replicas.lock().unwrap_or_else(|p| p.into_inner()).values() {
+            h.task.abort();
+        }
+    }
+}
+
+/// What [`Supervisor::recover`] found.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Recovered {
+    pub adopted: Vec<String>,
+    pub reaped: Vec<String>,
+}
+
+fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+impl Supervisor {
+    pub fn new(cfg: SupervisorConfig) -> Self {
+        Supervisor {
+            cfg,
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(30))
+                .build()
+                .expect("http client"),
+            replicas: Mutex::default(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Handle>> {
+        self.replicas.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Starts supervising a new replica.
+    pub fn start(&self, spec: ReplicaSpec) -> Result<(), SupervisorError> {
+        self.launch(spec, None)
+    }
+
+    fn launch(&self, spec: ReplicaSpec, adopted: Option<Orphan>) -> Result<(), SupervisorError> {
+        spec.validate().map_err(SupervisorError::InvalidSpec)?;
+        let mut map = self.lock();
+        if map
+            .get(&spec.id)
+            .is_some_and(|h| h.status.borrow().state != ReplicaState::Stopped)
+        {
+            return Err(SupervisorError::Duplicate(spec.id));
+        }
+        let initial = ReplicaStatus {
+            id: spec.id.clone(),
+            model: spec.model.clone(),
+            device: spec.device.clone(),
+            port: adopted.as_ref().map_or(0, |o| o.port),
+            pid: adopted.as_ref().map(|o| o.pid),
+            state: ReplicaState::Starting,
+        };
+        let (status_tx, status) = watch::channel(initial);
+        let (drain, drain_rx) = mpsc::channel(1);
+        let task = tokio::spawn(run(
+            self.cfg.clone(),
+            self.http.clone(),
+            spec.clone(),
+            adopted.map(|o| (Proc::Adopted(o.pid), o.port)),
+            status_tx,
+            drain_rx,
+        ));
+        map.insert(spec.id, Handle { status, drain, task });
+        Ok(())
+    }
+
+    /// After an agent restart: re-adopts the running replicas that are still desired and reaps
+    /// the others (SIGTERM, then SIGKILL after `grace`).
+    pub async fn recover(&self, desired: &[ReplicaSpec], grace: Duration) -> Recovered {
+        let mut out = Recovered::default();
+        for orphan in find_orphans(&self.cfg.dir) {
+            match desired.iter().find(|s| s.id == orphan.replica_id) {
+                Some(spec) if self.launch(spec.clone(), Some(orphan.clone())).is_ok() => {
+                    tracing::info!(replica = %orphan.replica_id, pid = orphan.pid, "re-adopted replica after agent restart");
+                    out.adopted.push(orphan.replica_id);
+                }
+                _ => {
+                    tracing::info!(replica = %orphan.replica_id, pid = orphan.pid, "reaping replica that is no longer desired");
+                    let mut p = Proc::Adopted(orphan.pid);
+                    stop(&mut p, grace).await;
+                    out.reaped.push(orphan.replica_id);
+                }
+            }
+        }
+        out
+    }
+
+    /// Current status of every replica.
+    pub fn status(&self) -> Vec<ReplicaStatus> {
+        let mut v: Vec<ReplicaStatus> = self.lock().values().map(|h| h.status.borrow().clone()).collect();
+        v.sort_by(|a, b| a.id.cmp(&b.id));
+        v
+    }
+
+    /// A watch on one replica's status.
+    pub fn watch(&self, id: &str) -> Result<watch::Receiver<ReplicaStatus>, SupervisorError> {
+        self.lock()
+            .get(id)
+            .map(|h| h.status.clone())
+            .ok_or_else(|| SupervisorError::Unknown(id.to_string()))
+    }
+
+    /// Drains a replica: reports Draining (so no new work is routed to it), waits up to
+    /// `timeout` for `in_flight` to reach zero, then SIGTERM, then SIGKILL after `grace`.
+    pub async fn drain(
+        &self,
+        id: &str,
+        in_flight: InFlight,
+        timeout: Duration,
+        grace: Duration,
+    ) -> Result<(), SupervisorError> {
+        let tx = self
+            .lock()
+            .get(id)
+            .map(|h| h.drain.clone())
+            .ok_or_else(|| SupervisorError::Unknown(id.to_string()))?;
+        let (done, rx) = oneshot::channel();
+        if tx
+            .send(Drain {
+                in_flight,
+                timeout,
+                grace,
+                done,
+            })
+            .await
+            .is_ok()
+        {
+            let _ = rx.await;
+        }
+        Ok(())
+    }
+}
+
+/// SIGTERM, then SIGKILL if it is still running after `grace`.
+async fn stop(p: &mut Proc, grace: Duration) {
+    p.signal(Signal::SIGTERM);
+    if tokio::time::timeout(grace, p.wait()).await.is_err() {
+        p.signal(Signal::SIGKILL);
+        p.wait().await;
+    }
+}
+
+/// Polls health, then sends the warm-up request.
+async fn wait_ready(http: &reqwest::Client, spec: &ReplicaSpec, port: u16) -> Result<(), String> {
+    let base = format!("http://127.0.0.1:{port}");
+    let deadline = Instant::now() + spec.start_timeout();
+    loop {
+        let ok = http
+            .get(format!("{base}{}", spec.runtime.health_path))
+            .timeout(Duration::from_secs(2))
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success());
+        if ok {
+            break;
+        }
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "not healthy at {}{} within {} ms",
+                base, spec.runtime.health_path, spec.runtime.start_timeout_ms
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    if let Some(w) = &spec.runtime.warmup {
+        let r = http
+            .post(format!("{base}{}", w.path))
+            .header("content-type", "application/json")
+            .body(w.body.clone())
+            .send()
+            .await
+            .map_err(|e| format!("warm-up request failed: {e}"))?;
+        if !r.status().is_success() {
+            return Err(format!("warm-up request answered {}", r.status()));
+        }
+    }
+    Ok(())
+}
+
+/// The life of one replica: start (or adopt), health, Ready, and restarts with backoff, until
+/// it is drained.
+async fn run(
+    cfg: SupervisorConfig,
+    http: reqwest::Client,
+    spec: ReplicaSpec,
+    mut adopted: Option<(Proc, u16)>,
+    status: watch::Sender<ReplicaStatus>,
+    mut drains: mpsc::Receiver<Drain>,
+) {
+    let set = |state: ReplicaState, port: Option<u16>, pid: Option<Option<i32>>| {
+        status.send_modify(|s| {
+            s.state = state;
+            if let Some(p) = port {
+                s.port = p;
+            }
+            if let Some(p) = pid {
+                s.pid = p;
+            }
+        });
+    };
+    let log = cfg.dir.join("replicas").join(format!("{}.log", spec.id));
+    let _ = std::fs::create_dir_all(cfg.dir.join("replicas"));
+    let mut restarts: u32 = 0;
+    loop {
+        let started = match adopted.take() {
+            Some(a) => Ok(a),
+            None => free_port().and_then(|port| spawn(&spec, port, &cfg.dir, &log).map(|p| (p, port))),
+        };
+        let last_exit = match started {
+            Err(e) => format!("could not start {:?}: {e}", spec.runtime.command[0]),
+            Ok((mut p, port)) => {
+                set(ReplicaState::Starting, Some(port), Some(p.pid()));
+                let outcome = tokio::select! {
+                    r = wait_ready(&http, &spec, port) => r.map_err(|e| (e, true)),
+                    exit = p.wait() => Err((format!("exited while starting: {exit}"), false)),
+                    Some(d) = drains.recv() => {
+                        drain(&mut p, d, &set).await;
+                        return;
+                    }
+                };
+                match outcome {
+                    Err((reason, still_running)) => {
+                        if still_running {
+                            p.signal(Signal::SIGKILL);
+                            p.wait().await;
+                        }
+                        reason
+                    }
+                    Ok(()) => {
+                        set(ReplicaState::Ready, None, None);
+                        let ready_at = Instant::now();
+                        let exit = tokio::select! {
+                            exit = p.wait() => exit,
+                            Some(d) = drains.recv() => {
+                                drain(&mut p, d, &set).await;
+                                return;
+                            }
+                        };
+                        if ready_at.elapsed() >= cfg.stable_after {
+                            restarts = 0;
+                        }
+                        format!("exited after being ready: {exit}")
+                    }
+                }
+            }
+        };
+        restarts += 1;
+        let delay = cfg
+            .backoff_initial
+            .saturating_mul(1u32 << (restarts - 1).min(16))
+            .min(cfg.backoff_max);
+        tracing::warn!(replica = %spec.id, restarts, delay_ms = delay.as_millis() as u64, reason = %last_exit, "replica crashed; restarting");
+        let state = if restarts >= cfg.crash_loop_after {
+            ReplicaState::CrashLoop { restarts, last_exit }
+        } else {
+            ReplicaState::Backoff { restarts, last_exit }
+        };
+        set(state, None, Some(None));
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            Some(d) = drains.recv() => {
+                set(ReplicaState::Stopped, None, None);
+                let _ = d.done.send(());
+                return;
+            }
+        }
+    }
+}
+
+async fn drain(p: &mut Proc, d: Drain, set: &impl Fn(ReplicaState, Option<u16>, Option<Option<i32>>)) {
+    set(ReplicaState::Draining, None, None);
+    let deadline = Instant::now() + d.timeout;
+    while (d.in_flight)() > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop(p, d.grace).await;
+    set(ReplicaState::Stopped, None, Some(None));
+    let _ = d.done.send(());
+}

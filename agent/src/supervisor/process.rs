@@ -1,0 +1,136 @@
+//! The process edge of the supervisor: spawning replicas, signalling them, and finding the ones
+//! a previous incarnation of the agent started.
+//!
+//! Every replica is started with `LANEWAY_AGENT_DIR`, `LANEWAY_REPLICA_ID` and
+//! `LANEWAY_REPLICA_PORT` in its environment, so after an agent restart its replicas are found
+//! from `/proc` alone — the authoritative record, whatever a lazily flushed local index says.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+use super::spec::ReplicaSpec;
+
+pub const ENV_AGENT_DIR: &str = "LANEWAY_AGENT_DIR";
+pub const ENV_REPLICA_ID: &str = "LANEWAY_REPLICA_ID";
+pub const ENV_REPLICA_PORT: &str = "LANEWAY_REPLICA_PORT";
+
+/// A replica process: a child of this agent, or one adopted from a previous incarnation.
+pub enum Proc {
+    Child(tokio::process::Child),
+    Adopted(i32),
+}
+
+impl Proc {
+    pub fn pid(&self) -> Option<i32> {
+        match self {
+            Proc::Child(c) => c.id().map(|p| p as i32),
+            Proc::Adopted(p) => Some(*p),
+        }
+    }
+
+    /// Waits until the process exits; returns how it ended.
+    pub async fn wait(&mut self) -> String {
+        match self {
+            Proc::Child(c) => match c.wait().await {
+                Ok(s) => s.to_string(),
+                Err(e) => format!("wait failed: {e}"),
+            },
+            Proc::Adopted(pid) => {
+                // Not our child: poll for its disappearance.
+                while alive(*pid) {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                "exited (adopted process; status unknown)".to_string()
+            }
+        }
+    }
+
+    /// Sends a signal; a process that is already gone is not an error.
+    pub fn signal(&self, sig: Signal) {
+        if let Some(pid) = self.pid() {
+            let _ = kill(Pid::from_raw(pid), sig);
+        }
+    }
+}
+
+/// Whether a process exists (and is not a zombie we could reap).
+pub fn alive(pid: i32) -> bool {
+    if kill(Pid::from_raw(pid), None).is_err() {
+        return false;
+    }
+    // A zombie still answers kill(0); its state letter in /proc says so.
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+        Err(_) => false,
+    }
+}
+
+/// Spawns a replica pinned to its device, logging to `log`.
+pub fn spawn(spec: &ReplicaSpec, port: u16, agent_dir: &Path, log: &Path) -> std::io::Result<Proc> {
+    let argv = spec.argv(port);
+    let log_file = std::fs::File::options().create(true).append(true).open(log)?;
+    let mut cmd = tokio::process::Command::new(&argv[0]);
+    cmd.args(&argv[1..])
+        .envs(&spec.runtime.env)
+        .env("CUDA_VISIBLE_DEVICES", &spec.device)
+        .env(ENV_AGENT_DIR, agent_dir)
+        .env(ENV_REPLICA_ID, &spec.id)
+        .env(ENV_REPLICA_PORT, port.to_string())
+        .stdin(Stdio::null())
+        .stdout(log_file.try_clone()?)
+        .stderr(log_file)
+        // Replicas outlive an agent restart (static stability): no kill on drop.
+        .kill_on_drop(false);
+    Ok(Proc::Child(cmd.spawn()?))
+}
+
+/// A replica process left by an earlier incarnation of this agent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Orphan {
+    pub pid: i32,
+    pub replica_id: String,
+    pub port: u16,
+}
+
+/// Finds live processes started by an agent using `agent_dir`.
+pub fn find_orphans(agent_dir: &Path) -> Vec<Orphan> {
+    let want = agent_dir.to_string_lossy().to_string();
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir("/proc") else { return out };
+    for e in rd.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(raw) = std::fs::read(format!("/proc/{pid}/environ")) else {
+            continue;
+        };
+        let env: BTreeMap<String, String> = raw
+            .split(|b| *b == 0)
+            .filter_map(|kv| {
+                let s = String::from_utf8_lossy(kv);
+                s.split_once('=').map(|(k, v)| (k.to_string(), v.to_string()))
+            })
+            .collect();
+        if env.get(ENV_AGENT_DIR) != Some(&want) || !alive(pid) {
+            continue;
+        }
+        if let (Some(id), Some(port)) = (
+            env.get(ENV_REPLICA_ID),
+            env.get(ENV_REPLICA_PORT).and_then(|p| p.parse().ok()),
+        ) {
+            out.push(Orphan {
+                pid,
+                replica_id: id.clone(),
+                port,
+            });
+        }
+    }
+    out
+}
