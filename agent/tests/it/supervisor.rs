@@ -176,7 +176,7 @@ async fn replicas_survive_an_agent_restart_and_are_re_adopted_or_reaped() {
     );
 
     let sup = Supervisor::new(config(dir.path()));
-    let mut rec = sup.recover(&[keep.clone()], Duration::from_secs(2)).await;
+    let mut rec = sup.recover(std::slice::from_ref(&keep), Duration::from_secs(2)).await;
     rec.adopted.sort();
     assert_eq!(rec.adopted, vec!["keep".to_string()]);
     assert_eq!(rec.reaped, vec!["old".to_string()]);
