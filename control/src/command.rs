@@ -8,6 +8,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::fleet::{validate_node_id, NodeRegistration};
+
 /// Highest command format this binary can apply.
 pub const COMMAND_FORMAT: u32 = 1;
 
@@ -43,6 +45,16 @@ pub enum Command {
     /// Several commands committed as one log entry (group commit), applied in order. Never
     /// nested.
     Batch(Vec<Command>),
+    /// An agent registers (or re-registers) its node and GPUs.
+    RegisterNode(NodeRegistration),
+    /// The leader's node monitor commits a liveness transition.
+    SetNodeLiveness { node_id: String, up: bool },
+    /// Operator flags: cordon (no new replicas) and drain (move replicas off).
+    SetNodeFlags {
+        node_id: String,
+        cordoned: Option<bool>,
+        draining: Option<bool>,
+    },
 }
 
 /// What applying one log entry produced.
@@ -53,6 +65,9 @@ pub struct CommandResponse {
     /// For a batch: one response per command, in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub batch: Vec<CommandResponse>,
+    /// Set when the state machine refused the command (state unchanged), with the reason.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rejected: Option<String>,
 }
 
 /// Why a command was refused before it was proposed.
@@ -68,6 +83,8 @@ pub enum CommandError {
     ValueTooLarge { len: usize },
     #[error("a batch may not contain another batch")]
     NestedBatch,
+    #[error("{0}")]
+    InvalidNode(String),
 }
 
 impl Command {
@@ -77,6 +94,8 @@ impl Command {
             Command::PutSetting { key, value } => key.len() + value.len(),
             Command::DeleteSetting { key } => key.len(),
             Command::Batch(commands) => commands.iter().map(Command::payload_bytes).sum(),
+            Command::RegisterNode(r) => 512 + r.gpus.len() * 160 + r.labels.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>(),
+            Command::SetNodeLiveness { node_id, .. } | Command::SetNodeFlags { node_id, .. } => node_id.len() + 16,
         }
     }
 
@@ -95,6 +114,10 @@ impl Command {
                 Command::Batch(_) => Err(CommandError::NestedBatch),
                 other => other.validate(),
             }),
+            Command::RegisterNode(r) => r.validate().map_err(CommandError::InvalidNode),
+            Command::SetNodeLiveness { node_id, .. } | Command::SetNodeFlags { node_id, .. } => {
+                validate_node_id(node_id).map_err(CommandError::InvalidNode)
+            }
         }
     }
 }

@@ -111,6 +111,8 @@ pub struct ControllerConfig {
     pub raft: RaftSettings,
     /// Largest admin request accepted, bytes. Default 1 MiB.
     pub max_admin_request_bytes: usize,
+    /// A node whose heartbeats stop for this long is declared down. Default 3 s.
+    pub node_dead_after: std::time::Duration,
 }
 
 /// An invalid configuration value.
@@ -290,6 +292,7 @@ impl RunArgs {
             data_dir,
             raft,
             max_admin_request_bytes,
+            node_dead_after: std::time::Duration::from_secs(3),
         })
     }
 }

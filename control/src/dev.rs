@@ -45,6 +45,7 @@ pub async fn start(args: DevArgs) -> Result<DevController, DevError> {
         data_dir: data_dir.clone(),
         raft: RaftSettings::default(),
         max_admin_request_bytes: 1024 * 1024,
+        node_dead_after: Duration::from_secs(3),
     };
     let controller = server::start(cfg).await.map_err(DevError::Start)?;
     let initialized = controller

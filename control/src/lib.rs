@@ -5,10 +5,13 @@
 //! Raft transport, the operator API, configuration, and the client used by `lanectl`.
 
 pub mod admin;
+pub mod agent_api;
 pub mod client;
 pub mod command;
 pub mod config;
+pub mod context;
 pub mod dev;
+pub mod fleet;
 pub mod network;
 pub mod node;
 pub mod planner;

@@ -12,6 +12,12 @@ use tokio::task::JoinHandle;
 use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::admin::AdminGrpc;
+use crate::agent_api::AgentGrpc;
+use crate::context::Context;
+use crate::fleet::heartbeats::HeartbeatTable;
+use crate::fleet::monitor;
+use crate::proposer::Proposer;
+use laneway_proto::agent::agent_service_server::AgentServiceServer;
 use crate::config::ControllerConfig;
 use crate::network::raft_client::NetworkFactory;
 use crate::network::raft_service::RaftGrpc;
@@ -59,6 +65,7 @@ pub struct Controller {
     pub advertise: String,
     shutdown: Option<oneshot::Sender<()>>,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
+    monitor: JoinHandle<()>,
 }
 
 /// Opens the data dir, starts Raft and serves the Raft and admin gRPC services.
@@ -109,18 +116,22 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
     .await
     .map_err(|e| StartError::Raft(e.to_string()))?;
 
+    let ctx = Context {
+        raft: raft.clone(),
+        node_id: cfg.node_id,
+        cluster: cfg.cluster_name.clone(),
+        advertise: advertise.clone(),
+        log,
+        sm: sm.clone(),
+        proposer: Proposer::start(raft.clone()),
+        heartbeats: Arc::new(HeartbeatTable::default()),
+    };
     let raft_svc = RaftServiceServer::new(RaftGrpc::new(raft.clone(), cfg.cluster_name.clone(), cfg.node_id))
         .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES);
-    let admin_svc = AdminServiceServer::new(AdminGrpc::new(
-        raft.clone(),
-        cfg.node_id,
-        cfg.cluster_name.clone(),
-        advertise.clone(),
-        log,
-        sm.clone(),
-    ))
-    .max_decoding_message_size(cfg.max_admin_request_bytes);
+    let admin_svc = AdminServiceServer::new(AdminGrpc::new(ctx.clone())).max_decoding_message_size(cfg.max_admin_request_bytes);
+    let agent_svc = AgentServiceServer::new(AgentGrpc::new(ctx.clone())).max_decoding_message_size(cfg.max_admin_request_bytes);
+    let monitor = tokio::spawn(monitor::run(ctx, cfg.node_dead_after));
 
     let (tx, rx) = oneshot::channel::<()>();
     let server = tokio::spawn(
@@ -129,6 +140,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
             .timeout(Duration::from_secs(120))
             .add_service(raft_svc)
             .add_service(admin_svc)
+            .add_service(agent_svc)
             .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
                 let _ = rx.await;
             }),
@@ -141,12 +153,14 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         advertise,
         shutdown: Some(tx),
         server,
+        monitor,
     })
 }
 
 impl Controller {
     /// Stops serving and shuts Raft down.
     pub async fn shutdown(mut self) {
+        self.monitor.abort();
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }

@@ -6,7 +6,8 @@ use std::time::Duration;
 use laneway_proto::admin::admin_service_server::AdminService;
 use laneway_proto::admin::{
     AddLearnerRequest, DeleteSettingRequest, GetSettingReply, GetSettingRequest, InitReply, InitRequest,
-    MembershipReply, NodeStatus, PromoteRequest, PutSettingRequest, ReadIndexReply, ReadIndexRequest, RemoveRequest,
+    GpuRecord as PbGpu, ListNodesReply, ListNodesRequest, MembershipReply, NodeInfo, NodeStatus, PromoteRequest,
+    SetNodeFlagsRequest, PutSettingRequest, ReadIndexReply, ReadIndexRequest, RemoveRequest,
     SnapshotReply, SnapshotRequest, StatusRequest, WriteReply,
 };
 use openraft::error::{ForwardToLeader, RaftError};
@@ -20,7 +21,10 @@ use crate::client::AdminClient;
 use crate::command::{validate_key, Command};
 use crate::config::validate_peer_addr;
 use crate::node::ControllerNode;
+use crate::context::Context;
+use crate::fleet::heartbeats::HeartbeatTable;
 use crate::proposer::Proposer;
+use std::sync::Arc;
 use crate::store::{LogStore, StateMachineStore};
 use crate::typ::{NodeId, Raft, RaftMetrics};
 
@@ -40,6 +44,7 @@ pub struct AdminGrpc {
     log: LogStore,
     sm: StateMachineStore,
     proposer: Proposer,
+    heartbeats: Arc<HeartbeatTable>,
     /// Connections to other controllers (a follower asks the leader for read indexes).
     peers: AdminClient,
     /// One membership change at a time from this controller, so a concurrent `remove` and
@@ -48,16 +53,20 @@ pub struct AdminGrpc {
 }
 
 impl AdminGrpc {
-    pub fn new(
-        raft: Raft,
-        node_id: NodeId,
-        cluster: String,
-        advertise: String,
-        log: LogStore,
-        sm: StateMachineStore,
-    ) -> Self {
+    pub fn new(ctx: Context) -> Self {
+        let Context {
+            raft,
+            node_id,
+            cluster,
+            advertise,
+            log,
+            sm,
+            proposer,
+            heartbeats,
+        } = ctx;
         AdminGrpc {
-            proposer: Proposer::start(raft.clone()),
+            proposer,
+            heartbeats,
             peers: AdminClient::new(Vec::new()).with_call_timeout(READ_INDEX_TIMEOUT),
             membership: tokio::sync::Mutex::new(()),
             raft,
@@ -104,9 +113,13 @@ impl AdminGrpc {
             }
             crate::command::CommandError::EmptyKey
             | crate::command::CommandError::KeyNotPrintable { .. }
-            | crate::command::CommandError::NestedBatch => AdminError::InvalidArgument(e.to_string()),
+            | crate::command::CommandError::NestedBatch
+            | crate::command::CommandError::InvalidNode(_) => AdminError::InvalidArgument(e.to_string()),
         })?;
         let (log_index, resp) = self.proposer.propose(command).await.map_err(|e| self.raft_error(e))?;
+        if let Some(reason) = resp.rejected {
+            return Err(AdminError::FailedPrecondition(reason));
+        }
         Ok(WriteReply {
             log_index,
             previous: resp.previous,
@@ -408,5 +421,69 @@ impl AdminService for AdminGrpc {
         Ok(Response::new(ReadIndexReply {
             read_index: read_log_id.map_or(0, |l| l.index),
         }))
+    }
+
+    async fn list_nodes(&self, _req: Request<ListNodesRequest>) -> Result<Response<ListNodesReply>, Status> {
+        let view = self.sm.view();
+        let leader = self.raft.metrics().borrow().current_leader == Some(self.node_id);
+        let nodes = view
+            .state
+            .fleet
+            .nodes
+            .values()
+            .map(|n| {
+                let seen = if leader { self.heartbeats.get(&n.registration.node_id) } else { None };
+                let r = &n.registration;
+                NodeInfo {
+                    node_id: r.node_id.clone(),
+                    hostname: r.hostname.clone(),
+                    pool: r.pool.clone(),
+                    labels: r.labels.clone().into_iter().collect(),
+                    gpus: r
+                        .gpus
+                        .iter()
+                        .map(|g| PbGpu {
+                            uuid: g.uuid.clone(),
+                            product: g.product.clone(),
+                            memory_bytes: g.memory_bytes,
+                            mig_capable: g.mig_capable,
+                        })
+                        .collect(),
+                    liveness: match n.liveness {
+                        crate::fleet::Liveness::Up => "up".into(),
+                        crate::fleet::Liveness::Down => "down".into(),
+                    },
+                    cordoned: n.cordoned,
+                    draining: n.draining,
+                    last_heartbeat_ms_ago: seen.as_ref().map_or(-1, |s| s.at.elapsed().as_millis() as i64),
+                    replicas_ready: seen.as_ref().map_or(0, |s| s.replicas_ready),
+                    replicas_total: seen.as_ref().map_or(0, |s| s.replicas_total),
+                }
+            })
+            .collect();
+        Ok(Response::new(ListNodesReply { nodes }))
+    }
+
+    async fn set_node_flags(&self, req: Request<SetNodeFlagsRequest>) -> Result<Response<WriteReply>, Status> {
+        let req = req.into_inner();
+        let (cordoned, draining) = match req.action.as_str() {
+            "cordon" => (Some(true), None),
+            "uncordon" => (Some(false), Some(false)),
+            "drain" => (None, Some(true)),
+            other => {
+                return Err(AdminError::InvalidArgument(format!(
+                    "action {other:?}: expected cordon, uncordon or drain"
+                ))
+                .into())
+            }
+        };
+        Ok(Response::new(
+            self.write(Command::SetNodeFlags {
+                node_id: req.node_id,
+                cordoned,
+                draining,
+            })
+            .await?,
+        ))
     }
 }

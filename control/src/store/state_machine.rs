@@ -22,11 +22,13 @@ use sha2::{Digest, Sha256};
 use super::snapshot_file::{self, SnapshotFile, SNAPSHOT_FORMAT};
 use super::{StoreError, SNAPSHOT_DIR, STATE_DB_FILE};
 use crate::command::{Command, CommandResponse, COMMAND_FORMAT};
+use crate::fleet::{Fleet, Liveness};
 use crate::node::ControllerNode;
 use crate::typ::{Entry, LogId, SnapshotMeta, StorageError, TypeConfig};
 
 const SETTINGS: TableDefinition<&str, &str> = TableDefinition::new("settings");
 const SM_META: TableDefinition<&str, &[u8]> = TableDefinition::new("sm_meta");
+const NODES: TableDefinition<&str, &[u8]> = TableDefinition::new("nodes");
 
 const KEY_FORMAT: &str = "format";
 const KEY_LAST_APPLIED: &str = "last_applied";
@@ -44,6 +46,9 @@ pub struct AppState {
     pub settings: BTreeMap<String, String>,
     /// Node ids that were members once and were removed; they can never be reused.
     pub retired_node_ids: BTreeSet<u64>,
+    /// Registered GPU nodes.
+    #[serde(default)]
+    pub fleet: Fleet,
 }
 
 impl AppState {
@@ -60,16 +65,26 @@ impl AppState {
         match command {
             Command::PutSetting { key, value } => CommandResponse {
                 previous: self.settings.insert(key.clone(), value.clone()),
-                batch: Vec::new(),
+                ..CommandResponse::default()
             },
             Command::DeleteSetting { key } => CommandResponse {
                 previous: self.settings.remove(key),
-                batch: Vec::new(),
+                ..CommandResponse::default()
             },
             Command::Batch(commands) => CommandResponse {
-                previous: None,
                 batch: commands.iter().map(|c| self.apply(c)).collect(),
+                ..CommandResponse::default()
             },
+            Command::RegisterNode(reg) => refused(self.fleet.register(reg)),
+            Command::SetNodeLiveness { node_id, up } => refused(
+                self.fleet
+                    .set_liveness(node_id, if *up { Liveness::Up } else { Liveness::Down }),
+            ),
+            Command::SetNodeFlags {
+                node_id,
+                cordoned,
+                draining,
+            } => refused(self.fleet.set_flags(node_id, *cordoned, *draining)),
         }
     }
 
@@ -141,6 +156,7 @@ impl StateMachineStore {
             let _ = txn
                 .open_table(SETTINGS)
                 .map_err(|e| StoreError::db("opening settings", e))?;
+            let _ = txn.open_table(NODES).map_err(|e| StoreError::db("opening nodes", e))?;
             let mut meta = txn
                 .open_table(SM_META)
                 .map_err(|e| StoreError::db("opening sm_meta", e))?;
@@ -183,6 +199,13 @@ impl StateMachineStore {
                     .state
                     .settings
                     .insert(k.value().to_string(), v.value().to_string());
+            }
+            let nodes = rtxn.open_table(NODES).map_err(|e| StoreError::db("opening nodes", e))?;
+            for row in nodes.iter().map_err(|e| StoreError::db("scanning nodes", e))? {
+                let (k, v) = row.map_err(|e| StoreError::db("scanning nodes", e))?;
+                let record =
+                    serde_json::from_slice(v.value()).map_err(|e| corrupt(&format!("node {}", k.value()), &e))?;
+                inner.state.fleet.nodes.insert(k.value().to_string(), record);
             }
             let meta = rtxn
                 .open_table(SM_META)
@@ -281,6 +304,21 @@ impl StateMachineStore {
         (inner.state.settings.get(key).cloned(), inner.last_applied)
     }
 
+    /// Cordoned and draining flags of a registered node (cheap: no state copy).
+    pub fn node_flags(&self, node_id: &str) -> Option<(bool, bool)> {
+        self.read()
+            .state
+            .fleet
+            .nodes
+            .get(node_id)
+            .map(|n| (n.cordoned, n.draining))
+    }
+
+    /// Index of the last applied entry.
+    pub fn applied_index(&self) -> u64 {
+        self.read().last_applied.map_or(0, |l| l.index)
+    }
+
     /// Whether `node_id` was a member once and has been removed.
     pub fn is_retired(&self, node_id: u64) -> bool {
         self.read().state.retired_node_ids.contains(&node_id)
@@ -294,6 +332,11 @@ impl StateMachineStore {
             settings.retain(|_, _| false)?;
             for (k, v) in &state.settings {
                 settings.insert(k.as_str(), v.as_str())?;
+            }
+            let mut nodes = txn.open_table(NODES)?;
+            nodes.retain(|_, _| false)?;
+            for (id, record) in &state.fleet.nodes {
+                nodes.insert(id.as_str(), json(record).as_slice())?;
             }
             let mut m = txn.open_table(SM_META)?;
             m.insert(KEY_LAST_APPLIED, json(&meta.last_log_id).as_slice())?;
@@ -332,8 +375,17 @@ impl StateMachineStore {
     }
 }
 
-/// Records the final value of every setting a command changed (None = removed).
-fn record_touched(command: &Command, touched: &mut BTreeMap<String, Option<String>>) {
+/// A response that carries a refusal, if any.
+fn refused(r: Result<(), String>) -> CommandResponse {
+    CommandResponse {
+        rejected: r.err(),
+        ..CommandResponse::default()
+    }
+}
+
+/// Records the final value of every setting a command changed (None = removed), and the nodes
+/// it touched.
+fn record_touched(command: &Command, touched: &mut BTreeMap<String, Option<String>>, nodes: &mut BTreeSet<String>) {
     match command {
         Command::PutSetting { key, value } => {
             touched.insert(key.clone(), Some(value.clone()));
@@ -341,7 +393,13 @@ fn record_touched(command: &Command, touched: &mut BTreeMap<String, Option<Strin
         Command::DeleteSetting { key } => {
             touched.insert(key.clone(), None);
         }
-        Command::Batch(commands) => commands.iter().for_each(|c| record_touched(c, touched)),
+        Command::Batch(commands) => commands.iter().for_each(|c| record_touched(c, touched, nodes)),
+        Command::RegisterNode(r) => {
+            nodes.insert(r.node_id.clone());
+        }
+        Command::SetNodeLiveness { node_id, .. } | Command::SetNodeFlags { node_id, .. } => {
+            nodes.insert(node_id.clone());
+        }
     }
 }
 
@@ -420,7 +478,8 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         // Keys touched in this batch with their final value (None = removed).
         let mut touched: BTreeMap<String, Option<String>> = BTreeMap::new();
         let mut membership_changed = false;
-        let (last_applied, membership, retired) = {
+        let mut touched_node_ids: BTreeSet<String> = BTreeSet::new();
+        let (last_applied, membership, retired, touched_nodes) = {
             let mut inner = self.write();
             for entry in entries {
                 match entry.payload {
@@ -438,7 +497,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                             .into());
                         }
                         let reply = inner.state.apply(&env.command);
-                        record_touched(&env.command, &mut touched);
+                        record_touched(&env.command, &mut touched, &mut touched_node_ids);
                         replies.push(reply);
                     }
                     EntryPayload::Membership(m) => {
@@ -455,6 +514,10 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                 inner.last_applied,
                 membership_changed.then(|| inner.last_membership.clone()),
                 membership_changed.then(|| inner.state.retired_node_ids.clone()),
+                touched_node_ids
+                    .iter()
+                    .map(|id| (id.clone(), inner.state.fleet.nodes.get(id).cloned()))
+                    .collect::<Vec<_>>(),
             )
         };
         let db = self.db.clone();
@@ -467,6 +530,13 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                     match v {
                         Some(v) => settings.insert(k.as_str(), v.as_str()).map(|_| ())?,
                         None => settings.remove(k.as_str()).map(|_| ())?,
+                    }
+                }
+                let mut nodes = txn.open_table(NODES)?;
+                for (id, record) in &touched_nodes {
+                    match record {
+                        Some(r) => nodes.insert(id.as_str(), json(r).as_slice()).map(|_| ())?,
+                        None => nodes.remove(id.as_str()).map(|_| ())?,
                     }
                 }
                 let mut m = txn.open_table(SM_META)?;
@@ -572,7 +642,7 @@ mod tests {
         assert_eq!(state.settings.get("b").map(String::as_str), Some("3"));
 
         let mut touched = BTreeMap::new();
-        record_touched(&batch, &mut touched);
+        record_touched(&batch, &mut touched, &mut BTreeSet::new());
         assert_eq!(touched.get("a"), Some(&None));
         assert_eq!(touched.get("b"), Some(&Some("3".to_string())));
     }

@@ -1,0 +1,37 @@
+//! What every gRPC service of a controller shares.
+
+use std::sync::Arc;
+
+use crate::fleet::heartbeats::HeartbeatTable;
+use crate::proposer::Proposer;
+use crate::store::{LogStore, StateMachineStore};
+use crate::typ::{NodeId, Raft};
+
+/// Handles to the controller's Raft node, stores, proposer and heartbeat table.
+#[derive(Clone)]
+pub struct Context {
+    pub raft: Raft,
+    pub node_id: NodeId,
+    pub cluster: String,
+    /// Address peers and clients dial.
+    pub advertise: String,
+    pub log: LogStore,
+    pub sm: StateMachineStore,
+    pub proposer: Proposer,
+    pub heartbeats: Arc<HeartbeatTable>,
+}
+
+impl Context {
+    /// Whether this controller is the leader right now (by its own metrics).
+    pub fn is_leader(&self) -> bool {
+        self.raft.metrics().borrow().current_leader == Some(self.node_id)
+    }
+
+    /// The current leader's id and address, if known.
+    pub fn leader(&self) -> Option<(NodeId, String)> {
+        let m = self.raft.metrics().borrow().clone();
+        let id = m.current_leader?;
+        let addr = m.membership_config.membership().get_node(&id)?.addr.clone();
+        Some((id, addr))
+    }
+}
