@@ -1,11 +1,13 @@
 //! Laneway node agent.
 //!
 //! Runs on every GPU host: reports the GPU inventory (through NVML, or a simulated backend for
-//! dev mode, tests and chaos), applies MIG geometry, and — as later work lands — supervises
-//! model replicas, keeps the local weight cache and heartbeats to the controllers.
+//! dev mode, tests and chaos), applies MIG geometry, supervises model replicas, keeps the local
+//! weight cache, and heartbeats to the controllers' leader ([`runtime`]).
 
+pub mod config;
 pub mod gpu;
 pub mod mig;
+pub mod runtime;
 pub mod sim_model;
 pub mod supervisor;
 pub mod weight_cache;

@@ -94,7 +94,9 @@ impl Command {
             Command::PutSetting { key, value } => key.len() + value.len(),
             Command::DeleteSetting { key } => key.len(),
             Command::Batch(commands) => commands.iter().map(Command::payload_bytes).sum(),
-            Command::RegisterNode(r) => 512 + r.gpus.len() * 160 + r.labels.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>(),
+            Command::RegisterNode(r) => {
+                512 + r.gpus.len() * 160 + r.labels.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>()
+            }
             Command::SetNodeLiveness { node_id, .. } | Command::SetNodeFlags { node_id, .. } => node_id.len() + 16,
         }
     }

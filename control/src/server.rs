@@ -13,17 +13,17 @@ use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::admin::AdminGrpc;
 use crate::agent_api::AgentGrpc;
+use crate::config::ControllerConfig;
 use crate::context::Context;
 use crate::fleet::heartbeats::HeartbeatTable;
 use crate::fleet::monitor;
-use crate::proposer::Proposer;
-use laneway_proto::agent::agent_service_server::AgentServiceServer;
-use crate::config::ControllerConfig;
 use crate::network::raft_client::NetworkFactory;
 use crate::network::raft_service::RaftGrpc;
 use crate::network::MAX_RAFT_MESSAGE_BYTES;
+use crate::proposer::Proposer;
 use crate::store::{self, Identity, StateMachineStore, StoreError};
 use crate::typ::Raft;
+use laneway_proto::agent::agent_service_server::AgentServiceServer;
 
 /// Why a controller could not start.
 #[derive(Debug, thiserror::Error)]
@@ -129,8 +129,10 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
     let raft_svc = RaftServiceServer::new(RaftGrpc::new(raft.clone(), cfg.cluster_name.clone(), cfg.node_id))
         .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES);
-    let admin_svc = AdminServiceServer::new(AdminGrpc::new(ctx.clone())).max_decoding_message_size(cfg.max_admin_request_bytes);
-    let agent_svc = AgentServiceServer::new(AgentGrpc::new(ctx.clone())).max_decoding_message_size(cfg.max_admin_request_bytes);
+    let admin_svc =
+        AdminServiceServer::new(AdminGrpc::new(ctx.clone())).max_decoding_message_size(cfg.max_admin_request_bytes);
+    let agent_svc =
+        AgentServiceServer::new(AgentGrpc::new(ctx.clone())).max_decoding_message_size(cfg.max_admin_request_bytes);
     let monitor = tokio::spawn(monitor::run(ctx, cfg.node_dead_after));
 
     let (tx, rx) = oneshot::channel::<()>();

@@ -31,6 +31,8 @@ enum Output {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Run the agent: register this node, heartbeat to the leader, supervise replicas.
+    Run(RunArgs),
     /// Print this host's GPU inventory: the first thing to run on a new host.
     Gpus {
         #[arg(long, value_enum, default_value_t = Backend::Nvml, env = "LANEWAY_GPU_BACKEND")]
@@ -43,9 +45,111 @@ enum Cmd {
     },
 }
 
+/// Flags of `laneway-agent run`; each overrides the config file.
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Agent config file (TOML; see deploy/examples/agent.toml).
+    #[arg(long, env = "LANEWAY_AGENT_CONFIG")]
+    config: Option<PathBuf>,
+    #[arg(long, env = "LANEWAY_NODE_ID")]
+    node_id: Option<String>,
+    /// Controller addresses, comma-separated (any member; the agent finds the leader).
+    #[arg(long, env = "LANEWAY_CONTROLLERS", value_delimiter = ',')]
+    controllers: Vec<String>,
+    #[arg(long, env = "LANEWAY_AGENT_DATA_DIR")]
+    data_dir: Option<PathBuf>,
+    #[arg(long, env = "LANEWAY_POOL")]
+    pool: Option<String>,
+    #[arg(long, value_enum, env = "LANEWAY_GPU_BACKEND")]
+    backend: Option<Backend>,
+    #[arg(long, env = "LANEWAY_SIM_CONFIG")]
+    sim_config: Option<PathBuf>,
+    #[arg(long, env = "LANEWAY_JOIN_TOKEN")]
+    join_token: Option<String>,
+}
+
+fn run_agent(args: RunArgs) -> ExitCode {
+    let mut file = match &args.config {
+        Some(p) => match laneway_agent::config::read_file(p) {
+            Ok(f) => f,
+            Err(e) => {
+                eprintln!("laneway-agent: {e}");
+                return ExitCode::from(2);
+            }
+        },
+        None => Default::default(),
+    };
+    if args.node_id.is_some() {
+        file.node_id = args.node_id;
+    }
+    if !args.controllers.is_empty() {
+        file.controllers = args.controllers;
+    }
+    if args.data_dir.is_some() {
+        file.data_dir = args.data_dir;
+    }
+    if args.pool.is_some() {
+        file.pool = args.pool;
+    }
+    if args.join_token.is_some() {
+        file.join_token = args.join_token;
+    }
+    if let Some(b) = args.backend {
+        file.gpu.backend = Some(match b {
+            Backend::Nvml => "nvml".into(),
+            Backend::Sim => "sim".into(),
+        });
+    }
+    if args.sim_config.is_some() {
+        file.gpu.sim_config = args.sim_config;
+    }
+    let cfg = match file.validate() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("laneway-agent: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("LANEWAY_LOG").unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
+    rt.block_on(async move {
+        let backend: std::sync::Arc<dyn GpuBackend> = match &cfg.backend {
+            laneway_agent::config::Backend::Nvml => match NvmlBackend::new() {
+                Ok(b) => std::sync::Arc::new(b),
+                Err(e) => {
+                    eprintln!("laneway-agent: {e}");
+                    return ExitCode::from(1);
+                }
+            },
+            laneway_agent::config::Backend::Sim(p) => match SimBackend::from_file(p) {
+                Ok(b) => std::sync::Arc::new(b),
+                Err(e) => {
+                    eprintln!("laneway-agent: {e}");
+                    return ExitCode::from(2);
+                }
+            },
+        };
+        let agent = match laneway_agent::runtime::start(cfg, backend).await {
+            Ok(a) => a,
+            Err(e) => {
+                eprintln!("laneway-agent: {e}");
+                return ExitCode::from(2);
+            }
+        };
+        let _ = tokio::signal::ctrl_c().await;
+        // Replicas keep running: a restarted agent re-adopts them.
+        agent.stop();
+        ExitCode::SUCCESS
+    })
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Cmd::Run(args) => run_agent(args),
         Cmd::Gpus {
             backend,
             sim_config,

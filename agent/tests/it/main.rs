@@ -74,3 +74,21 @@ fn bad_sim_config_exits_2() {
         "{stderr}"
     );
 }
+
+#[test]
+fn run_with_a_bad_config_exits_2_naming_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("agent.toml");
+    std::fs::write(
+        &p,
+        "node_id = \"n1\"\ncontrollers = [\"nowhere\"]\ndata_dir = \"/tmp/x\"\n",
+    )
+    .unwrap();
+    let out = agent().args(["run", "--config", p.to_str().unwrap()]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("controllers") && stderr.contains("host:port"),
+        "{stderr}"
+    );
+}

@@ -95,6 +95,16 @@ async fn ready_after_health_and_warmup_then_restarts_a_crash() {
     .await;
     let again = wait_until(&sup, "r1", "ready again", |s| s.state == ReplicaState::Ready).await;
     assert_ne!(again.pid.unwrap(), first_pid);
+    stop_all(&sup).await;
+}
+
+/// Replicas outlive their supervisor by design; tests stop theirs.
+async fn stop_all(sup: &Supervisor) {
+    for r in sup.status() {
+        sup.drain(&r.id, Arc::new(|| 0), Duration::from_secs(1), Duration::from_secs(2))
+            .await
+            .unwrap();
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -114,6 +124,7 @@ async fn a_replica_that_keeps_crashing_is_reported_as_crash_looping() {
         }
         other => panic!("{other:?}"),
     }
+    stop_all(&sup).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,10 +5,10 @@ use std::time::Duration;
 
 use laneway_proto::admin::admin_service_server::AdminService;
 use laneway_proto::admin::{
-    AddLearnerRequest, DeleteSettingRequest, GetSettingReply, GetSettingRequest, InitReply, InitRequest,
-    GpuRecord as PbGpu, ListNodesReply, ListNodesRequest, MembershipReply, NodeInfo, NodeStatus, PromoteRequest,
-    SetNodeFlagsRequest, PutSettingRequest, ReadIndexReply, ReadIndexRequest, RemoveRequest,
-    SnapshotReply, SnapshotRequest, StatusRequest, WriteReply,
+    AddLearnerRequest, DeleteSettingRequest, GetSettingReply, GetSettingRequest, GpuRecord as PbGpu, InitReply,
+    InitRequest, ListNodesReply, ListNodesRequest, MembershipReply, NodeInfo, NodeStatus, PromoteRequest,
+    PutSettingRequest, ReadIndexReply, ReadIndexRequest, RemoveRequest, SetNodeFlagsRequest, SnapshotReply,
+    SnapshotRequest, StatusRequest, WriteReply,
 };
 use openraft::error::{ForwardToLeader, RaftError};
 use openraft::{ChangeMembers, ServerState};
@@ -20,13 +20,13 @@ use super::AdminError;
 use crate::client::AdminClient;
 use crate::command::{validate_key, Command};
 use crate::config::validate_peer_addr;
-use crate::node::ControllerNode;
 use crate::context::Context;
 use crate::fleet::heartbeats::HeartbeatTable;
+use crate::node::ControllerNode;
 use crate::proposer::Proposer;
-use std::sync::Arc;
 use crate::store::{LogStore, StateMachineStore};
 use crate::typ::{NodeId, Raft, RaftMetrics};
+use std::sync::Arc;
 
 /// How long `add` waits for a new learner to catch up before giving up.
 const LEARNER_CATCH_UP_TIMEOUT: Duration = Duration::from_secs(60);
@@ -432,7 +432,11 @@ impl AdminService for AdminGrpc {
             .nodes
             .values()
             .map(|n| {
-                let seen = if leader { self.heartbeats.get(&n.registration.node_id) } else { None };
+                let seen = if leader {
+                    self.heartbeats.get(&n.registration.node_id)
+                } else {
+                    None
+                };
                 let r = &n.registration;
                 NodeInfo {
                     node_id: r.node_id.clone(),

@@ -99,12 +99,35 @@ fn main() -> ExitCode {
                 println!("Laneway dev controller is up (single-node Raft cluster \"dev\").");
                 println!("  admin + raft gRPC: {addr}");
                 println!("  data dir:          {}", dev.data_dir.display());
+                let nodes: Vec<&str> = dev.agents.iter().map(|(n, _)| n.as_str()).collect();
+                println!("  simulated nodes:   {}", nodes.join(", "));
+                if let Some(url) = &dev.replica_url {
+                    println!("  simulated replica: whisper on sim-l4-1 at {url}");
+                }
                 println!("Try:");
                 println!("  lanectl --addr {addr} cluster status");
-                println!("  lanectl --addr {addr} settings set fleet.region eu-west");
+                println!("  lanectl --addr {addr} node list");
+                if let Some(url) = &dev.replica_url {
+                    println!("  curl -s -X POST {url}/v2/models/whisper/infer -d '{{\"inputs\":[]}}'");
+                }
                 println!("Press Ctrl-C to stop.");
                 let _ = tokio::signal::ctrl_c().await;
                 println!("stopping");
+                for (_, agent) in dev.agents {
+                    // Dev mode owns its replicas: drain them so nothing outlives the process.
+                    for r in agent.supervisor.status() {
+                        let _ = agent
+                            .supervisor
+                            .drain(
+                                &r.id,
+                                std::sync::Arc::new(|| 0),
+                                std::time::Duration::from_secs(1),
+                                std::time::Duration::from_secs(2),
+                            )
+                            .await;
+                    }
+                    agent.stop();
+                }
                 dev.controller.shutdown().await;
                 ExitCode::SUCCESS
             }

@@ -28,7 +28,11 @@ impl HeartbeatTable {
     }
 
     pub fn get(&self, node_id: &str) -> Option<Seen> {
-        self.seen.lock().unwrap_or_else(|p| p.into_inner()).get(node_id).cloned()
+        self.seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(node_id)
+            .cloned()
     }
 
     /// When each node was last heard from.

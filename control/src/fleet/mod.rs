@@ -59,7 +59,9 @@ pub fn validate_node_id(id: &str) -> Result<(), String> {
         && id.len() <= 63
         && !id.starts_with('-')
         && !id.ends_with('-')
-        && id.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
+        && id
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
     if ok {
         Ok(())
     } else {
@@ -74,7 +76,10 @@ impl NodeRegistration {
     pub fn validate(&self) -> Result<(), String> {
         validate_node_id(&self.node_id)?;
         if self.gpus.len() > MAX_GPUS_PER_NODE {
-            return Err(format!("{} GPUs registered; at most {MAX_GPUS_PER_NODE} per node", self.gpus.len()));
+            return Err(format!(
+                "{} GPUs registered; at most {MAX_GPUS_PER_NODE} per node",
+                self.gpus.len()
+            ));
         }
         if self.labels.len() > MAX_LABELS {
             return Err(format!("{} labels; at most {MAX_LABELS} per node", self.labels.len()));
@@ -142,7 +147,10 @@ impl Fleet {
     }
 
     pub fn set_liveness(&mut self, node_id: &str, liveness: Liveness) -> Result<(), String> {
-        let n = self.nodes.get_mut(node_id).ok_or_else(|| format!("no node {node_id}"))?;
+        let n = self
+            .nodes
+            .get_mut(node_id)
+            .ok_or_else(|| format!("no node {node_id}"))?;
         n.liveness = liveness;
         Ok(())
     }
@@ -194,7 +202,10 @@ mod tests {
         f.register(&reg("a", &["GPU-1", "GPU-2"])).unwrap();
         let e = f.register(&reg("b", &["GPU-2"])).unwrap_err();
         assert!(e.contains("already registered to node a"), "{e}");
-        assert!(!f.nodes.contains_key("b"), "a refused registration must not change state");
+        assert!(
+            !f.nodes.contains_key("b"),
+            "a refused registration must not change state"
+        );
         // The owner may re-register (agent restart), keeping its flags.
         f.set_flags("a", Some(true), None).unwrap();
         f.register(&reg("a", &["GPU-1"])).unwrap();
@@ -206,7 +217,10 @@ mod tests {
     #[test]
     fn registrations_are_validated() {
         assert!(reg("Bad_Id", &[]).validate().is_err());
-        assert!(reg("ok-1", &["GPU-1", "GPU-1"]).validate().unwrap_err().contains("twice"));
+        assert!(reg("ok-1", &["GPU-1", "GPU-1"])
+            .validate()
+            .unwrap_err()
+            .contains("twice"));
         assert!(reg("ok-1", &["GPU-1"]).validate().is_ok());
     }
 }

@@ -1,0 +1,322 @@
+//! The agent's main loop: register with the leader, keep one heartbeat stream to it (following
+//! redirects, reconnecting with jittered backoff), and keep replicas serving whether or not a
+//! controller is reachable (static stability).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use laneway_proto::agent::agent_service_client::AgentServiceClient;
+use laneway_proto::agent::{GpuInfo, GpuStatus, Heartbeat, RegisterRequest, ReplicaReport};
+use laneway_proto::LEADER_ADDR_METADATA;
+use rand::Rng;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Endpoint;
+
+use crate::config::AgentConfig;
+use crate::gpu::GpuBackend;
+use crate::supervisor::{ReplicaState, Supervisor, SupervisorConfig};
+use crate::weight_cache::WeightCache;
+
+/// Byte budget of the weight cache when the config does not set one.
+const DEFAULT_CACHE_BUDGET: u64 = 200 * 1024 * 1024 * 1024;
+
+/// What the agent currently knows, for dev mode, tests and logs.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AgentView {
+    /// The controller the heartbeat stream is open to, if any.
+    pub connected_to: Option<String>,
+    /// Heartbeats acknowledged by the leader.
+    pub acked: u64,
+    pub cordoned: bool,
+    pub draining: bool,
+    /// The last registration refusal, if the leader refused this node.
+    pub refused: Option<String>,
+}
+
+/// Why the agent could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("{0}")]
+    Gpu(#[from] crate::gpu::GpuError),
+    #[error("{0}")]
+    Config(String),
+    #[error("{0}")]
+    Cache(#[from] crate::weight_cache::CacheError),
+}
+
+/// A running agent.
+pub struct Agent {
+    pub supervisor: Arc<Supervisor>,
+    pub view: watch::Receiver<AgentView>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Agent {
+    /// Stops heartbeating; replicas keep running (as they do when an agent restarts).
+    pub fn stop(self) {
+        self.task.abort();
+    }
+}
+
+/// Starts an agent: resolves and starts (or re-adopts) its static replicas, then heartbeats.
+pub async fn start(cfg: AgentConfig, backend: Arc<dyn GpuBackend>) -> Result<Agent, AgentError> {
+    std::fs::create_dir_all(&cfg.data_dir)
+        .map_err(|e| AgentError::Config(format!("cannot create data_dir {}: {e}", cfg.data_dir.display())))?;
+    let inventory = backend.inventory()?;
+    let mut specs = Vec::new();
+    for r in &cfg.replicas {
+        let gpu = inventory.get(r.gpu_index as usize).ok_or_else(|| {
+            AgentError::Config(format!(
+                "replica {}: gpu_index {} but this host has {} GPU(s)",
+                r.spec.id,
+                r.gpu_index,
+                inventory.len()
+            ))
+        })?;
+        let mut spec = r.spec.clone();
+        spec.device = gpu.uuid.clone();
+        specs.push(spec);
+    }
+    let cache = WeightCache::open(&cfg.data_dir.join("cache"), DEFAULT_CACHE_BUDGET)?;
+    let supervisor = Arc::new(Supervisor::new(SupervisorConfig::new(cfg.data_dir.join("replicas"))));
+    let recovered = supervisor.recover(&specs, Duration::from_secs(10)).await;
+    for spec in specs {
+        if !recovered.adopted.contains(&spec.id) {
+            supervisor.start(spec).map_err(|e| AgentError::Config(e.to_string()))?;
+        }
+    }
+    let (view_tx, view) = watch::channel(AgentView::default());
+    let sup = supervisor.clone();
+    let task = tokio::spawn(async move { heartbeat_loop(cfg, backend, sup, cache, view_tx).await });
+    Ok(Agent { supervisor, view, task })
+}
+
+enum SessionEnd {
+    /// Go to this controller next (it is the leader).
+    Redirect(String),
+    Failed(String),
+}
+
+fn leader_of(status: &tonic::Status) -> Option<String> {
+    status
+        .metadata()
+        .get(LEADER_ADDR_METADATA)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+}
+
+async fn heartbeat_loop(
+    cfg: AgentConfig,
+    backend: Arc<dyn GpuBackend>,
+    sup: Arc<Supervisor>,
+    cache: WeightCache,
+    view: watch::Sender<AgentView>,
+) {
+    let mut next = 0usize;
+    let mut redirect: Option<String> = None;
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let addr = redirect
+            .take()
+            .unwrap_or_else(|| cfg.controllers[next % cfg.controllers.len()].clone());
+        match session(&cfg, backend.as_ref(), &sup, &cache, &addr, &view, &mut backoff).await {
+            SessionEnd::Redirect(leader) => {
+                tracing::debug!(from = %addr, to = %leader, "following the leader");
+                redirect = Some(leader);
+                continue;
+            }
+            SessionEnd::Failed(why) => {
+                view.send_modify(|v| v.connected_to = None);
+                tracing::debug!(controller = %addr, %why, "heartbeat session ended");
+                next += 1;
+            }
+        }
+        // Jittered exponential backoff: many agents must not reconnect in lockstep.
+        let jittered = backoff.mul_f64(rand::rng().random_range(0.5..1.5));
+        tokio::time::sleep(jittered).await;
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+async fn session(
+    cfg: &AgentConfig,
+    backend: &dyn GpuBackend,
+    sup: &Supervisor,
+    cache: &WeightCache,
+    addr: &str,
+    view: &watch::Sender<AgentView>,
+    backoff: &mut Duration,
+) -> SessionEnd {
+    let channel = match Endpoint::from_shared(format!("http://{addr}")) {
+        Ok(ep) => match ep
+            .connect_timeout(Duration::from_millis(500))
+            .tcp_nodelay(true)
+            .connect()
+            .await
+        {
+            Ok(c) => c,
+            Err(e) => return SessionEnd::Failed(format!("connect: {e}")),
+        },
+        Err(e) => return SessionEnd::Failed(format!("bad address: {e}")),
+    };
+    let mut client = AgentServiceClient::new(channel);
+    let inventory = match backend.inventory() {
+        Ok(i) => i,
+        Err(e) => return SessionEnd::Failed(format!("GPU inventory: {e}")),
+    };
+    let register = RegisterRequest {
+        node_id: cfg.node_id.clone(),
+        hostname: hostname(),
+        labels: cfg.labels.clone().into_iter().collect(),
+        pool: cfg.pool.clone(),
+        gpus: inventory
+            .iter()
+            .map(|g| GpuInfo {
+                product: g.product.to_string(),
+                uuid: g.uuid.clone(),
+                memory_bytes: g.memory_total_bytes,
+                mig_capable: g.mig.capable,
+            })
+            .collect(),
+        join_token: cfg.join_token.clone(),
+    };
+    if let Err(status) = client.register(register).await {
+        if let Some(leader) = leader_of(&status) {
+            return SessionEnd::Redirect(leader);
+        }
+        if status.code() == tonic::Code::AlreadyExists || status.code() == tonic::Code::InvalidArgument {
+            tracing::error!(node = %cfg.node_id, reason = %status.message(), "the controllers refused this node's registration; fix the agent config");
+            view.send_modify(|v| v.refused = Some(status.message().to_string()));
+            *backoff = Duration::from_secs(2);
+        }
+        return SessionEnd::Failed(format!("register: {}", status.message()));
+    }
+    view.send_modify(|v| v.refused = None);
+
+    let (tx, rx) = mpsc::channel(4);
+    let mut replies = match client.heartbeats(ReceiverStream::new(rx)).await {
+        Ok(r) => r.into_inner(),
+        Err(status) => {
+            return match leader_of(&status) {
+                Some(leader) => SessionEnd::Redirect(leader),
+                None => SessionEnd::Failed(format!("heartbeats: {}", status.message())),
+            }
+        }
+    };
+    // One heartbeat now, then one per interval, until the stream closes.
+    let interval = cfg.heartbeat;
+    let blobs: Vec<String> = cache.contents().into_iter().map(|b| b.sha256).collect();
+    let mut seq = 1u64;
+    let first = heartbeat(
+        &cfg.node_id,
+        seq,
+        backend_snapshot(backend),
+        sup_snapshot(sup),
+        blobs.clone(),
+    );
+    drop(inventory);
+    if tx.send(first).await.is_err() {
+        return SessionEnd::Failed("stream closed".into());
+    }
+    let mut tick = tokio::time::interval(interval);
+    tick.tick().await;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                seq += 1;
+                let hb = heartbeat(&cfg.node_id, seq, backend_snapshot(backend), sup_snapshot(sup), blobs.clone());
+                if tx.send(hb).await.is_err() {
+                    return SessionEnd::Failed("stream closed".into());
+                }
+            }
+            msg = replies.message() => match msg {
+                Ok(Some(ds)) => {
+                    *backoff = Duration::from_millis(100);
+                    view.send_modify(|v| {
+                        if v.connected_to.as_deref() != Some(addr) {
+                            tracing::info!(controller = %addr, "heartbeat stream open to the leader");
+                        }
+                        v.connected_to = Some(addr.to_string());
+                        v.acked += 1;
+                        v.cordoned = ds.cordoned;
+                        v.draining = ds.draining;
+                    });
+                }
+                Ok(None) => return SessionEnd::Failed("leader closed the stream".into()),
+                Err(status) => {
+                    return match leader_of(&status) {
+                        Some(leader) => SessionEnd::Redirect(leader),
+                        None => SessionEnd::Failed(format!("stream: {}", status.message())),
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn backend_snapshot(backend: &dyn GpuBackend) -> Vec<GpuStatus> {
+    backend
+        .inventory()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|g| GpuStatus {
+            uuid: g.uuid,
+            utilisation_pct: g.utilisation_pct,
+            memory_used_bytes: g.memory_used_bytes,
+            healthy: g.health.healthy,
+            reason: g.health.reason.unwrap_or_default(),
+            mig_devices: g.mig.devices.into_iter().map(|d| d.uuid).collect(),
+        })
+        .collect()
+}
+
+fn sup_snapshot(sup: &Supervisor) -> Vec<ReplicaReport> {
+    sup.status()
+        .into_iter()
+        .map(|s| {
+            let (state, last_exit) = match s.state {
+                ReplicaState::Starting => ("starting", String::new()),
+                ReplicaState::Ready => ("ready", String::new()),
+                ReplicaState::Draining => ("draining", String::new()),
+                ReplicaState::Stopped => ("stopped", String::new()),
+                ReplicaState::Backoff { last_exit, .. } => ("backoff", last_exit),
+                ReplicaState::CrashLoop { last_exit, .. } => ("crash_loop", last_exit),
+            };
+            ReplicaReport {
+                id: s.id,
+                model: s.model,
+                device: s.device,
+                state: state.to_string(),
+                port: s.port as u32,
+                in_flight: 0,
+                last_exit,
+            }
+        })
+        .collect()
+}
+
+fn heartbeat(
+    node_id: &str,
+    sequence: u64,
+    gpus: Vec<GpuStatus>,
+    replicas: Vec<ReplicaReport>,
+    blobs: Vec<String>,
+) -> Heartbeat {
+    Heartbeat {
+        node_id: node_id.to_string(),
+        sequence,
+        sent_unix_ms: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64),
+        gpus,
+        replicas,
+        cached_blobs: blobs,
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into())
+}

@@ -1,0 +1,259 @@
+//! Agents against a real three-process controller cluster: registration, heartbeats to the
+//! leader, reconnection after a leader kill, static stability, liveness, and refusals.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use laneway_agent::config::{AgentConfig, Backend, StaticReplica};
+use laneway_agent::gpu::sim::SimBackend;
+use laneway_agent::runtime::{start, Agent};
+use laneway_agent::supervisor::{ReplicaSpec, RuntimeSpec};
+use laneway_control::client::AdminClient;
+use laneway_proto::admin::{InitRequest, ListNodesRequest, NodeInfo, PromoteRequest};
+use laneway_proto::agent::agent_service_client::AgentServiceClient;
+use laneway_proto::agent::{GpuInfo, Heartbeat, RegisterRequest};
+use tokio::time::Instant;
+use tonic::Code;
+
+use super::harness::{status, wait_for, Node};
+
+async fn form_cluster(nodes: &mut [Node]) -> AdminClient {
+    for n in nodes.iter_mut() {
+        n.start();
+    }
+    wait_for("node 1 to answer", Duration::from_secs(10), || async {
+        status(&nodes[0]).await
+    })
+    .await;
+    let c = AdminClient::new(nodes.iter().map(|n| n.addr.clone()).collect()).with_retry_for(Duration::from_secs(15));
+    c.call_one(&nodes[0].addr, |mut c| async move { c.init(InitRequest {}).await })
+        .await
+        .unwrap();
+    for n in &nodes[1..] {
+        let (node_id, addr) = (n.id, n.addr.clone());
+        c.call(|mut cl| {
+            let addr = addr.clone();
+            async move {
+                cl.add_learner(laneway_proto::admin::AddLearnerRequest { node_id, addr })
+                    .await
+            }
+        })
+        .await
+        .unwrap();
+        c.call(|mut cl| async move { cl.promote(PromoteRequest { node_id }).await })
+            .await
+            .unwrap();
+    }
+    c
+}
+
+async fn agent(
+    name: &str,
+    product: &str,
+    controllers: Vec<String>,
+    dir: &std::path::Path,
+    replicas: Vec<StaticReplica>,
+) -> Agent {
+    let backend = SimBackend::from_toml(&format!(
+        "node = \"{name}\"\n[[gpu]]\nproduct = \"{product}\"\ncount = 2\n"
+    ))
+    .unwrap();
+    let cfg = AgentConfig {
+        node_id: name.into(),
+        controllers,
+        pool: product.to_lowercase(),
+        labels: Default::default(),
+        data_dir: dir.join(name),
+        join_token: String::new(),
+        heartbeat: Duration::from_millis(300),
+        backend: Backend::Nvml,
+        replicas,
+    };
+    start(cfg, Arc::new(backend)).await.unwrap()
+}
+
+/// A static replica that is just an HTTP server answering 200 on `/`.
+fn http_replica() -> StaticReplica {
+    StaticReplica {
+        gpu_index: 0,
+        spec: ReplicaSpec {
+            id: "web-0".into(),
+            model: "web".into(),
+            device: String::new(),
+            weights: None,
+            runtime: RuntimeSpec {
+                command: vec![
+                    "python3".into(),
+                    "-m".into(),
+                    "http.server".into(),
+                    "{port}".into(),
+                    "--bind".into(),
+                    "127.0.0.1".into(),
+                ],
+                env: Default::default(),
+                health_path: "/".into(),
+                warmup: None,
+                start_timeout_ms: 20_000,
+            },
+        },
+    }
+}
+
+async fn nodes_on_leader(c: &AdminClient) -> Option<Vec<NodeInfo>> {
+    let s = c
+        .call(|mut cl| async move { cl.status(laneway_proto::admin::StatusRequest {}).await })
+        .await
+        .ok()?;
+    if s.leader_addr.is_empty() {
+        return None;
+    }
+    c.call_one(&s.leader_addr, |mut cl| async move {
+        cl.list_nodes(ListNodesRequest {}).await
+    })
+    .await
+    .ok()
+    .map(|r| r.nodes)
+}
+
+fn fresh(nodes: &[NodeInfo], names: &[&str]) -> bool {
+    names.iter().all(|name| {
+        nodes
+            .iter()
+            .any(|n| n.node_id == *name && (0..1500).contains(&n.last_heartbeat_ms_ago) && n.liveness == "up")
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_follow_the_leader_and_replicas_outlive_the_control_plane() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes: Vec<Node> = (1..=3).map(|id| Node::new(root.path(), id)).collect();
+    let client = form_cluster(&mut nodes).await;
+    let addrs: Vec<String> = nodes.iter().map(|n| n.addr.clone()).collect();
+
+    let a = agent("gpu-l4-1", "L4", addrs.clone(), root.path(), vec![http_replica()]).await;
+    let b = agent("gpu-h100-1", "H100-80GB", addrs.clone(), root.path(), vec![]).await;
+    let listed = wait_for(
+        "both nodes registered and heartbeating",
+        Duration::from_secs(20),
+        || async {
+            let n = nodes_on_leader(&client).await?;
+            fresh(&n, &["gpu-l4-1", "gpu-h100-1"]).then_some(n)
+        },
+    )
+    .await;
+    let l4 = listed.iter().find(|n| n.node_id == "gpu-l4-1").unwrap();
+    assert_eq!(l4.gpus.len(), 2);
+    assert_eq!(l4.gpus[0].product, "L4");
+    let replica_port = wait_for("the static replica to be ready", Duration::from_secs(20), || async {
+        let s = a.supervisor.status();
+        (s.first()?.state == laneway_agent::supervisor::ReplicaState::Ready).then(|| s[0].port)
+    })
+    .await;
+
+    // kill -9 the leader: agents find the new one within a few seconds.
+    let leader = status(&nodes[0]).await.unwrap().leader_id;
+    nodes[(leader - 1) as usize].kill();
+    let killed = Instant::now();
+    wait_for(
+        "agents heartbeating to the new leader",
+        Duration::from_secs(10),
+        || async {
+            let n = nodes_on_leader(&client).await?;
+            fresh(&n, &["gpu-l4-1", "gpu-h100-1"]).then_some(())
+        },
+    )
+    .await;
+    let reconnect = killed.elapsed();
+    assert!(reconnect < Duration::from_secs(8), "reconnect took {reconnect:?}");
+
+    // A silent agent is declared down.
+    b.stop();
+    wait_for("gpu-h100-1 declared down", Duration::from_secs(15), || async {
+        let n = nodes_on_leader(&client).await?;
+        n.iter()
+            .any(|x| x.node_id == "gpu-h100-1" && x.liveness == "down")
+            .then_some(())
+    })
+    .await;
+
+    // The whole control plane goes away: the replica keeps serving.
+    for n in &mut nodes {
+        n.kill();
+    }
+    let body = reqwest::get(format!("http://127.0.0.1:{replica_port}/")).await.unwrap();
+    assert_eq!(body.status(), 200, "replica stopped serving without controllers");
+    for r in a.supervisor.status() {
+        a.supervisor
+            .drain(&r.id, Arc::new(|| 0), Duration::from_secs(1), Duration::from_secs(2))
+            .await
+            .unwrap();
+    }
+    a.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn impostor_gpus_and_foreign_heartbeats_are_refused() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = vec![Node::new(root.path(), 1)];
+    let client = form_cluster(&mut nodes).await;
+    wait_for("a leader", Duration::from_secs(10), || async {
+        status(&nodes[0]).await.filter(|s| s.leader_id == 1)
+    })
+    .await;
+    let mut agents = AgentServiceClient::connect(format!("http://{}", nodes[0].addr))
+        .await
+        .unwrap();
+    let reg = |node: &str, gpu: &str| RegisterRequest {
+        node_id: node.into(),
+        hostname: node.into(),
+        labels: Default::default(),
+        pool: "p".into(),
+        gpus: vec![GpuInfo {
+            product: "L4".into(),
+            uuid: gpu.into(),
+            memory_bytes: 1,
+            mig_capable: false,
+        }],
+        join_token: String::new(),
+    };
+    agents.register(reg("node-a", "GPU-1")).await.unwrap();
+    let e = agents.register(reg("node-b", "GPU-1")).await.unwrap_err();
+    assert_eq!(e.code(), Code::AlreadyExists, "{e:?}");
+    assert!(
+        e.message().contains("already registered to node node-a"),
+        "{}",
+        e.message()
+    );
+    let e = agents.register(reg("Bad_Name", "GPU-9")).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+
+    // A heartbeat for an unregistered node, and then for another node on a bound stream.
+    let hb = |node: &str, sequence| Heartbeat {
+        node_id: node.into(),
+        sequence,
+        ..Default::default()
+    };
+    let mut s = agents
+        .heartbeats(tokio_stream::iter(vec![hb("ghost", 1)]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(s.message().await.unwrap_err().code(), Code::NotFound);
+    let mut s = agents
+        .heartbeats(tokio_stream::iter(vec![hb("node-a", 1), hb("node-b", 2)]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(s.message().await.unwrap().unwrap().sequence, 1);
+    let e = s.message().await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    // node-b never registered: still absent.
+    let listed = client
+        .call(|mut c| async move { c.list_nodes(ListNodesRequest {}).await })
+        .await
+        .unwrap();
+    assert_eq!(
+        listed.nodes.iter().map(|n| n.node_id.as_str()).collect::<Vec<_>>(),
+        vec!["node-a"]
+    );
+}
