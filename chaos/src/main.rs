@@ -4,6 +4,7 @@
 //! baseline measured in the same run, because the machines they run on are shared and noisy.
 
 mod bench;
+mod heartbeat_bench;
 mod process_cluster;
 
 use std::path::PathBuf;
@@ -22,6 +23,8 @@ struct Cli {
 enum Cmd {
     /// Raft write throughput/latency on a 3-process cluster, and leader failover time.
     Bench(bench::BenchArgs),
+    /// How many agents heartbeating at 1 Hz one leader sustains (lag p99 < 1 s).
+    Heartbeats(heartbeat_bench::HeartbeatArgs),
 }
 
 /// Default path of a sibling binary (the one Cargo built next to this one).
@@ -36,6 +39,7 @@ fn main() -> ExitCode {
     let res = rt.block_on(async {
         match cli.command {
             Cmd::Bench(args) => bench::run(args).await,
+            Cmd::Heartbeats(args) => heartbeat_bench::run(args).await,
         }
     });
     match res {

@@ -42,7 +42,12 @@ impl ProcessCluster {
                 bin.display()
             );
         }
-        let root = tempfile::Builder::new().prefix("laneway-chaos-").tempdir()?;
+        let mut root = tempfile::Builder::new().prefix("laneway-chaos-").tempdir()?;
+        if std::env::var_os("LANEWAY_CHAOS_KEEP").is_some() {
+            // Keep data dirs and logs for a post-mortem.
+            root.disable_cleanup(true);
+            eprintln!("keeping {}", root.path().display());
+        }
         let mut members = Vec::new();
         for id in 1..=n {
             members.push(Member {
@@ -108,6 +113,11 @@ impl ProcessCluster {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+
+    /// OS process id of member `i`, while it runs.
+    pub fn pid(&self, i: usize) -> Option<u32> {
+        self.members[i].child.as_ref().map(|c| c.id())
     }
 
     /// Restarts member `i` with its data intact.

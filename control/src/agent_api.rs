@@ -69,7 +69,10 @@ impl AgentService for AgentGrpc {
             .proposer
             .propose(Command::RegisterNode(reg))
             .await
-            .map_err(|_| not_leader(&self.ctx))?;
+            .map_err(|e| match e.forward_to_leader::<crate::node::ControllerNode>() {
+                Some(_) => not_leader(&self.ctx),
+                None => Status::unavailable(format!("registration could not be committed: {e}")),
+            })?;
         if let Some(reason) = resp.rejected {
             tracing::warn!(node = %node_id, %reason, "node registration refused");
             return Err(Status::already_exists(reason));

@@ -55,7 +55,7 @@ pub struct RunArgs {
     /// Directory for the Raft log, state and snapshots.
     #[arg(long, env = "LANEWAY_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
-    /// Leader heartbeat interval in ms. Default 50.
+    /// Leader heartbeat interval in ms. Default 100.
     #[arg(long, env = "LANEWAY_RAFT_HEARTBEAT_MS")]
     pub heartbeat_ms: Option<u64>,
     /// Lower bound of the randomized election timeout in ms. Default 150.
@@ -72,13 +72,14 @@ pub struct RunArgs {
 /// Raft timing and compaction settings, validated.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RaftSettings {
-    /// Leader heartbeat interval, ms. Default 50.
+    /// Leader heartbeat interval, ms. Default 100. openraft 0.9 also uses it as the timeout of
+    /// every AppendEntries RPC, so it must leave room for a follower's fsync under load.
     pub heartbeat_ms: u64,
     /// Election timeout range `[min, max)`, ms. Defaults 150 and 350. openraft makes a follower
     /// that knew a leader wait `max` (the leader lease) plus a random timeout in `[min, max)`
     /// before campaigning, so a dead leader is replaced after 500–700 ms, and even a split vote
-    /// (another `[min, max)` round) stays near the 1 s target. A follower must miss heartbeats
-    /// for at least 500 ms before it campaigns, so a busy leader is not deposed by accident.
+    /// (another `[min, max)` round) stays near the 1 s target. A follower must miss five
+    /// heartbeats (500 ms) before it campaigns, so a busy leader is not deposed by accident.
     pub election_timeout_min_ms: u64,
     pub election_timeout_max_ms: u64,
     /// Snapshot after this many entries since the last snapshot. Default 10000.
@@ -90,7 +91,7 @@ pub struct RaftSettings {
 impl Default for RaftSettings {
     fn default() -> Self {
         RaftSettings {
-            heartbeat_ms: 50,
+            heartbeat_ms: 100,
             election_timeout_min_ms: 150,
             election_timeout_max_ms: 350,
             snapshot_logs: 10_000,
@@ -301,11 +302,11 @@ fn validate_raft(r: &RaftSettings) -> Result<(), ConfigError> {
     if !(10..=10_000).contains(&r.heartbeat_ms) {
         return Err(bad("raft.heartbeat_ms", r.heartbeat_ms, "between 10 and 10000 ms"));
     }
-    if r.election_timeout_min_ms < 3 * r.heartbeat_ms {
+    if r.election_timeout_min_ms <= r.heartbeat_ms {
         return Err(bad(
             "raft.election_timeout_min_ms",
             r.election_timeout_min_ms,
-            format!("at least 3 × raft.heartbeat_ms ({} ms)", 3 * r.heartbeat_ms),
+            format!("more than raft.heartbeat_ms ({} ms)", r.heartbeat_ms),
         ));
     }
     if r.election_timeout_max_ms <= r.election_timeout_min_ms {
@@ -315,6 +316,18 @@ fn validate_raft(r: &RaftSettings) -> Result<(), ConfigError> {
             format!(
                 "greater than raft.election_timeout_min_ms ({} ms)",
                 r.election_timeout_min_ms
+            ),
+        ));
+    }
+    // A follower campaigns after election_timeout_max (the leader lease) plus a random timeout
+    // of at least election_timeout_min: that silence must span several heartbeats.
+    if r.election_timeout_max_ms + r.election_timeout_min_ms < 5 * r.heartbeat_ms {
+        return Err(bad(
+            "raft.election_timeout_max_ms",
+            r.election_timeout_max_ms,
+            format!(
+                "election_timeout_max_ms + election_timeout_min_ms of at least 5 × raft.heartbeat_ms ({} ms)",
+                5 * r.heartbeat_ms
             ),
         ));
     }

@@ -17,9 +17,9 @@ use openraft::error::{ClientWriteError, RaftError};
 
 /// Most commands folded into one entry.
 pub const MAX_BATCH: usize = 1024;
-/// Most payload bytes (keys + values) folded into one entry, so that an entry always fits well
-/// inside a Raft message (`network::MAX_RAFT_MESSAGE_BYTES`), even JSON-escaped.
-pub const MAX_BATCH_BYTES: usize = 4 * 1024 * 1024;
+/// Most payload bytes folded into one entry, so that one entry alone fits an AppendEntries
+/// well under `network::TARGET_APPEND_BYTES`, even JSON-escaped.
+pub const MAX_BATCH_BYTES: usize = 256 * 1024;
 /// Batches proposed concurrently; more let the leader's append overlap with replication.
 const MAX_IN_FLIGHT: usize = 4;
 /// Queue depth of pending writes before callers wait.

@@ -95,9 +95,9 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         election_timeout_min: cfg.raft.election_timeout_min_ms,
         election_timeout_max: cfg.raft.election_timeout_max_ms,
         install_snapshot_timeout: 10_000,
-        // Entries can be batches of up to 4 MiB (proposer::MAX_BATCH_BYTES). When 64 of them
-        // would not fit a Raft message, the network answers PayloadTooLarge with a smaller
-        // hint and openraft retries with fewer entries.
+        // Entries can be batches of up to 256 KiB (proposer::MAX_BATCH_BYTES). When the entries
+        // of one AppendEntries exceed network::TARGET_APPEND_BYTES, the network answers
+        // PayloadTooLarge with a smaller hint and openraft retries with fewer entries.
         max_payload_entries: 64,
         snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(cfg.raft.snapshot_logs),
         max_in_snapshot_log_to_keep: cfg.raft.keep_logs,

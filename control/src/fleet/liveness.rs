@@ -1,12 +1,12 @@
 //! Node liveness: which committed up/down transitions the leader should propose, as a pure
 //! function of the fleet, the heartbeats it has seen and the time.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{Fleet, Liveness};
+use super::Liveness;
 
 /// A liveness transition to propose.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -21,7 +21,7 @@ pub struct Transition {
 /// - `leader_since`: when this controller became leader; nobody is declared down until it has
 ///   been leader for `dead_after` (agents need time to find a new leader).
 pub fn decide(
-    fleet: &Fleet,
+    nodes: &BTreeMap<String, Liveness>,
     last_seen: &HashMap<String, Instant>,
     leader_since: Instant,
     now: Instant,
@@ -29,11 +29,11 @@ pub fn decide(
 ) -> Vec<Transition> {
     let mut out = Vec::new();
     let settled = now.saturating_duration_since(leader_since) >= dead_after;
-    for (id, node) in &fleet.nodes {
+    for (id, liveness) in nodes {
         let fresh = last_seen
             .get(id)
             .is_some_and(|t| now.saturating_duration_since(*t) < dead_after);
-        match (node.liveness, fresh) {
+        match (*liveness, fresh) {
             (Liveness::Up, false) if settled => out.push(Transition {
                 node_id: id.clone(),
                 to: Liveness::Down,
@@ -50,31 +50,10 @@ pub fn decide(
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
-
-    use super::super::{NodeRecord, NodeRegistration};
     use super::*;
 
-    fn fleet(nodes: &[(&str, Liveness)]) -> Fleet {
-        let mut f = Fleet::default();
-        for (id, l) in nodes {
-            f.nodes.insert(
-                id.to_string(),
-                NodeRecord {
-                    registration: NodeRegistration {
-                        node_id: id.to_string(),
-                        hostname: String::new(),
-                        pool: String::new(),
-                        labels: BTreeMap::new(),
-                        gpus: vec![],
-                    },
-                    liveness: *l,
-                    cordoned: false,
-                    draining: false,
-                },
-            );
-        }
-        f
+    fn fleet(nodes: &[(&str, Liveness)]) -> BTreeMap<String, Liveness> {
+        nodes.iter().map(|(id, l)| (id.to_string(), *l)).collect()
     }
 
     #[tokio::test(start_paused = true)]

@@ -106,15 +106,30 @@ impl NodeRegistration {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Fleet {
     pub nodes: BTreeMap<String, NodeRecord>,
+    /// GPU UUID → owning node; derived from `nodes` (not serialized, rebuilt on load) so that a
+    /// registration checks its GPUs in O(log n) instead of scanning every node.
+    #[serde(skip)]
+    gpu_owner: BTreeMap<String, String>,
 }
 
 impl Fleet {
+    /// Rebuilds the derived GPU index after `nodes` was loaded or replaced.
+    pub fn rebuild_index(&mut self) {
+        self.gpu_owner = self
+            .nodes
+            .values()
+            .flat_map(|n| {
+                n.registration
+                    .gpus
+                    .iter()
+                    .map(|g| (g.uuid.clone(), n.registration.node_id.clone()))
+            })
+            .collect();
+    }
+
     /// The node owning a GPU, if any.
     pub fn gpu_owner(&self, uuid: &str) -> Option<&str> {
-        self.nodes
-            .values()
-            .find(|n| n.registration.gpus.iter().any(|g| g.uuid == uuid))
-            .map(|n| n.registration.node_id.as_str())
+        self.gpu_owner.get(uuid).map(String::as_str)
     }
 
     /// Registers (or re-registers, after an agent restart) a node. A GPU UUID owned by another
@@ -134,6 +149,14 @@ impl Fleet {
             .nodes
             .get(&reg.node_id)
             .map_or((false, false), |n| (n.cordoned, n.draining));
+        if let Some(old) = self.nodes.get(&reg.node_id) {
+            for g in &old.registration.gpus {
+                self.gpu_owner.remove(&g.uuid);
+            }
+        }
+        for g in &reg.gpus {
+            self.gpu_owner.insert(g.uuid.clone(), reg.node_id.clone());
+        }
         self.nodes.insert(
             reg.node_id.clone(),
             NodeRecord {

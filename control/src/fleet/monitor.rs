@@ -30,21 +30,25 @@ pub async fn run(ctx: Context, dead_after: Duration) {
             ctx.heartbeats.clear();
             Instant::now()
         });
-        let fleet = ctx.sm.view().state.fleet;
-        for t in decide(&fleet, &ctx.heartbeats.last_seen(), since, Instant::now(), dead_after) {
-            let up = t.to == Liveness::Up;
-            match ctx
-                .proposer
-                .propose(Command::SetNodeLiveness {
+        let nodes = ctx.sm.node_liveness();
+        let transitions = decide(&nodes, &ctx.heartbeats.last_seen(), since, Instant::now(), dead_after);
+        // Proposed together, so a rack going dark is a few batched entries, not one round
+        // trip per node.
+        let proposals = transitions.into_iter().map(|t| {
+            let ctx = ctx.clone();
+            async move {
+                let up = t.to == Liveness::Up;
+                let cmd = Command::SetNodeLiveness {
                     node_id: t.node_id.clone(),
                     up,
-                })
-                .await
-            {
-                Ok(_) if up => tracing::info!(node = %t.node_id, "node is back up"),
-                Ok(_) => tracing::warn!(node = %t.node_id, silent_for = ?dead_after, "node declared down"),
-                Err(e) => tracing::warn!(node = %t.node_id, error = %e, "could not commit a liveness change"),
+                };
+                match ctx.proposer.propose(cmd).await {
+                    Ok(_) if up => tracing::info!(node = %t.node_id, "node is back up"),
+                    Ok(_) => tracing::warn!(node = %t.node_id, silent_for = ?dead_after, "node declared down"),
+                    Err(e) => tracing::warn!(node = %t.node_id, error = %e, "could not commit a liveness change"),
+                }
             }
-        }
+        });
+        futures::future::join_all(proposals).await;
     }
 }

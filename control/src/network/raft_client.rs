@@ -17,7 +17,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tonic::transport::{Channel, Endpoint};
 
-use super::{MAX_RAFT_MESSAGE_BYTES, PAYLOAD_FORMAT};
+use super::{MAX_RAFT_MESSAGE_BYTES, PAYLOAD_FORMAT, TARGET_APPEND_BYTES};
 use crate::node::ControllerNode;
 use crate::typ::{NodeId, TypeConfig};
 
@@ -97,9 +97,9 @@ impl PeerClient {
             }
         };
         let payload = serde_json::to_vec(req).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
-        if payload.len() > MAX_RAFT_MESSAGE_BYTES {
-            // Ask openraft to send fewer entries; it retries with the hint.
-            if let (Rpc::AppendEntries, Some(n)) = (rpc, entry_count) {
+        if let (Rpc::AppendEntries, Some(n)) = (rpc, entry_count) {
+            if payload.len() > TARGET_APPEND_BYTES && n > 1 {
+                // Ask openraft to send fewer entries; it retries at once with the hint.
                 return Err(RPCError::PayloadTooLarge(PayloadTooLarge::new_entries_hint(
                     (n / 2).max(1),
                 )));

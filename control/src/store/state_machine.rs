@@ -229,6 +229,7 @@ impl StateMachineStore {
                 inner.snapshot = Some(serde_json::from_slice(&b).map_err(|e| corrupt(KEY_SNAPSHOT, &e))?);
             }
         }
+        inner.state.fleet.rebuild_index();
         snapshot_file::remove_all_but(&snapshot_dir, inner.snapshot.as_ref().map(|p| p.file.as_str())).map_err(
             |source| StoreError::Io {
                 what: format!("cleaning {}", snapshot_dir.display()),
@@ -312,6 +313,17 @@ impl StateMachineStore {
             .nodes
             .get(node_id)
             .map(|n| (n.cordoned, n.draining))
+    }
+
+    /// Committed liveness of every node (without copying the rest of the state).
+    pub fn node_liveness(&self) -> BTreeMap<String, Liveness> {
+        self.read()
+            .state
+            .fleet
+            .nodes
+            .iter()
+            .map(|(id, n)| (id.clone(), n.liveness))
+            .collect()
     }
 
     /// Index of the last applied entry.

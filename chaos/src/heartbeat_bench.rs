@@ -1,0 +1,235 @@
+//! `laneway-chaos heartbeats`: how many agents heartbeating at 1 Hz one leader sustains.
+//!
+//! N simulated agents (in this process) register, then each keeps one heartbeat stream and
+//! sends a heartbeat per second at a random phase, with eight GPUs' status in it. The lag is
+//! send → the leader's reply; the leader's CPU comes from /proc. Agents of one step share
+//! HTTP/2 connections (100 streams each) so the client process does not run out of sockets;
+//! this process shares the machine's two cores with the three controllers, so the figures are
+//! conservative. The smallest step is the in-run baseline.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context;
+use hdrhistogram::Histogram;
+use laneway_proto::agent::agent_service_client::AgentServiceClient;
+use laneway_proto::agent::{GpuInfo, GpuStatus, Heartbeat, RegisterRequest};
+use rand::Rng;
+use serde_json::json;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::process_cluster::ProcessCluster;
+
+/// Flags of `laneway-chaos heartbeats`.
+#[derive(Debug, clap::Args)]
+pub struct HeartbeatArgs {
+    #[arg(long)]
+    control_bin: Option<std::path::PathBuf>,
+    /// Agent counts to try, in order.
+    #[arg(long, value_delimiter = ',', default_value = "100,1000,2500,5000,10000")]
+    agents: Vec<usize>,
+    /// Seconds measured per step (after a warm-up second).
+    #[arg(long, default_value_t = 10)]
+    duration_secs: u64,
+}
+
+const STREAMS_PER_CONNECTION: usize = 100;
+const GPUS_PER_NODE: usize = 8;
+
+fn cpu_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = stat.rsplit_once(')')?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // Fields 14 and 15 (utime, stime) are at 11 and 12 after the command name.
+    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+}
+
+async fn channels(addr: &str, n: usize) -> anyhow::Result<Vec<Channel>> {
+    let mut out = Vec::new();
+    for _ in 0..n.div_ceil(STREAMS_PER_CONNECTION) {
+        out.push(
+            Endpoint::from_shared(format!("http://{addr}"))?
+                .tcp_nodelay(true)
+                .connect()
+                .await?,
+        );
+    }
+    Ok(out)
+}
+
+fn node_name(i: usize) -> String {
+    format!("bench-{i:05}")
+}
+
+pub async fn run(args: HeartbeatArgs) -> anyhow::Result<()> {
+    let bin = args
+        .control_bin
+        .clone()
+        .unwrap_or_else(|| crate::sibling_bin("laneway-control"));
+    let cluster = ProcessCluster::start(&bin, 3).await?;
+    cluster.wait_converged(Duration::from_secs(20)).await?;
+    let max = args.agents.iter().copied().max().unwrap_or(0);
+    let addrs: Vec<String> = cluster.members.iter().map(|m| m.addr.clone()).collect();
+
+    // Register every node once (a Raft write each, batched by the proposer), as a fleet of
+    // restarting agents would: retried, following the leader.
+    let mut reg_channels = Vec::new();
+    for a in &addrs {
+        reg_channels.push(channels(a, 16 * STREAMS_PER_CONNECTION).await?);
+    }
+    let reg_channels = Arc::new(reg_channels);
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..max {
+        let reg_channels = reg_channels.clone();
+        tasks.spawn(async move {
+            let gpus = (0..GPUS_PER_NODE)
+                .map(|g| GpuInfo {
+                    product: "H100-80GB".into(),
+                    uuid: format!("GPU-bench-{i}-{g}"),
+                    memory_bytes: 80 << 30,
+                    mig_capable: true,
+                })
+                .collect();
+            let req = RegisterRequest {
+                node_id: node_name(i),
+                hostname: node_name(i),
+                pool: "bench".into(),
+                gpus,
+                ..Default::default()
+            };
+            let mut target = i;
+            for _ in 0..200 {
+                let chans = &reg_channels[target % reg_channels.len()];
+                let mut client = AgentServiceClient::new(chans[i % chans.len()].clone());
+                match client.register(req.clone()).await {
+                    Ok(_) => return Ok(()),
+                    Err(s) if matches!(s.code(), tonic::Code::FailedPrecondition | tonic::Code::Unavailable) => {
+                        target += 1;
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    Err(s) => return Err(anyhow::anyhow!("register {}: {s}", req.node_id)),
+                }
+            }
+            Err(anyhow::anyhow!("register {}: no leader accepted it", req.node_id))
+        });
+        if tasks.len() >= 512 {
+            tasks.join_next().await.expect("task")??;
+        }
+    }
+    while let Some(r) = tasks.join_next().await {
+        r??;
+    }
+    println!(
+        "{}",
+        json!({"bench": "node_registration", "nodes": max, "per_sec": (max as f64 / started.elapsed().as_secs_f64()).round()})
+    );
+
+    cluster.wait_converged(Duration::from_secs(30)).await?;
+    let li = cluster.leader().await.context("no leader")?;
+    let leader_addr = cluster.members[li].addr.clone();
+    let leader_pid = cluster.pid(li).context("leader pid")?;
+    let mut best = 0;
+    for &n in &args.agents {
+        let hist = Arc::new(Mutex::new(Histogram::<u64>::new_with_bounds(1, 120_000_000, 3)?));
+        let (sent, acked) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let chans = channels(&leader_addr, n).await?;
+        let measuring = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut agents = tokio::task::JoinSet::new();
+        for i in 0..n {
+            let chan = chans[i / STREAMS_PER_CONNECTION].clone();
+            let (hist, sent, acked, measuring) = (hist.clone(), sent.clone(), acked.clone(), measuring.clone());
+            agents.spawn(agent(chan, node_name(i), hist, sent, acked, measuring));
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await; // streams open, phases spread
+        let cpu0 = cpu_ticks(leader_pid).unwrap_or(0);
+        measuring.store(true, Ordering::SeqCst);
+        let t0 = Instant::now();
+        tokio::time::sleep(Duration::from_secs(args.duration_secs)).await;
+        measuring.store(false, Ordering::SeqCst);
+        let secs = t0.elapsed().as_secs_f64();
+        let cpu1 = cpu_ticks(leader_pid).unwrap_or(0);
+        agents.abort_all();
+        let h = hist.lock().unwrap().clone();
+        let (s, a) = (sent.load(Ordering::SeqCst), acked.load(Ordering::SeqCst));
+        let p99_ms = h.value_at_quantile(0.99) as f64 / 1000.0;
+        let cpu_pct = (cpu1.saturating_sub(cpu0)) as f64 / 100.0 / secs * 100.0; // 100 ticks/s
+        let ok = p99_ms < 1000.0 && a as f64 >= 0.99 * s as f64 && s as f64 >= 0.9 * n as f64 * secs;
+        if ok {
+            best = best.max(n);
+        }
+        println!(
+            "{}",
+            json!({"bench": "heartbeats", "agents": n, "sent_per_sec": (s as f64 / secs).round(),
+                   "acked_per_sec": (a as f64 / secs).round(), "lag_p50_ms": h.value_at_quantile(0.5) as f64 / 1000.0,
+                   "lag_p99_ms": p99_ms, "leader_cpu_pct": cpu_pct.round(), "sustained": ok})
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    println!(
+        "{}",
+        json!({"bench": "heartbeat_capacity", "max_agents_sustained": best, "target_agents": 10000})
+    );
+    drop(cluster);
+    Ok(())
+}
+
+async fn agent(
+    chan: Channel,
+    node: String,
+    hist: Arc<Mutex<Histogram<u64>>>,
+    sent: Arc<AtomicU64>,
+    acked: Arc<AtomicU64>,
+    measuring: Arc<std::sync::atomic::AtomicBool>,
+) {
+    let mut client = AgentServiceClient::new(chan);
+    let (tx, rx) = mpsc::channel(2);
+    let Ok(resp) = client.heartbeats(ReceiverStream::new(rx)).await else {
+        return;
+    };
+    let mut replies = resp.into_inner();
+    let phase = Duration::from_millis(rand::rng().random_range(0..1000));
+    tokio::time::sleep(phase).await;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut seq = 0u64;
+    let gpus: Vec<GpuStatus> = (0..GPUS_PER_NODE)
+        .map(|g| GpuStatus {
+            uuid: format!("GPU-bench-{node}-{g}"),
+            utilisation_pct: 50,
+            memory_used_bytes: 40 << 30,
+            healthy: true,
+            ..Default::default()
+        })
+        .collect();
+    loop {
+        tick.tick().await;
+        seq += 1;
+        let t = Instant::now();
+        let hb = Heartbeat {
+            node_id: node.clone(),
+            sequence: seq,
+            gpus: gpus.clone(),
+            ..Default::default()
+        };
+        let counted = measuring.load(Ordering::Relaxed);
+        if tx.send(hb).await.is_err() {
+            return;
+        }
+        if counted {
+            sent.fetch_add(1, Ordering::Relaxed);
+        }
+        match replies.message().await {
+            Ok(Some(_)) => {
+                if counted {
+                    acked.fetch_add(1, Ordering::Relaxed);
+                    let _ = hist.lock().unwrap().record((t.elapsed().as_micros() as u64).max(1));
+                }
+            }
+            _ => return,
+        }
+    }
+}
