@@ -15,7 +15,7 @@ use tonic::transport::Endpoint;
 
 use crate::config::AgentConfig;
 use crate::gpu::GpuBackend;
-use crate::supervisor::{ReplicaState, Supervisor, SupervisorConfig};
+use crate::supervisor::{ReplicaSpec, ReplicaState, Supervisor, SupervisorConfig};
 use crate::weight_cache::WeightCache;
 
 /// Byte budget of the weight cache when the config does not set one.
@@ -81,6 +81,7 @@ pub async fn start(cfg: AgentConfig, backend: Arc<dyn GpuBackend>) -> Result<Age
     let cache = WeightCache::open(&cfg.data_dir.join("cache"), DEFAULT_CACHE_BUDGET)?;
     let supervisor = Arc::new(Supervisor::new(SupervisorConfig::new(cfg.data_dir.join("replicas"))));
     let recovered = supervisor.recover(&specs, Duration::from_secs(10)).await;
+    let statics = specs.clone();
     for spec in specs {
         if !recovered.adopted.contains(&spec.id) {
             supervisor.start(spec).map_err(|e| AgentError::Config(e.to_string()))?;
@@ -88,7 +89,7 @@ pub async fn start(cfg: AgentConfig, backend: Arc<dyn GpuBackend>) -> Result<Age
     }
     let (view_tx, view) = watch::channel(AgentView::default());
     let sup = supervisor.clone();
-    let task = tokio::spawn(async move { heartbeat_loop(cfg, backend, sup, cache, view_tx).await });
+    let task = tokio::spawn(async move { heartbeat_loop(cfg, backend, sup, cache, statics, view_tx).await });
     Ok(Agent { supervisor, view, task })
 }
 
@@ -111,6 +112,7 @@ async fn heartbeat_loop(
     backend: Arc<dyn GpuBackend>,
     sup: Arc<Supervisor>,
     cache: WeightCache,
+    statics: Vec<ReplicaSpec>,
     view: watch::Sender<AgentView>,
 ) {
     let mut next = 0usize;
@@ -120,7 +122,18 @@ async fn heartbeat_loop(
         let addr = redirect
             .take()
             .unwrap_or_else(|| cfg.controllers[next % cfg.controllers.len()].clone());
-        match session(&cfg, backend.as_ref(), &sup, &cache, &addr, &view, &mut backoff).await {
+        match session(
+            &cfg,
+            backend.as_ref(),
+            &sup,
+            &statics,
+            &cache,
+            &addr,
+            &view,
+            &mut backoff,
+        )
+        .await
+        {
             SessionEnd::Redirect(leader) => {
                 tracing::debug!(from = %addr, to = %leader, "following the leader");
                 redirect = Some(leader);
@@ -139,10 +152,12 @@ async fn heartbeat_loop(
     }
 }
 
+#[allow(clippy::too_many_arguments)] // one session's context; grouping it would only rename it
 async fn session(
     cfg: &AgentConfig,
     backend: &dyn GpuBackend,
-    sup: &Supervisor,
+    sup: &Arc<Supervisor>,
+    statics: &[ReplicaSpec],
     cache: &WeightCache,
     addr: &str,
     view: &watch::Sender<AgentView>,
@@ -233,6 +248,10 @@ async fn session(
             msg = replies.message() => match msg {
                 Ok(Some(ds)) => {
                     *backoff = Duration::from_millis(100);
+                    let was_draining = view.borrow().draining;
+                    if ds.draining != was_draining {
+                        on_drain_change(sup, statics, ds.draining);
+                    }
                     view.send_modify(|v| {
                         if v.connected_to.as_deref() != Some(addr) {
                             tracing::info!(controller = %addr, "heartbeat stream open to the leader");
@@ -249,6 +268,37 @@ async fn session(
                         Some(leader) => SessionEnd::Redirect(leader),
                         None => SessionEnd::Failed(format!("stream: {}", status.message())),
                     }
+                }
+            }
+        }
+    }
+}
+
+/// The leader drained (or undrained) this node: stop the replicas gracefully, or start the
+/// static ones again.
+fn on_drain_change(sup: &Arc<Supervisor>, statics: &[ReplicaSpec], draining: bool) {
+    if draining {
+        tracing::warn!("node is being drained: stopping replicas");
+        for r in sup.status() {
+            let sup = sup.clone();
+            tokio::spawn(async move {
+                // The router stops sending work when it sees Draining; the agent itself has no
+                // in-flight count, so it waits a fixed bounded time for work to finish.
+                let _ = sup
+                    .drain(&r.id, Arc::new(|| 0), Duration::from_secs(30), Duration::from_secs(10))
+                    .await;
+            });
+        }
+    } else {
+        tracing::info!("node drain ended: starting static replicas again");
+        for spec in statics {
+            let stopped = sup
+                .status()
+                .iter()
+                .any(|s| s.id == spec.id && s.state == ReplicaState::Stopped);
+            if stopped {
+                if let Err(e) = sup.start(spec.clone()) {
+                    tracing::warn!(replica = %spec.id, error = %e, "could not restart a static replica");
                 }
             }
         }

@@ -144,9 +144,39 @@ async fn agents_follow_the_leader_and_replicas_outlive_the_control_plane() {
     let l4 = listed.iter().find(|n| n.node_id == "gpu-l4-1").unwrap();
     assert_eq!(l4.gpus.len(), 2);
     assert_eq!(l4.gpus[0].product, "L4");
-    let replica_port = wait_for("the static replica to be ready", Duration::from_secs(20), || async {
+    wait_for("the static replica to be ready", Duration::from_secs(20), || async {
         let s = a.supervisor.status();
-        (s.first()?.state == laneway_agent::supervisor::ReplicaState::Ready).then(|| s[0].port)
+        (s.first()?.state == laneway_agent::supervisor::ReplicaState::Ready).then_some(())
+    })
+    .await;
+
+    // Draining the node stops its replica; uncordoning starts it again.
+    let flag = |action: &'static str| {
+        let client = &client;
+        async move {
+            client
+                .call(|mut c| async move {
+                    c.set_node_flags(laneway_proto::admin::SetNodeFlagsRequest {
+                        node_id: "gpu-l4-1".into(),
+                        action: action.into(),
+                    })
+                    .await
+                })
+                .await
+                .unwrap();
+        }
+    };
+    flag("drain").await;
+    wait_for(
+        "the drained node's replica to stop",
+        Duration::from_secs(20),
+        || async { (a.supervisor.status()[0].state == laneway_agent::supervisor::ReplicaState::Stopped).then_some(()) },
+    )
+    .await;
+    flag("uncordon").await;
+    let replica_port = wait_for("the replica to be ready again", Duration::from_secs(20), || async {
+        let s = a.supervisor.status();
+        (s[0].state == laneway_agent::supervisor::ReplicaState::Ready).then(|| s[0].port)
     })
     .await;
 
