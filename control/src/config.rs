@@ -61,7 +61,7 @@ pub struct RunArgs {
     /// Lower bound of the randomized election timeout in ms. Default 150.
     #[arg(long, env = "LANEWAY_RAFT_ELECTION_TIMEOUT_MIN_MS")]
     pub election_timeout_min_ms: Option<u64>,
-    /// Upper bound (exclusive) of the election timeout in ms. Default 350.
+    /// Upper bound (exclusive) of the election timeout in ms. Default 300.
     #[arg(long, env = "LANEWAY_RAFT_ELECTION_TIMEOUT_MAX_MS")]
     pub election_timeout_max_ms: Option<u64>,
     /// Take a snapshot after this many applied entries since the last one. Default 10000.
@@ -75,11 +75,12 @@ pub struct RaftSettings {
     /// Leader heartbeat interval, ms. Default 100. openraft 0.9 also uses it as the timeout of
     /// every AppendEntries RPC, so it must leave room for a follower's fsync under load.
     pub heartbeat_ms: u64,
-    /// Election timeout range `[min, max)`, ms. Defaults 150 and 350. openraft makes a follower
+    /// Election timeout range `[min, max)`, ms. Defaults 150 and 300. openraft makes a follower
     /// that knew a leader wait `max` (the leader lease) plus a random timeout in `[min, max)`
-    /// before campaigning, so a dead leader is replaced after 500–700 ms, and even a split vote
-    /// (another `[min, max)` round) stays near the 1 s target. A follower must miss five
-    /// heartbeats (500 ms) before it campaigns, so a busy leader is not deposed by accident.
+    /// before campaigning, so a dead leader is replaced after 450–600 ms (plus up to one 150 ms tick),
+    /// and even a split vote (another `[min, max)` round) stays under the 1 s target. A follower
+    /// must miss at least four heartbeats before it campaigns, so a busy leader is not deposed
+    /// by accident.
     pub election_timeout_min_ms: u64,
     pub election_timeout_max_ms: u64,
     /// Snapshot after this many entries since the last snapshot. Default 10000.
@@ -93,7 +94,7 @@ impl Default for RaftSettings {
         RaftSettings {
             heartbeat_ms: 100,
             election_timeout_min_ms: 150,
-            election_timeout_max_ms: 350,
+            election_timeout_max_ms: 300,
             snapshot_logs: 10_000,
             keep_logs: 1_000,
         }
@@ -321,13 +322,13 @@ fn validate_raft(r: &RaftSettings) -> Result<(), ConfigError> {
     }
     // A follower campaigns after election_timeout_max (the leader lease) plus a random timeout
     // of at least election_timeout_min: that silence must span several heartbeats.
-    if r.election_timeout_max_ms + r.election_timeout_min_ms < 5 * r.heartbeat_ms {
+    if r.election_timeout_max_ms + r.election_timeout_min_ms < 4 * r.heartbeat_ms {
         return Err(bad(
             "raft.election_timeout_max_ms",
             r.election_timeout_max_ms,
             format!(
-                "election_timeout_max_ms + election_timeout_min_ms of at least 5 × raft.heartbeat_ms ({} ms)",
-                5 * r.heartbeat_ms
+                "election_timeout_max_ms + election_timeout_min_ms of at least 4 × raft.heartbeat_ms ({} ms)",
+                4 * r.heartbeat_ms
             ),
         ));
     }
