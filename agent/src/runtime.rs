@@ -118,6 +118,7 @@ async fn heartbeat_loop(
     let mut next = 0usize;
     let mut redirect: Option<String> = None;
     let mut backoff = Duration::from_millis(100);
+    let mut hops = 0u32;
     loop {
         let addr = redirect
             .take()
@@ -137,7 +138,13 @@ async fn heartbeat_loop(
             SessionEnd::Redirect(leader) => {
                 tracing::debug!(from = %addr, to = %leader, "following the leader");
                 redirect = Some(leader);
-                continue;
+                // Controllers with stale leader hints must not bounce a fleet in a tight loop
+                // during an election: a few hops free, then the backoff applies.
+                hops += 1;
+                if hops <= 3 {
+                    continue;
+                }
+                hops = 0;
             }
             SessionEnd::Failed(why) => {
                 view.send_modify(|v| v.connected_to = None);
@@ -167,6 +174,11 @@ async fn session(
         Ok(ep) => match ep
             .connect_timeout(Duration::from_millis(500))
             .tcp_nodelay(true)
+            // A leader whose host died or was cut off must not hold the agent until TCP gives up.
+            .http2_keep_alive_interval(Duration::from_secs(1))
+            .keep_alive_timeout(Duration::from_secs(2))
+            .keep_alive_while_idle(true)
+            .timeout(Duration::from_secs(10))
             .connect()
             .await
         {
@@ -234,6 +246,7 @@ async fn session(
     if tx.send(first).await.is_err() {
         return SessionEnd::Failed("stream closed".into());
     }
+    let mut last_reply = tokio::time::Instant::now();
     let mut tick = tokio::time::interval(interval);
     tick.tick().await;
     loop {
@@ -245,12 +258,22 @@ async fn session(
                     return SessionEnd::Failed("stream closed".into());
                 }
             }
+            // No reply for three intervals: the leader is gone or stuck; find another.
+            _ = tokio::time::sleep_until(last_reply + interval * 3 + Duration::from_secs(1)) => {
+                return SessionEnd::Failed("no heartbeat reply for three intervals".into());
+            }
             msg = replies.message() => match msg {
                 Ok(Some(ds)) => {
+                    last_reply = tokio::time::Instant::now();
                     *backoff = Duration::from_millis(100);
                     let was_draining = view.borrow().draining;
-                    if ds.draining != was_draining {
-                        on_drain_change(sup, statics, ds.draining);
+                    if ds.draining && !was_draining {
+                        drain_all(sup);
+                    }
+                    if !ds.draining {
+                        // Reconciled on every reply (not only when the flag changes), so
+                        // replicas still draining when the drain was lifted come back too.
+                        restart_stopped(sup, statics);
                     }
                     view.send_modify(|v| {
                         if v.connected_to.as_deref() != Some(addr) {
@@ -274,32 +297,34 @@ async fn session(
     }
 }
 
-/// The leader drained (or undrained) this node: stop the replicas gracefully, or start the
-/// static ones again.
-fn on_drain_change(sup: &Arc<Supervisor>, statics: &[ReplicaSpec], draining: bool) {
-    if draining {
-        tracing::warn!("node is being drained: stopping replicas");
-        for r in sup.status() {
-            let sup = sup.clone();
-            tokio::spawn(async move {
-                // The router stops sending work when it sees Draining; the agent itself has no
-                // in-flight count, so it waits a fixed bounded time for work to finish.
-                let _ = sup
-                    .drain(&r.id, Arc::new(|| 0), Duration::from_secs(30), Duration::from_secs(10))
-                    .await;
-            });
-        }
-    } else {
-        tracing::info!("node drain ended: starting static replicas again");
-        for spec in statics {
-            let stopped = sup
-                .status()
-                .iter()
-                .any(|s| s.id == spec.id && s.state == ReplicaState::Stopped);
-            if stopped {
-                if let Err(e) = sup.start(spec.clone()) {
-                    tracing::warn!(replica = %spec.id, error = %e, "could not restart a static replica");
-                }
+/// The leader drained this node: stop every replica gracefully.
+///
+/// The agent has no per-replica in-flight count yet (the router will report it), so it does
+/// not wait for one: it sends SIGTERM at once and relies on the model server finishing its
+/// in-flight requests within the 10 s grace period before SIGKILL.
+fn drain_all(sup: &Arc<Supervisor>) {
+    tracing::warn!("node is being drained: stopping replicas");
+    for r in sup.status() {
+        let sup = sup.clone();
+        tokio::spawn(async move {
+            let _ = sup
+                .drain(&r.id, Arc::new(|| 0), Duration::ZERO, Duration::from_secs(10))
+                .await;
+        });
+    }
+}
+
+/// Starts the static replicas that are stopped (after a drain ended).
+fn restart_stopped(sup: &Arc<Supervisor>, statics: &[ReplicaSpec]) {
+    let status = sup.status();
+    for spec in statics {
+        if status
+            .iter()
+            .any(|s| s.id == spec.id && s.state == ReplicaState::Stopped)
+        {
+            tracing::info!(replica = %spec.id, "node is not draining: starting static replica again");
+            if let Err(e) = sup.start(spec.clone()) {
+                tracing::warn!(replica = %spec.id, error = %e, "could not restart a static replica");
             }
         }
     }

@@ -261,14 +261,15 @@ impl WeightCache {
                 .unwrap_or_else(|p| p.into_inner())
                 .entry(sha.clone())
                 .or_default() += 1;
+            // Under the same lock as fetches, so no blob is verified and pinned between the
+            // eviction's choice and its deletion.
+            self.evict();
         }
-        let pinned = PinnedBlob {
+        Ok(PinnedBlob {
             path,
             sha256: sha,
             inner: self.inner.clone(),
-        };
-        self.evict();
-        Ok(pinned)
+        })
     }
 
     /// Fetches an artifact ahead of need (a scheduler hint), without pinning it.
@@ -409,19 +410,17 @@ impl WeightCache {
             return;
         }
         entries.sort_by_key(|(_, e)| e.last_used);
-        let pinned: HashSet<String> = self
-            .inner
-            .pins
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .keys()
-            .cloned()
-            .collect();
         for (sha, e) in entries {
             if total <= self.inner.budget_bytes {
                 return;
             }
-            if pinned.contains(&sha) {
+            let pinned = self
+                .inner
+                .pins
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains_key(&sha);
+            if pinned {
                 continue;
             }
             tracing::info!(sha256 = %sha, size = e.size, "evicting weight blob (LRU)");

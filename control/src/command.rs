@@ -95,7 +95,14 @@ impl Command {
             Command::DeleteSetting { key } => key.len(),
             Command::Batch(commands) => commands.iter().map(Command::payload_bytes).sum(),
             Command::RegisterNode(r) => {
-                512 + r.gpus.len() * 160 + r.labels.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>()
+                256 + r.node_id.len()
+                    + r.hostname.len()
+                    + r.pool.len()
+                    + r.gpus
+                        .iter()
+                        .map(|g| 96 + g.uuid.len() + g.product.len())
+                        .sum::<usize>()
+                    + r.labels.iter().map(|(k, v)| 8 + k.len() + v.len()).sum::<usize>()
             }
             Command::SetNodeLiveness { node_id, .. } | Command::SetNodeFlags { node_id, .. } => node_id.len() + 16,
         }

@@ -65,6 +65,41 @@ impl GpuBackend for NvmlBackend {
         let count = call("nvmlDeviceGetCount", "-", self.nvml.device_count())?;
         let mut gpus = Vec::new();
         for index in 0..count {
+            // One broken GPU (fallen off the bus, say) is reported unhealthy; the others keep
+            // the node schedulable.
+            match self.gpu(index) {
+                Ok(g) => gpus.push(g),
+                Err(e) => {
+                    tracing::warn!(index, error = %e, "GPU unreadable through NVML; reporting it unhealthy");
+                    gpus.push(Gpu {
+                        index,
+                        uuid: format!("GPU-unreadable-{index}"),
+                        product: Product::Other("unknown".into()),
+                        driver_name: String::new(),
+                        memory_total_bytes: 0,
+                        memory_used_bytes: 0,
+                        utilisation_pct: 0,
+                        mig: MigState::default(),
+                        health: Health {
+                            ecc_uncorrected: None,
+                            healthy: false,
+                            reason: Some(e.to_string()),
+                        },
+                    });
+                }
+            }
+        }
+        Ok(gpus)
+    }
+
+    fn set_mig_devices(&self, uuid: &str, _profiles: &[String]) -> Result<(), GpuError> {
+        self.refuse_mig_apply(uuid)
+    }
+}
+
+impl NvmlBackend {
+    fn gpu(&self, index: u32) -> Result<Gpu, GpuError> {
+        {
             let label = format!("#{index}");
             let device = call("nvmlDeviceGetHandleByIndex", &label, self.nvml.device_by_index(index))?;
             let uuid = call("nvmlDeviceGetUUID", &label, device.uuid())?;
@@ -83,7 +118,7 @@ impl GpuBackend for NvmlBackend {
                 .total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile)
                 .ok();
             let healthy = ecc_uncorrected.unwrap_or(0) == 0;
-            gpus.push(Gpu {
+            Ok(Gpu {
                 index,
                 uuid,
                 mig: MigState {
@@ -101,12 +136,11 @@ impl GpuBackend for NvmlBackend {
                     healthy,
                     reason: (!healthy).then(|| "uncorrected ECC errors since the driver loaded".to_string()),
                 },
-            });
+            })
         }
-        Ok(gpus)
     }
 
-    fn set_mig_devices(&self, uuid: &str, _profiles: &[String]) -> Result<(), GpuError> {
+    fn refuse_mig_apply(&self, uuid: &str) -> Result<(), GpuError> {
         // nvml-wrapper 0.13 has no safe wrapper for nvmlDeviceCreateGpuInstance /
         // nvmlGpuInstanceCreateComputeInstance; calling them needs the raw FFI, which this crate
         // does not allow yet (see issue #3's note). Refuse clearly instead of half-applying.

@@ -190,20 +190,31 @@ impl Supervisor {
     /// the others (SIGTERM, then SIGKILL after `grace`).
     pub async fn recover(&self, desired: &[ReplicaSpec], grace: Duration) -> Recovered {
         let mut out = Recovered::default();
+        let mut reaping = Vec::new();
         for orphan in find_orphans(&self.cfg.dir) {
             match desired.iter().find(|s| s.id == orphan.replica_id) {
-                Some(spec) if self.launch(spec.clone(), Some(orphan.clone())).is_ok() => {
-                    tracing::info!(replica = %orphan.replica_id, pid = orphan.pid, "re-adopted replica after agent restart");
-                    out.adopted.push(orphan.replica_id);
-                }
-                _ => {
+                Some(spec) => match self.launch(spec.clone(), Some(orphan.clone())) {
+                    Ok(()) => {
+                        tracing::info!(replica = %orphan.replica_id, pid = orphan.pid, "re-adopted replica after agent restart");
+                        out.adopted.push(orphan.replica_id);
+                    }
+                    // Already adopted (or being supervised): never kill a desired replica.
+                    Err(e) => {
+                        tracing::warn!(replica = %orphan.replica_id, pid = orphan.pid, error = %e, "not re-adopting")
+                    }
+                },
+                None => {
                     tracing::info!(replica = %orphan.replica_id, pid = orphan.pid, "reaping replica that is no longer desired");
-                    let mut p = Proc::Adopted(orphan.pid);
-                    stop(&mut p, grace).await;
-                    out.reaped.push(orphan.replica_id);
+                    out.reaped.push(orphan.replica_id.clone());
+                    reaping.push(async move {
+                        let mut p = Proc::Adopted(orphan.pid);
+                        stop(&mut p, grace).await;
+                    });
                 }
             }
         }
+        // In parallel: a few stubborn orphans must not delay heartbeats by their graces.
+        futures::future::join_all(reaping).await;
         out
     }
 

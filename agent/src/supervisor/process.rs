@@ -10,7 +10,7 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
-use nix::sys::signal::{kill, Signal};
+use nix::sys::signal::{kill, killpg, Signal};
 use nix::unistd::Pid;
 
 use super::spec::ReplicaSpec;
@@ -50,10 +50,14 @@ impl Proc {
         }
     }
 
-    /// Sends a signal; a process that is already gone is not an error.
+    /// Sends a signal to the replica's whole process group (a model server's workers too); a
+    /// process that is already gone is not an error.
     pub fn signal(&self, sig: Signal) {
         if let Some(pid) = self.pid() {
-            let _ = kill(Pid::from_raw(pid), sig);
+            // Replicas lead their own group (pgid == pid); fall back to the process alone.
+            if killpg(Pid::from_raw(pid), sig).is_err() {
+                let _ = kill(Pid::from_raw(pid), sig);
+            }
         }
     }
 }
@@ -83,6 +87,8 @@ pub fn spawn(spec: &ReplicaSpec, port: u16, agent_dir: &Path, log: &Path) -> std
         .env(ENV_AGENT_DIR, agent_dir)
         .env(ENV_REPLICA_ID, &spec.id)
         .env(ENV_REPLICA_PORT, port.to_string())
+        // Own process group: stopping a replica stops the workers it forked.
+        .process_group(0)
         .stdin(Stdio::null())
         .stdout(log_file.try_clone()?)
         .stderr(log_file)
@@ -99,8 +105,29 @@ pub struct Orphan {
     pub port: u16,
 }
 
-/// Finds live processes started by an agent using `agent_dir`.
+/// Parent pid of a process, from /proc.
+fn parent_pid(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Finds the live replicas started by an agent using `agent_dir`: one per replica, its main
+/// process (workers a server forked inherit the environment and are skipped).
 pub fn find_orphans(agent_dir: &Path) -> Vec<Orphan> {
+    let candidates = matching_processes(agent_dir);
+    candidates
+        .iter()
+        .filter(|o| {
+            let parent = parent_pid(o.pid);
+            !candidates
+                .iter()
+                .any(|p| Some(p.pid) == parent && p.replica_id == o.replica_id)
+        })
+        .cloned()
+        .collect()
+}
+
+fn matching_processes(agent_dir: &Path) -> Vec<Orphan> {
     let want = agent_dir.to_string_lossy().to_string();
     let mut out = Vec::new();
     let Ok(rd) = std::fs::read_dir("/proc") else { return out };

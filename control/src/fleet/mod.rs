@@ -75,6 +75,11 @@ impl NodeRegistration {
     /// Checks a registration before it is proposed.
     pub fn validate(&self) -> Result<(), String> {
         validate_node_id(&self.node_id)?;
+        for (what, v) in [("hostname", &self.hostname), ("pool", &self.pool)] {
+            if v.len() > 253 {
+                return Err(format!("{what} is {} bytes; at most 253", v.len()));
+            }
+        }
         if self.gpus.len() > MAX_GPUS_PER_NODE {
             return Err(format!(
                 "{} GPUs registered; at most {MAX_GPUS_PER_NODE} per node",
@@ -93,6 +98,9 @@ impl NodeRegistration {
         for g in &self.gpus {
             if g.uuid.is_empty() || g.uuid.len() > 128 {
                 return Err(format!("GPU uuid {:?}: expected a GPU-… UUID", g.uuid));
+            }
+            if g.product.len() > 64 {
+                return Err(format!("GPU product name is {} bytes; at most 64", g.product.len()));
             }
             if !seen.insert(&g.uuid) {
                 return Err(format!("GPU {} is listed twice", g.uuid));

@@ -256,9 +256,19 @@ pub fn plan(s: &Scenario, scales: &[f64]) -> Result<Plan, PlanError> {
             let sizing = rps * s.burstiness;
             // Cheapest full-card profile; the profile order (preference) breaks ties.
             let mut best: Option<(ModelPlan, Profile)> = None;
+            let mut unattainable: Option<PlanError> = None;
             for p in m.profiles.iter().filter(|p| p.mig_profile.is_none()) {
                 let product = &s.products[&p.product];
-                let sized = size(lane, &m.name, p, sizing)?;
+                // A profile too slow for the SLO is skipped; the plan fails only if every
+                // profile of the model is.
+                let sized = match size(lane, &m.name, p, sizing) {
+                    Ok(sized) => sized,
+                    Err(e @ PlanError::SloUnattainable { .. }) => {
+                        unattainable.get_or_insert(e);
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                };
                 let cost = sized.servers as f64 * product.on_demand;
                 if best.as_ref().is_none_or(|(b, _)| cost < b.on_demand_cost_per_hour) {
                     best = Some((
@@ -283,6 +293,7 @@ pub fn plan(s: &Scenario, scales: &[f64]) -> Result<Plan, PlanError> {
                     chosen.insert((lane.name.clone(), m.name.clone()), p);
                     model_plans.push(mp);
                 }
+                None if unattainable.is_some() => return Err(unattainable.expect("checked")),
                 None => warnings.push(format!(
                     "model {} has only MIG profiles; it is planned in the MIG section only",
                     m.name
@@ -530,8 +541,15 @@ fn mig_options(s: &Scenario, lanes: &[LanePlan]) -> Result<Vec<MigOption>, PlanE
                 let mig = p.mig_profile.clone().expect("filtered");
                 let product = &s.products[&p.product];
                 let per_card = product.mig_slices[&mig];
-                let sized = size(lane, &m.name, p, rps * s.burstiness)?;
-                let cost = sized.servers as f64 / per_card as f64 * product.on_demand;
+                // MIG is an optional recommendation: a profile that cannot meet the SLO is
+                // simply not offered.
+                let Ok(sized) = size(lane, &m.name, p, rps * s.burstiness) else {
+                    continue;
+                };
+                // Whole cards are bought: the option costs its cards, not its slices (leftover
+                // slices are reported, free for other models).
+                let cards = sized.servers.div_ceil(per_card);
+                let cost = cards as f64 * product.on_demand;
                 let cost_per_1k = per_1k(cost, rps);
                 let (full_product, full_cost_per_1k) = match full {
                     Some(f) => (f.product.clone(), per_1k(f.on_demand_cost_per_hour, rps)),
@@ -544,8 +562,12 @@ fn mig_options(s: &Scenario, lanes: &[LanePlan]) -> Result<Vec<MigOption>, PlanE
                         mig_profile: mig.clone(),
                         slices: sized.servers,
                         slices_per_card: per_card,
-                        cards: sized.servers.div_ceil(per_card),
-                        geometry: format!("{per_card}x {mig} on each {}", p.product),
+                        cards,
+                        geometry: format!(
+                            "{per_card}x {mig} on each {} ({} slices left for other models)",
+                            p.product,
+                            cards * per_card - sized.servers
+                        ),
                         cost_per_1k,
                         full_card_product: full_product,
                         full_card_cost_per_1k: full_cost_per_1k,

@@ -94,8 +94,11 @@ fn example_scenario_shares_sum_to_100() {
     let x10 = &p.scales[1];
     let video = x10.lanes.iter().find(|l| l.lane == "video").unwrap();
     assert!(video.cards_borrowed < 0.0, "video gives its cards to higher ranks");
-    // MIG: the embeddings model is cheaper on H100 slices than on a whole L4.
-    assert!(p.mig.iter().any(|m| m.model == "bge-large" && m.saving_pct > 0.0));
+    // MIG options are priced by the whole cards they need.
+    for m in &p.mig {
+        assert!(m.cost_per_1k < m.full_card_cost_per_1k, "{m:?}");
+        assert!(m.cards >= 1);
+    }
 }
 
 #[test]
@@ -144,6 +147,19 @@ memory_gb = 24
     assert!(speech.cards_borrowed > 0.0);
     assert!(speech.refused_rps < video.refused_rps, "the durable lane sheds first");
     assert!((x3.served_rps + speech.refused_rps + video.refused_rps - x3.demand_rps).abs() < 1e-6);
+}
+
+#[test]
+fn a_profile_too_slow_for_the_slo_is_skipped_not_fatal() {
+    // Speech with a 150 ms SLO: the L4 profile (150 ms + 20 ms window) cannot make it, the H100
+    // one can; the plan uses the H100.
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples/fleet.toml");
+    let text = std::fs::read_to_string(path)
+        .unwrap()
+        .replace("slo_p99_ms = 400", "slo_p99_ms = 150");
+    let p = plan(&scenario(&text), &[]).unwrap();
+    let speech = p.lanes.iter().find(|l| l.lane == "speech").unwrap();
+    assert_eq!(speech.models[0].product, "H100-80GB");
 }
 
 #[test]
