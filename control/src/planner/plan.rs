@@ -164,7 +164,12 @@ pub struct MigOption {
     pub cards: u32,
     /// The geometry to configure on each of those cards.
     pub geometry: String,
+    /// Slices of those cards this model does not use.
+    pub spare_slices: u32,
+    /// $/1k requests when the spare slices serve other models (each slice costs its fraction).
     pub cost_per_1k: f64,
+    /// $/1k requests if the spare slices stay idle (the model pays for whole cards).
+    pub cost_per_1k_whole_cards: f64,
     pub full_card_product: String,
     pub full_card_cost_per_1k: f64,
     pub saving_pct: f64,
@@ -549,8 +554,9 @@ fn mig_options(s: &Scenario, lanes: &[LanePlan]) -> Result<Vec<MigOption>, PlanE
                 // Whole cards are bought: the option costs its cards, not its slices (leftover
                 // slices are reported, free for other models).
                 let cards = sized.servers.div_ceil(per_card);
-                let cost = cards as f64 * product.on_demand;
-                let cost_per_1k = per_1k(cost, rps);
+                let slice_cost = sized.servers as f64 / per_card as f64 * product.on_demand;
+                let cost_per_1k = per_1k(slice_cost, rps);
+                let cost_per_1k_whole_cards = per_1k(cards as f64 * product.on_demand, rps);
                 let (full_product, full_cost_per_1k) = match full {
                     Some(f) => (f.product.clone(), per_1k(f.on_demand_cost_per_hour, rps)),
                     None => (String::from("-"), f64::INFINITY),
@@ -563,12 +569,10 @@ fn mig_options(s: &Scenario, lanes: &[LanePlan]) -> Result<Vec<MigOption>, PlanE
                         slices: sized.servers,
                         slices_per_card: per_card,
                         cards,
-                        geometry: format!(
-                            "{per_card}x {mig} on each {} ({} slices left for other models)",
-                            p.product,
-                            cards * per_card - sized.servers
-                        ),
+                        geometry: format!("{per_card}x {mig} on each {}", p.product),
+                        spare_slices: cards * per_card - sized.servers,
                         cost_per_1k,
+                        cost_per_1k_whole_cards,
                         full_card_product: full_product,
                         full_card_cost_per_1k: full_cost_per_1k,
                         saving_pct: if full_cost_per_1k.is_finite() {

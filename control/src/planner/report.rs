@@ -183,21 +183,23 @@ pub fn render(plan: &Plan) -> String {
     }
 
     if !plan.mig.is_empty() {
-        let _ = writeln!(w, "\nMIG: slices of a big card cheaper than a whole smaller card");
+        let _ = writeln!(w, "\nMIG: slices of a big card cheaper than a whole smaller card (slice-priced: the spare slices serve other models)");
         for m in &plan.mig {
             let _ = writeln!(
                 w,
-                "{}: {} slices of {} on {} ({} cards; geometry {}): {:.4} $/1k vs {:.4} $/1k on {} ({:.0}% cheaper)",
+                "{}: {} slices of {} on {} ({} card(s), geometry {}, {} spare slices): {:.4} $/1k vs {:.4} $/1k on {} ({:.0}% cheaper); {:.4} $/1k if the spare slices stay idle",
                 m.model,
                 m.slices,
                 m.mig_profile,
                 m.product,
                 m.cards,
                 m.geometry,
+                m.spare_slices,
                 m.cost_per_1k,
                 m.full_card_cost_per_1k,
                 m.full_card_product,
-                m.saving_pct
+                m.saving_pct,
+                m.cost_per_1k_whole_cards
             );
         }
     }
