@@ -4,6 +4,7 @@
 //! baseline measured in the same run, because the machines they run on are shared and noisy.
 
 mod bench;
+mod faults;
 mod heartbeat_bench;
 mod process_cluster;
 
@@ -23,6 +24,9 @@ struct Cli {
 enum Cmd {
     /// Raft write throughput/latency on a 3-process cluster, and leader failover time.
     Bench(bench::BenchArgs),
+    /// Seeded fault schedules (kill -9, SIGSTOP) under write load; checks no acknowledged
+    /// write is lost and every member agrees.
+    Faults(faults::FaultArgs),
     /// How many agents heartbeating at 1 Hz one leader sustains (lag p99 < 1 s).
     Heartbeats(heartbeat_bench::HeartbeatArgs),
 }
@@ -40,6 +44,7 @@ fn main() -> ExitCode {
         match cli.command {
             Cmd::Bench(args) => bench::run(args).await,
             Cmd::Heartbeats(args) => heartbeat_bench::run(args).await,
+            Cmd::Faults(args) => faults::run(args).await,
         }
     });
     match res {

@@ -115,6 +115,31 @@ impl ProcessCluster {
         }
     }
 
+    /// Freezes member `i` (SIGSTOP): a zombie leader, still holding its sockets.
+    pub fn pause(&self, i: usize) {
+        if let Some(pid) = self.pid(i) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGSTOP,
+            );
+        }
+    }
+
+    /// Thaws member `i` (SIGCONT).
+    pub fn resume(&self, i: usize) {
+        if let Some(pid) = self.pid(i) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGCONT,
+            );
+        }
+    }
+
+    /// Whether member `i` has a running process.
+    pub fn is_running(&self, i: usize) -> bool {
+        self.members[i].child.is_some()
+    }
+
     /// OS process id of member `i`, while it runs.
     pub fn pid(&self, i: usize) -> Option<u32> {
         self.members[i].child.as_ref().map(|c| c.id())
