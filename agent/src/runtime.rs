@@ -242,7 +242,6 @@ async fn session(
         sup_snapshot(sup),
         blobs.clone(),
     );
-    drop(inventory);
     if tx.send(first).await.is_err() {
         return SessionEnd::Failed("stream closed".into());
     }

@@ -99,45 +99,43 @@ impl GpuBackend for NvmlBackend {
 
 impl NvmlBackend {
     fn gpu(&self, index: u32) -> Result<Gpu, GpuError> {
-        {
-            let label = format!("#{index}");
-            let device = call("nvmlDeviceGetHandleByIndex", &label, self.nvml.device_by_index(index))?;
-            let uuid = call("nvmlDeviceGetUUID", &label, device.uuid())?;
-            let driver_name = call("nvmlDeviceGetName", &uuid, device.name())?;
-            let memory = call("nvmlDeviceGetMemoryInfo", &uuid, device.memory_info())?;
-            let product = Product::from_driver(&driver_name, memory.total);
-            // Utilisation is not reported for GPUs in MIG mode; report 0 rather than fail.
-            let utilisation_pct = device.utilization_rates().map(|u| u.gpu).unwrap_or(0);
-            let enabled = matches!(device.mig_mode(), Ok(m) if m.current == 1);
-            let devices = if enabled {
-                mig_devices(&device, &uuid)?
-            } else {
-                Vec::new()
-            };
-            let ecc_uncorrected = device
-                .total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile)
-                .ok();
-            let healthy = ecc_uncorrected.unwrap_or(0) == 0;
-            Ok(Gpu {
-                index,
-                uuid,
-                mig: MigState {
-                    capable: product.mig_capable(),
-                    enabled,
-                    devices,
-                },
-                product,
-                driver_name,
-                memory_total_bytes: memory.total,
-                memory_used_bytes: memory.used,
-                utilisation_pct,
-                health: Health {
-                    ecc_uncorrected,
-                    healthy,
-                    reason: (!healthy).then(|| "uncorrected ECC errors since the driver loaded".to_string()),
-                },
-            })
-        }
+        let label = format!("#{index}");
+        let device = call("nvmlDeviceGetHandleByIndex", &label, self.nvml.device_by_index(index))?;
+        let uuid = call("nvmlDeviceGetUUID", &label, device.uuid())?;
+        let driver_name = call("nvmlDeviceGetName", &uuid, device.name())?;
+        let memory = call("nvmlDeviceGetMemoryInfo", &uuid, device.memory_info())?;
+        let product = Product::from_driver(&driver_name, memory.total);
+        // Utilisation is not reported for GPUs in MIG mode; report 0 rather than fail.
+        let utilisation_pct = device.utilization_rates().map(|u| u.gpu).unwrap_or(0);
+        let enabled = matches!(device.mig_mode(), Ok(m) if m.current == 1);
+        let devices = if enabled {
+            mig_devices(&device, &uuid)?
+        } else {
+            Vec::new()
+        };
+        let ecc_uncorrected = device
+            .total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile)
+            .ok();
+        let healthy = ecc_uncorrected.unwrap_or(0) == 0;
+        Ok(Gpu {
+            index,
+            uuid,
+            mig: MigState {
+                capable: product.mig_capable(),
+                enabled,
+                devices,
+            },
+            product,
+            driver_name,
+            memory_total_bytes: memory.total,
+            memory_used_bytes: memory.used,
+            utilisation_pct,
+            health: Health {
+                ecc_uncorrected,
+                healthy,
+                reason: (!healthy).then(|| "uncorrected ECC errors since the driver loaded".to_string()),
+            },
+        })
     }
 
     fn refuse_mig_apply(&self, uuid: &str) -> Result<(), GpuError> {

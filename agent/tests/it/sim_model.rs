@@ -22,19 +22,20 @@ async fn start(faults: Faults) -> String {
     format!("http://{addr}")
 }
 
+async fn ready(client: &reqwest::Client, base: &str) -> reqwest::StatusCode {
+    client
+        .get(format!("{base}/v2/health/ready"))
+        .send()
+        .await
+        .unwrap()
+        .status()
+}
+
 #[tokio::test]
 async fn infers_in_batches_and_reports_gpu_time() {
     let base = start(Faults::default()).await;
     let client = reqwest::Client::new();
-    assert_eq!(
-        client
-            .get(format!("{base}/v2/health/ready"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
+    assert_eq!(ready(&client, &base).await, 200);
     let mut tasks = Vec::new();
     for i in 0..4 {
         let (client, base) = (client.clone(), base.clone());
@@ -96,25 +97,9 @@ async fn slow_start_and_error_rate_knobs() {
     })
     .await;
     let client = reqwest::Client::new();
-    assert_eq!(
-        client
-            .get(format!("{base}/v2/health/ready"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        503
-    );
+    assert_eq!(ready(&client, &base).await, 503);
     tokio::time::sleep(Duration::from_millis(350)).await;
-    assert_eq!(
-        client
-            .get(format!("{base}/v2/health/ready"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
+    assert_eq!(ready(&client, &base).await, 200);
     let r = client
         .post(format!("{base}/v2/models/whisper/infer"))
         .json(&json!({"inputs": []}))

@@ -1,6 +1,7 @@
 //! Admin API service: cluster membership, status, settings and snapshots.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use laneway_proto::admin::admin_service_server::AdminService;
@@ -26,7 +27,6 @@ use crate::node::ControllerNode;
 use crate::proposer::Proposer;
 use crate::store::{LogStore, StateMachineStore};
 use crate::typ::{NodeId, Raft, RaftMetrics};
-use std::sync::Arc;
 
 /// How long `add` waits for a new learner to catch up before giving up.
 const LEARNER_CATCH_UP_TIMEOUT: Duration = Duration::from_secs(60);
@@ -424,11 +424,9 @@ impl AdminService for AdminGrpc {
     }
 
     async fn list_nodes(&self, _req: Request<ListNodesRequest>) -> Result<Response<ListNodesReply>, Status> {
-        let view = self.sm.view();
+        let fleet = self.sm.fleet();
         let leader = self.raft.metrics().borrow().current_leader == Some(self.node_id);
-        let nodes = view
-            .state
-            .fleet
+        let nodes = fleet
             .nodes
             .values()
             .map(|n| {

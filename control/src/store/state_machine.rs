@@ -315,6 +315,11 @@ impl StateMachineStore {
             .map(|n| (n.cordoned, n.draining))
     }
 
+    /// A copy of the fleet part of the state (not the settings).
+    pub fn fleet(&self) -> Fleet {
+        self.read().state.fleet.clone()
+    }
+
     /// Committed liveness of every node (without copying the rest of the state).
     pub fn node_liveness(&self) -> BTreeMap<String, Liveness> {
         self.read()
