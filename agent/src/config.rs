@@ -21,6 +21,8 @@ pub struct AgentFile {
     pub data_dir: Option<PathBuf>,
     pub join_token: Option<String>,
     pub heartbeat_ms: Option<u64>,
+    /// Host (name or IP) the routers dial to reach this node's replicas. Default: the hostname.
+    pub replica_host: Option<String>,
     #[serde(default)]
     pub gpu: GpuFile,
     /// Static replicas: run whatever the controllers say (like a kubelet's static pods).
@@ -83,6 +85,8 @@ pub struct AgentConfig {
     pub join_token: String,
     /// Interval between heartbeats. Default 1 s.
     pub heartbeat: Duration,
+    /// Host the routers dial to reach this node's replicas; empty = the hostname.
+    pub replica_host: String,
     pub backend: Backend,
     pub replicas: Vec<StaticReplica>,
 }
@@ -191,6 +195,7 @@ impl AgentFile {
             data_dir,
             join_token: self.join_token.unwrap_or_default(),
             heartbeat: Duration::from_millis(heartbeat_ms),
+            replica_host: self.replica_host.unwrap_or_default(),
             backend,
             replicas,
         })

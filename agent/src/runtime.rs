@@ -207,6 +207,7 @@ async fn session(
             })
             .collect(),
         join_token: cfg.join_token.clone(),
+        replica_host: cfg.replica_host.clone(),
     };
     if let Err(status) = client.register(register).await {
         if let Some(leader) = leader_of(&status) {

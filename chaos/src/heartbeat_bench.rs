@@ -98,6 +98,7 @@ pub async fn run(args: HeartbeatArgs) -> anyhow::Result<()> {
             let req = RegisterRequest {
                 node_id: node_name(i),
                 hostname: node_name(i),
+                replica_host: String::new(),
                 pool: "bench".into(),
                 gpus,
                 ..Default::default()

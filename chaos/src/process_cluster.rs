@@ -97,7 +97,7 @@ impl ProcessCluster {
             .args(["run", "--node-id", &m.id.to_string(), "--listen", &m.addr])
             .arg("--data-dir")
             .arg(&m.data)
-            .args(["--cluster-name", &self.cluster])
+            .args(["--cluster-name", &self.cluster, "--router-listen", "off"])
             .env("LANEWAY_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(log)

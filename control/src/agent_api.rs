@@ -14,6 +14,7 @@ use crate::command::Command;
 use crate::context::Context;
 use crate::fleet::heartbeats::Seen;
 use crate::fleet::{GpuRecord, NodeRegistration};
+use crate::registry::ReplicaRecord;
 
 /// Serves agents.
 pub struct AgentGrpc {
@@ -65,6 +66,7 @@ impl AgentService for AgentGrpc {
                     mig_capable: g.mig_capable,
                 })
                 .collect(),
+            replica_host: r.replica_host,
         };
         reg.validate().map_err(Status::invalid_argument)?;
         let node_id = reg.node_id.clone();
@@ -110,6 +112,56 @@ impl AgentService for AgentGrpc {
     }
 }
 
+/// Commits the node's replicas when their routable facts (state, endpoint) differ from what
+/// the state holds. In-flight counts and other fast-moving numbers never reach the log.
+fn sync_replicas(ctx: &Context, hb: &Heartbeat) {
+    let Some(host) = ctx.sm.replica_host(&hb.node_id) else {
+        return;
+    };
+    let mut reported: Vec<ReplicaRecord> = hb
+        .replicas
+        .iter()
+        .map(|r| ReplicaRecord {
+            id: r.id.clone(),
+            model: r.model.clone(),
+            device: r.device.clone(),
+            state: r.state.clone(),
+            endpoint: if r.port == 0 {
+                String::new()
+            } else if host.contains(':') {
+                format!("[{host}]:{}", r.port)
+            } else {
+                format!("{host}:{}", r.port)
+            },
+        })
+        .collect();
+    reported.sort_by(|a, b| a.id.cmp(&b.id));
+    if reported == ctx.sm.node_replicas(&hb.node_id) {
+        return;
+    }
+    if !ctx.heartbeats.should_propose(&hb.node_id, &reported, Instant::now()) {
+        return;
+    }
+    let ctx = ctx.clone();
+    let node_id = hb.node_id.clone();
+    tokio::spawn(async move {
+        let n = reported.len();
+        let cmd = Command::SetNodeReplicas {
+            node_id: node_id.clone(),
+            replicas: reported,
+        };
+        match ctx.proposer.propose(cmd).await {
+            Ok((index, resp)) => match resp.rejected {
+                Some(why) => tracing::warn!(node = %node_id, %why, "replica update refused"),
+                None => tracing::debug!(node = %node_id, replicas = n, index, "replicas committed"),
+            },
+            Err(e) => {
+                tracing::warn!(node = %node_id, error = %e, "replica update not committed; retried on a later heartbeat")
+            }
+        }
+    });
+}
+
 /// One heartbeat: check who sent it, record it, answer with the node's desired state.
 fn handle(ctx: &Context, bound: &mut Option<String>, hb: &Heartbeat) -> Result<DesiredState, Status> {
     match bound {
@@ -144,6 +196,7 @@ fn handle(ctx: &Context, bound: &mut Option<String>, hb: &Heartbeat) -> Result<D
             replicas_total: hb.replicas.len() as u32,
         },
     );
+    sync_replicas(ctx, hb);
     let (cordoned, draining) = ctx.sm.node_flags(&hb.node_id).unwrap_or((false, false));
     Ok(DesiredState {
         version: ctx.sm.applied_index(),

@@ -21,6 +21,19 @@ pub struct FileConfig {
     #[serde(default)]
     pub raft: FileRaftConfig,
     pub max_admin_request_bytes: Option<usize>,
+    #[serde(default)]
+    pub router: FileRouterConfig,
+}
+
+/// `[router]` table of the TOML file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileRouterConfig {
+    /// `IP:port`, or `off` to run no router on this controller.
+    pub listen: Option<String>,
+    pub max_body_bytes: Option<usize>,
+    pub header_read_timeout_ms: Option<u64>,
+    pub max_connections: Option<usize>,
 }
 
 /// `[raft]` table of the TOML file.
@@ -67,6 +80,9 @@ pub struct RunArgs {
     /// Take a snapshot after this many applied entries since the last one. Default 10000.
     #[arg(long, env = "LANEWAY_RAFT_SNAPSHOT_LOGS")]
     pub snapshot_logs: Option<u64>,
+    /// Inference router listen address (HTTP), or `off`. Default `127.0.0.1:8080`.
+    #[arg(long, env = "LANEWAY_ROUTER_LISTEN")]
+    pub router_listen: Option<String>,
 }
 
 /// Raft timing and compaction settings, validated.
@@ -115,6 +131,8 @@ pub struct ControllerConfig {
     pub max_admin_request_bytes: usize,
     /// A node whose heartbeats stop for this long is declared down. Default 3 s.
     pub node_dead_after: std::time::Duration,
+    /// The inference router's listener and limits.
+    pub router: crate::router::http::RouterSettings,
 }
 
 /// An invalid configuration value.
@@ -286,6 +304,7 @@ impl RunArgs {
                 "between 4096 and 67108864",
             ));
         }
+        let router = resolve_router(self.router_listen.clone(), &file.router)?;
         Ok(ControllerConfig {
             node_id,
             cluster_name,
@@ -295,8 +314,58 @@ impl RunArgs {
             raft,
             max_admin_request_bytes,
             node_dead_after: std::time::Duration::from_secs(3),
+            router,
         })
     }
+}
+
+fn resolve_router(
+    flag: Option<String>,
+    file: &FileRouterConfig,
+) -> Result<crate::router::http::RouterSettings, ConfigError> {
+    let d = crate::router::http::RouterSettings::default();
+    let raw = flag
+        .or_else(|| file.listen.clone())
+        .unwrap_or_else(|| "127.0.0.1:8080".into());
+    let listen = if raw == "off" {
+        None
+    } else {
+        Some(raw.parse::<SocketAddr>().map_err(|_| {
+            bad(
+                "router.listen",
+                &raw,
+                "an IP:port for the inference router, e.g. 0.0.0.0:8080, or `off`",
+            )
+        })?)
+    };
+    let max_body_bytes = file.max_body_bytes.unwrap_or(d.max_body_bytes);
+    if !(1024..=1024 * 1024 * 1024).contains(&max_body_bytes) {
+        return Err(bad(
+            "router.max_body_bytes",
+            max_body_bytes,
+            "between 1024 and 1073741824",
+        ));
+    }
+    let header_ms = file
+        .header_read_timeout_ms
+        .unwrap_or(d.header_read_timeout.as_millis() as u64);
+    if !(100..=120_000).contains(&header_ms) {
+        return Err(bad(
+            "router.header_read_timeout_ms",
+            header_ms,
+            "between 100 and 120000",
+        ));
+    }
+    let max_connections = file.max_connections.unwrap_or(d.max_connections);
+    if !(1..=1_000_000).contains(&max_connections) {
+        return Err(bad("router.max_connections", max_connections, "between 1 and 1000000"));
+    }
+    Ok(crate::router::http::RouterSettings {
+        listen,
+        max_body_bytes,
+        header_read_timeout: std::time::Duration::from_millis(header_ms),
+        max_connections,
+    })
 }
 
 fn validate_raft(r: &RaftSettings) -> Result<(), ConfigError> {

@@ -19,6 +19,8 @@ pub struct Context {
     pub sm: StateMachineStore,
     pub proposer: Proposer,
     pub heartbeats: Arc<HeartbeatTable>,
+    /// This controller's inference router (its live lane state is reported by the admin API).
+    pub router: Arc<crate::router::Router>,
 }
 
 impl Context {

@@ -24,6 +24,9 @@ pub struct DevArgs {
     /// gRPC listen address (admin API + Raft).
     #[arg(long, default_value = "127.0.0.1:7001")]
     pub listen: std::net::SocketAddr,
+    /// Inference router listen address (HTTP).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub router_listen: std::net::SocketAddr,
 }
 
 /// A running dev controller, its simulated agents, and the temp dir it owns.
@@ -31,8 +34,12 @@ pub struct DevController {
     pub controller: Controller,
     pub data_dir: PathBuf,
     pub agents: Vec<(String, Agent)>,
-    /// Address of the simulated replica, when the simulated model server binary was found.
-    pub replica_url: Option<String>,
+    /// Whether the simulated model server binary was found (replicas run only then).
+    pub replicas_running: bool,
+    /// The inference router's address.
+    pub router_addr: Option<std::net::SocketAddr>,
+    /// API key of the `dev` tenant (rotated on every start; only its hash is stored).
+    pub api_key: String,
     _temp: Option<tempfile::TempDir>,
 }
 
@@ -43,46 +50,103 @@ const DEV_NODES: &[(&str, &str, &str, u32)] = &[
     ("sim-h100-1", "h100", "H100-80GB", 4),
 ];
 
-/// Waits (up to 30 s) for a replica to be Ready and returns its port.
-async fn wait_ready(agent: &Agent, id: &str) -> Option<u16> {
-    let mut rx = agent.supervisor.watch(id).ok()?;
-    let ready = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            let s = rx.borrow().clone();
-            if s.state == laneway_agent::supervisor::ReplicaState::Ready {
-                return Some(s.port);
-            }
-            rx.changed().await.ok()?;
-        }
-    })
-    .await;
-    ready.ok().flatten()
+/// Simulated replicas of dev mode: (node, replica id, model).
+const DEV_REPLICAS: &[(&str, &str, &str)] = &[
+    ("sim-l4-1", "whisper-0", "whisper"),
+    ("sim-h100-1", "whisper-1", "whisper"),
+    ("sim-l40s-1", "sdxl-0", "sdxl"),
+];
+
+/// The example registry of dev mode, as the TOML an operator would write.
+const DEV_REGISTRY: &str = r#"
+[[class]]
+name = "speech"
+lane = "sync"
+utilisation_target_pct = 60
+warm_floor = 2
+protection_rank = 0
+request_timeout_ms = 5000
+
+[[class]]
+name = "image"
+lane = "bounded"
+utilisation_target_pct = 80
+budget_ms = 2000
+warm_floor = 1
+protection_rank = 1
+request_timeout_ms = 20000
+degraded = { budget_ms = 4000, parameters = { resolution = "512" } }
+
+[[class]]
+name = "video"
+lane = "durable"
+utilisation_target_pct = 90
+budget_ms = 600000
+warm_floor = 1
+protection_rank = 2
+request_timeout_ms = 600000
+
+[[model]]
+name = "whisper"
+class = "speech"
+profiles.L4 = { service_ms = 120, max_batch = 8, gpu_memory_gb = 6 }
+profiles.L40S = { service_ms = 80, max_batch = 8, gpu_memory_gb = 6 }
+profiles.H100-80GB = { service_ms = 40, max_batch = 8, gpu_memory_gb = 6, mig_profiles = ["1g.10gb"] }
+
+[[model]]
+name = "sdxl"
+class = "image"
+profiles.L40S = { service_ms = 900, max_batch = 2, gpu_memory_gb = 16 }
+profiles.H100-80GB = { service_ms = 450, max_batch = 4, gpu_memory_gb = 16 }
+
+[[model]]
+name = "wan-video"
+class = "video"
+profiles.H100-80GB = { service_ms = 45000, max_batch = 1, gpu_memory_gb = 70 }
+"#;
+
+#[derive(serde::Deserialize)]
+struct DevRegistry {
+    class: Vec<crate::registry::Class>,
+    model: Vec<crate::registry::Model>,
 }
 
-/// Starts the simulated agents; the first node also runs one simulated replica when the
-/// `laneway-sim-model` binary sits next to this one.
+/// Starts the simulated agents with their simulated replicas (when the `laneway-sim-model`
+/// binary sits next to this one).
 async fn start_agents(
     controller: &str,
     data_dir: &std::path::Path,
-) -> Result<(Vec<(String, Agent)>, Option<String>), DevError> {
+    registry: &DevRegistry,
+) -> Result<(Vec<(String, Agent)>, bool), DevError> {
     let sim_model = std::env::current_exe()
         .ok()
         .map(|p| p.with_file_name("laneway-sim-model"))
         .filter(|p| p.exists());
     let mut agents = Vec::new();
-    let mut replica_url = None;
-    for (i, (node, pool, product, count)) in DEV_NODES.iter().enumerate() {
+    for (node, pool, product, count) in DEV_NODES.iter() {
         let backend = SimBackend::from_toml(&format!(
             "node = \"{node}\"\n[[gpu]]\nproduct = \"{product}\"\ncount = {count}\n"
         ))
         .map_err(|e| DevError::Other(e.to_string()))?;
         let mut replicas = Vec::new();
-        if let (0, Some(bin)) = (i, &sim_model) {
+        for (gpu_index, (_, id, model)) in DEV_REPLICAS.iter().filter(|r| r.0 == *node).enumerate() {
+            let Some(bin) = &sim_model else { break };
+            let m = registry
+                .model
+                .iter()
+                .find(|m| m.name == *model)
+                .ok_or_else(|| DevError::Other(format!("dev replica {id}: no model {model}")))?;
+            let service: Vec<String> = m
+                .profiles
+                .iter()
+                .map(|(p, prof)| format!("{p}={}", prof.service_ms.as_ms()))
+                .collect();
+            let max_batch = m.profiles.get(*product).map_or(1, |p| p.max_batch);
             replicas.push(StaticReplica {
-                gpu_index: 0,
+                gpu_index: gpu_index as u32,
                 spec: ReplicaSpec {
-                    id: "whisper-0".into(),
-                    model: "whisper".into(),
+                    id: id.to_string(),
+                    model: model.to_string(),
                     device: String::new(),
                     weights: None,
                     runtime: RuntimeSpec {
@@ -95,12 +159,14 @@ async fn start_agents(
                             "--product".into(),
                             product.to_string(),
                             "--service-ms".into(),
-                            "L4=120,L40S=80,H100-80GB=40".into(),
+                            service.join(","),
+                            "--max-batch".into(),
+                            max_batch.to_string(),
                         ],
                         env: Default::default(),
                         health_path: "/v2/health/ready".into(),
                         warmup: Some(Warmup {
-                            path: "/v2/models/whisper/infer".into(),
+                            path: format!("/v2/models/{model}/infer"),
                             body: "{\"inputs\":[]}".into(),
                         }),
                         start_timeout_ms: 30_000,
@@ -116,20 +182,77 @@ async fn start_agents(
             data_dir: data_dir.join("agents").join(node),
             join_token: String::new(),
             heartbeat: Duration::from_secs(1),
+            replica_host: "127.0.0.1".into(),
             backend: laneway_agent::config::Backend::Nvml,
             replicas,
         };
         let agent = laneway_agent::runtime::start(cfg, Arc::new(backend))
             .await
             .map_err(|e| DevError::Other(format!("simulated agent {node}: {e}")))?;
-        if i == 0 && sim_model.is_some() {
-            replica_url = wait_ready(&agent, "whisper-0")
-                .await
-                .map(|port| format!("http://127.0.0.1:{port}"));
-        }
         agents.push((node.to_string(), agent));
     }
-    Ok((agents, replica_url))
+    Ok((agents, sim_model.is_some()))
+}
+
+/// Commits a registry command on the dev controller.
+async fn commit(controller: &Controller, command: crate::command::Command) -> Result<(), DevError> {
+    let resp = controller
+        .raft
+        .client_write(crate::command::CommandEnvelope::new(command))
+        .await
+        .map_err(|e| DevError::Other(format!("registering the dev examples: {e}")))?;
+    match resp.data.rejected {
+        Some(why) => Err(DevError::Other(format!("registering the dev examples: {why}"))),
+        None => Ok(()),
+    }
+}
+
+/// Registers the example classes and models and issues the `dev` tenant a fresh key.
+async fn register_examples(controller: &Controller, registry: &DevRegistry) -> Result<String, DevError> {
+    use crate::command::Command;
+    use crate::registry::{hash_key, new_api_key, Tenant};
+    for c in &registry.class {
+        commit(controller, Command::PutClass(c.clone())).await?;
+    }
+    for m in &registry.model {
+        commit(controller, Command::PutModel(m.clone())).await?;
+    }
+    let key = new_api_key();
+    let exists = controller.state.registry().tenants.contains_key("dev");
+    let cmd = if exists {
+        Command::RotateTenantKey {
+            tenant: "dev".into(),
+            key_sha256: hash_key(&key),
+        }
+    } else {
+        Command::CreateTenant(Tenant {
+            name: "dev".into(),
+            key_sha256: hash_key(&key),
+            limits: Default::default(),
+        })
+    };
+    commit(controller, cmd).await?;
+    Ok(key)
+}
+
+/// Waits (up to 30 s) until the router can route `model`.
+pub async fn wait_routable(controller: &Controller, model: &str) -> bool {
+    tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            if controller
+                .router
+                .table()
+                .models
+                .get(model)
+                .is_some_and(|m| !m.replicas.is_empty())
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await
+    .is_ok()
 }
 
 /// Starts a single-node cluster and initializes it if its data dir is new.
@@ -153,6 +276,10 @@ pub async fn start(args: DevArgs) -> Result<DevController, DevError> {
         raft: RaftSettings::default(),
         max_admin_request_bytes: 1024 * 1024,
         node_dead_after: Duration::from_secs(3),
+        router: crate::router::http::RouterSettings {
+            listen: Some(args.router_listen),
+            ..Default::default()
+        },
     };
     let controller = server::start(cfg).await.map_err(DevError::Start)?;
     let initialized = controller
@@ -179,12 +306,24 @@ pub async fn start(args: DevArgs) -> Result<DevController, DevError> {
         .current_leader(1, "dev controller becomes leader")
         .await
         .map_err(|e| DevError::Other(format!("the dev controller did not become leader: {e}")))?;
-    let (agents, replica_url) = start_agents(&controller.advertise, &data_dir).await?;
+    let registry: DevRegistry =
+        toml::from_str(DEV_REGISTRY).map_err(|e| DevError::Other(format!("dev registry: {e}")))?;
+    let api_key = register_examples(&controller, &registry).await?;
+    let (agents, replicas_running) = start_agents(&controller.advertise, &data_dir, &registry).await?;
+    if replicas_running {
+        for m in ["whisper", "sdxl"] {
+            if !wait_routable(&controller, m).await {
+                tracing::warn!(model = m, "no routable replica after 30 s");
+            }
+        }
+    }
     Ok(DevController {
+        router_addr: controller.router_addr,
         controller,
         data_dir,
         agents,
-        replica_url,
+        replicas_running,
+        api_key,
         _temp: temp,
     })
 }

@@ -16,6 +16,8 @@ pub mod network;
 pub mod node;
 pub mod planner;
 pub mod proposer;
+pub mod registry;
+pub mod router;
 pub mod server;
 pub mod store;
 pub mod typ;

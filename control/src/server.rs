@@ -21,6 +21,8 @@ use crate::network::raft_client::NetworkFactory;
 use crate::network::raft_service::RaftGrpc;
 use crate::network::MAX_RAFT_MESSAGE_BYTES;
 use crate::proposer::Proposer;
+use crate::router::http::{self, RouterServer};
+use crate::router::Router;
 use crate::store::{self, Identity, StateMachineStore, StoreError};
 use crate::typ::Raft;
 use laneway_proto::agent::agent_service_server::AgentServiceServer;
@@ -33,7 +35,7 @@ pub enum StartError {
     DataDir(StoreError),
     #[error("cannot open the data dir: {0}")]
     Storage(StoreError),
-    #[error("cannot listen on {addr}: {source}; is another controller already using it?")]
+    #[error("cannot listen on {addr}: {source}; is another controller (or its router) already using it?")]
     Bind {
         addr: SocketAddr,
         #[source]
@@ -63,9 +65,14 @@ pub struct Controller {
     pub addr: SocketAddr,
     /// The address peers dial.
     pub advertise: String,
+    /// The inference router's address, when it runs.
+    pub router_addr: Option<SocketAddr>,
+    pub router: Arc<Router>,
     shutdown: Option<oneshot::Sender<()>>,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
     monitor: JoinHandle<()>,
+    router_server: Option<RouterServer>,
+    router_task: JoinHandle<()>,
 }
 
 /// Opens the data dir, starts Raft and serves the Raft and admin gRPC services.
@@ -79,6 +86,14 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         source,
     })?;
     let advertise = cfg.advertise.clone().unwrap_or_else(|| addr.to_string());
+    let router_listener = match cfg.router.listen {
+        Some(raddr) => Some(
+            TcpListener::bind(raddr)
+                .await
+                .map_err(|source| StartError::Bind { addr: raddr, source })?,
+        ),
+        None => None,
+    };
 
     let identity = Identity {
         cluster: cfg.cluster_name.clone(),
@@ -125,7 +140,20 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         sm: sm.clone(),
         proposer: Proposer::start(raft.clone()),
         heartbeats: Arc::new(HeartbeatTable::default()),
+        router: Router::new(sm.clone()),
     };
+    let router = ctx.router.clone();
+    let router_task = router.start();
+    let router_server = match router_listener {
+        Some(l) => Some(
+            http::serve(router.clone(), l, &cfg.router).map_err(|source| StartError::Bind {
+                addr: cfg.router.listen.unwrap_or(addr),
+                source,
+            })?,
+        ),
+        None => None,
+    };
+    let router_addr = router_server.as_ref().map(|s| s.addr);
     let raft_svc = RaftServiceServer::new(RaftGrpc::new(raft.clone(), cfg.cluster_name.clone(), cfg.node_id))
         .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES);
@@ -147,15 +175,19 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
                 let _ = rx.await;
             }),
     );
-    tracing::info!(node_id = cfg.node_id, %addr, %advertise, cluster = %cfg.cluster_name, data_dir = %cfg.data_dir.display(), "controller started");
+    tracing::info!(node_id = cfg.node_id, %addr, %advertise, router = ?router_addr, cluster = %cfg.cluster_name, data_dir = %cfg.data_dir.display(), "controller started");
     Ok(Controller {
         raft,
         state: sm,
         addr,
         advertise,
+        router_addr,
+        router,
         shutdown: Some(tx),
         server,
         monitor,
+        router_server,
+        router_task,
     })
 }
 
@@ -163,6 +195,10 @@ impl Controller {
     /// Stops serving and shuts Raft down.
     pub async fn shutdown(mut self) {
         self.monitor.abort();
+        self.router_task.abort();
+        if let Some(r) = self.router_server.take() {
+            r.stop().await;
+        }
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }

@@ -4,12 +4,17 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::registry::{hash_key, new_api_key, Class, Model, Tenant, TenantLimit};
 use laneway_proto::admin::admin_service_server::AdminService;
 use laneway_proto::admin::{
     AddLearnerRequest, DeleteSettingRequest, GetSettingReply, GetSettingRequest, GpuRecord as PbGpu, InitReply,
     InitRequest, ListNodesReply, ListNodesRequest, MembershipReply, NodeInfo, NodeStatus, PromoteRequest,
     PutSettingRequest, ReadIndexReply, ReadIndexRequest, RemoveRequest, SetNodeFlagsRequest, SnapshotReply,
     SnapshotRequest, StatusRequest, WriteReply,
+};
+use laneway_proto::admin::{
+    CreateTenantRequest, DocumentsReply, LaneStatusRequest, ListRegistryRequest, NameRequest, PutDocumentRequest,
+    SetTenantLimitRequest, TenantKeyReply,
 };
 use openraft::error::{ForwardToLeader, RaftError};
 use openraft::{ChangeMembers, ServerState};
@@ -28,6 +33,23 @@ use crate::proposer::Proposer;
 use crate::store::{LogStore, StateMachineStore};
 use crate::typ::{NodeId, Raft, RaftMetrics};
 
+fn to_json<T: serde::Serialize>(v: &T) -> String {
+    serde_json::to_string(v).expect("registry types serialize")
+}
+
+/// Parses a registry document, naming the field that is wrong.
+fn parse_document<T: serde::de::DeserializeOwned>(what: &str, json: &str) -> Result<T, AdminError> {
+    let de = &mut serde_json::Deserializer::from_str(json);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        AdminError::InvalidArgument(if path == "." {
+            format!("{what} document: {}", e.into_inner())
+        } else {
+            format!("{what} document, field `{path}`: {}", e.into_inner())
+        })
+    })
+}
+
 /// How long `add` waits for a new learner to catch up before giving up.
 const LEARNER_CATCH_UP_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a follower waits to apply up to a read index before giving up on a read.
@@ -45,6 +67,7 @@ pub struct AdminGrpc {
     sm: StateMachineStore,
     proposer: Proposer,
     heartbeats: Arc<HeartbeatTable>,
+    router: Arc<crate::router::Router>,
     /// Connections to other controllers (a follower asks the leader for read indexes).
     peers: AdminClient,
     /// One membership change at a time from this controller, so a concurrent `remove` and
@@ -63,8 +86,10 @@ impl AdminGrpc {
             sm,
             proposer,
             heartbeats,
+            router,
         } = ctx;
         AdminGrpc {
+            router,
             proposer,
             heartbeats,
             peers: AdminClient::new(Vec::new()).with_call_timeout(READ_INDEX_TIMEOUT),
@@ -114,7 +139,8 @@ impl AdminGrpc {
             crate::command::CommandError::EmptyKey
             | crate::command::CommandError::KeyNotPrintable { .. }
             | crate::command::CommandError::NestedBatch
-            | crate::command::CommandError::InvalidNode(_) => AdminError::InvalidArgument(e.to_string()),
+            | crate::command::CommandError::InvalidNode(_)
+            | crate::command::CommandError::Invalid(_) => AdminError::InvalidArgument(e.to_string()),
         })?;
         let (log_index, resp) = self.proposer.propose(command).await.map_err(|e| self.raft_error(e))?;
         if let Some(reason) = resp.rejected {
@@ -368,6 +394,122 @@ impl AdminService for AdminGrpc {
         Ok(Response::new(
             self.write(Command::DeleteSetting { key: req.key }).await?,
         ))
+    }
+
+    async fn put_class(&self, req: Request<PutDocumentRequest>) -> Result<Response<WriteReply>, Status> {
+        let class: Class = parse_document("class", &req.into_inner().json)?;
+        Ok(Response::new(self.write(Command::PutClass(class)).await?))
+    }
+
+    async fn put_model(&self, req: Request<PutDocumentRequest>) -> Result<Response<WriteReply>, Status> {
+        let model: Model = parse_document("model", &req.into_inner().json)?;
+        Ok(Response::new(self.write(Command::PutModel(model)).await?))
+    }
+
+    async fn remove_model(&self, req: Request<NameRequest>) -> Result<Response<WriteReply>, Status> {
+        let name = req.into_inner().name;
+        Ok(Response::new(self.write(Command::RemoveModel { name }).await?))
+    }
+
+    async fn list_registry(&self, req: Request<ListRegistryRequest>) -> Result<Response<DocumentsReply>, Status> {
+        let kind = req.into_inner().kind;
+        self.linearizable_barrier().await?;
+        let applied_index = self.sm.applied_index();
+        let r = self.sm.registry();
+        let docs: Vec<String> = match kind.as_str() {
+            "classes" => r.classes.values().map(to_json).collect(),
+            "models" => r.models.values().map(to_json).collect(),
+            // The key hash never leaves the controllers.
+            "tenants" => r
+                .tenants
+                .values()
+                .map(|t| to_json(&serde_json::json!({"name": t.name, "limits": t.limits})))
+                .collect(),
+            "replicas" => r
+                .replicas
+                .iter()
+                .flat_map(|(node, rs)| {
+                    rs.iter()
+                        .map(move |x| to_json(&serde_json::json!({"node": node, "replica": x})))
+                })
+                .collect(),
+            other => {
+                return Err(AdminError::InvalidArgument(format!(
+                    "unknown registry kind {other:?}; use classes, models, tenants or replicas"
+                ))
+                .into())
+            }
+        };
+        Ok(Response::new(DocumentsReply {
+            json: docs,
+            applied_index,
+        }))
+    }
+
+    async fn create_tenant(&self, req: Request<CreateTenantRequest>) -> Result<Response<TenantKeyReply>, Status> {
+        let name = req.into_inner().name;
+        let api_key = new_api_key();
+        let tenant = Tenant {
+            name: name.clone(),
+            key_sha256: hash_key(&api_key),
+            limits: Default::default(),
+        };
+        let w = self.write(Command::CreateTenant(tenant)).await?;
+        Ok(Response::new(TenantKeyReply {
+            tenant: name,
+            api_key,
+            log_index: w.log_index,
+        }))
+    }
+
+    async fn rotate_tenant_key(&self, req: Request<NameRequest>) -> Result<Response<TenantKeyReply>, Status> {
+        let tenant = req.into_inner().name;
+        let api_key = new_api_key();
+        let w = self
+            .write(Command::RotateTenantKey {
+                tenant: tenant.clone(),
+                key_sha256: hash_key(&api_key),
+            })
+            .await?;
+        Ok(Response::new(TenantKeyReply {
+            tenant,
+            api_key,
+            log_index: w.log_index,
+        }))
+    }
+
+    async fn set_tenant_limit(&self, req: Request<SetTenantLimitRequest>) -> Result<Response<WriteReply>, Status> {
+        let r = req.into_inner();
+        let limit = (!r.remove).then_some(TenantLimit {
+            concurrency: r.concurrency,
+            rate_per_s: r.rate_per_s,
+            burst: r.burst,
+        });
+        Ok(Response::new(
+            self.write(Command::SetTenantLimit {
+                tenant: r.tenant,
+                class: r.class,
+                limit,
+            })
+            .await?,
+        ))
+    }
+
+    async fn lane_status(&self, req: Request<LaneStatusRequest>) -> Result<Response<DocumentsReply>, Status> {
+        let recent = req.into_inner().recent.min(1000) as usize;
+        let docs = self
+            .router
+            .lane_status()
+            .into_iter()
+            .map(|l| {
+                let records = self.router.recent(Some(&l.class), recent);
+                to_json(&serde_json::json!({"status": l, "recent": records}))
+            })
+            .collect();
+        Ok(Response::new(DocumentsReply {
+            json: docs,
+            applied_index: self.sm.applied_index(),
+        }))
     }
 
     async fn get_setting(&self, req: Request<GetSettingRequest>) -> Result<Response<GetSettingReply>, Status> {

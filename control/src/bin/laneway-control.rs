@@ -101,14 +101,23 @@ fn main() -> ExitCode {
                 println!("  data dir:          {}", dev.data_dir.display());
                 let nodes: Vec<&str> = dev.agents.iter().map(|(n, _)| n.as_str()).collect();
                 println!("  simulated nodes:   {}", nodes.join(", "));
-                if let Some(url) = &dev.replica_url {
-                    println!("  simulated replica: whisper on sim-l4-1 at {url}");
+                if let Some(r) = dev.router_addr {
+                    println!("  inference router:  http://{r}");
+                }
+                println!("  classes:           speech (sync), image (bounded), video (durable)");
+                println!("  models:            whisper (speech), sdxl (image), wan-video (video)");
+                println!("  tenant dev key:    {}", dev.api_key);
+                if !dev.replicas_running {
+                    println!("  (laneway-sim-model was not found next to this binary: no replicas run; `cargo build` builds it)");
                 }
                 println!("Try:");
-                println!("  lanectl --addr {addr} cluster status");
+                println!("  lanectl --addr {addr} lane list");
                 println!("  lanectl --addr {addr} node list");
-                if let Some(url) = &dev.replica_url {
-                    println!("  curl -s -X POST {url}/v2/models/whisper/infer -d '{{\"inputs\":[]}}'");
+                if let (Some(r), true) = (dev.router_addr, dev.replicas_running) {
+                    println!(
+                        "  curl -s -D - -H 'Authorization: Bearer {}' -d '{{\"inputs\":[{{\"name\":\"audio\",\"shape\":[1],\"datatype\":\"FP32\",\"data\":[0.5]}}]}}' http://{r}/v2/models/whisper/infer",
+                        dev.api_key
+                    );
                 }
                 println!("Press Ctrl-C to stop.");
                 let _ = tokio::signal::ctrl_c().await;

@@ -5,6 +5,8 @@ use std::sync::Mutex;
 
 use tokio::time::Instant;
 
+use crate::registry::ReplicaRecord;
+
 /// What the leader last heard from a node.
 #[derive(Debug, Clone)]
 pub struct Seen {
@@ -13,10 +15,16 @@ pub struct Seen {
     pub replicas_total: u32,
 }
 
+/// How long the leader waits for a replica proposal to apply before proposing it again.
+const REPROPOSE_AFTER: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Heartbeats seen by this controller while leader.
 #[derive(Default)]
 pub struct HeartbeatTable {
     seen: Mutex<HashMap<String, Seen>>,
+    /// Replica sets proposed per node and when, so one change is proposed once, not on every
+    /// heartbeat until it applies.
+    proposed: Mutex<HashMap<String, (Vec<ReplicaRecord>, Instant)>>,
 }
 
 impl HeartbeatTable {
@@ -45,8 +53,22 @@ impl HeartbeatTable {
             .collect()
     }
 
+    /// Whether `replicas` should be proposed for `node_id` now: not if the same set was
+    /// proposed within the last couple of seconds (it is on its way through the log).
+    pub fn should_propose(&self, node_id: &str, replicas: &[ReplicaRecord], now: Instant) -> bool {
+        let mut p = self.proposed.lock().unwrap_or_else(|p| p.into_inner());
+        match p.get(node_id) {
+            Some((set, at)) if set == replicas && now.saturating_duration_since(*at) < REPROPOSE_AFTER => false,
+            _ => {
+                p.insert(node_id.to_string(), (replicas.to_vec(), now));
+                true
+            }
+        }
+    }
+
     /// Forgets everything (on losing or gaining leadership).
     pub fn clear(&self) {
         self.seen.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.proposed.lock().unwrap_or_else(|p| p.into_inner()).clear();
     }
 }

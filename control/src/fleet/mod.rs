@@ -32,6 +32,20 @@ pub struct NodeRegistration {
     pub pool: String,
     pub labels: BTreeMap<String, String>,
     pub gpus: Vec<GpuRecord>,
+    /// Host routers dial for this node's replicas (empty: the hostname).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub replica_host: String,
+}
+
+impl NodeRegistration {
+    /// The host routers dial to reach this node's replicas.
+    pub fn replica_host(&self) -> &str {
+        if self.replica_host.is_empty() {
+            &self.hostname
+        } else {
+            &self.replica_host
+        }
+    }
 }
 
 /// Committed liveness of a node.
@@ -75,10 +89,23 @@ impl NodeRegistration {
     /// Checks a registration before it is proposed.
     pub fn validate(&self) -> Result<(), String> {
         validate_node_id(&self.node_id)?;
-        for (what, v) in [("hostname", &self.hostname), ("pool", &self.pool)] {
+        for (what, v) in [
+            ("hostname", &self.hostname),
+            ("pool", &self.pool),
+            ("replica_host", &self.replica_host),
+        ] {
             if v.len() > 253 {
                 return Err(format!("{what} is {} bytes; at most 253", v.len()));
             }
+        }
+        if self
+            .replica_host
+            .contains(|c: char| c.is_whitespace() || c == '/' || c == '@')
+        {
+            return Err(format!(
+                "replica_host {:?}: give a host name or IP address only (no port, scheme or path)",
+                self.replica_host
+            ));
         }
         if self.gpus.len() > MAX_GPUS_PER_NODE {
             return Err(format!(
@@ -224,6 +251,7 @@ mod tests {
                     mig_capable: false,
                 })
                 .collect(),
+            replica_host: String::new(),
         }
     }
 

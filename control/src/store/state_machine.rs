@@ -24,11 +24,14 @@ use super::{StoreError, SNAPSHOT_DIR, STATE_DB_FILE};
 use crate::command::{Command, CommandResponse, COMMAND_FORMAT};
 use crate::fleet::{Fleet, Liveness};
 use crate::node::ControllerNode;
+use crate::registry::Registry;
 use crate::typ::{Entry, LogId, SnapshotMeta, StorageError, TypeConfig};
 
 const SETTINGS: TableDefinition<&str, &str> = TableDefinition::new("settings");
 const SM_META: TableDefinition<&str, &[u8]> = TableDefinition::new("sm_meta");
 const NODES: TableDefinition<&str, &[u8]> = TableDefinition::new("nodes");
+/// Registry entries keyed `class/<name>`, `model/<name>`, `tenant/<name>`, `replicas/<node>`.
+const REGISTRY: TableDefinition<&str, &[u8]> = TableDefinition::new("registry");
 
 const KEY_FORMAT: &str = "format";
 const KEY_LAST_APPLIED: &str = "last_applied";
@@ -49,6 +52,9 @@ pub struct AppState {
     /// Registered GPU nodes.
     #[serde(default)]
     pub fleet: Fleet,
+    /// Classes, models, tenants and routable replicas.
+    #[serde(default)]
+    pub registry: Registry,
 }
 
 impl AppState {
@@ -85,7 +91,77 @@ impl AppState {
                 cordoned,
                 draining,
             } => refused(self.fleet.set_flags(node_id, *cordoned, *draining)),
+            Command::PutClass(c) => refused(self.registry.put_class(c)),
+            Command::PutModel(m) => refused(self.registry.put_model(m)),
+            Command::RemoveModel { name } => refused(self.registry.remove_model(name)),
+            Command::CreateTenant(t) => refused(self.registry.create_tenant(t)),
+            Command::SetTenantLimit { tenant, class, limit } => {
+                refused(self.registry.set_tenant_limit(tenant, class, *limit))
+            }
+            Command::RotateTenantKey { tenant, key_sha256 } => refused(self.registry.rotate_key(tenant, key_sha256)),
+            Command::SetNodeReplicas { node_id, replicas } => {
+                if self.fleet.nodes.contains_key(node_id) {
+                    self.registry.set_node_replicas(node_id, replicas);
+                    CommandResponse::default()
+                } else {
+                    refused(Err(format!("no node {node_id}")))
+                }
+            }
         }
+    }
+
+    /// The stored value of a registry key (`class/…`, `model/…`, `tenant/…`, `replicas/…`), or
+    /// `None` when the entry does not exist.
+    fn registry_value(&self, key: &str) -> Option<Vec<u8>> {
+        let (kind, name) = key.split_once('/')?;
+        let r = &self.registry;
+        match kind {
+            "class" => r.classes.get(name).map(json),
+            "model" => r.models.get(name).map(json),
+            "tenant" => r.tenants.get(name).map(json),
+            "replicas" => r.replicas.get(name).map(json),
+            _ => None,
+        }
+    }
+
+    /// Loads one stored registry entry.
+    fn load_registry_entry(&mut self, key: &str, bytes: &[u8]) -> Result<(), String> {
+        let (kind, name) = key.split_once('/').ok_or_else(|| format!("bad key {key:?}"))?;
+        let r = &mut self.registry;
+        let e = |e: serde_json::Error| e.to_string();
+        match kind {
+            "class" => r
+                .classes
+                .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
+                .map(|_| ()),
+            "model" => r
+                .models
+                .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
+                .map(|_| ()),
+            "tenant" => r
+                .tenants
+                .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
+                .map(|_| ()),
+            "replicas" => r
+                .replicas
+                .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
+                .map(|_| ()),
+            _ => return Err(format!("unknown registry key {key:?}")),
+        };
+        Ok(())
+    }
+
+    /// Every registry entry as stored (key, JSON).
+    fn registry_entries(&self) -> Vec<(String, Vec<u8>)> {
+        let r = &self.registry;
+        let keys = r
+            .classes
+            .keys()
+            .map(|k| format!("class/{k}"))
+            .chain(r.models.keys().map(|k| format!("model/{k}")))
+            .chain(r.tenants.keys().map(|k| format!("tenant/{k}")))
+            .chain(r.replicas.keys().map(|k| format!("replicas/{k}")));
+        keys.filter_map(|k| self.registry_value(&k).map(|v| (k, v))).collect()
     }
 
     /// Records the members dropped by a membership change as retired.
@@ -126,6 +202,8 @@ pub struct StateMachineStore {
     /// Serializes every change to the snapshot files and pointer, and reads of the current
     /// snapshot: openraft builds snapshots on a task of their own, concurrently with installs.
     snapshot_lock: Arc<Mutex<()>>,
+    /// Bumped whenever the fleet or the registry changes, so routers rebuild their tables.
+    changed: Arc<tokio::sync::watch::Sender<u64>>,
 }
 
 /// A consistent copy of what the state machine has applied.
@@ -157,6 +235,9 @@ impl StateMachineStore {
                 .open_table(SETTINGS)
                 .map_err(|e| StoreError::db("opening settings", e))?;
             let _ = txn.open_table(NODES).map_err(|e| StoreError::db("opening nodes", e))?;
+            let _ = txn
+                .open_table(REGISTRY)
+                .map_err(|e| StoreError::db("opening registry", e))?;
             let mut meta = txn
                 .open_table(SM_META)
                 .map_err(|e| StoreError::db("opening sm_meta", e))?;
@@ -207,6 +288,16 @@ impl StateMachineStore {
                     serde_json::from_slice(v.value()).map_err(|e| corrupt(&format!("node {}", k.value()), &e))?;
                 inner.state.fleet.nodes.insert(k.value().to_string(), record);
             }
+            let registry = rtxn
+                .open_table(REGISTRY)
+                .map_err(|e| StoreError::db("opening registry", e))?;
+            for row in registry.iter().map_err(|e| StoreError::db("scanning registry", e))? {
+                let (k, v) = row.map_err(|e| StoreError::db("scanning registry", e))?;
+                inner
+                    .state
+                    .load_registry_entry(k.value(), v.value())
+                    .map_err(|e| corrupt(&format!("registry entry {}", k.value()), &e))?;
+            }
             let meta = rtxn
                 .open_table(SM_META)
                 .map_err(|e| StoreError::db("opening sm_meta", e))?;
@@ -242,6 +333,7 @@ impl StateMachineStore {
             db: Arc::new(db),
             snapshot_dir,
             snapshot_lock: Arc::default(),
+            changed: Arc::new(tokio::sync::watch::channel(0).0),
         };
         store.restore_from_snapshot_if_behind()?;
         Ok(store)
@@ -331,6 +423,43 @@ impl StateMachineStore {
             .collect()
     }
 
+    /// Changes whenever the fleet or the registry changes.
+    pub fn subscribe_changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changed.subscribe()
+    }
+
+    /// A copy of the fleet and the registry, the router's inputs, without the settings.
+    pub fn routing_inputs(&self) -> (Fleet, Registry) {
+        let inner = self.read();
+        (inner.state.fleet.clone(), inner.state.registry.clone())
+    }
+
+    /// The replicas last committed for a node.
+    pub fn node_replicas(&self, node_id: &str) -> Vec<crate::registry::ReplicaRecord> {
+        self.read()
+            .state
+            .registry
+            .replicas
+            .get(node_id)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// The host routers dial for a node's replicas.
+    pub fn replica_host(&self, node_id: &str) -> Option<String> {
+        self.read()
+            .state
+            .fleet
+            .nodes
+            .get(node_id)
+            .map(|n| n.registration.replica_host().to_string())
+    }
+
+    /// A copy of the registry.
+    pub fn registry(&self) -> Registry {
+        self.read().state.registry.clone()
+    }
+
     /// Index of the last applied entry.
     pub fn applied_index(&self) -> u64 {
         self.read().last_applied.map_or(0, |l| l.index)
@@ -355,6 +484,11 @@ impl StateMachineStore {
             for (id, record) in &state.fleet.nodes {
                 nodes.insert(id.as_str(), json(record).as_slice())?;
             }
+            let mut registry = txn.open_table(REGISTRY)?;
+            registry.retain(|_, _| false)?;
+            for (k, v) in state.registry_entries() {
+                registry.insert(k.as_str(), v.as_slice())?;
+            }
             let mut m = txn.open_table(SM_META)?;
             m.insert(KEY_LAST_APPLIED, json(&meta.last_log_id).as_slice())?;
             m.insert(KEY_MEMBERSHIP, json(&meta.last_membership).as_slice())?;
@@ -367,6 +501,8 @@ impl StateMachineStore {
         inner.last_applied = meta.last_log_id;
         inner.last_membership = meta.last_membership.clone();
         inner.snapshot = Some(pointer);
+        drop(inner);
+        self.changed.send_modify(|v| *v += 1);
         Ok(())
     }
 
@@ -400,9 +536,26 @@ fn refused(r: Result<(), String>) -> CommandResponse {
     }
 }
 
-/// Records the final value of every setting a command changed (None = removed), and the nodes
-/// it touched.
-fn record_touched(command: &Command, touched: &mut BTreeMap<String, Option<String>>, nodes: &mut BTreeSet<String>) {
+/// What a run of applied commands changed, to persist after they are applied.
+#[derive(Default)]
+struct Touched {
+    /// Final value of every setting changed (None = removed).
+    settings: BTreeMap<String, Option<String>>,
+    nodes: BTreeSet<String>,
+    /// Registry keys (`class/…`, …).
+    registry: BTreeSet<String>,
+}
+
+/// Records what a command changed.
+fn record_touched(command: &Command, t: &mut Touched) {
+    if let Command::Batch(commands) = command {
+        commands.iter().for_each(|c| record_touched(c, t));
+        return;
+    }
+    let (touched, nodes) = (&mut t.settings, &mut t.nodes);
+    let mut key = |k: String| {
+        t.registry.insert(k);
+    };
     match command {
         Command::PutSetting { key, value } => {
             touched.insert(key.clone(), Some(value.clone()));
@@ -410,13 +563,21 @@ fn record_touched(command: &Command, touched: &mut BTreeMap<String, Option<Strin
         Command::DeleteSetting { key } => {
             touched.insert(key.clone(), None);
         }
-        Command::Batch(commands) => commands.iter().for_each(|c| record_touched(c, touched, nodes)),
+        Command::Batch(_) => {}
         Command::RegisterNode(r) => {
             nodes.insert(r.node_id.clone());
         }
         Command::SetNodeLiveness { node_id, .. } | Command::SetNodeFlags { node_id, .. } => {
             nodes.insert(node_id.clone());
         }
+        Command::PutClass(c) => key(format!("class/{}", c.name)),
+        Command::PutModel(m) => key(format!("model/{}", m.name)),
+        Command::RemoveModel { name } => key(format!("model/{name}")),
+        Command::CreateTenant(tn) => key(format!("tenant/{}", tn.name)),
+        Command::SetTenantLimit { tenant, .. } | Command::RotateTenantKey { tenant, .. } => {
+            key(format!("tenant/{tenant}"))
+        }
+        Command::SetNodeReplicas { node_id, .. } => key(format!("replicas/{node_id}")),
     }
 }
 
@@ -492,11 +653,9 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         I::IntoIter: OptionalSend,
     {
         let mut replies = Vec::new();
-        // Keys touched in this batch with their final value (None = removed).
-        let mut touched: BTreeMap<String, Option<String>> = BTreeMap::new();
+        let mut touched = Touched::default();
         let mut membership_changed = false;
-        let mut touched_node_ids: BTreeSet<String> = BTreeSet::new();
-        let (last_applied, membership, retired, touched_nodes) = {
+        let (last_applied, membership, retired, touched_nodes, touched_registry) = {
             let mut inner = self.write();
             for entry in entries {
                 match entry.payload {
@@ -514,7 +673,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                             .into());
                         }
                         let reply = inner.state.apply(&env.command);
-                        record_touched(&env.command, &mut touched, &mut touched_node_ids);
+                        record_touched(&env.command, &mut touched);
                         replies.push(reply);
                     }
                     EntryPayload::Membership(m) => {
@@ -531,12 +690,22 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                 inner.last_applied,
                 membership_changed.then(|| inner.last_membership.clone()),
                 membership_changed.then(|| inner.state.retired_node_ids.clone()),
-                touched_node_ids
+                touched
+                    .nodes
                     .iter()
                     .map(|id| (id.clone(), inner.state.fleet.nodes.get(id).cloned()))
                     .collect::<Vec<_>>(),
+                touched
+                    .registry
+                    .iter()
+                    .map(|k| (k.clone(), inner.state.registry_value(k)))
+                    .collect::<Vec<_>>(),
             )
         };
+        if !touched_nodes.is_empty() || !touched_registry.is_empty() {
+            self.changed.send_modify(|v| *v += 1);
+        }
+        let touched = touched.settings;
         let db = self.db.clone();
         tokio::task::spawn_blocking(move || -> Result<(), redb::Error> {
             let mut txn = db.begin_write()?;
@@ -554,6 +723,13 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                     match record {
                         Some(r) => nodes.insert(id.as_str(), json(r).as_slice()).map(|_| ())?,
                         None => nodes.remove(id.as_str()).map(|_| ())?,
+                    }
+                }
+                let mut registry = txn.open_table(REGISTRY)?;
+                for (k, v) in &touched_registry {
+                    match v {
+                        Some(v) => registry.insert(k.as_str(), v.as_slice()).map(|_| ())?,
+                        None => registry.remove(k.as_str()).map(|_| ())?,
                     }
                 }
                 let mut m = txn.open_table(SM_META)?;
@@ -658,10 +834,10 @@ mod tests {
         assert_eq!(state.settings.get("a"), None);
         assert_eq!(state.settings.get("b").map(String::as_str), Some("3"));
 
-        let mut touched = BTreeMap::new();
-        record_touched(&batch, &mut touched, &mut BTreeSet::new());
-        assert_eq!(touched.get("a"), Some(&None));
-        assert_eq!(touched.get("b"), Some(&Some("3".to_string())));
+        let mut touched = Touched::default();
+        record_touched(&batch, &mut touched);
+        assert_eq!(touched.settings.get("a"), Some(&None));
+        assert_eq!(touched.settings.get("b"), Some(&Some("3".to_string())));
     }
 
     #[test]

@@ -66,6 +66,7 @@ async fn agent(
         data_dir: dir.join(name),
         join_token: String::new(),
         heartbeat: Duration::from_millis(300),
+        replica_host: "127.0.0.1".into(),
         backend: Backend::Nvml,
         replicas,
     };
@@ -236,6 +237,7 @@ async fn impostor_gpus_and_foreign_heartbeats_are_refused() {
     let reg = |node: &str, gpu: &str| RegisterRequest {
         node_id: node.into(),
         hostname: node.into(),
+        replica_host: String::new(),
         labels: Default::default(),
         pool: "p".into(),
         gpus: vec![GpuInfo {

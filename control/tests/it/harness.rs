@@ -32,6 +32,8 @@ pub fn free_port() -> u16 {
 pub struct Node {
     pub id: u64,
     pub addr: String,
+    /// The inference router (HTTP).
+    pub router_addr: String,
     pub dir: PathBuf,
     child: Option<Child>,
 }
@@ -41,6 +43,7 @@ impl Node {
         Node {
             id,
             addr: format!("127.0.0.1:{}", free_port()),
+            router_addr: format!("127.0.0.1:{}", free_port()),
             dir: root.join(format!("node-{id}")),
             child: None,
         }
@@ -60,6 +63,8 @@ impl Node {
             // Small snapshot threshold so snapshots happen during tests too.
             "--snapshot-logs".into(),
             "500".into(),
+            "--router-listen".into(),
+            self.router_addr.clone(),
         ]
     }
 

@@ -1,5 +1,7 @@
 //! `lanectl`: the operator CLI of a Laneway cluster (gRPC, follows the leader).
 
+mod registry;
+
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -52,6 +54,15 @@ enum Cmd {
     /// GPU nodes registered by agents.
     #[command(subcommand)]
     Node(NodeCmd),
+    /// Classes and their lanes (sync, bounded, durable) with live state.
+    #[command(subcommand)]
+    Lane(registry::LaneCmd),
+    /// Models: register under a class, list, show, remove.
+    #[command(subcommand)]
+    Model(registry::ModelCmd),
+    /// Tenants: API keys and per-class limits.
+    #[command(subcommand)]
+    Tenant(registry::TenantCmd),
     /// Capacity plan from a scenario file: cards, bill, warm floor, tiers, and what 3x/10x
     /// traffic does before new cards arrive (pure computation; no cluster needed).
     Plan {
@@ -221,6 +232,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             });
         }
         Cmd::Plan { .. } => unreachable!("handled before connecting"),
+        Cmd::Lane(c) => registry::lane(&client, out, c).await?,
+        Cmd::Model(c) => registry::model(&client, out, c).await?,
+        Cmd::Tenant(c) => registry::tenant(&client, out, c).await?,
         Cmd::Node(NodeCmd::List) => {
             let nodes = list_nodes(&client).await?;
             print_nodes(out, &nodes, false);

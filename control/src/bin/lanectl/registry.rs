@@ -1,0 +1,578 @@
+//! `lanectl lane|model|tenant`: the registry of classes (lanes), models and tenants.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use clap::Subcommand;
+use laneway_control::client::AdminClient;
+use laneway_control::registry::{Class, Degraded, LaneKind, Millis, Model, Profile};
+use laneway_control::router::lane::LaneStatus;
+use laneway_control::router::RequestRecord;
+use laneway_proto::admin::{
+    CreateTenantRequest, LaneStatusRequest, ListRegistryRequest, NameRequest, PutDocumentRequest,
+    SetTenantLimitRequest, TenantKeyReply, WriteReply,
+};
+use serde_json::{json, Value};
+
+use super::{print, Output};
+
+#[derive(Subcommand)]
+pub enum LaneCmd {
+    /// Every class with its lane, its numbers and its live state on the addressed router.
+    List,
+    /// One class: lane settings, live state (level, queue, drain) and recent requests.
+    Show {
+        class: String,
+        /// Recent requests to show.
+        #[arg(long, default_value_t = 10)]
+        recent: u32,
+    },
+    /// Create a class or change its lane's numbers (flags not given keep their value).
+    Set(LaneSetArgs),
+}
+
+#[derive(clap::Args)]
+pub struct LaneSetArgs {
+    class: String,
+    /// Lane kind (required for a new class): sync, bounded or durable.
+    #[arg(long)]
+    lane: Option<String>,
+    /// Utilisation target, percent (100 - target is the headroom).
+    #[arg(long)]
+    target_pct: Option<u32>,
+    /// Queue latency budget, ms (bounded and durable lanes).
+    #[arg(long)]
+    budget_ms: Option<f64>,
+    /// Replicas kept warm whatever the traffic.
+    #[arg(long)]
+    warm_floor: Option<u32>,
+    /// Overload protection rank: 0 is protected first.
+    #[arg(long)]
+    rank: Option<u32>,
+    /// End-to-end request timeout, ms.
+    #[arg(long)]
+    timeout_ms: Option<f64>,
+    /// Queue budget while degraded, ms (bounded lanes).
+    #[arg(long)]
+    degraded_budget_ms: Option<f64>,
+    /// Request parameter set while degraded, `key=value` (repeatable), e.g. resolution=512.
+    #[arg(long, value_parser = key_value)]
+    degraded_param: Vec<(String, String)>,
+}
+
+#[derive(Subcommand)]
+pub enum ModelCmd {
+    /// Register a model (or a new version) under an existing class; servable at once.
+    Register(ModelRegisterArgs),
+    List,
+    Show {
+        name: String,
+    },
+    Remove {
+        name: String,
+    },
+}
+
+#[derive(clap::Args)]
+pub struct ModelRegisterArgs {
+    /// Model file, TOML or JSON (see deploy/examples/models/); flags below override it.
+    #[arg(long, short)]
+    file: Option<PathBuf>,
+    /// Model name (required without --file).
+    #[arg(long)]
+    name: Option<String>,
+    /// Class the model belongs to; it inherits the class's lane.
+    #[arg(long)]
+    class: Option<String>,
+    #[arg(long)]
+    version: Option<String>,
+    /// Profile per GPU product: PRODUCT=SERVICE_MS:MAX_BATCH, e.g. L4=120:8 (repeatable).
+    #[arg(long, value_parser = profile_flag)]
+    profile: Vec<(String, Profile)>,
+}
+
+#[derive(Subcommand)]
+pub enum TenantCmd {
+    /// Create a tenant and print its API key (shown once; only its hash is stored).
+    Create {
+        name: String,
+    },
+    List,
+    /// Set a tenant's limits on one class (or `*` for every class without its own).
+    SetLimit {
+        name: String,
+        #[arg(long, default_value = "*")]
+        class: String,
+        /// Requests in flight (queued or running) at once, per router.
+        #[arg(long, required_unless_present = "remove")]
+        concurrency: Option<u32>,
+        /// Sustained requests per second.
+        #[arg(long, required_unless_present = "remove")]
+        rate: Option<u32>,
+        /// Requests that may arrive at once above the rate. Default: the rate.
+        #[arg(long)]
+        burst: Option<u32>,
+        /// Remove the limit on this class instead.
+        #[arg(long)]
+        remove: bool,
+    },
+    /// Issue a new API key; the old one stops working once the change is applied.
+    RotateKey {
+        name: String,
+    },
+}
+
+fn key_value(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .ok_or_else(|| format!("{s:?}: expected key=value"))
+}
+
+fn profile_flag(s: &str) -> Result<(String, Profile), String> {
+    let err = || format!("{s:?}: expected PRODUCT=SERVICE_MS:MAX_BATCH, e.g. L4=120:8");
+    let (product, rest) = s.split_once('=').ok_or_else(err)?;
+    let (ms, batch) = rest.split_once(':').ok_or_else(err)?;
+    let ms: f64 = ms.parse().map_err(|_| err())?;
+    let max_batch: u32 = batch.parse().map_err(|_| err())?;
+    Ok((
+        product.to_string(),
+        Profile {
+            service_ms: Millis::from_ms(ms),
+            max_batch,
+            gpu_memory_gb: 0,
+            mig_profiles: vec![],
+        },
+    ))
+}
+
+async fn list(client: &AdminClient, kind: &str) -> anyhow::Result<Vec<Value>> {
+    let r = client
+        .call(|mut c| {
+            let kind = kind.to_string();
+            async move { c.list_registry(ListRegistryRequest { kind }).await }
+        })
+        .await?;
+    r.json
+        .iter()
+        .map(|j| serde_json::from_str(j).map_err(Into::into))
+        .collect()
+}
+
+async fn lane_status(client: &AdminClient, recent: u32) -> anyhow::Result<Vec<(LaneStatus, Vec<RequestRecord>)>> {
+    let r = client
+        .call(|mut c| async move { c.lane_status(LaneStatusRequest { recent }).await })
+        .await?;
+    r.json
+        .iter()
+        .map(|j| {
+            let v: Value = serde_json::from_str(j)?;
+            Ok((
+                serde_json::from_value(v["status"].clone())?,
+                serde_json::from_value(v["recent"].clone())?,
+            ))
+        })
+        .collect()
+}
+
+fn committed(out: Output, r: &WriteReply, what: String) {
+    print(out, json!({"log_index": r.log_index, "done": what}), || {
+        format!("{what} (committed at index {})", r.log_index)
+    });
+}
+
+pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Result<()> {
+    match cmd {
+        LaneCmd::List => {
+            let classes: Vec<Class> = list(client, "classes")
+                .await?
+                .into_iter()
+                .map(serde_json::from_value)
+                .collect::<Result<_, _>>()?;
+            let status = lane_status(client, 0).await?;
+            let live: BTreeMap<&str, &LaneStatus> = status.iter().map(|(s, _)| (s.class.as_str(), s)).collect();
+            print(
+                out,
+                json!({"classes": classes, "status": status.iter().map(|(s, _)| s).collect::<Vec<_>>()}),
+                || {
+                    let mut t = format!(
+                        "{:<14} {:<8} {:>7} {:>10} {:>5} {:>4}  {:<9} {:>5} {:>9} {:>5}",
+                        "CLASS", "LANE", "TARGET%", "BUDGET_MS", "FLOOR", "RANK", "LEVEL", "QUEUE", "INFLIGHT", "READY"
+                    );
+                    for c in &classes {
+                        let s = live.get(c.name.as_str());
+                        t.push_str(&format!(
+                            "\n{:<14} {:<8} {:>7} {:>10} {:>5} {:>4}  {:<9} {:>5} {:>9} {:>5}",
+                            c.name,
+                            c.lane,
+                            c.utilisation_target_pct,
+                            c.budget_ms.as_ms(),
+                            c.warm_floor,
+                            c.protection_rank,
+                            s.map_or("-", |s| s.level.as_str()),
+                            s.map_or(0, |s| s.queue_depth),
+                            s.map_or("-".into(), |s| format!("{}/{}", s.in_flight, s.slots)),
+                            s.map_or(0, |s| s.ready_replicas),
+                        ));
+                    }
+                    t
+                },
+            );
+        }
+        LaneCmd::Show { class, recent } => {
+            let c: Class = list(client, "classes")
+                .await?
+                .into_iter()
+                .map(serde_json::from_value::<Class>)
+                .collect::<Result<Vec<_>, _>>()?
+                .into_iter()
+                .find(|c| c.name == class)
+                .ok_or_else(|| anyhow::anyhow!("no class {class}; `lanectl lane list` shows the classes"))?;
+            let status = lane_status(client, recent).await?;
+            let (s, records) = status
+                .into_iter()
+                .find(|(s, _)| s.class == class)
+                .map_or((None, Vec::new()), |(s, r)| (Some(s), r));
+            print(out, json!({"class": c, "status": s, "recent": records}), || {
+                let mut t = format!(
+                    "class {}  lane {}  target {}%  budget {} ms  warm floor {}  rank {}  timeout {} ms",
+                    c.name,
+                    c.lane,
+                    c.utilisation_target_pct,
+                    c.budget_ms.as_ms(),
+                    c.warm_floor,
+                    c.protection_rank,
+                    c.request_timeout_ms.as_ms()
+                );
+                if let Some(d) = &c.degraded {
+                    t.push_str(&format!(
+                        "\ndegraded: budget {} ms, parameters {:?}",
+                        d.budget_ms.as_ms(),
+                        d.parameters
+                    ));
+                }
+                if let Some(s) = &s {
+                    t.push_str(&format!(
+                        "\nlive on this router: level {} (for {:.0} s)  queue {}  drain {}  pressure {:.2}  in flight {}/{}  ready replicas {}\ncounters: {}",
+                        s.level,
+                        s.level_for_s,
+                        s.queue_depth,
+                        s.drain_per_s.map_or("-".into(), |d| format!("{d:.1}/s")),
+                        s.pressure,
+                        s.in_flight,
+                        s.slots,
+                        s.ready_replicas,
+                        s.counters
+                    ));
+                }
+                if !records.is_empty() {
+                    t.push_str(&format!(
+                        "\n{:<34} {:<12} {:<10} {:>6} {:<22} {:<10} {:>9} {:>10} {:>8}",
+                        "REQUEST", "MODEL", "TENANT", "STATUS", "REPLICA", "GPU", "QUEUE_MS", "SERVICE_MS", "GPU_MS"
+                    ));
+                    for r in &records {
+                        t.push_str(&format!(
+                            "\n{:<34} {:<12} {:<10} {:>6} {:<22} {:<10} {:>9.2} {:>10.2} {:>8}",
+                            r.request_id,
+                            r.model,
+                            r.tenant,
+                            r.status,
+                            r.replica.as_deref().unwrap_or("-"),
+                            r.product.as_deref().unwrap_or("-"),
+                            r.queue_ms,
+                            r.service_ms,
+                            r.gpu_ms.map_or("-".into(), |g| format!("{g:.1}")),
+                        ));
+                    }
+                }
+                t
+            });
+        }
+        LaneCmd::Set(a) => {
+            let existing: Option<Class> = list(client, "classes")
+                .await?
+                .into_iter()
+                .map(serde_json::from_value::<Class>)
+                .collect::<Result<Vec<_>, _>>()?
+                .into_iter()
+                .find(|c| c.name == a.class);
+            let lane: Option<LaneKind> = a
+                .lane
+                .as_deref()
+                .map(|l| serde_json::from_value(json!(l)))
+                .transpose()
+                .map_err(|_| anyhow::anyhow!("--lane {:?}: use sync, bounded or durable", a.lane))?;
+            let mut c = match (existing, lane) {
+                (Some(c), _) => c,
+                (None, Some(lane)) => Class {
+                    name: a.class.clone(),
+                    lane,
+                    utilisation_target_pct: 70,
+                    budget_ms: Millis(0),
+                    warm_floor: 0,
+                    protection_rank: 0,
+                    request_timeout_ms: Millis::from_ms(30_000.0),
+                    degraded: None,
+                },
+                (None, None) => anyhow::bail!("class {} is new: give --lane sync|bounded|durable", a.class),
+            };
+            if let Some(l) = lane {
+                c.lane = l;
+            }
+            if let Some(v) = a.target_pct {
+                c.utilisation_target_pct = v;
+            }
+            if let Some(v) = a.budget_ms {
+                c.budget_ms = Millis::from_ms(v);
+            }
+            if let Some(v) = a.warm_floor {
+                c.warm_floor = v;
+            }
+            if let Some(v) = a.rank {
+                c.protection_rank = v;
+            }
+            if let Some(v) = a.timeout_ms {
+                c.request_timeout_ms = Millis::from_ms(v);
+            }
+            if a.degraded_budget_ms.is_some() || !a.degraded_param.is_empty() {
+                let d = c.degraded.get_or_insert_with(|| Degraded {
+                    budget_ms: c.budget_ms,
+                    parameters: BTreeMap::new(),
+                });
+                if let Some(v) = a.degraded_budget_ms {
+                    d.budget_ms = Millis::from_ms(v);
+                }
+                d.parameters.extend(a.degraded_param);
+            }
+            c.validate().map_err(anyhow::Error::msg)?;
+            let json = serde_json::to_string(&c)?;
+            let r = client
+                .call(|mut cl| {
+                    let json = json.clone();
+                    async move { cl.put_class(PutDocumentRequest { json }).await }
+                })
+                .await?;
+            committed(out, &r, format!("class {} ({} lane) set", c.name, c.lane));
+        }
+    }
+    Ok(())
+}
+
+/// Reads a model file: TOML, or JSON when the name ends in `.json`.
+fn read_model_file(path: &Path) -> anyhow::Result<Model> {
+    let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
+    let model = if path.extension().is_some_and(|e| e == "json") {
+        let de = &mut serde_json::Deserializer::from_str(&text);
+        serde_path_to_error::deserialize(de)
+            .map_err(|e| anyhow::anyhow!("{}: field `{}`: {}", path.display(), e.path(), e.inner()))?
+    } else {
+        toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.to_string().trim()))?
+    };
+    Ok(model)
+}
+
+pub async fn model(client: &AdminClient, out: Output, cmd: ModelCmd) -> anyhow::Result<()> {
+    match cmd {
+        ModelCmd::Register(a) => {
+            let mut m = match &a.file {
+                Some(p) => read_model_file(p)?,
+                None => Model {
+                    name: a
+                        .name
+                        .clone()
+                        .ok_or_else(|| anyhow::anyhow!("give --file, or --name, --class and --profile"))?,
+                    class: a
+                        .class
+                        .clone()
+                        .ok_or_else(|| anyhow::anyhow!("--class is required without --file"))?,
+                    version: "1".into(),
+                    profiles: BTreeMap::new(),
+                    runtime: Default::default(),
+                    weights: vec![],
+                },
+            };
+            if let Some(n) = a.name {
+                m.name = n;
+            }
+            if let Some(c) = a.class {
+                m.class = c;
+            }
+            if let Some(v) = a.version {
+                m.version = v;
+            }
+            m.profiles.extend(a.profile);
+            m.validate().map_err(anyhow::Error::msg)?;
+            let json = serde_json::to_string(&m)?;
+            let r = client
+                .call(|mut cl| {
+                    let json = json.clone();
+                    async move { cl.put_model(PutDocumentRequest { json }).await }
+                })
+                .await?;
+            committed(
+                out,
+                &r,
+                format!("model {} version {} registered in class {}", m.name, m.version, m.class),
+            );
+        }
+        ModelCmd::List => {
+            let models = list(client, "models").await?;
+            print(out, json!(models), || {
+                let mut t = format!(
+                    "{:<20} {:<14} {:<8} PROFILES (service ms / max batch)",
+                    "MODEL", "CLASS", "VERSION"
+                );
+                for m in &models {
+                    let profiles: Vec<String> = m["profiles"]
+                        .as_object()
+                        .map(|p| {
+                            p.iter()
+                                .map(|(k, v)| format!("{k} {}/{}", v["service_ms"], v["max_batch"]))
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    t.push_str(&format!(
+                        "\n{:<20} {:<14} {:<8} {}",
+                        m["name"].as_str().unwrap_or(""),
+                        m["class"].as_str().unwrap_or(""),
+                        m["version"].as_str().unwrap_or(""),
+                        profiles.join(", ")
+                    ));
+                }
+                t
+            });
+        }
+        ModelCmd::Show { name } => {
+            let m = list(client, "models")
+                .await?
+                .into_iter()
+                .find(|m| m["name"] == name.as_str())
+                .ok_or_else(|| anyhow::anyhow!("no model {name}; `lanectl model list` shows the models"))?;
+            let replicas: Vec<Value> = list(client, "replicas")
+                .await?
+                .into_iter()
+                .filter(|r| r["replica"]["model"] == name.as_str())
+                .collect();
+            print(out, json!({"model": m, "replicas": replicas}), || {
+                let mut t = serde_json::to_string_pretty(&m).unwrap_or_default();
+                t.push_str("\nreplicas:");
+                for r in &replicas {
+                    t.push_str(&format!(
+                        "\n  {}/{}  {}  {}",
+                        r["node"].as_str().unwrap_or(""),
+                        r["replica"]["id"].as_str().unwrap_or(""),
+                        r["replica"]["state"].as_str().unwrap_or(""),
+                        r["replica"]["endpoint"].as_str().unwrap_or(""),
+                    ));
+                }
+                if replicas.is_empty() {
+                    t.push_str(" none reported");
+                }
+                t
+            });
+        }
+        ModelCmd::Remove { name } => {
+            let r = client
+                .call(|mut cl| {
+                    let name = name.clone();
+                    async move { cl.remove_model(NameRequest { name }).await }
+                })
+                .await?;
+            committed(out, &r, format!("model {name} removed"));
+        }
+    }
+    Ok(())
+}
+
+fn print_key(out: Output, r: &TenantKeyReply) {
+    print(
+        out,
+        json!({"tenant": r.tenant, "api_key": r.api_key, "log_index": r.log_index}),
+        || {
+            format!(
+                "tenant {}\napi key {}\n(shown once: only its sha256 is stored; send it as `Authorization: Bearer <key>`)",
+                r.tenant, r.api_key
+            )
+        },
+    );
+}
+
+pub async fn tenant(client: &AdminClient, out: Output, cmd: TenantCmd) -> anyhow::Result<()> {
+    match cmd {
+        TenantCmd::Create { name } => {
+            let r = client
+                .call(|mut c| {
+                    let name = name.clone();
+                    async move { c.create_tenant(CreateTenantRequest { name }).await }
+                })
+                .await?;
+            print_key(out, &r);
+        }
+        TenantCmd::RotateKey { name } => {
+            let r = client
+                .call(|mut c| {
+                    let name = name.clone();
+                    async move { c.rotate_tenant_key(NameRequest { name }).await }
+                })
+                .await?;
+            print_key(out, &r);
+        }
+        TenantCmd::List => {
+            let tenants = list(client, "tenants").await?;
+            print(out, json!(tenants), || {
+                let mut t = format!("{:<20} LIMITS (class: concurrency, rate/s, burst)", "TENANT");
+                for x in &tenants {
+                    let limits: Vec<String> = x["limits"]
+                        .as_object()
+                        .map(|l| {
+                            l.iter()
+                                .map(|(k, v)| {
+                                    format!("{k}: {}, {}/s, {}", v["concurrency"], v["rate_per_s"], v["burst"])
+                                })
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    let limits = if limits.is_empty() {
+                        "none".to_string()
+                    } else {
+                        limits.join("; ")
+                    };
+                    t.push_str(&format!("\n{:<20} {limits}", x["name"].as_str().unwrap_or("")));
+                }
+                t
+            });
+        }
+        TenantCmd::SetLimit {
+            name,
+            class,
+            concurrency,
+            rate,
+            burst,
+            remove,
+        } => {
+            let req = SetTenantLimitRequest {
+                tenant: name.clone(),
+                class: class.clone(),
+                remove,
+                concurrency: concurrency.unwrap_or(0),
+                rate_per_s: rate.unwrap_or(0),
+                burst: burst.or(rate).unwrap_or(0),
+            };
+            let r = client
+                .call(|mut c| {
+                    let req = req.clone();
+                    async move { c.set_tenant_limit(req).await }
+                })
+                .await?;
+            let what = if remove {
+                format!("tenant {name}: limit on {class} removed")
+            } else {
+                format!(
+                    "tenant {name}: {} in flight, {}/s (burst {}) on {class}",
+                    req.concurrency, req.rate_per_s, req.burst
+                )
+            };
+            committed(out, &r, what);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,577 @@
+//! The replicated registry: classes (each names its lane), models, tenants, and the replicas the
+//! agents report as routable. Everything here is applied through Raft, so every controller's
+//! router sees the same registry; a model registered under an existing class is servable as soon
+//! as the entry is applied, with no router change or restart.
+//!
+//! Units are integers in the replicated state (the state is compared and hashed byte for byte):
+//! times in microseconds behind [`Millis`], which reads and writes as fractional milliseconds.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// Longest class, model or tenant name.
+pub const MAX_NAME: usize = 63;
+/// Most models, classes or tenants of each kind.
+pub const MAX_ENTRIES: usize = 10_000;
+
+/// A duration in milliseconds with microsecond precision, stored as an integer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Millis(pub u64);
+
+impl Millis {
+    pub fn from_ms(ms: f64) -> Self {
+        Millis((ms * 1000.0).round().max(0.0) as u64)
+    }
+    pub fn as_ms(self) -> f64 {
+        self.0 as f64 / 1000.0
+    }
+    pub fn as_duration(self) -> std::time::Duration {
+        std::time::Duration::from_micros(self.0)
+    }
+}
+
+impl Serialize for Millis {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(self.as_ms())
+    }
+}
+
+impl<'de> Deserialize<'de> for Millis {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let ms = f64::deserialize(d)?;
+        if !ms.is_finite() || ms < 0.0 {
+            return Err(serde::de::Error::custom(format!(
+                "{ms} is not a duration; give milliseconds >= 0"
+            )));
+        }
+        Ok(Millis::from_ms(ms))
+    }
+}
+
+/// How a lane admits and queues requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LaneKind {
+    /// No queue: a free replica slot now, or 503 with Retry-After.
+    Sync,
+    /// A short per-lane queue bounded by a latency budget.
+    Bounded,
+    /// A replicated job queue (issue #5); the router answers 202 with a job id.
+    Durable,
+}
+
+impl std::fmt::Display for LaneKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(match self {
+            LaneKind::Sync => "sync",
+            LaneKind::Bounded => "bounded",
+            LaneKind::Durable => "durable",
+        })
+    }
+}
+
+/// What a bounded lane switches to when the overload policy degrades it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Degraded {
+    /// Queue latency budget while degraded (longer than the normal one).
+    pub budget_ms: Millis,
+    /// Request parameters merged into every request while degraded, e.g. `resolution = "512"`.
+    #[serde(default)]
+    pub parameters: BTreeMap<String, String>,
+}
+
+/// A class and its lane: how every model of the class is admitted, queued and scaled.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Class {
+    pub name: String,
+    pub lane: LaneKind,
+    /// Utilisation the scaler aims for, percent; `100 - target` is the lane's headroom.
+    #[serde(default = "default_target")]
+    pub utilisation_target_pct: u32,
+    /// Queue latency budget (bounded, durable): admit only if the expected wait fits.
+    #[serde(default)]
+    pub budget_ms: Millis,
+    /// Replicas kept warm whatever the traffic.
+    #[serde(default)]
+    pub warm_floor: u32,
+    /// Overload protection rank: 0 is protected first; higher ranks degrade, then shed, first.
+    #[serde(default)]
+    pub protection_rank: u32,
+    /// Longest a request of this lane may take end to end (queue + service).
+    #[serde(default = "default_timeout")]
+    pub request_timeout_ms: Millis,
+    /// What the lane switches to under overload (bounded lanes).
+    #[serde(default)]
+    pub degraded: Option<Degraded>,
+}
+
+fn default_target() -> u32 {
+    70
+}
+
+fn default_timeout() -> Millis {
+    Millis::from_ms(30_000.0)
+}
+
+/// How one model runs on one GPU product.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Profile {
+    /// Service time of one batch.
+    pub service_ms: Millis,
+    /// Largest batch; also the replica's concurrency (the router never sends more at once).
+    pub max_batch: u32,
+    /// GPU memory one replica needs.
+    #[serde(default)]
+    pub gpu_memory_gb: u32,
+    /// MIG profiles a replica fits in (e.g. `3g.40gb`); empty = whole cards only.
+    #[serde(default)]
+    pub mig_profiles: Vec<String>,
+}
+
+/// A weight artifact, content-addressed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Artifact {
+    pub uri: String,
+    pub sha256: String,
+    pub size_bytes: u64,
+}
+
+/// How an agent starts a replica of the model (see the agent's replica spec).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Runtime {
+    /// Program and arguments; `{port}`, `{weights}`, `{device}`, `{model}` are substituted.
+    #[serde(default)]
+    pub command: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default = "default_health")]
+    pub health_path: String,
+}
+
+fn default_health() -> String {
+    "/v2/health/ready".into()
+}
+
+/// A model: which class it belongs to, and how it runs on each GPU product.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Model {
+    pub name: String,
+    pub class: String,
+    #[serde(default = "default_version")]
+    pub version: String,
+    /// GPU product (normalised name, e.g. `L4`, `H100-80GB`) → profile.
+    pub profiles: BTreeMap<String, Profile>,
+    #[serde(default)]
+    pub runtime: Runtime,
+    #[serde(default)]
+    pub weights: Vec<Artifact>,
+}
+
+fn default_version() -> String {
+    "1".into()
+}
+
+/// Limits of one tenant on one lane (class).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantLimit {
+    /// Requests in flight (queued or running) at once on one router.
+    pub concurrency: u32,
+    /// Sustained requests per second (token bucket refill).
+    pub rate_per_s: u32,
+    /// Bucket size: requests that may arrive at once above the rate.
+    pub burst: u32,
+}
+
+/// A tenant: its API key (only the sha256 is stored) and its limits per class.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Tenant {
+    pub name: String,
+    /// sha256 (hex) of the API key.
+    pub key_sha256: String,
+    /// Class name (or `*` for every class without its own entry) → limit. No entry: no limit.
+    #[serde(default)]
+    pub limits: BTreeMap<String, TenantLimit>,
+}
+
+impl Tenant {
+    /// The limit that applies to `class`, if any.
+    pub fn limit_for(&self, class: &str) -> Option<TenantLimit> {
+        self.limits.get(class).or_else(|| self.limits.get("*")).copied()
+    }
+}
+
+/// A replica as the leader last committed it from its agent's heartbeats.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaRecord {
+    pub id: String,
+    pub model: String,
+    /// GPU UUID (or MIG device UUID) it runs on.
+    pub device: String,
+    /// `starting`, `ready`, `draining`, `stopped`, `backoff`, `crash_loop`.
+    pub state: String,
+    /// `host:port` the router dials.
+    pub endpoint: String,
+}
+
+/// The registry part of the replicated state.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Registry {
+    pub classes: BTreeMap<String, Class>,
+    pub models: BTreeMap<String, Model>,
+    pub tenants: BTreeMap<String, Tenant>,
+    /// Node id → its replicas.
+    pub replicas: BTreeMap<String, Vec<ReplicaRecord>>,
+}
+
+/// Checks a class, model or tenant name.
+pub fn validate_name(what: &str, name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_NAME
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '_' || c == '.')
+        && name.starts_with(|c: char| c.is_ascii_alphanumeric());
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "{what} name {name:?}: use 1-{MAX_NAME} characters of a-z, 0-9, '-', '_' and '.', starting with a letter or digit"
+        ))
+    }
+}
+
+impl Class {
+    pub fn validate(&self) -> Result<(), String> {
+        validate_name("class", &self.name)?;
+        let n = &self.name;
+        if !(1..=100).contains(&self.utilisation_target_pct) {
+            return Err(format!(
+                "class {n}: utilisation_target_pct = {}: give 1-100 (sync lanes keep headroom, e.g. 60)",
+                self.utilisation_target_pct
+            ));
+        }
+        match self.lane {
+            LaneKind::Sync if self.budget_ms.0 > 0 => {
+                return Err(format!(
+                    "class {n}: a sync lane has no queue, so budget_ms must be 0 (got {}); use lane = \"bounded\" for a queue",
+                    self.budget_ms.as_ms()
+                ))
+            }
+            LaneKind::Bounded | LaneKind::Durable if self.budget_ms.0 == 0 => {
+                return Err(format!(
+                    "class {n}: a {} lane needs budget_ms > 0 (the longest a request may wait in its queue)",
+                    self.lane
+                ))
+            }
+            _ => {}
+        }
+        if self.request_timeout_ms.0 == 0 {
+            return Err(format!("class {n}: request_timeout_ms must be > 0"));
+        }
+        if let Some(d) = &self.degraded {
+            if self.lane != LaneKind::Bounded {
+                return Err(format!(
+                    "class {n}: only bounded lanes degrade; remove [degraded] or use lane = \"bounded\""
+                ));
+            }
+            if d.budget_ms < self.budget_ms {
+                return Err(format!(
+                    "class {n}: degraded.budget_ms ({}) must be at least budget_ms ({}): degrading lengthens the queue budget",
+                    d.budget_ms.as_ms(),
+                    self.budget_ms.as_ms()
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Model {
+    pub fn validate(&self) -> Result<(), String> {
+        validate_name("model", &self.name)?;
+        validate_name("class", &self.class)?;
+        let n = &self.name;
+        if self.profiles.is_empty() {
+            return Err(format!(
+                "model {n}: no profiles; give at least one [profiles.<GPU product>] with service_ms and max_batch"
+            ));
+        }
+        for (product, p) in &self.profiles {
+            if product.is_empty() || product.len() > 64 {
+                return Err(format!(
+                    "model {n}: profile for {product:?}: name a GPU product such as L4 or H100-80GB"
+                ));
+            }
+            if p.service_ms.0 == 0 {
+                return Err(format!("model {n}: profiles.{product}.service_ms must be > 0"));
+            }
+            if p.max_batch == 0 || p.max_batch > 4096 {
+                return Err(format!(
+                    "model {n}: profiles.{product}.max_batch = {}: give 1-4096",
+                    p.max_batch
+                ));
+            }
+        }
+        for a in &self.weights {
+            if a.sha256.len() != 64 || !a.sha256.chars().all(|c| c.is_ascii_hexdigit()) {
+                return Err(format!(
+                    "model {n}: weights {:?}: sha256 must be 64 hex characters",
+                    a.uri
+                ));
+            }
+            if a.uri.is_empty() {
+                return Err(format!("model {n}: a weight artifact has an empty uri"));
+            }
+        }
+        if self.version.is_empty() || self.version.len() > 64 {
+            return Err(format!("model {n}: version must be 1-64 characters"));
+        }
+        Ok(())
+    }
+}
+
+impl TenantLimit {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.concurrency == 0 || self.rate_per_s == 0 || self.burst == 0 {
+            return Err(format!(
+                "limit {self:?}: concurrency, rate_per_s and burst must all be > 0 (to stop a tenant, rotate its key)"
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Registry {
+    pub fn put_class(&mut self, class: &Class) -> Result<(), String> {
+        class.validate()?;
+        if let Some(old) = self.classes.get(&class.name) {
+            if old.lane != class.lane {
+                let models: Vec<&str> = self
+                    .models
+                    .values()
+                    .filter(|m| m.class == class.name)
+                    .map(|m| m.name.as_str())
+                    .collect();
+                if !models.is_empty() {
+                    return Err(format!(
+                        "class {} is a {} lane with models ({}); its lane kind cannot change under them: create a new class and move the models",
+                        class.name,
+                        old.lane,
+                        models.join(", ")
+                    ));
+                }
+            }
+        } else if self.classes.len() >= MAX_ENTRIES {
+            return Err(format!("{MAX_ENTRIES} classes already; remove one first"));
+        }
+        self.classes.insert(class.name.clone(), class.clone());
+        Ok(())
+    }
+
+    pub fn put_model(&mut self, model: &Model) -> Result<(), String> {
+        model.validate()?;
+        if !self.classes.contains_key(&model.class) {
+            return Err(format!(
+                "model {}: class {:?} does not exist; `lanectl lane list` shows the classes",
+                model.name, model.class
+            ));
+        }
+        if !self.models.contains_key(&model.name) && self.models.len() >= MAX_ENTRIES {
+            return Err(format!("{MAX_ENTRIES} models already; remove one first"));
+        }
+        self.models.insert(model.name.clone(), model.clone());
+        Ok(())
+    }
+
+    pub fn remove_model(&mut self, name: &str) -> Result<(), String> {
+        self.models
+            .remove(name)
+            .map(|_| ())
+            .ok_or_else(|| format!("no model {name}; `lanectl model list` shows the models"))
+    }
+
+    pub fn create_tenant(&mut self, tenant: &Tenant) -> Result<(), String> {
+        validate_name("tenant", &tenant.name)?;
+        if self.tenants.contains_key(&tenant.name) {
+            return Err(format!(
+                "tenant {} exists; use `lanectl tenant rotate-key` for a new key",
+                tenant.name
+            ));
+        }
+        if self.tenants.len() >= MAX_ENTRIES {
+            return Err(format!("{MAX_ENTRIES} tenants already"));
+        }
+        for l in tenant.limits.values() {
+            l.validate()?;
+        }
+        self.tenants.insert(tenant.name.clone(), tenant.clone());
+        Ok(())
+    }
+
+    pub fn set_tenant_limit(&mut self, tenant: &str, class: &str, limit: Option<TenantLimit>) -> Result<(), String> {
+        if class != "*" && !self.classes.contains_key(class) {
+            return Err(format!(
+                "no class {class}; give a class from `lanectl lane list`, or * for every class"
+            ));
+        }
+        let t = self
+            .tenants
+            .get_mut(tenant)
+            .ok_or_else(|| format!("no tenant {tenant}; `lanectl tenant list` shows the tenants"))?;
+        match limit {
+            Some(l) => {
+                l.validate()?;
+                t.limits.insert(class.to_string(), l);
+            }
+            None => {
+                t.limits.remove(class);
+            }
+        }
+        Ok(())
+    }
+
+    pub fn rotate_key(&mut self, tenant: &str, key_sha256: &str) -> Result<(), String> {
+        let t = self
+            .tenants
+            .get_mut(tenant)
+            .ok_or_else(|| format!("no tenant {tenant}; `lanectl tenant list` shows the tenants"))?;
+        t.key_sha256 = key_sha256.to_string();
+        Ok(())
+    }
+
+    /// Replaces a node's committed replicas (an empty list forgets them).
+    pub fn set_node_replicas(&mut self, node_id: &str, replicas: &[ReplicaRecord]) {
+        if replicas.is_empty() {
+            self.replicas.remove(node_id);
+        } else {
+            self.replicas.insert(node_id.to_string(), replicas.to_vec());
+        }
+    }
+}
+
+/// sha256 (hex) of an API key, as stored.
+pub fn hash_key(key: &str) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(key.as_bytes()))
+}
+
+/// A new random API key: `lw_` and 32 random bytes in hex.
+pub fn new_api_key() -> String {
+    use rand::RngCore;
+    let mut bytes = [0u8; 32];
+    rand::rng().fill_bytes(&mut bytes);
+    format!("lw_{}", hex::encode(bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn class(name: &str, lane: LaneKind, budget: f64) -> Class {
+        Class {
+            name: name.into(),
+            lane,
+            utilisation_target_pct: 70,
+            budget_ms: Millis::from_ms(budget),
+            warm_floor: 1,
+            protection_rank: 0,
+            request_timeout_ms: Millis::from_ms(1000.0),
+            degraded: None,
+        }
+    }
+
+    fn model(name: &str, class: &str) -> Model {
+        Model {
+            name: name.into(),
+            class: class.into(),
+            version: "1".into(),
+            profiles: [(
+                "L4".to_string(),
+                Profile {
+                    service_ms: Millis::from_ms(12.5),
+                    max_batch: 4,
+                    gpu_memory_gb: 8,
+                    mig_profiles: vec![],
+                },
+            )]
+            .into(),
+            runtime: Runtime::default(),
+            weights: vec![],
+        }
+    }
+
+    #[test]
+    fn lanes_are_checked_for_their_kind() {
+        assert!(class("speech", LaneKind::Sync, 0.0).validate().is_ok());
+        assert!(class("speech", LaneKind::Sync, 10.0)
+            .validate()
+            .unwrap_err()
+            .contains("no queue"));
+        assert!(class("image", LaneKind::Bounded, 0.0)
+            .validate()
+            .unwrap_err()
+            .contains("budget_ms > 0"));
+        let mut c = class("image", LaneKind::Bounded, 500.0);
+        c.degraded = Some(Degraded {
+            budget_ms: Millis::from_ms(100.0),
+            parameters: BTreeMap::new(),
+        });
+        assert!(c.validate().unwrap_err().contains("at least budget_ms"));
+    }
+
+    #[test]
+    fn models_inherit_an_existing_class_and_need_one() {
+        let mut r = Registry::default();
+        assert!(r
+            .put_model(&model("whisper", "speech"))
+            .unwrap_err()
+            .contains("does not exist"));
+        r.put_class(&class("speech", LaneKind::Sync, 0.0)).unwrap();
+        r.put_model(&model("whisper", "speech")).unwrap();
+        // A class with models cannot change its lane kind under them.
+        let e = r.put_class(&class("speech", LaneKind::Bounded, 100.0)).unwrap_err();
+        assert!(e.contains("cannot change"), "{e}");
+        r.remove_model("whisper").unwrap();
+        r.put_class(&class("speech", LaneKind::Bounded, 100.0)).unwrap();
+    }
+
+    #[test]
+    fn millis_keep_microseconds_and_read_as_fractional_ms() {
+        let m: Millis = serde_json::from_str("12.345").unwrap();
+        assert_eq!(m, Millis(12_345));
+        assert_eq!(serde_json::to_string(&m).unwrap(), "12.345");
+        assert!(serde_json::from_str::<Millis>("-1").is_err());
+    }
+
+    #[test]
+    fn tenant_limits_fall_back_to_the_wildcard() {
+        let mut r = Registry::default();
+        r.put_class(&class("speech", LaneKind::Sync, 0.0)).unwrap();
+        r.create_tenant(&Tenant {
+            name: "acme".into(),
+            key_sha256: hash_key("k"),
+            limits: BTreeMap::new(),
+        })
+        .unwrap();
+        let l = TenantLimit {
+            concurrency: 2,
+            rate_per_s: 10,
+            burst: 5,
+        };
+        r.set_tenant_limit("acme", "*", Some(l)).unwrap();
+        assert!(r.set_tenant_limit("acme", "nope", Some(l)).is_err());
+        assert_eq!(r.tenants["acme"].limit_for("speech"), Some(l));
+        assert!(r
+            .create_tenant(&r.tenants["acme"].clone())
+            .unwrap_err()
+            .contains("exists"));
+    }
+}

@@ -1,0 +1,642 @@
+//! The router's HTTP face: KServe Open Inference Protocol (v2) paths, and a listener with limits
+//! on everything a client controls (connections, header read time, body size, request time).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Json;
+use bytes::Bytes;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use serde::de::IgnoredAny;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::table::{ModelRoute, TenantRoute};
+use super::{retry_after_header, Admitted, ForwardError, Refusal, RequestRecord, Router};
+use crate::registry::hash_key;
+
+/// Limits of the router's listener.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouterSettings {
+    /// Where the router listens; `None` runs no router on this controller.
+    pub listen: Option<SocketAddr>,
+    /// Largest request body, bytes (413 above). Default 8 MiB.
+    pub max_body_bytes: usize,
+    /// A client must send its request headers within this (slowloris guard). Default 5 s.
+    pub header_read_timeout: Duration,
+    /// Open connections at most; more are closed at accept. Default 4096.
+    pub max_connections: usize,
+}
+
+impl Default for RouterSettings {
+    fn default() -> Self {
+        RouterSettings {
+            listen: None,
+            max_body_bytes: 8 * 1024 * 1024,
+            header_read_timeout: Duration::from_secs(5),
+            max_connections: 4096,
+        }
+    }
+}
+
+pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+pub const LANE: HeaderName = HeaderName::from_static("x-laneway-lane");
+pub const CLASS: HeaderName = HeaderName::from_static("x-laneway-class");
+pub const REPLICA: HeaderName = HeaderName::from_static("x-laneway-replica");
+pub const QUEUE_MS: HeaderName = HeaderName::from_static("x-laneway-queue-ms");
+pub const DEGRADED: HeaderName = HeaderName::from_static("x-laneway-degraded");
+
+/// The router's HTTP app.
+pub fn app(router: Arc<Router>, max_body_bytes: usize) -> axum::Router {
+    axum::Router::new()
+        .route("/v2/health/live", get(|| async { StatusCode::OK }))
+        .route("/v2/health/ready", get(ready))
+        .route("/v2/models/{model}", get(metadata))
+        .route("/v2/models/{model}/ready", get(model_ready))
+        .route("/v2/models/{model}/infer", post(infer))
+        .fallback(|| async {
+            error(
+                StatusCode::NOT_FOUND,
+                "no such path; the router serves POST /v2/models/{model}/infer, GET /v2/models/{model}, GET /v2/health/live|ready".into(),
+                &Meta::default(),
+            )
+        })
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .with_state(router)
+}
+
+/// A running router listener.
+pub struct RouterServer {
+    pub addr: SocketAddr,
+    shutdown: watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+impl RouterServer {
+    pub async fn stop(self) {
+        let _ = self.shutdown.send(true);
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.task).await;
+    }
+}
+
+/// Serves the router on an already-bound listener, with the settings' limits.
+pub fn serve(router: Arc<Router>, listener: TcpListener, settings: &RouterSettings) -> std::io::Result<RouterServer> {
+    let addr = listener.local_addr()?;
+    let app = app(router, settings.max_body_bytes);
+    let permits = Arc::new(Semaphore::new(settings.max_connections));
+    let header_timeout = settings.header_read_timeout;
+    let (tx, mut rx) = watch::channel(false);
+    let task = tokio::spawn(async move {
+        let mut refused_logged = Instant::now() - Duration::from_secs(60);
+        loop {
+            let (stream, peer) = tokio::select! {
+                r = listener.accept() => match r {
+                    Ok(s) => s,
+                    Err(e) => {
+                        // EMFILE and friends: back off instead of spinning.
+                        tracing::warn!(error = %e, "router accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+                _ = rx.changed() => return,
+            };
+            let Ok(permit) = permits.clone().try_acquire_owned() else {
+                if refused_logged.elapsed() > Duration::from_secs(10) {
+                    tracing::warn!(%peer, "router at its connection limit; closing new connections");
+                    refused_logged = Instant::now();
+                }
+                drop(stream);
+                continue;
+            };
+            let _ = stream.set_nodelay(true);
+            let svc = TowerToHyperService::new(app.clone());
+            let mut stop = rx.clone();
+            tokio::spawn(async move {
+                let conn = hyper::server::conn::http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(header_timeout)
+                    .keep_alive(true)
+                    .serve_connection(TokioIo::new(stream), svc);
+                let mut conn = std::pin::pin!(conn);
+                tokio::select! {
+                    _ = conn.as_mut() => {}
+                    _ = stop.changed() => {
+                        conn.as_mut().graceful_shutdown();
+                        let _ = tokio::time::timeout(Duration::from_secs(5), conn).await;
+                    }
+                }
+                drop(permit);
+            });
+        }
+    });
+    Ok(RouterServer {
+        addr,
+        shutdown: tx,
+        task,
+    })
+}
+
+/// What every response says about the request, as far as it is known.
+#[derive(Default, Clone)]
+struct Meta {
+    request_id: String,
+    lane: Option<String>,
+    class: Option<String>,
+}
+
+fn error(status: StatusCode, message: String, meta: &Meta) -> Response {
+    let mut r = (
+        status,
+        Json(json!({
+            "error": message,
+            "request_id": meta.request_id,
+            "lane": meta.lane,
+        })),
+    )
+        .into_response();
+    stamp(r.headers_mut(), meta);
+    r
+}
+
+fn stamp(h: &mut HeaderMap, meta: &Meta) {
+    if let Ok(v) = HeaderValue::from_str(&meta.request_id) {
+        h.insert(REQUEST_ID, v);
+    }
+    let lane = meta.lane.as_deref().unwrap_or("none");
+    if let Ok(v) = HeaderValue::from_str(lane) {
+        h.insert(LANE, v);
+    }
+    if let Some(c) = meta.class.as_deref().and_then(|c| HeaderValue::from_str(c).ok()) {
+        h.insert(CLASS, c);
+    }
+}
+
+fn with_retry_after(mut r: Response, wait: Duration) -> Response {
+    r.headers_mut()
+        .insert(axum::http::header::RETRY_AFTER, retry_after_header(wait));
+    r
+}
+
+/// The request id: the client's `x-request-id` when it is a sane token, else a new one.
+fn request_id(headers: &HeaderMap) -> String {
+    headers
+        .get(REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .filter(|s| !s.is_empty() && s.len() <= 128 && s.bytes().all(|b| b.is_ascii_graphic()))
+        .map_or_else(|| uuid::Uuid::new_v4().simple().to_string(), str::to_string)
+}
+
+/// Authenticates the bearer API key.
+fn authenticate(router: &Router, headers: &HeaderMap, meta: &Meta) -> Result<Arc<TenantRoute>, Response> {
+    let Some(value) = headers.get(axum::http::header::AUTHORIZATION) else {
+        return Err(error(
+            StatusCode::UNAUTHORIZED,
+            "missing API key: send `Authorization: Bearer <key>` (`lanectl tenant create` issues keys)".into(),
+            meta,
+        ));
+    };
+    let key = value
+        .to_str()
+        .ok()
+        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+        .map(str::trim)
+        .unwrap_or_default();
+    if key.is_empty() {
+        return Err(error(
+            StatusCode::UNAUTHORIZED,
+            "the Authorization header must be `Bearer <key>`".into(),
+            meta,
+        ));
+    }
+    router.table().tenants.get(&hash_key(key)).cloned().ok_or_else(|| {
+        error(
+            StatusCode::UNAUTHORIZED,
+            "unknown API key (rotated or mistyped?); `lanectl tenant rotate-key` issues a new one".into(),
+            meta,
+        )
+    })
+}
+
+fn lookup(router: &Router, model: &str, meta: &mut Meta) -> Result<Arc<ModelRoute>, Response> {
+    let route = router.table().models.get(model).cloned().ok_or_else(|| {
+        error(
+            StatusCode::NOT_FOUND,
+            format!("model {model:?} is not registered; `lanectl model list` shows the models"),
+            meta,
+        )
+    })?;
+    meta.lane = Some(route.class.lane.to_string());
+    meta.class = Some(route.class.name.clone());
+    Ok(route)
+}
+
+async fn ready(State(router): State<Arc<Router>>) -> StatusCode {
+    if router.is_ready() {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    }
+}
+
+async fn metadata(State(router): State<Arc<Router>>, Path(model): Path<String>, headers: HeaderMap) -> Response {
+    let mut meta = Meta {
+        request_id: request_id(&headers),
+        ..Meta::default()
+    };
+    if let Err(r) = authenticate(&router, &headers, &meta) {
+        return r;
+    }
+    let route = match lookup(&router, &model, &mut meta) {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    let mut r = Json(json!({
+        "name": route.name,
+        "versions": [route.version],
+        "platform": "laneway",
+        "class": route.class.name,
+        "lane": route.class.lane,
+        "ready_replicas": route.replicas.len(),
+    }))
+    .into_response();
+    stamp(r.headers_mut(), &meta);
+    r
+}
+
+async fn model_ready(State(router): State<Arc<Router>>, Path(model): Path<String>, headers: HeaderMap) -> Response {
+    let mut meta = Meta {
+        request_id: request_id(&headers),
+        ..Meta::default()
+    };
+    if let Err(r) = authenticate(&router, &headers, &meta) {
+        return r;
+    }
+    match lookup(&router, &model, &mut meta) {
+        Ok(route) if !route.replicas.is_empty() => {
+            let mut r = StatusCode::OK.into_response();
+            stamp(r.headers_mut(), &meta);
+            r
+        }
+        Ok(_) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("model {model} has no ready replica"),
+            &meta,
+        ),
+        Err(r) => r,
+    }
+}
+
+/// The Open Inference Protocol request, checked field by field before it costs a replica slot.
+/// Tensor data is not inspected (only required), so checking costs no copy of it.
+#[derive(Deserialize)]
+#[allow(dead_code)]
+struct InferRequest {
+    #[serde(default)]
+    id: Option<String>,
+    inputs: Vec<InferInput>,
+    #[serde(default)]
+    parameters: Option<serde_json::Map<String, Value>>,
+    #[serde(default)]
+    outputs: Option<Vec<IgnoredAny>>,
+}
+
+#[derive(Deserialize)]
+#[allow(dead_code)]
+struct InferInput {
+    name: String,
+    shape: Vec<i64>,
+    datatype: String,
+    #[serde(default)]
+    parameters: Option<IgnoredAny>,
+    data: IgnoredAny,
+}
+
+fn check_body(body: &[u8]) -> Result<InferRequest, String> {
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path == "." {
+            format!("invalid inference request: {inner}")
+        } else {
+            format!("invalid inference request at `{path}`: {inner}")
+        }
+    })
+}
+
+/// Merges the degraded lane's parameters into the request's `parameters`.
+fn degrade(body: &[u8], params: &std::collections::BTreeMap<String, String>) -> Result<Bytes, String> {
+    let mut v: Value = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+    let obj = v.as_object_mut().ok_or("the body is not a JSON object")?;
+    let p = obj
+        .entry("parameters")
+        .or_insert_with(|| Value::Object(Default::default()));
+    if let Some(p) = p.as_object_mut() {
+        for (k, val) in params {
+            p.insert(k.clone(), Value::String(val.clone()));
+        }
+        p.insert("laneway_degraded".into(), Value::Bool(true));
+    }
+    serde_json::to_vec(&v).map(Bytes::from).map_err(|e| e.to_string())
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+async fn infer(
+    State(router): State<Arc<Router>>,
+    Path(model): Path<String>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let arrived = Instant::now();
+    let mut meta = Meta {
+        request_id: request_id(&headers),
+        ..Meta::default()
+    };
+    let tenant = match authenticate(&router, &headers, &meta) {
+        Ok(t) => t,
+        Err(r) => return r,
+    };
+    let route = match lookup(&router, &model, &mut meta) {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    let class = route.class.clone();
+    let body =
+        match body {
+            Ok(b) => b,
+            Err(rej) if rej.status() == StatusCode::PAYLOAD_TOO_LARGE => return error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "the request body is over the router's limit (router.max_body_bytes); send a smaller input or a URI"
+                    .into(),
+                &meta,
+            ),
+            Err(rej) => return error(rej.status(), rej.body_text(), &meta),
+        };
+    if let Err(msg) = check_body(&body) {
+        return error(StatusCode::BAD_REQUEST, msg, &meta);
+    }
+    let mut record = RequestRecord {
+        request_id: meta.request_id.clone(),
+        unix_ms: unix_ms(),
+        lane: class.lane.to_string(),
+        class: class.name.clone(),
+        model: route.name.clone(),
+        tenant: tenant.name.clone(),
+        status: 0,
+        replica: None,
+        product: None,
+        mig_profile: None,
+        queue_ms: 0.0,
+        service_ms: 0.0,
+        gpu_ms: None,
+        degraded: false,
+    };
+    let retry_hint = route.min_service().unwrap_or(Duration::from_secs(1));
+    let _tenant_hold = match router.admit_tenant(&tenant, &class, retry_hint, arrived) {
+        Ok(g) => g,
+        Err((wait, why)) => {
+            router.count(&class, |c| c.throttled += 1);
+            record.status = 429;
+            router.record(record);
+            return with_retry_after(error(StatusCode::TOO_MANY_REQUESTS, why, &meta), wait);
+        }
+    };
+    let admitted = match router.acquire(&route, arrived).await {
+        Ok(a) => a,
+        Err(refusal) => {
+            let r = refusal_response(&refusal, &route, &meta);
+            record.status = r.status().as_u16();
+            record.queue_ms = arrived.elapsed().as_secs_f64() * 1000.0;
+            router.record(record);
+            return r;
+        }
+    };
+    dispatch(&router, &route, admitted, body, &headers, arrived, meta, record).await
+}
+
+fn refusal_response(refusal: &Refusal, route: &ModelRoute, meta: &Meta) -> Response {
+    match refusal {
+        Refusal::NoSlot { retry_after } => with_retry_after(
+            error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "every replica of {} is busy and the {} lane has no queue; retry after the Retry-After",
+                    route.name, route.class.name
+                ),
+                meta,
+            ),
+            *retry_after,
+        ),
+        Refusal::OverBudget {
+            retry_after,
+            expected_wait,
+        } => with_retry_after(
+            error(
+                StatusCode::TOO_MANY_REQUESTS,
+                format!(
+                    "the {} queue would make this request wait about {} ms, over its budget; retry after the Retry-After",
+                    route.class.name,
+                    expected_wait.as_millis()
+                ),
+                meta,
+            ),
+            *retry_after,
+        ),
+        Refusal::Expired { waited } => error(
+            StatusCode::GATEWAY_TIMEOUT,
+            format!(
+                "queued {} ms without a free replica, past the {} lane's budget",
+                waited.as_millis(),
+                route.class.name
+            ),
+            meta,
+        ),
+        Refusal::NoReplica => with_retry_after(
+            error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("model {} has no ready replica yet", route.name),
+                meta,
+            ),
+            super::NO_REPLICA_RETRY,
+        ),
+        Refusal::Durable => error(
+            StatusCode::NOT_IMPLEMENTED,
+            format!(
+                "model {} is in the durable class {}: durable lanes take jobs (POST /v1/jobs, issue #5), not synchronous requests",
+                route.name, route.class.name
+            ),
+            meta,
+        ),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn dispatch(
+    router: &Arc<Router>,
+    route: &ModelRoute,
+    admitted: Admitted,
+    body: Bytes,
+    headers: &HeaderMap,
+    arrived: Instant,
+    meta: Meta,
+    mut record: RequestRecord,
+) -> Response {
+    let class = &route.class;
+    let Admitted {
+        mut guard,
+        queued,
+        degraded,
+    } = admitted;
+    record.queue_ms = queued.as_secs_f64() * 1000.0;
+    let body = match &degraded {
+        Some(params) => match degrade(&body, params) {
+            Ok(b) => {
+                record.degraded = true;
+                b
+            }
+            Err(e) => return error(StatusCode::BAD_REQUEST, e, &meta),
+        },
+        None => body,
+    };
+    let deadline = arrived + class.request_timeout_ms.as_duration();
+    let traceparent = headers.get("traceparent");
+    let mut retried = false;
+    let started = Instant::now();
+    let outcome = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let r = router
+            .forward(&guard.slot, body.clone(), &meta.request_id, traceparent, left)
+            .await;
+        match r {
+            Err(ForwardError::NotDelivered(why)) if !retried => {
+                // Never reached the replica: safe to send once more, elsewhere.
+                router.eject(&guard.slot, &why);
+                let failed = guard.slot.name.clone();
+                match router.pick(route, Some(&failed), Instant::now()) {
+                    Some(other) => {
+                        guard = super::lane::SlotGuard::new(other, router.lane_of(class));
+                        retried = true;
+                        router.count(class, |c| c.retried += 1);
+                    }
+                    None => break Err(ForwardError::NotDelivered(why)),
+                }
+            }
+            other => break other,
+        }
+    };
+    record.replica = Some(guard.slot.name.clone());
+    record.product = Some(guard.slot.product.clone());
+    record.mig_profile = guard.slot.mig_profile.clone();
+    record.service_ms = started.elapsed().as_secs_f64() * 1000.0;
+    let mut resp = match outcome {
+        Ok(f) => {
+            router.count(class, |c| c.completed += 1);
+            record.gpu_ms = f.gpu_ms;
+            let mut r = (f.status, f.body).into_response();
+            if let Some(ct) = f.content_type {
+                r.headers_mut().insert(axum::http::header::CONTENT_TYPE, ct);
+            }
+            if let Some(g) = f.gpu_ms {
+                if let Ok(v) = HeaderValue::from_str(&format!("{g:.3}")) {
+                    r.headers_mut().insert(super::GPU_MS_HEADER, v);
+                }
+            }
+            stamp(r.headers_mut(), &meta);
+            r
+        }
+        Err(e) => {
+            router.count(class, |c| c.failed += 1);
+            let (status, msg) = match &e {
+                ForwardError::NotDelivered(why) => (
+                    StatusCode::BAD_GATEWAY,
+                    format!("no replica of {} could be reached ({why})", route.name),
+                ),
+                ForwardError::Timeout => (
+                    StatusCode::GATEWAY_TIMEOUT,
+                    format!(
+                        "replica {} did not answer within the {} lane's request timeout ({} ms)",
+                        guard.slot.name,
+                        class.name,
+                        class.request_timeout_ms.as_duration().as_millis()
+                    ),
+                ),
+                ForwardError::Failed(why) => (
+                    StatusCode::BAD_GATEWAY,
+                    format!(
+                        "replica {} failed while serving the request ({why}); not retried, it may have run",
+                        guard.slot.name
+                    ),
+                ),
+            };
+            if !matches!(e, ForwardError::NotDelivered(_)) {
+                router.eject(&guard.slot, &msg);
+            }
+            error(status, msg, &meta)
+        }
+    };
+    let h = resp.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(&guard.slot.name) {
+        h.insert(REPLICA, v);
+    }
+    if let Ok(v) = HeaderValue::from_str(&format!("{:.3}", record.queue_ms)) {
+        h.insert(QUEUE_MS, v);
+    }
+    if record.degraded {
+        h.insert(DEGRADED, HeaderValue::from_static("1"));
+    }
+    record.status = resp.status().as_u16();
+    drop(guard);
+    router.record(record);
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn malformed_bodies_name_the_field() {
+        let e = check_body(b"{\"inputs\":[{\"name\":\"a\",\"shape\":\"x\",\"datatype\":\"FP32\",\"data\":[1]}]}")
+            .err()
+            .unwrap();
+        assert!(e.contains("inputs[0].shape"), "{e}");
+        let e = check_body(b"{}").err().unwrap();
+        assert!(e.contains("missing field `inputs`"), "{e}");
+        let e = check_body(b"{\"inputs\":[{\"name\":\"a\",\"shape\":[1],\"datatype\":\"FP32\"}]}")
+            .err()
+            .unwrap();
+        assert!(e.contains("data"), "{e}");
+        let e = check_body(b"not json").err().unwrap();
+        assert!(e.contains("invalid inference request"), "{e}");
+        assert!(
+            check_body(b"{\"inputs\":[{\"name\":\"a\",\"shape\":[1],\"datatype\":\"FP32\",\"data\":[1]}]}").is_ok()
+        );
+    }
+
+    #[test]
+    fn degrading_merges_parameters() {
+        let params = [("resolution".to_string(), "512".to_string())].into();
+        let b = degrade(b"{\"inputs\":[],\"parameters\":{\"a\":1}}", &params).unwrap();
+        let v: Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(v["parameters"]["resolution"], "512");
+        assert_eq!(v["parameters"]["a"], 1);
+        assert_eq!(v["parameters"]["laneway_degraded"], true);
+    }
+}

@@ -1,0 +1,258 @@
+//! One lane's live state on this router: the bounded queue (per lane, never shared between
+//! lanes), its drain rate, its overload level and its counters.
+//!
+//! Slot hand-off: when a request finishes, its replica slot goes straight to the oldest waiter
+//! for the same model, under the lane lock, so a queued request never races a new arrival for
+//! the slot and no wake-up is lost. A waiter that gave up (deadline passed) closes its channel
+//! under the same lock, so a slot is never handed to nobody.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use serde::Serialize;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use super::admission::{DrainRate, Level, OverloadState};
+use super::table::ReplicaSlot;
+use crate::registry::LaneKind;
+
+/// A queued request waiting for a slot of `model`.
+pub struct Waiter {
+    pub model: String,
+    pub tx: oneshot::Sender<Arc<ReplicaSlot>>,
+}
+
+/// Counters of one lane on this router since it started.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct LaneCounters {
+    /// Requests that got a slot (at once or from the queue).
+    pub admitted: u64,
+    /// Sync: no free slot (503). Bounded: expected wait over budget (429).
+    pub refused: u64,
+    /// Tenant rate or concurrency ceiling (429).
+    pub throttled: u64,
+    /// Queued requests whose deadline passed (504).
+    pub expired: u64,
+    /// Requests the replica answered.
+    pub completed: u64,
+    /// Replica failures and timeouts (502/504 after a slot).
+    pub failed: u64,
+    /// Requests retried on another replica because the first never received them.
+    pub retried: u64,
+}
+
+pub struct LaneState {
+    pub kind: LaneKind,
+    pub queue: VecDeque<Waiter>,
+    /// Live waiters per model (closed ones are not counted).
+    pub waiting: HashMap<String, usize>,
+    pub drain: DrainRate,
+    pub overload: OverloadState,
+    pub counters: LaneCounters,
+    /// Expected wait ÷ budget at the last admission decision.
+    pub pressure: f64,
+}
+
+impl LaneState {
+    /// Live waiters in the queue.
+    pub fn depth(&self) -> usize {
+        self.waiting.values().sum()
+    }
+
+    pub fn waiting_for(&self, model: &str) -> usize {
+        self.waiting.get(model).copied().unwrap_or(0)
+    }
+
+    pub fn enqueue(&mut self, model: &str) -> oneshot::Receiver<Arc<ReplicaSlot>> {
+        let (tx, rx) = oneshot::channel();
+        self.queue.push_back(Waiter {
+            model: model.to_string(),
+            tx,
+        });
+        *self.waiting.entry(model.to_string()).or_default() += 1;
+        rx
+    }
+
+    /// A waiter gave up (its receiver is closed by the caller under this lock).
+    pub fn forget_waiter(&mut self, model: &str) {
+        if let Some(n) = self.waiting.get_mut(model) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.waiting.remove(model);
+            }
+        }
+        // Drop closed waiters at the front so the queue does not grow with dead entries.
+        while self.queue.front().is_some_and(|w| w.tx.is_closed()) {
+            self.queue.pop_front();
+        }
+    }
+
+    /// Gives `slot` (already acquired) to the oldest live waiter for its model. Returns the slot
+    /// when nobody wants it.
+    pub fn hand_off(&mut self, slot: Arc<ReplicaSlot>) -> Option<Arc<ReplicaSlot>> {
+        if self.waiting_for(&slot.model) == 0 {
+            return Some(slot);
+        }
+        let mut slot = slot;
+        let mut i = 0;
+        while i < self.queue.len() {
+            if self.queue[i].tx.is_closed() {
+                self.queue.remove(i);
+                continue;
+            }
+            if self.queue[i].model != slot.model {
+                i += 1;
+                continue;
+            }
+            let w = self.queue.remove(i).expect("index in range");
+            self.forget_waiter_count(&w.model);
+            match w.tx.send(slot) {
+                Ok(()) => {
+                    self.counters.admitted += 1;
+                    return None;
+                }
+                // Closed between the check and the send: impossible under the lock, but keep
+                // the slot for the next waiter rather than lose it.
+                Err(back) => slot = back,
+            }
+        }
+        Some(slot)
+    }
+
+    fn forget_waiter_count(&mut self, model: &str) {
+        if let Some(n) = self.waiting.get_mut(model) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.waiting.remove(model);
+            }
+        }
+    }
+}
+
+/// A lane on this router.
+pub struct Lane {
+    pub class: String,
+    state: Mutex<LaneState>,
+}
+
+impl Lane {
+    pub fn new(class: &str, kind: LaneKind, now: Instant) -> Self {
+        Lane {
+            class: class.to_string(),
+            state: Mutex::new(LaneState {
+                kind,
+                queue: VecDeque::new(),
+                waiting: HashMap::new(),
+                drain: DrainRate::new(now),
+                overload: OverloadState::new(now),
+                counters: LaneCounters::default(),
+                pressure: 0.0,
+            }),
+        }
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, LaneState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A request is done with `slot`: count the drain, then hand the slot to a waiter or free it.
+    pub fn release(&self, slot: Arc<ReplicaSlot>, now: Instant) {
+        let mut s = self.lock();
+        s.drain.record(now);
+        if let Some(slot) = s.hand_off(slot) {
+            slot.release();
+        }
+    }
+}
+
+/// Holds one replica slot for one request; gives it back (or to the next waiter) when dropped,
+/// on every path, including a client that hung up mid-request.
+pub struct SlotGuard {
+    pub slot: Arc<ReplicaSlot>,
+    lane: Arc<Lane>,
+}
+
+impl SlotGuard {
+    pub fn new(slot: Arc<ReplicaSlot>, lane: Arc<Lane>) -> Self {
+        SlotGuard { slot, lane }
+    }
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        self.lane.release(self.slot.clone(), Instant::now());
+    }
+}
+
+/// What `lanectl lane show` prints about a lane's live state on one router.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct LaneStatus {
+    pub class: String,
+    pub lane: String,
+    /// `normal`, `degraded` (bounded lane on its degraded settings) or `short` (a sync lane
+    /// refused work in the last second).
+    pub level: String,
+    pub queue_depth: usize,
+    /// Completions per second measured over the last 2 s (None: too few to trust).
+    pub drain_per_s: Option<f64>,
+    pub pressure: f64,
+    pub in_flight: u32,
+    pub slots: u32,
+    pub ready_replicas: usize,
+    pub counters: serde_json::Value,
+    /// Seconds since the level last changed.
+    pub level_for_s: f64,
+}
+
+impl LaneState {
+    /// The level name for status output.
+    pub fn level_name(&self, sync_short: bool) -> &'static str {
+        match (self.kind, self.overload.level()) {
+            (LaneKind::Sync, _) if sync_short => "short",
+            (_, Level::Degraded) => "degraded",
+            _ => "normal",
+        }
+    }
+}
+
+/// How long after a sync refusal the fleet counts as short.
+pub const SHORT_WINDOW: Duration = Duration::from_secs(1);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slot(model: &str) -> Arc<ReplicaSlot> {
+        crate::router::table::test_slot(model, 2)
+    }
+
+    #[test]
+    fn a_freed_slot_goes_to_the_oldest_live_waiter_of_its_model() {
+        let now = Instant::now();
+        let lane = Lane::new("image", LaneKind::Bounded, now);
+        let (mut gone, mut a1, mut b1, mut a2) = {
+            let mut s = lane.lock();
+            (s.enqueue("a"), s.enqueue("a"), s.enqueue("b"), s.enqueue("a"))
+        };
+        // The first waiter gives up: it closes under the lock and is forgotten.
+        {
+            let mut s = lane.lock();
+            gone.close();
+            s.forget_waiter("a");
+            assert_eq!(s.depth(), 3);
+        }
+        let sa = slot("a");
+        assert!(sa.try_acquire());
+        lane.release(sa.clone(), now);
+        assert!(a1.try_recv().is_ok(), "oldest live waiter of model a gets the slot");
+        assert!(b1.try_recv().is_err() && a2.try_recv().is_err());
+        assert_eq!(sa.load(), 1, "the slot passed on, still held");
+        lane.release(sa.clone(), now);
+        assert!(a2.try_recv().is_ok());
+        lane.release(sa.clone(), now);
+        assert_eq!(sa.load(), 0, "nobody waiting for a: the slot is freed");
+        assert_eq!(lane.lock().depth(), 1, "b still waits");
+    }
+}

@@ -1,0 +1,762 @@
+//! The admission router every controller runs: authenticate the tenant, look the model up, find
+//! its class and lane, admit by the lane's rules, dispatch to a replica by power of two choices.
+//!
+//! Its inputs (registry and fleet) come from this controller's applied Raft state, so any
+//! controller routes, leader or not, and a model registered under an existing class is routable
+//! as soon as its entry is applied. Its only state of its own is load accounting (in-flight per
+//! replica, lanes' queues, tenants' buckets), which is per router by design: routers scale out
+//! without touching the Raft group.
+
+pub mod admission;
+pub mod http;
+pub mod lane;
+pub mod table;
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::header::{HeaderValue, CONTENT_TYPE};
+use hyper::StatusCode;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use rand::Rng;
+use serde::{Deserialize, Serialize};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::registry::{Class, LaneKind, TenantLimit};
+use crate::store::StateMachineStore;
+use admission::{bounded_admit, retry_after_secs, sync_retry_after, TokenBucket};
+use lane::{Lane, LaneStatus, SlotGuard, SHORT_WINDOW};
+use table::{ModelRoute, ReplicaSlot, Table, TenantRoute};
+
+/// Retry-After when a model has no ready replica at all: a replica has to be placed and
+/// started, which takes at least this long.
+pub const NO_REPLICA_RETRY: Duration = Duration::from_secs(10);
+/// How long a replica that failed a request is skipped (the heartbeats usually report it
+/// before this runs out).
+pub const EJECT_FOR: Duration = Duration::from_secs(5);
+/// Request records kept for `lanectl lane show` and the meter.
+pub const RECORDS_KEPT: usize = 4096;
+/// Response header: GPU milliseconds the replica reports for the request.
+pub const GPU_MS_HEADER: &str = "x-laneway-gpu-ms";
+
+/// Why a request was not given a replica slot.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Refusal {
+    /// Sync lane, every slot busy: 503 at once.
+    NoSlot { retry_after: Duration },
+    /// Bounded lane, expected wait over the budget: 429.
+    OverBudget {
+        retry_after: Duration,
+        expected_wait: Duration,
+    },
+    /// Queued past the lane's budget: 504.
+    Expired { waited: Duration },
+    /// No ready replica of the model anywhere: 503.
+    NoReplica,
+    /// Durable lanes take jobs, not synchronous requests.
+    Durable,
+}
+
+/// A request that holds a replica slot.
+pub struct Admitted {
+    pub guard: SlotGuard,
+    pub queued: Duration,
+    /// Request parameters to merge in while the lane is degraded.
+    pub degraded: Option<BTreeMap<String, String>>,
+}
+
+/// What the replica answered.
+pub struct Forwarded {
+    pub status: StatusCode,
+    pub body: Bytes,
+    pub content_type: Option<HeaderValue>,
+    pub gpu_ms: Option<f64>,
+}
+
+/// Why forwarding failed.
+#[derive(Debug)]
+pub enum ForwardError {
+    /// The request never reached the replica (connect refused, reset before sending): safe to
+    /// send elsewhere.
+    NotDelivered(String),
+    /// No answer within the time left.
+    Timeout,
+    /// The replica took the request and failed (connection reset mid-request, bad response):
+    /// not retried, since it may have run.
+    Failed(String),
+}
+
+/// One request as the router saw it; the meter's raw material.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RequestRecord {
+    pub request_id: String,
+    pub unix_ms: u64,
+    pub lane: String,
+    pub class: String,
+    pub model: String,
+    pub tenant: String,
+    pub status: u16,
+    pub replica: Option<String>,
+    pub product: Option<String>,
+    pub mig_profile: Option<String>,
+    pub queue_ms: f64,
+    pub service_ms: f64,
+    pub gpu_ms: Option<f64>,
+    pub degraded: bool,
+}
+
+struct TenantState {
+    bucket: TokenBucket,
+    in_flight: u32,
+}
+
+/// A tenant's hold on its concurrency ceiling for one request.
+pub struct TenantGuard {
+    router: Arc<Router>,
+    key: (String, String),
+}
+
+impl Drop for TenantGuard {
+    fn drop(&mut self) {
+        let mut tenants = self.router.tenants.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(t) = tenants.get_mut(&self.key) {
+            t.in_flight = t.in_flight.saturating_sub(1);
+        }
+    }
+}
+
+/// The router of one controller.
+pub struct Router {
+    sm: StateMachineStore,
+    table: RwLock<Arc<Table>>,
+    lanes: Mutex<HashMap<String, Arc<Lane>>>,
+    tenants: Mutex<HashMap<(String, String), TenantState>>,
+    client: Client<HttpConnector, Full<Bytes>>,
+    records: Mutex<VecDeque<RequestRecord>>,
+    epoch: Instant,
+    /// When a sync lane last refused work, and its protection rank.
+    sync_refusal: Mutex<Option<(Instant, u32)>>,
+    built: AtomicBool,
+}
+
+impl Router {
+    pub fn new(sm: StateMachineStore) -> Arc<Self> {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(Duration::from_secs(2)));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .pool_max_idle_per_host(1024)
+            .build(connector);
+        let router = Arc::new(Router {
+            sm,
+            table: RwLock::new(Arc::new(Table::default())),
+            lanes: Mutex::default(),
+            tenants: Mutex::default(),
+            client,
+            records: Mutex::new(VecDeque::with_capacity(RECORDS_KEPT)),
+            epoch: Instant::now(),
+            sync_refusal: Mutex::new(None),
+            built: AtomicBool::new(false),
+        });
+        router.rebuild();
+        router
+    }
+
+    /// Keeps the table current and the bounded queues moving: rebuilds on every registry or
+    /// fleet change, and every 100 ms hands slots freed by other means (a new replica, an
+    /// ejection running out) to waiters.
+    pub fn start(self: &Arc<Self>) -> JoinHandle<()> {
+        let router = self.clone();
+        let mut changes = self.sm.subscribe_changes();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(100));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    r = changes.changed() => {
+                        if r.is_err() {
+                            return;
+                        }
+                        router.rebuild();
+                    }
+                    _ = tick.tick() => router.pump(Instant::now()),
+                }
+            }
+        })
+    }
+
+    /// Whether the table was built from applied state at least once.
+    pub fn is_ready(&self) -> bool {
+        self.built.load(Ordering::Acquire)
+    }
+
+    /// Rebuilds the routing table from the applied state.
+    pub fn rebuild(&self) {
+        let (fleet, registry) = self.sm.routing_inputs();
+        let previous: HashMap<String, Arc<ReplicaSlot>> = self
+            .table()
+            .models
+            .values()
+            .flat_map(|m| m.replicas.iter().map(|s| (table::slot_key(s), s.clone())))
+            .collect();
+        let table = table::build(&fleet, &registry, &previous);
+        for (replica, why) in &table.unroutable {
+            tracing::warn!(%replica, %why, "replica is ready but not routable");
+        }
+        {
+            let now = Instant::now();
+            let mut lanes = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
+            lanes.retain(|name, lane| table.classes.get(name).is_some_and(|c| lane.lock().kind == c.lane));
+            for c in table.classes.values() {
+                lanes
+                    .entry(c.name.clone())
+                    .or_insert_with(|| Arc::new(Lane::new(&c.name, c.lane, now)));
+            }
+        }
+        *self.table.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(table);
+        self.built.store(true, Ordering::Release);
+        self.pump(Instant::now());
+    }
+
+    pub fn table(&self) -> Arc<Table> {
+        self.table.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub fn lane_of(&self, class: &Class) -> Arc<Lane> {
+        let mut lanes = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
+        lanes
+            .entry(class.name.clone())
+            .or_insert_with(|| Arc::new(Lane::new(&class.name, class.lane, Instant::now())))
+            .clone()
+    }
+
+    fn now_ms(&self, now: Instant) -> u64 {
+        now.saturating_duration_since(self.epoch).as_millis() as u64
+    }
+
+    /// Marks a replica failed: skipped by this router for [`EJECT_FOR`].
+    pub fn eject(&self, slot: &ReplicaSlot, why: &str) {
+        tracing::warn!(replica = %slot.name, endpoint = %slot.endpoint, %why, "replica failed a request; skipping it");
+        slot.eject(self.now_ms(Instant::now() + EJECT_FOR));
+    }
+
+    /// Power of two choices on in-flight among the model's usable replicas, never above a
+    /// replica's max batch; when both choices are full, the least loaded replica with a free
+    /// slot. `None`: every slot is taken (or there is no replica).
+    pub fn pick(&self, route: &ModelRoute, exclude: Option<&str>, now: Instant) -> Option<Arc<ReplicaSlot>> {
+        let now_ms = self.now_ms(now);
+        let usable: Vec<&Arc<ReplicaSlot>> = route
+            .replicas
+            .iter()
+            .filter(|s| !s.is_ejected(now_ms) && Some(s.name.as_str()) != exclude)
+            .collect();
+        match usable.len() {
+            0 => return None,
+            1 => return usable[0].try_acquire().then(|| usable[0].clone()),
+            n => {
+                let mut rng = rand::rng();
+                let i = rng.random_range(0..n);
+                let mut j = rng.random_range(0..n - 1);
+                if j >= i {
+                    j += 1;
+                }
+                let (a, b) = if usable[i].load() <= usable[j].load() {
+                    (usable[i], usable[j])
+                } else {
+                    (usable[j], usable[i])
+                };
+                for s in [a, b] {
+                    if s.try_acquire() {
+                        return Some(s.clone());
+                    }
+                }
+            }
+        }
+        let mut by_load = usable;
+        by_load.sort_by_key(|s| s.load());
+        by_load.into_iter().find(|s| s.try_acquire()).cloned()
+    }
+
+    /// Whether a sync lane more protected than `rank` refused work within the last second.
+    fn fleet_short_for(&self, rank: u32, now: Instant) -> bool {
+        let r = self.sync_refusal.lock().unwrap_or_else(|p| p.into_inner());
+        r.is_some_and(|(at, by)| by < rank && now.saturating_duration_since(at) < SHORT_WINDOW)
+    }
+
+    fn sync_short(&self, class: &Class, now: Instant) -> bool {
+        let r = self.sync_refusal.lock().unwrap_or_else(|p| p.into_inner());
+        r.is_some_and(|(at, by)| by <= class.protection_rank && now.saturating_duration_since(at) < SHORT_WINDOW)
+    }
+
+    /// Applies the tenant's rate and concurrency limits for `class`. Refused: how long to wait.
+    pub fn admit_tenant(
+        self: &Arc<Self>,
+        tenant: &TenantRoute,
+        class: &Class,
+        retry_hint: Duration,
+        now: Instant,
+    ) -> Result<Option<TenantGuard>, (Duration, String)> {
+        let Some(TenantLimit {
+            concurrency,
+            rate_per_s,
+            burst,
+        }) = tenant.limit_for(&class.name)
+        else {
+            return Ok(None);
+        };
+        let key = (tenant.name.clone(), class.name.clone());
+        let mut tenants = self.tenants.lock().unwrap_or_else(|p| p.into_inner());
+        let state = tenants.entry(key.clone()).or_insert_with(|| TenantState {
+            bucket: TokenBucket::new(rate_per_s, burst, now),
+            in_flight: 0,
+        });
+        if !state.bucket.has_limits(rate_per_s, burst) {
+            state.bucket = TokenBucket::new(rate_per_s, burst, now);
+        }
+        if state.in_flight >= concurrency {
+            return Err((
+                retry_hint,
+                format!(
+                    "tenant {} has {concurrency} requests in flight on class {}, its ceiling",
+                    tenant.name, class.name
+                ),
+            ));
+        }
+        if let Err(wait) = state.bucket.take(now) {
+            return Err((
+                wait,
+                format!(
+                    "tenant {} is over its rate on class {} ({rate_per_s}/s, burst {burst})",
+                    tenant.name, class.name
+                ),
+            ));
+        }
+        state.in_flight += 1;
+        Ok(Some(TenantGuard {
+            router: self.clone(),
+            key,
+        }))
+    }
+
+    /// Admits a request to its lane and gets it a replica slot, waiting in the bounded queue
+    /// when the lane's rule allows.
+    pub async fn acquire(&self, route: &ModelRoute, now: Instant) -> Result<Admitted, Refusal> {
+        let class = &route.class;
+        let lane = self.lane_of(class);
+        match class.lane {
+            LaneKind::Durable => Err(Refusal::Durable),
+            LaneKind::Sync => {
+                if let Some(slot) = self.pick(route, None, now) {
+                    lane.lock().counters.admitted += 1;
+                    return Ok(Admitted {
+                        guard: SlotGuard::new(slot, lane),
+                        queued: Duration::ZERO,
+                        degraded: None,
+                    });
+                }
+                lane.lock().counters.refused += 1;
+                *self.sync_refusal.lock().unwrap_or_else(|p| p.into_inner()) = Some((now, class.protection_rank));
+                if route.replicas.is_empty() {
+                    return Err(Refusal::NoReplica);
+                }
+                Err(Refusal::NoSlot {
+                    retry_after: sync_retry_after(route.min_service()),
+                })
+            }
+            LaneKind::Bounded => self.acquire_bounded(route, lane, now).await,
+        }
+    }
+
+    async fn acquire_bounded(&self, route: &ModelRoute, lane: Arc<Lane>, now: Instant) -> Result<Admitted, Refusal> {
+        let class = &route.class;
+        let short = self.fleet_short_for(class.protection_rank, now);
+        let (rx, budget, degraded) = {
+            let mut s = lane.lock();
+            let degraded = match (&class.degraded, s.overload.level()) {
+                (Some(d), admission::Level::Degraded) => Some(d),
+                _ => None,
+            };
+            let budget = degraded.map_or(class.budget_ms, |d| d.budget_ms).as_duration();
+            let params = degraded.map(|d| d.parameters.clone());
+            if s.waiting_for(&route.name) == 0 {
+                if let Some(slot) = self.pick(route, None, now) {
+                    s.counters.admitted += 1;
+                    s.pressure = 0.0;
+                    s.overload.observe(now, 0.0, short);
+                    drop(s);
+                    return Ok(Admitted {
+                        guard: SlotGuard::new(slot, lane),
+                        queued: Duration::ZERO,
+                        degraded: params,
+                    });
+                }
+            }
+            if route.replicas.is_empty() {
+                s.counters.refused += 1;
+                return Err(Refusal::NoReplica);
+            }
+            let rate = s.drain.measured(now).unwrap_or_else(|| route.capacity_per_s());
+            match bounded_admit(s.depth(), rate, budget) {
+                Ok(wait) => {
+                    s.pressure = wait.as_secs_f64() / budget.as_secs_f64();
+                    let p = s.pressure;
+                    s.overload.observe(now, p, short);
+                    (s.enqueue(&route.name), budget, params)
+                }
+                Err(over) => {
+                    s.counters.refused += 1;
+                    s.pressure = s.pressure.max(1.0);
+                    s.overload.observe(now, 1.0, short);
+                    return Err(Refusal::OverBudget {
+                        retry_after: over,
+                        expected_wait: over + budget,
+                    });
+                }
+            }
+        };
+        let mut rx = rx;
+        match tokio::time::timeout_at(now + budget, &mut rx).await {
+            Ok(Ok(slot)) => Ok(Admitted {
+                guard: SlotGuard::new(slot, lane),
+                queued: now.elapsed(),
+                degraded,
+            }),
+            // The sender is only dropped with the queue (lane replaced): treat as expired.
+            Ok(Err(_)) => Err(Refusal::Expired { waited: now.elapsed() }),
+            Err(_) => {
+                let late = {
+                    let mut s = lane.lock();
+                    match rx.try_recv() {
+                        Ok(slot) => Some(slot),
+                        Err(_) => {
+                            rx.close();
+                            s.forget_waiter(&route.name);
+                            s.counters.expired += 1;
+                            None
+                        }
+                    }
+                };
+                if let Some(slot) = late {
+                    // Handed a slot just as the deadline passed: pass it on, answer 504.
+                    lane.lock().counters.expired += 1;
+                    lane.release(slot, Instant::now());
+                }
+                Err(Refusal::Expired { waited: now.elapsed() })
+            }
+        }
+    }
+
+    /// Hands free slots to waiters of bounded lanes and lets idle lanes recover their level.
+    fn pump(&self, now: Instant) {
+        let table = self.table();
+        let lanes: Vec<Arc<Lane>> = self
+            .lanes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        for lane in lanes {
+            let Some(class) = table.classes.get(&lane.class) else {
+                continue;
+            };
+            if class.lane != LaneKind::Bounded {
+                continue;
+            }
+            let short = self.fleet_short_for(class.protection_rank, now);
+            let mut s = lane.lock();
+            let models: Vec<String> = s.waiting.keys().cloned().collect();
+            for m in models {
+                let Some(route) = table.models.get(&m) else { continue };
+                while s.waiting_for(&m) > 0 {
+                    let Some(slot) = self.pick(route, None, now) else { break };
+                    if let Some(slot) = s.hand_off(slot) {
+                        slot.release();
+                        break;
+                    }
+                }
+            }
+            let budget = class.budget_ms.as_duration().as_secs_f64().max(1e-6);
+            let depth = s.depth();
+            let pressure = match s.drain.measured(now) {
+                Some(rate) if depth > 0 => depth as f64 / rate / budget,
+                _ if depth > 0 => s.pressure,
+                _ => 0.0,
+            };
+            s.pressure = pressure;
+            s.overload.observe(now, pressure, short);
+        }
+    }
+
+    /// Sends the request to the replica within `timeout`.
+    pub async fn forward(
+        &self,
+        slot: &ReplicaSlot,
+        body: Bytes,
+        request_id: &str,
+        traceparent: Option<&HeaderValue>,
+        timeout: Duration,
+    ) -> Result<Forwarded, ForwardError> {
+        let mut req = hyper::Request::post(slot.infer_uri.clone())
+            .header(CONTENT_TYPE, "application/json")
+            .header("x-request-id", request_id);
+        if let Some(tp) = traceparent {
+            req = req.header("traceparent", tp);
+        }
+        let req = req
+            .body(Full::new(body))
+            .map_err(|e| ForwardError::NotDelivered(e.to_string()))?;
+        let work = async {
+            let resp = self.client.request(req).await.map_err(|e| {
+                if e.is_connect() {
+                    ForwardError::NotDelivered(e.to_string())
+                } else {
+                    ForwardError::Failed(e.to_string())
+                }
+            })?;
+            let (parts, body) = resp.into_parts();
+            let body = body
+                .collect()
+                .await
+                .map_err(|e| ForwardError::Failed(format!("reading the answer: {e}")))?
+                .to_bytes();
+            let gpu_ms = parts
+                .headers
+                .get(GPU_MS_HEADER)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse().ok());
+            Ok(Forwarded {
+                status: parts.status,
+                content_type: parts.headers.get(CONTENT_TYPE).cloned(),
+                body,
+                gpu_ms,
+            })
+        };
+        tokio::time::timeout(timeout, work)
+            .await
+            .unwrap_or(Err(ForwardError::Timeout))
+    }
+
+    /// Counts a finished request on its lane.
+    pub fn count(&self, class: &Class, f: impl FnOnce(&mut lane::LaneCounters)) {
+        f(&mut self.lane_of(class).lock().counters);
+    }
+
+    /// Keeps a request record (the newest [`RECORDS_KEPT`]).
+    pub fn record(&self, rec: RequestRecord) {
+        tracing::debug!(target: "laneway::request", request_id = %rec.request_id, lane = %rec.lane, model = %rec.model, tenant = %rec.tenant, status = rec.status, replica = ?rec.replica, queue_ms = rec.queue_ms, service_ms = rec.service_ms, gpu_ms = ?rec.gpu_ms, "request");
+        let mut r = self.records.lock().unwrap_or_else(|p| p.into_inner());
+        if r.len() == RECORDS_KEPT {
+            r.pop_front();
+        }
+        r.push_back(rec);
+    }
+
+    /// The newest `n` records, of one class or all.
+    pub fn recent(&self, class: Option<&str>, n: usize) -> Vec<RequestRecord> {
+        let r = self.records.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out: Vec<RequestRecord> = r
+            .iter()
+            .rev()
+            .filter(|x| class.is_none_or(|c| x.class == c))
+            .take(n)
+            .cloned()
+            .collect();
+        out.reverse();
+        out
+    }
+
+    /// Live state of every lane on this router.
+    pub fn lane_status(&self) -> Vec<LaneStatus> {
+        let now = Instant::now();
+        let table = self.table();
+        let lanes: Vec<Arc<Lane>> = self
+            .lanes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        let mut out: Vec<LaneStatus> = lanes
+            .iter()
+            .filter_map(|lane| {
+                let class = table.classes.get(&lane.class)?;
+                let routes: Vec<&Arc<ModelRoute>> =
+                    table.models.values().filter(|m| m.class.name == class.name).collect();
+                let slots = routes
+                    .iter()
+                    .flat_map(|m| m.replicas.iter())
+                    .map(|s| s.max_in_flight)
+                    .sum();
+                let in_flight = routes.iter().flat_map(|m| m.replicas.iter()).map(|s| s.load()).sum();
+                let ready = routes.iter().map(|m| m.replicas.len()).sum();
+                let short = self.sync_short(class, now);
+                let mut s = lane.lock();
+                Some(LaneStatus {
+                    class: class.name.clone(),
+                    lane: class.lane.to_string(),
+                    level: s.level_name(short).to_string(),
+                    queue_depth: s.depth(),
+                    drain_per_s: s.drain.measured(now),
+                    pressure: s.pressure,
+                    in_flight,
+                    slots,
+                    ready_replicas: ready,
+                    counters: serde_json::to_value(s.counters).unwrap_or_default(),
+                    level_for_s: now.saturating_duration_since(s.overload.changed_at).as_secs_f64(),
+                })
+            })
+            .collect();
+        out.sort_by(|a, b| a.class.cmp(&b.class));
+        out
+    }
+}
+
+/// `Retry-After` header value for a wait.
+pub fn retry_after_header(wait: Duration) -> HeaderValue {
+    HeaderValue::from(retry_after_secs(wait))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::{Degraded, Millis};
+
+    fn class(lane: LaneKind, budget_ms: f64) -> Arc<Class> {
+        Arc::new(Class {
+            name: "c".into(),
+            lane,
+            utilisation_target_pct: 70,
+            budget_ms: Millis::from_ms(budget_ms),
+            warm_floor: 0,
+            protection_rank: 1,
+            request_timeout_ms: Millis::from_ms(1000.0),
+            degraded: Some(Degraded {
+                budget_ms: Millis::from_ms(budget_ms * 2.0),
+                parameters: [("resolution".to_string(), "512".to_string())].into(),
+            })
+            .filter(|_| lane == LaneKind::Bounded),
+        })
+    }
+
+    fn route(class: Arc<Class>, slots: u32) -> ModelRoute {
+        ModelRoute {
+            name: "m".into(),
+            version: "1".into(),
+            class,
+            replicas: vec![table::test_slot("m", slots)],
+        }
+    }
+
+    fn router() -> (Arc<Router>, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let sm = StateMachineStore::open(dir.path()).unwrap();
+        (Router::new(sm), dir)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn sync_refuses_at_once_instead_of_queueing() {
+        let (r, _d) = router();
+        let route = route(class(LaneKind::Sync, 0.0), 1);
+        let held = r.acquire(&route, Instant::now()).await.unwrap();
+        let t0 = Instant::now();
+        let refused = r.acquire(&route, t0).await.err().unwrap();
+        assert_eq!(t0.elapsed(), Duration::ZERO, "a sync refusal never waits");
+        assert_eq!(
+            refused,
+            Refusal::NoSlot {
+                retry_after: Duration::from_millis(10)
+            },
+            "Retry-After is one service time of the fastest replica"
+        );
+        drop(held);
+        assert!(
+            r.acquire(&route, Instant::now()).await.is_ok(),
+            "the freed slot is usable"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn bounded_queue_hands_over_slots_then_expires_at_its_budget() {
+        let (r, _d) = router();
+        // One slot of 10 ms: capacity 100/s, so a 50 ms budget admits 4 ahead plus this one.
+        // (No degraded settings here: degrading would lengthen the budget.)
+        let mut c = (*class(LaneKind::Bounded, 50.0)).clone();
+        c.degraded = None;
+        let route = Arc::new(route(Arc::new(c), 1));
+        let held = r.acquire(&route, Instant::now()).await.unwrap();
+        let mut waiting = Vec::new();
+        for _ in 0..5 {
+            let (r2, route2) = (r.clone(), route.clone());
+            // The task returns the admission, so the slot stays held until the test drops it.
+            waiting.push(tokio::spawn(async move { r2.acquire(&route2, Instant::now()).await }));
+            tokio::task::yield_now().await;
+        }
+        // The sixth would wait (5 + 1) / 100 s = 60 ms > 50 ms: refused with the overshoot.
+        match r.acquire(&route, Instant::now()).await {
+            Err(Refusal::OverBudget { retry_after, .. }) => assert_eq!(retry_after, Duration::from_millis(10)),
+            Err(other) => panic!("expected OverBudget, got {other:?}"),
+            Ok(_) => panic!("expected OverBudget, got a slot"),
+        }
+        // Freeing the slot 20 ms later hands it to the oldest waiter, not to a newcomer.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        drop(held);
+        let first = waiting
+            .remove(0)
+            .await
+            .unwrap()
+            .unwrap_or_else(|e| panic!("the oldest waiter should get the slot: {e:?}"));
+        assert_eq!(first.queued, Duration::from_millis(20));
+        // Nobody frees the slot again: the others expire at the budget, answered, not hung.
+        for w in waiting {
+            assert!(matches!(w.await.unwrap(), Err(Refusal::Expired { .. })));
+        }
+        drop(first);
+        let lane = r.lane_of(&route.class);
+        let s = lane.lock();
+        assert_eq!(s.depth(), 0, "expired waiters leave the queue");
+        assert_eq!(s.counters.expired, 4);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refusing_bounded_lane_degrades_and_passes_the_variant() {
+        let (r, _d) = router();
+        let route = Arc::new(route(class(LaneKind::Bounded, 20.0), 1));
+        let held = r.acquire(&route, Instant::now()).await.unwrap();
+        assert!(held.degraded.is_none());
+        let queue = |r: &Arc<Router>| {
+            let (r2, route2) = (r.clone(), route.clone());
+            tokio::spawn(async move { r2.acquire(&route2, Instant::now()).await.map(|a| a.degraded) })
+        };
+        // 20 ms budget at 100/s: the first waiter expects 10 ms (pressure 0.5), the second
+        // 20 ms, a full budget (pressure 1): the lane degrades to its 40 ms budget.
+        let q1 = queue(&r);
+        tokio::task::yield_now().await;
+        let level = || r.lane_of(&route.class).lock().overload.level();
+        assert_eq!(level(), admission::Level::Normal);
+        let q2 = queue(&r);
+        tokio::task::yield_now().await;
+        assert_eq!(level(), admission::Level::Degraded);
+        // A third (30 ms) fits only the degraded budget, and carries the degraded variant.
+        let q3 = queue(&r);
+        tokio::task::yield_now().await;
+        drop(held);
+        assert!(q1.await.unwrap().is_ok());
+        assert!(q2.await.unwrap().is_ok());
+        let params = q3
+            .await
+            .unwrap()
+            .ok()
+            .flatten()
+            .expect("admitted with degraded parameters");
+        assert_eq!(params["resolution"], "512");
+    }
+}

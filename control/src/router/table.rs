@@ -1,0 +1,329 @@
+//! The routing table: the registry and fleet joined into what the request path needs, rebuilt
+//! whenever either changes and swapped in whole. Replica slots (with their in-flight counts and
+//! ejection marks) and lane states survive rebuilds, so a registry change never resets load
+//! accounting or empties a queue.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::fleet::{Fleet, Liveness};
+use crate::registry::{Class, Registry, TenantLimit};
+
+/// One routable replica and the router's live accounting for it.
+#[derive(Debug)]
+pub struct ReplicaSlot {
+    /// `node/replica-id`.
+    pub name: String,
+    pub model: String,
+    pub endpoint: String,
+    pub product: String,
+    /// MIG profile when the replica runs on a MIG slice (unknown to the router yet: `None`).
+    pub mig_profile: Option<String>,
+    /// Requests the router sends at once: the profile's max batch.
+    pub max_in_flight: u32,
+    pub service: Duration,
+    /// `http://endpoint/v2/models/<model>/infer`.
+    pub infer_uri: hyper::Uri,
+    pub in_flight: AtomicU32,
+    /// Skip this replica until this many ms after the router started (0 = not ejected).
+    ejected_until_ms: AtomicU64,
+}
+
+impl ReplicaSlot {
+    /// Takes one of the replica's slots if it has one free.
+    pub fn try_acquire(&self) -> bool {
+        self.in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max_in_flight).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    pub fn release(&self) {
+        self.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    pub fn load(&self) -> u32 {
+        self.in_flight.load(Ordering::Acquire)
+    }
+
+    pub fn is_ejected(&self, now_ms: u64) -> bool {
+        self.ejected_until_ms.load(Ordering::Acquire) > now_ms
+    }
+
+    /// Marks the replica failed: skipped until `until_ms` or until the table drops it.
+    pub fn eject(&self, until_ms: u64) {
+        self.ejected_until_ms.fetch_max(until_ms, Ordering::AcqRel);
+    }
+}
+
+/// A model as the request path sees it.
+#[derive(Debug)]
+pub struct ModelRoute {
+    pub name: String,
+    pub version: String,
+    pub class: Arc<Class>,
+    pub replicas: Vec<Arc<ReplicaSlot>>,
+}
+
+impl ModelRoute {
+    /// Requests per second the ready replicas can finish, from the profiles.
+    pub fn capacity_per_s(&self) -> f64 {
+        self.replicas
+            .iter()
+            .map(|r| f64::from(r.max_in_flight) / r.service.as_secs_f64().max(1e-6))
+            .sum()
+    }
+
+    /// Service time of the fastest replica.
+    pub fn min_service(&self) -> Option<Duration> {
+        self.replicas.iter().map(|r| r.service).min()
+    }
+}
+
+/// A tenant as the request path sees it.
+#[derive(Debug)]
+pub struct TenantRoute {
+    pub name: String,
+    pub limits: std::collections::BTreeMap<String, TenantLimit>,
+}
+
+impl TenantRoute {
+    pub fn limit_for(&self, class: &str) -> Option<TenantLimit> {
+        self.limits.get(class).or_else(|| self.limits.get("*")).copied()
+    }
+}
+
+/// Everything the request path reads, immutable once built.
+#[derive(Debug, Default)]
+pub struct Table {
+    pub models: HashMap<String, Arc<ModelRoute>>,
+    /// sha256 of the API key → tenant.
+    pub tenants: HashMap<String, Arc<TenantRoute>>,
+    pub classes: HashMap<String, Arc<Class>>,
+    /// Replicas the registry knows but the router cannot use, with why (for operators).
+    pub unroutable: Vec<(String, String)>,
+}
+
+/// Builds the table. `previous` supplies slots to keep (same replica, endpoint and limits).
+pub fn build(fleet: &Fleet, registry: &Registry, previous: &HashMap<String, Arc<ReplicaSlot>>) -> Table {
+    let classes: HashMap<String, Arc<Class>> = registry
+        .classes
+        .iter()
+        .map(|(k, c)| (k.clone(), Arc::new(c.clone())))
+        .collect();
+    let mut by_model: HashMap<&str, Vec<Arc<ReplicaSlot>>> = HashMap::new();
+    let mut unroutable = Vec::new();
+    for (node_id, replicas) in &registry.replicas {
+        let Some(node) = fleet.nodes.get(node_id) else { continue };
+        if node.liveness != Liveness::Up {
+            continue;
+        }
+        for r in replicas.iter().filter(|r| r.state == "ready") {
+            let name = format!("{node_id}/{}", r.id);
+            let Some(model) = registry.models.get(&r.model) else {
+                unroutable.push((name, format!("model {} is not registered", r.model)));
+                continue;
+            };
+            let product = node
+                .registration
+                .gpus
+                .iter()
+                .find(|g| g.uuid == r.device)
+                .or_else(|| node.registration.gpus.first())
+                .map(|g| g.product.clone())
+                .unwrap_or_default();
+            let Some(profile) = model.profiles.get(&product) else {
+                unroutable.push((
+                    name,
+                    format!(
+                        "model {} has no profile for {product:?}; add [profiles.\"{product}\"] so the router knows its concurrency",
+                        model.name
+                    ),
+                ));
+                continue;
+            };
+            let Ok(infer_uri) = format!("http://{}/v2/models/{}/infer", r.endpoint, model.name).parse() else {
+                unroutable.push((name, format!("endpoint {:?} is not host:port", r.endpoint)));
+                continue;
+            };
+            let key = format!("{name}@{}#{}", r.endpoint, profile.max_batch);
+            let slot = previous.get(&key).cloned().unwrap_or_else(|| {
+                Arc::new(ReplicaSlot {
+                    name: name.clone(),
+                    model: model.name.clone(),
+                    endpoint: r.endpoint.clone(),
+                    product: product.clone(),
+                    mig_profile: None,
+                    max_in_flight: profile.max_batch,
+                    service: profile.service_ms.as_duration(),
+                    infer_uri,
+                    in_flight: AtomicU32::new(0),
+                    ejected_until_ms: AtomicU64::new(0),
+                })
+            });
+            by_model.entry(model.name.as_str()).or_default().push(slot);
+        }
+    }
+    let models = registry
+        .models
+        .values()
+        .filter_map(|m| {
+            let class = classes.get(&m.class)?.clone();
+            Some((
+                m.name.clone(),
+                Arc::new(ModelRoute {
+                    name: m.name.clone(),
+                    version: m.version.clone(),
+                    class,
+                    replicas: by_model.remove(m.name.as_str()).unwrap_or_default(),
+                }),
+            ))
+        })
+        .collect();
+    let tenants = registry
+        .tenants
+        .values()
+        .map(|t| {
+            (
+                t.key_sha256.clone(),
+                Arc::new(TenantRoute {
+                    name: t.name.clone(),
+                    limits: t.limits.clone(),
+                }),
+            )
+        })
+        .collect();
+    Table {
+        models,
+        tenants,
+        classes,
+        unroutable,
+    }
+}
+
+/// The slot key [`build`] reuses slots by.
+pub fn slot_key(slot: &ReplicaSlot) -> String {
+    format!("{}@{}#{}", slot.name, slot.endpoint, slot.max_in_flight)
+}
+
+/// A free slot for unit tests.
+#[cfg(test)]
+pub fn test_slot(model: &str, max_in_flight: u32) -> Arc<ReplicaSlot> {
+    Arc::new(ReplicaSlot {
+        name: format!("n1/{model}-0"),
+        model: model.into(),
+        endpoint: "127.0.0.1:1".into(),
+        product: "L4".into(),
+        mig_profile: None,
+        max_in_flight,
+        service: Duration::from_millis(10),
+        infer_uri: hyper::Uri::from_static("http://127.0.0.1:1/"),
+        in_flight: AtomicU32::new(0),
+        ejected_until_ms: AtomicU64::new(0),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fleet::{GpuRecord, NodeRegistration};
+    use crate::registry::{LaneKind, Millis, Model, Profile, ReplicaRecord};
+
+    fn setup() -> (Fleet, Registry) {
+        let mut fleet = Fleet::default();
+        fleet
+            .register(&NodeRegistration {
+                node_id: "n1".into(),
+                hostname: "n1".into(),
+                pool: "l4".into(),
+                labels: Default::default(),
+                gpus: vec![GpuRecord {
+                    uuid: "GPU-1".into(),
+                    product: "L4".into(),
+                    memory_bytes: 1,
+                    mig_capable: false,
+                }],
+                replica_host: String::new(),
+            })
+            .unwrap();
+        let mut reg = Registry::default();
+        reg.put_class(&Class {
+            name: "speech".into(),
+            lane: LaneKind::Sync,
+            utilisation_target_pct: 60,
+            budget_ms: Millis(0),
+            warm_floor: 1,
+            protection_rank: 0,
+            request_timeout_ms: Millis::from_ms(1000.0),
+            degraded: None,
+        })
+        .unwrap();
+        reg.put_model(&Model {
+            name: "whisper".into(),
+            class: "speech".into(),
+            version: "1".into(),
+            profiles: [(
+                "L4".to_string(),
+                Profile {
+                    service_ms: Millis::from_ms(20.0),
+                    max_batch: 4,
+                    gpu_memory_gb: 1,
+                    mig_profiles: vec![],
+                },
+            )]
+            .into(),
+            runtime: Default::default(),
+            weights: vec![],
+        })
+        .unwrap();
+        let replica = |id: &str, state: &str| ReplicaRecord {
+            id: id.into(),
+            model: "whisper".into(),
+            device: "GPU-1".into(),
+            state: state.into(),
+            endpoint: format!("127.0.0.1:90{}", id.len()),
+        };
+        reg.set_node_replicas("n1", &[replica("a", "ready"), replica("bb", "starting")]);
+        (fleet, reg)
+    }
+
+    #[test]
+    fn only_ready_replicas_on_live_nodes_route_and_slots_survive_rebuilds() {
+        let (mut fleet, reg) = setup();
+        let t = build(&fleet, &reg, &HashMap::new());
+        let route = &t.models["whisper"];
+        assert_eq!(route.replicas.len(), 1, "the starting replica is not routable");
+        assert_eq!(route.replicas[0].max_in_flight, 4);
+        assert_eq!(route.capacity_per_s(), 200.0);
+        assert!(route.replicas[0].try_acquire());
+        let keep: HashMap<_, _> = route.replicas.iter().map(|s| (slot_key(s), s.clone())).collect();
+        let t2 = build(&fleet, &reg, &keep);
+        assert_eq!(
+            t2.models["whisper"].replicas[0].load(),
+            1,
+            "in-flight survives a rebuild"
+        );
+        fleet.set_liveness("n1", Liveness::Down).unwrap();
+        let t3 = build(&fleet, &reg, &keep);
+        assert!(
+            t3.models["whisper"].replicas.is_empty(),
+            "a down node's replicas do not route"
+        );
+    }
+
+    #[test]
+    fn a_slot_never_exceeds_its_batch() {
+        let (fleet, reg) = setup();
+        let t = build(&fleet, &reg, &HashMap::new());
+        let s = &t.models["whisper"].replicas[0];
+        for _ in 0..4 {
+            assert!(s.try_acquire());
+        }
+        assert!(!s.try_acquire());
+        s.release();
+        assert!(s.try_acquire());
+    }
+}
