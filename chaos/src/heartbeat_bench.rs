@@ -40,7 +40,7 @@ pub struct HeartbeatArgs {
 const STREAMS_PER_CONNECTION: usize = 100;
 const GPUS_PER_NODE: usize = 8;
 
-fn cpu_ticks(pid: u32) -> Option<u64> {
+pub(crate) fn cpu_ticks(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let rest = stat.rsplit_once(')')?.1;
     let f: Vec<&str> = rest.split_whitespace().collect();

@@ -7,6 +7,7 @@ mod bench;
 mod faults;
 mod heartbeat_bench;
 mod process_cluster;
+mod router_bench;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -29,6 +30,9 @@ enum Cmd {
     Faults(faults::FaultArgs),
     /// How many agents heartbeating at 1 Hz one leader sustains (lag p99 < 1 s).
     Heartbeats(heartbeat_bench::HeartbeatArgs),
+    /// Router overhead against a no-op replica: max throughput and added p50/p99 at a fixed
+    /// rate, router vs the replica called directly, side by side.
+    Router(router_bench::RouterBenchArgs),
 }
 
 /// Default path of a sibling binary (the one Cargo built next to this one).
@@ -45,6 +49,7 @@ fn main() -> ExitCode {
             Cmd::Bench(args) => bench::run(args).await,
             Cmd::Heartbeats(args) => heartbeat_bench::run(args).await,
             Cmd::Faults(args) => faults::run(args).await,
+            Cmd::Router(args) => router_bench::run(args).await,
         }
     });
     match res {

@@ -15,6 +15,8 @@ use tokio::time::Instant;
 pub struct Member {
     pub id: u64,
     pub addr: String,
+    /// The member's inference router, when the cluster runs routers.
+    pub router_addr: Option<String>,
     data: PathBuf,
     log: PathBuf,
     child: Option<Child>,
@@ -36,6 +38,11 @@ fn free_addr() -> anyhow::Result<String> {
 impl ProcessCluster {
     /// Starts `n` controllers and forms a cluster of `n` voters.
     pub async fn start(bin: &Path, n: u64) -> anyhow::Result<Self> {
+        Self::start_with(bin, n, false).await
+    }
+
+    /// Starts `n` controllers, each with an inference router when `routers`.
+    pub async fn start_with(bin: &Path, n: u64, routers: bool) -> anyhow::Result<Self> {
         if !bin.exists() {
             bail!(
                 "controller binary {} not found; build it first (cargo build --release --workspace) or pass --control-bin",
@@ -53,6 +60,7 @@ impl ProcessCluster {
             members.push(Member {
                 id,
                 addr: free_addr()?,
+                router_addr: if routers { Some(free_addr()?) } else { None },
                 data: root.path().join(format!("node-{id}")),
                 log: root.path().join(format!("node-{id}.log")),
                 child: None,
@@ -97,7 +105,8 @@ impl ProcessCluster {
             .args(["run", "--node-id", &m.id.to_string(), "--listen", &m.addr])
             .arg("--data-dir")
             .arg(&m.data)
-            .args(["--cluster-name", &self.cluster, "--router-listen", "off"])
+            .args(["--cluster-name", &self.cluster])
+            .args(["--router-listen", m.router_addr.as_deref().unwrap_or("off")])
             .env("LANEWAY_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(log)

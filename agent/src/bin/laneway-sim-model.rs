@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use laneway_agent::sim_model::{app, Faults, SimModelConfig};
+use laneway_agent::sim_model::{app, noop_app, Faults, SimModelConfig};
 
 #[derive(Parser)]
 #[command(name = "laneway-sim-model", version, about = "Simulated model server for Laneway")]
@@ -44,6 +44,10 @@ struct Cli {
     /// Seed of the failure RNG.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Answer at once with a fixed result (no batching, no service time): a no-op replica for
+    /// router benchmarks. Service-time flags are ignored.
+    #[arg(long)]
+    noop: bool,
 }
 
 fn parse_pair(s: &str) -> Result<(String, f64), String> {
@@ -75,11 +79,15 @@ fn main() -> ExitCode {
     };
     let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
     rt.block_on(async move {
-        let router = match app(cfg) {
-            Ok(r) => r,
-            Err(e) => {
-                eprintln!("laneway-sim-model: {e}");
-                return ExitCode::from(2);
+        let router = if cli.noop {
+            noop_app(cfg.model)
+        } else {
+            match app(cfg) {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("laneway-sim-model: {e}");
+                    return ExitCode::from(2);
+                }
             }
         };
         let listener = match tokio::net::TcpListener::bind(cli.listen).await {

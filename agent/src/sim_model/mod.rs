@@ -129,6 +129,37 @@ pub fn app(cfg: SimModelConfig) -> Result<Router, SimModelError> {
         .with_state(state))
 }
 
+/// A no-op model server: answers every inference at once with a fixed result, no batching
+/// and no simulated GPU time. The benchmarks measure the router against it.
+pub fn noop_app(model: String) -> Router {
+    let body: Arc<str> = Arc::from(
+        json!({
+            "model_name": model,
+            "model_version": "1",
+            "outputs": [{"name": "output0", "datatype": "FP32", "shape": [1], "data": [0.0]}],
+        })
+        .to_string(),
+    );
+    Router::new()
+        .route("/v2/health/live", get(|| async { StatusCode::OK }))
+        .route("/v2/health/ready", get(|| async { StatusCode::OK }))
+        .route(
+            "/v2/models/{model}/infer",
+            post(move |_body: axum::body::Bytes| {
+                let body = body.clone();
+                async move {
+                    (
+                        [
+                            (axum::http::header::CONTENT_TYPE, "application/json"),
+                            (axum::http::HeaderName::from_static(GPU_MS_HEADER), "0.000"),
+                        ],
+                        body.to_string(),
+                    )
+                }
+            }),
+        )
+}
+
 fn error(status: StatusCode, msg: String) -> Response {
     (status, Json(json!({ "error": msg }))).into_response()
 }

@@ -61,13 +61,19 @@ pub enum LaneKind {
     Durable,
 }
 
-impl std::fmt::Display for LaneKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.pad(match self {
+impl LaneKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
             LaneKind::Sync => "sync",
             LaneKind::Bounded => "bounded",
             LaneKind::Durable => "durable",
-        })
+        }
+    }
+}
+
+impl std::fmt::Display for LaneKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(self.as_str())
     }
 }
 
@@ -573,5 +579,15 @@ mod tests {
             .create_tenant(&r.tenants["acme"].clone())
             .unwrap_err()
             .contains("exists"));
+    }
+}
+
+#[cfg(test)]
+mod example_tests {
+    #[test]
+    fn the_example_model_file_is_valid() {
+        let m: super::Model = toml::from_str(include_str!("../../../deploy/examples/models/whisper.toml")).unwrap();
+        m.validate().unwrap();
+        assert_eq!(m.profiles["L4"].max_batch, 8);
     }
 }

@@ -34,6 +34,8 @@ pub struct RouterSettings {
     /// Largest request body, bytes (413 above). Default 8 MiB.
     pub max_body_bytes: usize,
     /// A client must send its request headers within this (slowloris guard). Default 5 s.
+    /// hyper also applies it to idle keep-alive connections, so it is the idle timeout too
+    /// (Apache's KeepAliveTimeout default); clients keep their pool idle timeout under it.
     pub header_read_timeout: Duration,
     /// Open connections at most; more are closed at accept. Default 4096.
     pub max_connections: usize,
@@ -65,6 +67,7 @@ pub fn app(router: Arc<Router>, max_body_bytes: usize) -> axum::Router {
         .route("/v2/models/{model}", get(metadata))
         .route("/v2/models/{model}/ready", get(model_ready))
         .route("/v2/models/{model}/infer", post(infer))
+        .route("/metrics", get(metrics))
         .fallback(|| async {
             error(
                 StatusCode::NOT_FOUND,
@@ -152,8 +155,8 @@ pub fn serve(router: Arc<Router>, listener: TcpListener, settings: &RouterSettin
 #[derive(Default, Clone)]
 struct Meta {
     request_id: String,
-    lane: Option<String>,
-    class: Option<String>,
+    lane: Option<&'static str>,
+    class: Option<HeaderValue>,
 }
 
 fn error(status: StatusCode, message: String, meta: &Meta) -> Response {
@@ -174,12 +177,9 @@ fn stamp(h: &mut HeaderMap, meta: &Meta) {
     if let Ok(v) = HeaderValue::from_str(&meta.request_id) {
         h.insert(REQUEST_ID, v);
     }
-    let lane = meta.lane.as_deref().unwrap_or("none");
-    if let Ok(v) = HeaderValue::from_str(lane) {
-        h.insert(LANE, v);
-    }
-    if let Some(c) = meta.class.as_deref().and_then(|c| HeaderValue::from_str(c).ok()) {
-        h.insert(CLASS, c);
+    h.insert(LANE, HeaderValue::from_static(meta.lane.unwrap_or("none")));
+    if let Some(c) = &meta.class {
+        h.insert(CLASS, c.clone());
     }
 }
 
@@ -195,7 +195,12 @@ fn request_id(headers: &HeaderMap) -> String {
         .get(REQUEST_ID)
         .and_then(|v| v.to_str().ok())
         .filter(|s| !s.is_empty() && s.len() <= 128 && s.bytes().all(|b| b.is_ascii_graphic()))
-        .map_or_else(|| uuid::Uuid::new_v4().simple().to_string(), str::to_string)
+        .map_or_else(
+            // 128 random bits from the thread's seeded generator: no getrandom syscall per
+            // request (uuid::new_v4 makes one).
+            || format!("{:032x}", rand::random::<u128>()),
+            str::to_string,
+        )
 }
 
 /// Authenticates the bearer API key.
@@ -237,9 +242,28 @@ fn lookup(router: &Router, model: &str, meta: &mut Meta) -> Result<Arc<ModelRout
             meta,
         )
     })?;
-    meta.lane = Some(route.class.lane.to_string());
-    meta.class = Some(route.class.name.clone());
+    meta.lane = Some(route.class.lane.as_str());
+    meta.class = Some(route.class_header.clone());
     Ok(route)
+}
+
+/// Prometheus/OpenMetrics exposition of the lanes' live state on this router.
+async fn metrics(State(router): State<Arc<Router>>) -> Response {
+    match super::metrics::render(&router.lane_status()) {
+        Ok(text) => (
+            [(
+                axum::http::header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            text,
+        )
+            .into_response(),
+        Err(e) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("encoding metrics: {e}"),
+            &Meta::default(),
+        ),
+    }
 }
 
 async fn ready(State(router): State<Arc<Router>>) -> StatusCode {
@@ -412,7 +436,7 @@ async fn infer(
     let _tenant_hold = match router.admit_tenant(&tenant, &class, retry_hint, arrived) {
         Ok(g) => g,
         Err((wait, why)) => {
-            router.count(&class, |c| c.throttled += 1);
+            route.lane.lock().counters.throttled += 1;
             record.status = 429;
             router.record(record);
             return with_retry_after(error(StatusCode::TOO_MANY_REQUESTS, why, &meta), wait);
@@ -531,9 +555,9 @@ async fn dispatch(
                 let failed = guard.slot.name.clone();
                 match router.pick(route, Some(&failed), Instant::now()) {
                     Some(other) => {
-                        guard = super::lane::SlotGuard::new(other, router.lane_of(class));
+                        guard = super::lane::SlotGuard::new(other, route.lane.clone());
                         retried = true;
-                        router.count(class, |c| c.retried += 1);
+                        route.lane.lock().counters.retried += 1;
                     }
                     None => break Err(ForwardError::NotDelivered(why)),
                 }
@@ -547,7 +571,7 @@ async fn dispatch(
     record.service_ms = started.elapsed().as_secs_f64() * 1000.0;
     let mut resp = match outcome {
         Ok(f) => {
-            router.count(class, |c| c.completed += 1);
+            route.lane.lock().counters.completed += 1;
             record.gpu_ms = f.gpu_ms;
             let mut r = (f.status, f.body).into_response();
             if let Some(ct) = f.content_type {
@@ -562,7 +586,7 @@ async fn dispatch(
             r
         }
         Err(e) => {
-            router.count(class, |c| c.failed += 1);
+            route.lane.lock().counters.failed += 1;
             let (status, msg) = match &e {
                 ForwardError::NotDelivered(why) => (
                     StatusCode::BAD_GATEWAY,
@@ -592,9 +616,7 @@ async fn dispatch(
         }
     };
     let h = resp.headers_mut();
-    if let Ok(v) = HeaderValue::from_str(&guard.slot.name) {
-        h.insert(REPLICA, v);
-    }
+    h.insert(REPLICA, guard.slot.name_header.clone());
     if let Ok(v) = HeaderValue::from_str(&format!("{:.3}", record.queue_ms)) {
         h.insert(QUEUE_MS, v);
     }
@@ -628,6 +650,136 @@ mod tests {
         assert!(
             check_body(b"{\"inputs\":[{\"name\":\"a\",\"shape\":[1],\"datatype\":\"FP32\",\"data\":[1]}]}").is_ok()
         );
+    }
+
+    /// A replica whose port is closed never received the request: it is retried on another
+    /// replica and the dead one is skipped from then on.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_request_that_never_reached_its_replica_is_retried_elsewhere() {
+        use crate::fleet::{Fleet, GpuRecord, NodeRegistration};
+        use crate::registry::{Class, LaneKind, Millis, Model, Profile, Registry, ReplicaRecord, Tenant};
+        use laneway_agent::sim_model::{self, SimModelConfig};
+
+        let sim = sim_model::app(SimModelConfig {
+            model: "m".into(),
+            product: "L4".into(),
+            service_ms: [("L4".to_string(), 5.0)].into(),
+            max_batch: 4,
+            batch_window: Duration::from_millis(1),
+            faults: Default::default(),
+        })
+        .unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let live = l.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(l, sim).await });
+        let dead = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+
+        let mut fleet = Fleet::default();
+        fleet
+            .register(&NodeRegistration {
+                node_id: "n1".into(),
+                hostname: "n1".into(),
+                pool: "l4".into(),
+                labels: Default::default(),
+                gpus: vec![GpuRecord {
+                    uuid: "GPU-1".into(),
+                    product: "L4".into(),
+                    memory_bytes: 1,
+                    mig_capable: false,
+                }],
+                replica_host: "127.0.0.1".into(),
+            })
+            .unwrap();
+        let mut reg = Registry::default();
+        let class = Class {
+            name: "speech".into(),
+            lane: LaneKind::Sync,
+            utilisation_target_pct: 60,
+            budget_ms: Millis(0),
+            warm_floor: 0,
+            protection_rank: 0,
+            request_timeout_ms: Millis::from_ms(5000.0),
+            degraded: None,
+        };
+        reg.put_class(&class).unwrap();
+        reg.put_model(&Model {
+            name: "m".into(),
+            class: "speech".into(),
+            version: "1".into(),
+            profiles: [(
+                "L4".to_string(),
+                Profile {
+                    service_ms: Millis::from_ms(5.0),
+                    max_batch: 4,
+                    gpu_memory_gb: 1,
+                    mig_profiles: vec![],
+                },
+            )]
+            .into(),
+            runtime: Default::default(),
+            weights: vec![],
+        })
+        .unwrap();
+        reg.create_tenant(&Tenant {
+            name: "t".into(),
+            key_sha256: hash_key("k"),
+            limits: Default::default(),
+        })
+        .unwrap();
+        let replica = |id: &str, addr: SocketAddr| ReplicaRecord {
+            id: id.into(),
+            model: "m".into(),
+            device: "GPU-1".into(),
+            state: "ready".into(),
+            endpoint: addr.to_string(),
+        };
+        reg.set_node_replicas("n1", &[replica("dead", dead), replica("live", live)]);
+
+        let dir = tempfile::tempdir().unwrap();
+        let router = Router::new(crate::store::StateMachineStore::open(dir.path()).unwrap());
+        router.install(super::super::table::build(&fleet, &reg, &Default::default()));
+        let lane = router.table().models["m"].lane.clone();
+        // One request already on the live replica: power of two choices now prefers the dead one.
+        let table = router.table();
+        let slots = &table.models["m"].replicas;
+        let live_slot = slots.iter().find(|s| s.name == "n1/live").unwrap();
+        let dead_slot = slots.iter().find(|s| s.name == "n1/dead").unwrap();
+        assert!(live_slot.try_acquire());
+
+        let server = serve(
+            router.clone(),
+            TcpListener::bind("127.0.0.1:0").await.unwrap(),
+            &RouterSettings::default(),
+        )
+        .unwrap();
+        let resp = reqwest::Client::new()
+            .post(format!("http://{}/v2/models/m/infer", server.addr))
+            .bearer_auth("k")
+            .body(r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.headers()["x-laneway-replica"], "n1/live");
+        assert_eq!(lane.lock().counters.retried, 1);
+        assert_eq!(dead_slot.load(), 0, "the failed attempt gave its slot back");
+        assert_eq!(live_slot.load(), 1, "only the slot held by the test remains");
+        // The dead replica is skipped from now on: no more retries.
+        for _ in 0..5 {
+            let r = reqwest::Client::new()
+                .post(format!("http://{}/v2/models/m/infer", server.addr))
+                .bearer_auth("k")
+                .body(r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.headers()["x-laneway-replica"], "n1/live");
+        }
+        assert_eq!(lane.lock().counters.retried, 1);
+        server.stop().await;
     }
 
     #[test]

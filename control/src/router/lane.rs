@@ -137,6 +137,14 @@ pub struct Lane {
     state: Mutex<LaneState>,
 }
 
+impl std::fmt::Debug for Lane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lane")
+            .field("class", &self.class)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Lane {
     pub fn new(class: &str, kind: LaneKind, now: Instant) -> Self {
         Lane {

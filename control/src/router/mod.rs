@@ -10,6 +10,7 @@
 pub mod admission;
 pub mod http;
 pub mod lane;
+pub mod metrics;
 pub mod table;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -136,7 +137,6 @@ impl Drop for TenantGuard {
 pub struct Router {
     sm: StateMachineStore,
     table: RwLock<Arc<Table>>,
-    lanes: Mutex<HashMap<String, Arc<Lane>>>,
     tenants: Mutex<HashMap<(String, String), TenantState>>,
     client: Client<HttpConnector, Full<Bytes>>,
     records: Mutex<VecDeque<RequestRecord>>,
@@ -158,7 +158,6 @@ impl Router {
         let router = Arc::new(Router {
             sm,
             table: RwLock::new(Arc::new(Table::default())),
-            lanes: Mutex::default(),
             tenants: Mutex::default(),
             client,
             records: Mutex::new(VecDeque::with_capacity(RECORDS_KEPT)),
@@ -201,41 +200,23 @@ impl Router {
     /// Rebuilds the routing table from the applied state.
     pub fn rebuild(&self) {
         let (fleet, registry) = self.sm.routing_inputs();
-        let previous: HashMap<String, Arc<ReplicaSlot>> = self
-            .table()
-            .models
-            .values()
-            .flat_map(|m| m.replicas.iter().map(|s| (table::slot_key(s), s.clone())))
-            .collect();
-        let table = table::build(&fleet, &registry, &previous);
+        let table = table::build(&fleet, &registry, &self.table());
         for (replica, why) in &table.unroutable {
             tracing::warn!(%replica, %why, "replica is ready but not routable");
-        }
-        {
-            let now = Instant::now();
-            let mut lanes = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
-            lanes.retain(|name, lane| table.classes.get(name).is_some_and(|c| lane.lock().kind == c.lane));
-            for c in table.classes.values() {
-                lanes
-                    .entry(c.name.clone())
-                    .or_insert_with(|| Arc::new(Lane::new(&c.name, c.lane, now)));
-            }
         }
         *self.table.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(table);
         self.built.store(true, Ordering::Release);
         self.pump(Instant::now());
     }
 
-    pub fn table(&self) -> Arc<Table> {
-        self.table.read().unwrap_or_else(|p| p.into_inner()).clone()
+    /// Replaces the table (tests that build one by hand).
+    #[cfg(test)]
+    pub(crate) fn install(&self, table: Table) {
+        *self.table.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(table);
     }
 
-    pub fn lane_of(&self, class: &Class) -> Arc<Lane> {
-        let mut lanes = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
-        lanes
-            .entry(class.name.clone())
-            .or_insert_with(|| Arc::new(Lane::new(&class.name, class.lane, Instant::now())))
-            .clone()
+    pub fn table(&self) -> Arc<Table> {
+        self.table.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     fn now_ms(&self, now: Instant) -> u64 {
@@ -350,7 +331,7 @@ impl Router {
     /// when the lane's rule allows.
     pub async fn acquire(&self, route: &ModelRoute, now: Instant) -> Result<Admitted, Refusal> {
         let class = &route.class;
-        let lane = self.lane_of(class);
+        let lane = route.lane.clone();
         match class.lane {
             LaneKind::Durable => Err(Refusal::Durable),
             LaneKind::Sync => {
@@ -457,14 +438,7 @@ impl Router {
     /// Hands free slots to waiters of bounded lanes and lets idle lanes recover their level.
     fn pump(&self, now: Instant) {
         let table = self.table();
-        let lanes: Vec<Arc<Lane>> = self
-            .lanes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .values()
-            .cloned()
-            .collect();
-        for lane in lanes {
+        for lane in table.lanes.values() {
             let Some(class) = table.classes.get(&lane.class) else {
                 continue;
             };
@@ -545,11 +519,6 @@ impl Router {
             .unwrap_or(Err(ForwardError::Timeout))
     }
 
-    /// Counts a finished request on its lane.
-    pub fn count(&self, class: &Class, f: impl FnOnce(&mut lane::LaneCounters)) {
-        f(&mut self.lane_of(class).lock().counters);
-    }
-
     /// Keeps a request record (the newest [`RECORDS_KEPT`]).
     pub fn record(&self, rec: RequestRecord) {
         tracing::debug!(target: "laneway::request", request_id = %rec.request_id, lane = %rec.lane, model = %rec.model, tenant = %rec.tenant, status = rec.status, replica = ?rec.replica, queue_ms = rec.queue_ms, service_ms = rec.service_ms, gpu_ms = ?rec.gpu_ms, "request");
@@ -578,15 +547,9 @@ impl Router {
     pub fn lane_status(&self) -> Vec<LaneStatus> {
         let now = Instant::now();
         let table = self.table();
-        let lanes: Vec<Arc<Lane>> = self
+        let mut out: Vec<LaneStatus> = table
             .lanes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
             .values()
-            .cloned()
-            .collect();
-        let mut out: Vec<LaneStatus> = lanes
-            .iter()
             .filter_map(|lane| {
                 let class = table.classes.get(&lane.class)?;
                 let routes: Vec<&Arc<ModelRoute>> =
@@ -651,6 +614,8 @@ mod tests {
         ModelRoute {
             name: "m".into(),
             version: "1".into(),
+            lane: Arc::new(Lane::new(&class.name, class.lane, Instant::now())),
+            class_header: HeaderValue::from_static("c"),
             class,
             replicas: vec![table::test_slot("m", slots)],
         }
@@ -720,8 +685,7 @@ mod tests {
             assert!(matches!(w.await.unwrap(), Err(Refusal::Expired { .. })));
         }
         drop(first);
-        let lane = r.lane_of(&route.class);
-        let s = lane.lock();
+        let s = route.lane.lock();
         assert_eq!(s.depth(), 0, "expired waiters leave the queue");
         assert_eq!(s.counters.expired, 4);
     }
@@ -740,7 +704,7 @@ mod tests {
         // 20 ms, a full budget (pressure 1): the lane degrades to its 40 ms budget.
         let q1 = queue(&r);
         tokio::task::yield_now().await;
-        let level = || r.lane_of(&route.class).lock().overload.level();
+        let level = || route.lane.lock().overload.level();
         assert_eq!(level(), admission::Level::Normal);
         let q2 = queue(&r);
         tokio::task::yield_now().await;

@@ -8,6 +8,10 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use hyper::header::HeaderValue;
+use tokio::time::Instant;
+
+use super::lane::Lane;
 use crate::fleet::{Fleet, Liveness};
 use crate::registry::{Class, Registry, TenantLimit};
 
@@ -16,6 +20,8 @@ use crate::registry::{Class, Registry, TenantLimit};
 pub struct ReplicaSlot {
     /// `node/replica-id`.
     pub name: String,
+    /// `name` as a response header value, made once.
+    pub name_header: HeaderValue,
     pub model: String,
     pub endpoint: String,
     pub product: String,
@@ -65,6 +71,10 @@ pub struct ModelRoute {
     pub name: String,
     pub version: String,
     pub class: Arc<Class>,
+    /// The class's lane on this router (shared by every model of the class).
+    pub lane: Arc<Lane>,
+    /// The class name as a response header value, made once.
+    pub class_header: HeaderValue,
     pub replicas: Vec<Arc<ReplicaSlot>>,
 }
 
@@ -103,16 +113,38 @@ pub struct Table {
     /// sha256 of the API key → tenant.
     pub tenants: HashMap<String, Arc<TenantRoute>>,
     pub classes: HashMap<String, Arc<Class>>,
+    /// Class name → its lane (queue, drain rate, level, counters), kept across rebuilds.
+    pub lanes: HashMap<String, Arc<Lane>>,
     /// Replicas the registry knows but the router cannot use, with why (for operators).
     pub unroutable: Vec<(String, String)>,
 }
 
-/// Builds the table. `previous` supplies slots to keep (same replica, endpoint and limits).
-pub fn build(fleet: &Fleet, registry: &Registry, previous: &HashMap<String, Arc<ReplicaSlot>>) -> Table {
+/// Builds the table. `previous` supplies slots to keep (same replica, endpoint and limits) and
+/// lanes to keep (same class and lane kind), so load accounting and queues survive.
+pub fn build(fleet: &Fleet, registry: &Registry, previous: &Table) -> Table {
+    let previous_slots: HashMap<String, Arc<ReplicaSlot>> = previous
+        .models
+        .values()
+        .flat_map(|m| m.replicas.iter().map(|s| (slot_key(s), s.clone())))
+        .collect();
+    let previous_lanes = &previous.lanes;
+    let previous = &previous_slots;
     let classes: HashMap<String, Arc<Class>> = registry
         .classes
         .iter()
         .map(|(k, c)| (k.clone(), Arc::new(c.clone())))
+        .collect();
+    let now = Instant::now();
+    let lanes: HashMap<String, Arc<Lane>> = classes
+        .values()
+        .map(|c| {
+            let lane = previous_lanes
+                .get(&c.name)
+                .filter(|l| l.lock().kind == c.lane)
+                .cloned()
+                .unwrap_or_else(|| Arc::new(Lane::new(&c.name, c.lane, now)));
+            (c.name.clone(), lane)
+        })
         .collect();
     let mut by_model: HashMap<&str, Vec<Arc<ReplicaSlot>>> = HashMap::new();
     let mut unroutable = Vec::new();
@@ -152,6 +184,7 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &HashMap<String, Arc<
             let key = format!("{name}@{}#{}", r.endpoint, profile.max_batch);
             let slot = previous.get(&key).cloned().unwrap_or_else(|| {
                 Arc::new(ReplicaSlot {
+                    name_header: HeaderValue::from_str(&name).unwrap_or(HeaderValue::from_static("invalid")),
                     name: name.clone(),
                     model: model.name.clone(),
                     endpoint: r.endpoint.clone(),
@@ -177,6 +210,8 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &HashMap<String, Arc<
                 Arc::new(ModelRoute {
                     name: m.name.clone(),
                     version: m.version.clone(),
+                    lane: lanes.get(&m.class)?.clone(),
+                    class_header: HeaderValue::from_str(&class.name).unwrap_or(HeaderValue::from_static("invalid")),
                     class,
                     replicas: by_model.remove(m.name.as_str()).unwrap_or_default(),
                 }),
@@ -200,6 +235,7 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &HashMap<String, Arc<
         models,
         tenants,
         classes,
+        lanes,
         unroutable,
     }
 }
@@ -213,6 +249,7 @@ pub fn slot_key(slot: &ReplicaSlot) -> String {
 #[cfg(test)]
 pub fn test_slot(model: &str, max_in_flight: u32) -> Arc<ReplicaSlot> {
     Arc::new(ReplicaSlot {
+        name_header: HeaderValue::from_static("n1/test"),
         name: format!("n1/{model}-0"),
         model: model.into(),
         endpoint: "127.0.0.1:1".into(),
@@ -293,21 +330,24 @@ mod tests {
     #[test]
     fn only_ready_replicas_on_live_nodes_route_and_slots_survive_rebuilds() {
         let (mut fleet, reg) = setup();
-        let t = build(&fleet, &reg, &HashMap::new());
+        let t = build(&fleet, &reg, &Table::default());
         let route = &t.models["whisper"];
         assert_eq!(route.replicas.len(), 1, "the starting replica is not routable");
         assert_eq!(route.replicas[0].max_in_flight, 4);
         assert_eq!(route.capacity_per_s(), 200.0);
         assert!(route.replicas[0].try_acquire());
-        let keep: HashMap<_, _> = route.replicas.iter().map(|s| (slot_key(s), s.clone())).collect();
-        let t2 = build(&fleet, &reg, &keep);
+        let t2 = build(&fleet, &reg, &t);
         assert_eq!(
             t2.models["whisper"].replicas[0].load(),
             1,
             "in-flight survives a rebuild"
         );
+        assert!(
+            Arc::ptr_eq(&t.lanes["speech"], &t2.lanes["speech"]),
+            "lanes survive a rebuild"
+        );
         fleet.set_liveness("n1", Liveness::Down).unwrap();
-        let t3 = build(&fleet, &reg, &keep);
+        let t3 = build(&fleet, &reg, &t2);
         assert!(
             t3.models["whisper"].replicas.is_empty(),
             "a down node's replicas do not route"
@@ -317,7 +357,7 @@ mod tests {
     #[test]
     fn a_slot_never_exceeds_its_batch() {
         let (fleet, reg) = setup();
-        let t = build(&fleet, &reg, &HashMap::new());
+        let t = build(&fleet, &reg, &Table::default());
         let s = &t.models["whisper"].replicas[0];
         for _ in 0..4 {
             assert!(s.try_acquire());

@@ -17,7 +17,7 @@ use tonic::Code;
 
 use super::harness::{status, wait_for, Node};
 
-async fn form_cluster(nodes: &mut [Node]) -> AdminClient {
+pub async fn form_cluster(nodes: &mut [Node]) -> AdminClient {
     for n in nodes.iter_mut() {
         n.start();
     }
@@ -47,7 +47,7 @@ async fn form_cluster(nodes: &mut [Node]) -> AdminClient {
     c
 }
 
-async fn agent(
+pub async fn agent(
     name: &str,
     product: &str,
     controllers: Vec<String>,

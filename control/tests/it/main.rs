@@ -5,4 +5,5 @@ mod cluster;
 mod harness;
 mod plan_cli;
 mod power_loss;
+mod router;
 mod store_suite;
