@@ -1,6 +1,7 @@
 //! Capacity planner (`lanectl plan`): turns traffic, model profiles and prices into a fleet, a
 //! bill and a shedding plan. Pure computation over a [`Scenario`]: no cluster needed.
 
+pub mod cluster;
 pub mod plan;
 pub mod queueing;
 pub mod report;

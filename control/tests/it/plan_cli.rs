@@ -61,3 +61,88 @@ fn plan_rejects_bad_scenarios_clearly() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--scale"));
 }
+
+/// `--from-cluster`: the registry's lanes and models, the file's prices and SLOs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plan_from_cluster_uses_the_registry() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = vec![super::harness::Node::new(root.path(), 1)];
+    super::agents::form_cluster(&mut nodes).await;
+    let addr = nodes[0].addr.clone();
+    let ctl = |args: &[&str]| {
+        let out = Command::new(lanectl_bin())
+            .args(["--addr", &addr])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
+    };
+    ctl(&["lane", "set", "speech", "--lane", "sync", "--warm-floor", "5"]);
+    ctl(&[
+        "lane",
+        "set",
+        "image",
+        "--lane",
+        "bounded",
+        "--budget-ms",
+        "3000",
+        "--rank",
+        "1",
+    ]);
+    ctl(&[
+        "model",
+        "register",
+        "--name",
+        "whisper-large",
+        "--class",
+        "speech",
+        "--profile",
+        "L4=150:16",
+    ]);
+    ctl(&[
+        "model",
+        "register",
+        "--name",
+        "sdxl",
+        "--class",
+        "image",
+        "--profile",
+        "L40S=2500:2",
+    ]);
+    // The example's traffic covers four classes; this cluster has two.
+    let example_text = std::fs::read_to_string(example()).unwrap();
+    let scenario = example_text.replace(
+        "speech = 70.0\nimage = 25.0\nembeddings = 4.0\nvideo = 1.0",
+        "speech = 70.0\nimage = 30.0",
+    );
+    assert_ne!(
+        scenario, example_text,
+        "the example's traffic shares changed; update this test"
+    );
+    let file = root.path().join("scenario.toml");
+    std::fs::write(&file, scenario).unwrap();
+
+    let out = ctl(&["-o", "json", "plan", file.to_str().unwrap(), "--from-cluster"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let lanes = v["lanes"].as_array().unwrap();
+    assert_eq!(lanes.len(), 2, "{v}");
+    let notes = String::from_utf8_lossy(&out.stderr);
+    assert!(notes.contains("2 classes, 2 models"), "{notes}");
+    assert!(notes.contains("traffic from the file"), "{notes}");
+
+    // The unchanged example names four classes' shares: against this cluster, a clear error.
+    let out = Command::new(lanectl_bin())
+        .args(["plan", &example(), "--from-cluster", "--addr", &addr])
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "the example's four shares do not fit a two-class cluster"
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("traffic.share"));
+}

@@ -71,6 +71,11 @@ enum Cmd {
         /// Overload factors to plan for.
         #[arg(long, value_delimiter = ',', default_value = "3,10")]
         scale: Vec<f64>,
+        /// Take lanes and models from the cluster's registry, and traffic from what the
+        /// addressed controller's router observed (when it saw enough); the file keeps
+        /// prices, cold starts and SLOs.
+        #[arg(long)]
+        from_cluster: bool,
     },
 }
 
@@ -145,10 +150,19 @@ fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
-    if let Cmd::Plan { scenario, scale } = &cli.command {
-        return plan(scenario, scale, cli.output);
+    if let Cmd::Plan {
+        scenario,
+        scale,
+        from_cluster: false,
+    } = &cli.command
+    {
+        return plan(scenario, scale, cli.output, None);
     }
     let client = AdminClient::new(cli.addr.clone()).with_retry_for(Duration::from_secs(cli.retry_secs));
+    if let Cmd::Plan { scenario, scale, .. } = &cli.command {
+        let inputs = registry::cluster_inputs(&client).await?;
+        return plan(scenario, scale, cli.output, Some(inputs));
+    }
     let out = cli.output;
     match cli.command {
         Cmd::Cluster(ClusterCmd::Init) => {
@@ -376,11 +390,27 @@ async fn node_flag(client: &AdminClient, out: Output, node_id: String, action: &
     Ok(())
 }
 
-fn plan(scenario: &std::path::Path, scale: &[f64], out: Output) -> anyhow::Result<()> {
+fn plan(
+    scenario: &std::path::Path,
+    scale: &[f64],
+    out: Output,
+    cluster: Option<planner::cluster::ClusterInputs>,
+) -> anyhow::Result<()> {
     if let Some(bad) = scale.iter().find(|f| !(f.is_finite() && **f >= 1.0)) {
         anyhow::bail!("--scale {bad}: overload factors must be numbers >= 1, e.g. --scale 3,10");
     }
-    let scenario = planner::Scenario::from_file(scenario)?;
+    let scenario = match cluster {
+        None => planner::Scenario::from_file(scenario)?,
+        Some(inputs) => {
+            let text = std::fs::read_to_string(scenario)
+                .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", scenario.display()))?;
+            let (s, notes) = planner::cluster::scenario_with_cluster(&text, &inputs)?;
+            for n in notes {
+                eprintln!("lanectl plan: {n}");
+            }
+            s
+        }
+    };
     let plan = planner::plan(&scenario, scale)?;
     match out {
         Output::Json => println!("{}", serde_json::to_string_pretty(&plan)?),

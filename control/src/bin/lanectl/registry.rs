@@ -158,6 +158,46 @@ async fn list(client: &AdminClient, kind: &str) -> anyhow::Result<Vec<Value>> {
         .collect()
 }
 
+/// The registry and the traffic the addressed router observed, for `plan --from-cluster`.
+pub async fn cluster_inputs(client: &AdminClient) -> anyhow::Result<laneway_control::planner::cluster::ClusterInputs> {
+    let classes = list(client, "classes")
+        .await?
+        .into_iter()
+        .map(serde_json::from_value)
+        .collect::<Result<Vec<Class>, _>>()?;
+    let models = list(client, "models")
+        .await?
+        .into_iter()
+        .map(serde_json::from_value)
+        .collect::<Result<Vec<Model>, _>>()?;
+    let records: Vec<RequestRecord> = lane_status(client, 1000)
+        .await?
+        .into_iter()
+        .flat_map(|(_, r)| r)
+        .collect();
+    let observed = match (
+        records.iter().map(|r| r.unix_ms).min(),
+        records.iter().map(|r| r.unix_ms).max(),
+    ) {
+        (Some(first), Some(last)) => {
+            let mut by_class = BTreeMap::new();
+            for r in &records {
+                *by_class.entry(r.class.clone()).or_insert(0u64) += 1;
+            }
+            Some(laneway_control::planner::cluster::Observed {
+                requests_by_class: by_class,
+                window_s: (last - first) as f64 / 1000.0,
+            })
+        }
+        _ => None,
+    };
+    Ok(laneway_control::planner::cluster::ClusterInputs {
+        classes,
+        models,
+        observed,
+    })
+}
+
 async fn lane_status(client: &AdminClient, recent: u32) -> anyhow::Result<Vec<(LaneStatus, Vec<RequestRecord>)>> {
     let r = client
         .call(|mut c| async move { c.lane_status(LaneStatusRequest { recent }).await })
