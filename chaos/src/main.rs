@@ -6,6 +6,7 @@
 mod bench;
 mod faults;
 mod heartbeat_bench;
+mod placement_bench;
 mod process_cluster;
 mod router_bench;
 
@@ -33,6 +34,9 @@ enum Cmd {
     /// Router overhead against a no-op replica: max throughput and added p50/p99 at a fixed
     /// rate, router vs the replica called directly, side by side.
     Router(router_bench::RouterBenchArgs),
+    /// Placement decision core: replicas placed per second on a synthetic 10,000-node ×
+    /// 8-GPU fleet, against a full scan of the same fleet in the same run.
+    Placement(placement_bench::PlacementArgs),
 }
 
 /// Default path of a sibling binary (the one Cargo built next to this one).
@@ -50,6 +54,7 @@ fn main() -> ExitCode {
             Cmd::Heartbeats(args) => heartbeat_bench::run(args).await,
             Cmd::Faults(args) => faults::run(args).await,
             Cmd::Router(args) => router_bench::run(args).await,
+            Cmd::Placement(args) => placement_bench::run(args),
         }
     });
     match res {

@@ -18,6 +18,7 @@ pub mod planner;
 pub mod proposer;
 pub mod registry;
 pub mod router;
+pub mod scheduler;
 pub mod server;
 pub mod store;
 pub mod typ;

@@ -1,0 +1,4 @@
+//! Scheduling decisions (issue #6), each a pure function of state, observations and time whose
+//! output is committed through Raft by a leader-only actor. Placement is the first of them.
+
+pub mod placement;
