@@ -203,5 +203,7 @@ fn handle(ctx: &Context, bound: &mut Option<String>, hb: &Heartbeat) -> Result<D
         sequence: hb.sequence,
         cordoned,
         draining,
+        replicas: ctx.sm.desired_for(&hb.node_id),
+        replicas_managed: true,
     })
 }

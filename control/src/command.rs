@@ -9,7 +9,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::fleet::{validate_node_id, NodeRegistration};
-use crate::registry::{Class, Model, ReplicaRecord, Tenant, TenantLimit};
+use crate::registry::{Class, DesiredReplica, Model, ReplicaRecord, Tenant, TenantLimit};
 
 /// Highest command format this binary can apply. Format 2 added the registry commands; a
 /// command is written with the lowest format that can express it ([`Command::format`]), so a
@@ -92,6 +92,11 @@ pub enum Command {
         node_id: String,
         replicas: Vec<ReplicaRecord>,
     },
+    /// The scheduler's placements on one node (the whole set).
+    SetDesiredReplicas {
+        node_id: String,
+        replicas: Vec<DesiredReplica>,
+    },
 }
 
 /// What applying one log entry produced.
@@ -142,7 +147,8 @@ impl Command {
             | Command::CreateTenant(_)
             | Command::SetTenantLimit { .. }
             | Command::RotateTenantKey { .. }
-            | Command::SetNodeReplicas { .. } => 2,
+            | Command::SetNodeReplicas { .. }
+            | Command::SetDesiredReplicas { .. } => 2,
         }
     }
 
@@ -176,6 +182,13 @@ impl Command {
                         .map(|r| 64 + r.id.len() + r.model.len() + r.device.len() + r.endpoint.len())
                         .sum::<usize>()
             }
+            Command::SetDesiredReplicas { node_id, replicas } => {
+                node_id.len()
+                    + replicas
+                        .iter()
+                        .map(|r| 64 + r.id.len() + r.model.len() + r.gpu.len() + r.product.len())
+                        .sum::<usize>()
+            }
         }
     }
 
@@ -197,7 +210,10 @@ impl Command {
             Command::RegisterNode(r) => r.validate().map_err(CommandError::InvalidNode),
             Command::SetNodeLiveness { node_id, .. }
             | Command::SetNodeFlags { node_id, .. }
-            | Command::SetNodeReplicas { node_id, .. } => validate_node_id(node_id).map_err(CommandError::InvalidNode),
+            | Command::SetNodeReplicas { node_id, .. }
+            | Command::SetDesiredReplicas { node_id, .. } => {
+                validate_node_id(node_id).map_err(CommandError::InvalidNode)
+            }
             Command::PutClass(c) => c.validate().map_err(CommandError::Invalid),
             Command::PutModel(m) => m.validate().map_err(CommandError::Invalid),
             Command::RemoveModel { name } => {

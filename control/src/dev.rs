@@ -7,10 +7,9 @@ use std::time::Duration;
 
 use std::sync::Arc;
 
-use laneway_agent::config::{AgentConfig, StaticReplica};
+use laneway_agent::config::AgentConfig;
 use laneway_agent::gpu::sim::SimBackend;
 use laneway_agent::runtime::Agent;
-use laneway_agent::supervisor::{ReplicaSpec, RuntimeSpec, Warmup};
 
 use crate::config::{ControllerConfig, RaftSettings};
 use crate::server::{self, Controller, StartError};
@@ -48,13 +47,6 @@ const DEV_NODES: &[(&str, &str, &str, u32)] = &[
     ("sim-l4-1", "l4", "L4", 2),
     ("sim-l40s-1", "l40s", "L40S", 2),
     ("sim-h100-1", "h100", "H100-80GB", 4),
-];
-
-/// Simulated replicas of dev mode: (node, replica id, model).
-const DEV_REPLICAS: &[(&str, &str, &str)] = &[
-    ("sim-l4-1", "whisper-0", "whisper"),
-    ("sim-h100-1", "whisper-1", "whisper"),
-    ("sim-l40s-1", "sdxl-0", "sdxl"),
 ];
 
 /// The example registry of dev mode, as the TOML an operator would write.
@@ -111,69 +103,14 @@ struct DevRegistry {
     model: Vec<crate::registry::Model>,
 }
 
-/// Starts the simulated agents with their simulated replicas (when the `laneway-sim-model`
-/// binary sits next to this one).
-async fn start_agents(
-    controller: &str,
-    data_dir: &std::path::Path,
-    registry: &DevRegistry,
-) -> Result<(Vec<(String, Agent)>, bool), DevError> {
-    let sim_model = std::env::current_exe()
-        .ok()
-        .map(|p| p.with_file_name("laneway-sim-model"))
-        .filter(|p| p.exists());
+/// Starts the simulated agents; the controllers place the replicas (warm floors).
+async fn start_agents(controller: &str, data_dir: &std::path::Path) -> Result<Vec<(String, Agent)>, DevError> {
     let mut agents = Vec::new();
     for (node, pool, product, count) in DEV_NODES.iter() {
         let backend = SimBackend::from_toml(&format!(
             "node = \"{node}\"\n[[gpu]]\nproduct = \"{product}\"\ncount = {count}\n"
         ))
         .map_err(|e| DevError::Other(e.to_string()))?;
-        let mut replicas = Vec::new();
-        for (gpu_index, (_, id, model)) in DEV_REPLICAS.iter().filter(|r| r.0 == *node).enumerate() {
-            let Some(bin) = &sim_model else { break };
-            let m = registry
-                .model
-                .iter()
-                .find(|m| m.name == *model)
-                .ok_or_else(|| DevError::Other(format!("dev replica {id}: no model {model}")))?;
-            let service: Vec<String> = m
-                .profiles
-                .iter()
-                .map(|(p, prof)| format!("{p}={}", prof.service_ms.as_ms()))
-                .collect();
-            let max_batch = m.profiles.get(*product).map_or(1, |p| p.max_batch);
-            replicas.push(StaticReplica {
-                gpu_index: gpu_index as u32,
-                spec: ReplicaSpec {
-                    id: id.to_string(),
-                    model: model.to_string(),
-                    device: String::new(),
-                    weights: None,
-                    runtime: RuntimeSpec {
-                        command: vec![
-                            bin.display().to_string(),
-                            "--listen".into(),
-                            "127.0.0.1:{port}".into(),
-                            "--model".into(),
-                            "{model}".into(),
-                            "--product".into(),
-                            product.to_string(),
-                            "--service-ms".into(),
-                            service.join(","),
-                            "--max-batch".into(),
-                            max_batch.to_string(),
-                        ],
-                        env: Default::default(),
-                        health_path: "/v2/health/ready".into(),
-                        warmup: Some(Warmup {
-                            path: format!("/v2/models/{model}/infer"),
-                            body: "{\"inputs\":[]}".into(),
-                        }),
-                        start_timeout_ms: 30_000,
-                    },
-                },
-            });
-        }
         let cfg = AgentConfig {
             node_id: node.to_string(),
             controllers: vec![controller.to_string()],
@@ -184,14 +121,50 @@ async fn start_agents(
             heartbeat: Duration::from_secs(1),
             replica_host: "127.0.0.1".into(),
             backend: laneway_agent::config::Backend::Nvml,
-            replicas,
+            replicas: Vec::new(),
         };
         let agent = laneway_agent::runtime::start(cfg, Arc::new(backend))
             .await
             .map_err(|e| DevError::Other(format!("simulated agent {node}: {e}")))?;
         agents.push((node.to_string(), agent));
     }
-    Ok((agents, sim_model.is_some()))
+    Ok(agents)
+}
+
+/// Points every example model at the simulated model server next to this binary (`None`: it
+/// is not there, and no replica can run).
+fn with_sim_runtime(registry: &mut DevRegistry) -> bool {
+    let Some(bin) = std::env::current_exe()
+        .ok()
+        .map(|p| p.with_file_name("laneway-sim-model"))
+        .filter(|p| p.exists())
+    else {
+        for c in &mut registry.class {
+            c.warm_floor = 0;
+        }
+        return false;
+    };
+    for m in &mut registry.model {
+        let service: Vec<String> = m
+            .profiles
+            .iter()
+            .map(|(p, prof)| format!("{p}={}", prof.service_ms.as_ms()))
+            .collect();
+        m.runtime.command = vec![
+            bin.display().to_string(),
+            "--listen".into(),
+            "127.0.0.1:{port}".into(),
+            "--model".into(),
+            "{model}".into(),
+            "--product".into(),
+            "{product}".into(),
+            "--service-ms".into(),
+            service.join(","),
+            "--max-batch".into(),
+            "{max_batch}".into(),
+        ];
+    }
+    true
 }
 
 /// Commits a registry command on the dev controller.
@@ -306,10 +279,11 @@ pub async fn start(args: DevArgs) -> Result<DevController, DevError> {
         .current_leader(1, "dev controller becomes leader")
         .await
         .map_err(|e| DevError::Other(format!("the dev controller did not become leader: {e}")))?;
-    let registry: DevRegistry =
+    let mut registry: DevRegistry =
         toml::from_str(DEV_REGISTRY).map_err(|e| DevError::Other(format!("dev registry: {e}")))?;
+    let replicas_running = with_sim_runtime(&mut registry);
     let api_key = register_examples(&controller, &registry).await?;
-    let (agents, replicas_running) = start_agents(&controller.advertise, &data_dir, &registry).await?;
+    let agents = start_agents(&controller.advertise, &data_dir).await?;
     if replicas_running {
         for m in ["whisper", "sdxl"] {
             if !wait_routable(&controller, m).await {

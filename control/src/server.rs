@@ -73,6 +73,7 @@ pub struct Controller {
     monitor: JoinHandle<()>,
     router_server: Option<RouterServer>,
     router_task: JoinHandle<()>,
+    placement: JoinHandle<()>,
 }
 
 /// Opens the data dir, starts Raft and serves the Raft and admin gRPC services.
@@ -161,6 +162,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         AdminServiceServer::new(AdminGrpc::new(ctx.clone())).max_decoding_message_size(cfg.max_admin_request_bytes);
     let agent_svc =
         AgentServiceServer::new(AgentGrpc::new(ctx.clone())).max_decoding_message_size(cfg.max_admin_request_bytes);
+    let placement = tokio::spawn(crate::scheduler::warm_floor_loop::run(ctx.clone()));
     let monitor = tokio::spawn(monitor::run(ctx, cfg.node_dead_after));
 
     let (tx, rx) = oneshot::channel::<()>();
@@ -188,6 +190,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         monitor,
         router_server,
         router_task,
+        placement,
     })
 }
 
@@ -196,6 +199,7 @@ impl Controller {
     pub async fn shutdown(mut self) {
         self.monitor.abort();
         self.router_task.abort();
+        self.placement.abort();
         if let Some(r) = self.router_server.take() {
             r.stop().await;
         }

@@ -148,10 +148,12 @@ pub struct Artifact {
 }
 
 /// How an agent starts a replica of the model (see the agent's replica spec).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Runtime {
-    /// Program and arguments; `{port}`, `{weights}`, `{device}`, `{model}` are substituted.
+    /// Program and arguments. The agent substitutes `{port}`, `{weights}`, `{device}` and
+    /// `{model}`; the controller `{product}` (the GPU product placed on) and `{max_batch}` (the
+    /// profile's for that product).
     #[serde(default)]
     pub command: Vec<String>,
     #[serde(default)]
@@ -162,6 +164,16 @@ pub struct Runtime {
 
 fn default_health() -> String {
     "/v2/health/ready".into()
+}
+
+impl Default for Runtime {
+    fn default() -> Self {
+        Runtime {
+            command: Vec::new(),
+            env: BTreeMap::new(),
+            health_path: default_health(),
+        }
+    }
 }
 
 /// A model: which class it belongs to, and how it runs on each GPU product.
@@ -227,14 +239,28 @@ pub struct ReplicaRecord {
     pub endpoint: String,
 }
 
+/// A replica the scheduler placed: intent, committed before any agent acts on it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DesiredReplica {
+    pub id: String,
+    pub model: String,
+    /// GPU UUID it is pinned to.
+    pub gpu: String,
+    /// GPU product of that GPU (picks the model's profile).
+    pub product: String,
+}
+
 /// The registry part of the replicated state.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Registry {
     pub classes: BTreeMap<String, Class>,
     pub models: BTreeMap<String, Model>,
     pub tenants: BTreeMap<String, Tenant>,
-    /// Node id → its replicas.
+    /// Node id → its replicas as observed (from heartbeats).
     pub replicas: BTreeMap<String, Vec<ReplicaRecord>>,
+    /// Node id → the replicas placed there (intent).
+    #[serde(default)]
+    pub desired: BTreeMap<String, Vec<DesiredReplica>>,
 }
 
 /// Checks a class, model or tenant name.
@@ -336,6 +362,12 @@ impl Model {
             if a.uri.is_empty() {
                 return Err(format!("model {n}: a weight artifact has an empty uri"));
             }
+        }
+        if !self.runtime.health_path.starts_with('/') {
+            return Err(format!(
+                "model {n}: runtime.health_path {:?} must be an HTTP path starting with '/', e.g. /v2/health/ready",
+                self.runtime.health_path
+            ));
         }
         if self.version.is_empty() || self.version.len() > 64 {
             return Err(format!("model {n}: version must be 1-64 characters"));
@@ -451,6 +483,15 @@ impl Registry {
             .ok_or_else(|| format!("no tenant {tenant}; `lanectl tenant list` shows the tenants"))?;
         t.key_sha256 = key_sha256.to_string();
         Ok(())
+    }
+
+    /// Replaces the replicas placed on a node (an empty list removes them all).
+    pub fn set_desired(&mut self, node_id: &str, replicas: &[DesiredReplica]) {
+        if replicas.is_empty() {
+            self.desired.remove(node_id);
+        } else {
+            self.desired.insert(node_id.to_string(), replicas.to_vec());
+        }
     }
 
     /// Replaces a node's committed replicas (an empty list forgets them).

@@ -2,3 +2,5 @@
 //! output is committed through Raft by a leader-only actor. Placement is the first of them.
 
 pub mod placement;
+pub mod replicas;
+pub mod warm_floor_loop;

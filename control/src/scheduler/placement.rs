@@ -25,6 +25,9 @@ pub struct GpuView {
     pub uuid: String,
     pub memory_mb: u32,
     pub free_mb: u32,
+    /// Models with a replica on this GPU (two replicas of one model share a card only when
+    /// no other card has room).
+    pub models: Vec<String>,
 }
 
 /// A node as placement sees it.
@@ -77,6 +80,12 @@ pub struct Unplaced {
     pub model: String,
     pub reason: String,
 }
+
+/// How good a candidate GPU is, lower first: (node already runs the model, card already runs
+/// it, free memory).
+type Rank = (bool, bool, u32);
+/// A GPU: (node index, GPU index).
+type At = (u32, u16);
 
 /// GPUs of one (product, pool) ordered by free memory: (free MB, node index, GPU index).
 type FreeIndex = BTreeSet<(u32, u32, u16)>;
@@ -133,7 +142,7 @@ impl FleetIndex {
     /// preferring one without a replica of the model. Returns whether that node is crowded.
     fn cached_candidate(&self, req: &Request, fit: &ProductFit) -> Option<(bool, (u32, u16))> {
         let nodes = self.cached.get(&req.model)?;
-        let mut best: Option<((bool, u32), (u32, u16))> = None;
+        let mut best: Option<(Rank, At)> = None;
         for &i in nodes {
             let n = &self.nodes[i as usize];
             if n.product != fit.product || !Self::tolerated(n, &req.tolerations) {
@@ -142,26 +151,27 @@ impl FleetIndex {
             let crowded = n.replicas.get(&req.model).copied().unwrap_or(0) > 0;
             for (g, gpu) in n.gpus.iter().enumerate() {
                 if gpu.free_mb >= fit.memory_mb {
-                    let rank = (crowded, gpu.free_mb);
+                    let rank = (crowded, gpu.models.contains(&req.model), gpu.free_mb);
                     if best.as_ref().is_none_or(|(r, _)| rank < *r) {
                         best = Some((rank, (i, g as u16)));
                     }
                 }
             }
         }
-        best.map(|((crowded, _), at)| (crowded, at))
+        best.map(|((crowded, _, _), at)| (crowded, at))
     }
 
     /// Best fit on free memory across the product's tolerated pools, preferring a node not yet
     /// running the model among the first [`SPREAD_PROBE`] fits of each pool.
     fn indexed_candidate(&self, req: &Request, fit: &ProductFit) -> Option<(bool, (u32, u16))> {
         let pools = self.pools.get(&fit.product)?;
-        let mut best: Option<((bool, u32), (u32, u16))> = None;
+        let mut best: Option<(Rank, At)> = None;
         for pool in pools {
             let Some(set) = self.by_free.get(&(fit.product.clone(), pool.clone())) else {
                 continue;
             };
             let mut first_fit = None;
+            let mut fresh_gpu_fit = None;
             let mut spread_fit = None;
             for &(free, i, g) in set.range((fit.memory_mb, 0, 0)..).take(SPREAD_PROBE) {
                 let n = &self.nodes[i as usize];
@@ -174,16 +184,22 @@ impl FleetIndex {
                     spread_fit = Some((free, i, g));
                     break;
                 }
+                if !n.gpus[g as usize].models.contains(&req.model) {
+                    fresh_gpu_fit.get_or_insert((free, i, g));
+                }
             }
-            let pick = spread_fit.map(|c| (false, c)).or(first_fit.map(|c| (true, c)));
-            if let Some((crowded, (free, i, g))) = pick {
-                let rank = (crowded, free);
+            let pick = spread_fit
+                .map(|c| ((false, false), c))
+                .or(fresh_gpu_fit.map(|c| ((true, false), c)))
+                .or(first_fit.map(|c| ((true, true), c)));
+            if let Some(((crowded, gpu_has), (free, i, g))) = pick {
+                let rank = (crowded, gpu_has, free);
                 if best.as_ref().is_none_or(|(r, _)| rank < *r) {
                     best = Some((rank, (i, g)));
                 }
             }
         }
-        best.map(|((crowded, _), at)| (crowded, at))
+        best.map(|((crowded, _, _), at)| (crowded, at))
     }
 
     fn take(&mut self, node: u32, gpu: u16, memory_mb: u32, model: &str) {
@@ -195,6 +211,7 @@ impl FleetIndex {
             g.free_mb -= memory_mb;
             set.insert((g.free_mb, node, gpu));
         }
+        g.models.push(model.to_string());
         *n.replicas.entry(model.to_string()).or_default() += 1;
     }
 
@@ -252,7 +269,9 @@ impl FleetIndex {
 /// and the in-run baseline of the benchmark.
 pub fn place_by_scan(nodes: &mut [NodeView], req: &Request) -> Option<Placement> {
     for fit in &req.products {
-        let mut best: Option<((bool, bool, u32), usize, usize)> = None;
+        // (crowded, uncached, card runs the model, free memory), node, GPU.
+        type ScanRank = (bool, bool, bool, u32);
+        let mut best: Option<(ScanRank, usize, usize)> = None;
         // Rank: crowded (already runs the model), then uncached, then free memory.
         for (i, n) in nodes.iter().enumerate() {
             if !n.schedulable || n.product != fit.product || !FleetIndex::tolerated(n, &req.tolerations) {
@@ -262,7 +281,7 @@ pub fn place_by_scan(nodes: &mut [NodeView], req: &Request) -> Option<Placement>
             let crowded = n.replicas.get(&req.model).copied().unwrap_or(0) > 0;
             for (g, gpu) in n.gpus.iter().enumerate() {
                 if gpu.free_mb >= fit.memory_mb {
-                    let rank = (crowded, uncached, gpu.free_mb);
+                    let rank = (crowded, uncached, gpu.models.contains(&req.model), gpu.free_mb);
                     if best.as_ref().is_none_or(|(r, _, _)| rank < *r) {
                         best = Some((rank, i, g));
                     }
@@ -272,6 +291,7 @@ pub fn place_by_scan(nodes: &mut [NodeView], req: &Request) -> Option<Placement>
         if let Some((_, i, g)) = best {
             let n = &mut nodes[i];
             n.gpus[g].free_mb -= fit.memory_mb;
+            n.gpus[g].models.push(req.model.clone());
             *n.replicas.entry(req.model.clone()).or_default() += 1;
             return Some(Placement {
                 model: req.model.clone(),
@@ -300,6 +320,7 @@ pub fn synthetic_fleet(nodes: usize, gpus: usize, products: &[(&str, u32)]) -> V
                         uuid: format!("GPU-{i}-{g}"),
                         memory_mb,
                         free_mb: memory_mb,
+                        models: vec![],
                     })
                     .collect(),
                 taints: if pool_no == 0 {
@@ -345,6 +366,7 @@ mod tests {
                     uuid: format!("{id}-{g}"),
                     memory_mb: mb,
                     free_mb: mb,
+                    models: vec![],
                 })
                 .collect(),
             taints: vec![],
@@ -381,6 +403,17 @@ mod tests {
         assert_eq!(f.place(&r).unwrap().node, "b", "then the last node without sdxl");
         // Every node runs sdxl now: doubling up starts on the cached node.
         assert_eq!(f.place(&r).unwrap().node, "c");
+    }
+
+    #[test]
+    fn replicas_of_one_model_take_separate_cards_while_they_can() {
+        let mut f = FleetIndex::new(vec![node("a", "L4", 2, 24_000)]);
+        let r = req("whisper", &[("L4", 6_000)]);
+        let first = f.place(&r).unwrap().gpu;
+        let second = f.place(&r).unwrap().gpu;
+        assert_ne!(first, second, "the second card before doubling up");
+        let third = f.place(&r).unwrap().gpu;
+        assert!(third == first || third == second);
     }
 
     #[test]

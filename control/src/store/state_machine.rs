@@ -99,6 +99,14 @@ impl AppState {
                 refused(self.registry.set_tenant_limit(tenant, class, *limit))
             }
             Command::RotateTenantKey { tenant, key_sha256 } => refused(self.registry.rotate_key(tenant, key_sha256)),
+            Command::SetDesiredReplicas { node_id, replicas } => {
+                if self.fleet.nodes.contains_key(node_id) || replicas.is_empty() {
+                    self.registry.set_desired(node_id, replicas);
+                    CommandResponse::default()
+                } else {
+                    refused(Err(format!("no node {node_id}")))
+                }
+            }
             Command::SetNodeReplicas { node_id, replicas } => {
                 if self.fleet.nodes.contains_key(node_id) {
                     self.registry.set_node_replicas(node_id, replicas);
@@ -120,6 +128,7 @@ impl AppState {
             "model" => r.models.get(name).map(json),
             "tenant" => r.tenants.get(name).map(json),
             "replicas" => r.replicas.get(name).map(json),
+            "desired" => r.desired.get(name).map(json),
             _ => None,
         }
     }
@@ -146,6 +155,10 @@ impl AppState {
                 .replicas
                 .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
                 .map(|_| ()),
+            "desired" => r
+                .desired
+                .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
+                .map(|_| ()),
             _ => return Err(format!("unknown registry key {key:?}")),
         };
         Ok(())
@@ -160,7 +173,8 @@ impl AppState {
             .map(|k| format!("class/{k}"))
             .chain(r.models.keys().map(|k| format!("model/{k}")))
             .chain(r.tenants.keys().map(|k| format!("tenant/{k}")))
-            .chain(r.replicas.keys().map(|k| format!("replicas/{k}")));
+            .chain(r.replicas.keys().map(|k| format!("replicas/{k}")))
+            .chain(r.desired.keys().map(|k| format!("desired/{k}")));
         keys.filter_map(|k| self.registry_value(&k).map(|v| (k, v))).collect()
     }
 
@@ -455,6 +469,36 @@ impl StateMachineStore {
             .map(|n| n.registration.replica_host().to_string())
     }
 
+    /// The replicas placed on a node, with how to run them (the model's runtime, with
+    /// `{product}` and `{max_batch}` filled in from the placement).
+    pub fn desired_for(&self, node_id: &str) -> Vec<laneway_proto::agent::DesiredReplica> {
+        let inner = self.read();
+        let r = &inner.state.registry;
+        r.desired
+            .get(node_id)
+            .into_iter()
+            .flatten()
+            .filter_map(|d| {
+                let m = r.models.get(&d.model)?;
+                let max_batch = m.profiles.get(&d.product).map_or(1, |p| p.max_batch).to_string();
+                Some(laneway_proto::agent::DesiredReplica {
+                    id: d.id.clone(),
+                    model: d.model.clone(),
+                    device: d.gpu.clone(),
+                    command: m
+                        .runtime
+                        .command
+                        .iter()
+                        .map(|a| a.replace("{product}", &d.product).replace("{max_batch}", &max_batch))
+                        .collect(),
+                    env: m.runtime.env.clone().into_iter().collect(),
+                    health_path: m.runtime.health_path.clone(),
+                    start_timeout_ms: 60_000,
+                })
+            })
+            .collect()
+    }
+
     /// A copy of the registry.
     pub fn registry(&self) -> Registry {
         self.read().state.registry.clone()
@@ -578,6 +622,7 @@ fn record_touched(command: &Command, t: &mut Touched) {
             key(format!("tenant/{tenant}"))
         }
         Command::SetNodeReplicas { node_id, .. } => key(format!("replicas/{node_id}")),
+        Command::SetDesiredReplicas { node_id, .. } => key(format!("desired/{node_id}")),
     }
 }
 

@@ -83,7 +83,22 @@ fn lanectl(addr: &str, args: &[&str]) -> Value {
     serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
 }
 
+/// Kills every replica process of a supervisor when dropped, so a failing test does not leave
+/// model servers behind (they are processes of their own, in their own process groups).
+struct Reaper(Arc<laneway_agent::supervisor::Supervisor>);
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        for r in self.0.status() {
+            if let Some(pid) = r.pid {
+                let _ = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+            }
+        }
+    }
+}
+
 struct Env {
+    _reaper: Reaper,
     _root: tempfile::TempDir,
     nodes: Vec<Node>,
     agent: Option<Agent>,
@@ -188,6 +203,7 @@ async fn env(replicas: Vec<StaticReplica>) -> Env {
         .to_string();
     let agent = agent("gpu-1", "L4", vec![addr.clone()], root.path(), replicas).await;
     Env {
+        _reaper: Reaper(agent.supervisor.clone()),
         base: format!("http://{}", nodes[0].router_addr),
         _root: root,
         nodes,
@@ -447,4 +463,113 @@ async fn a_replica_crash_mid_load_retries_only_undelivered_requests_and_nothing_
         "{lane}"
     );
     e.stop().await;
+}
+
+/// The nodes of the committed ready replicas of `model`, sorted.
+async fn ready_nodes(client: &AdminClient, model: &str) -> Option<Vec<String>> {
+    let r = client
+        .call(|mut c| async move {
+            c.list_registry(ListRegistryRequest {
+                kind: "replicas".into(),
+            })
+            .await
+        })
+        .await
+        .ok()?;
+    let mut nodes: Vec<String> = r
+        .json
+        .iter()
+        .filter_map(|j| serde_json::from_str::<Value>(j).ok())
+        .filter(|v| v["replica"]["model"] == model && v["replica"]["state"] == "ready")
+        .map(|v| v["node"].as_str().unwrap_or_default().to_string())
+        .collect();
+    nodes.sort();
+    Some(nodes)
+}
+
+/// Replicas placed by the controllers (warm floor), not by the agents' configs: they start,
+/// serve, and move to another node when theirs dies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warm_floor_replicas_are_placed_served_and_moved_off_a_dead_node() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = vec![Node::new(root.path(), 1)];
+    form_cluster(&mut nodes).await;
+    let addr = nodes[0].addr.clone();
+    lanectl(&addr, &["lane", "set", "speech", "--lane", "sync", "--warm-floor", "2"]);
+    let key = lanectl(&addr, &["tenant", "create", "t1"])["api_key"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let model = serde_json::json!({
+        "name": "echo",
+        "class": "speech",
+        "profiles": {"L4": {"service_ms": 10, "max_batch": 4, "gpu_memory_gb": 6}},
+        "runtime": {"command": [
+            sim_model_bin().display().to_string(), "--listen", "127.0.0.1:{port}", "--model", "{model}",
+            "--product", "{product}", "--service-ms", "L4=10", "--max-batch", "{max_batch}", "--batch-window-ms", "1"
+        ]},
+    });
+    let file = root.path().join("echo.json");
+    std::fs::write(&file, model.to_string()).unwrap();
+    let a = agent("gpu-a", "L4", vec![addr.clone()], root.path(), vec![]).await;
+    let b = agent("gpu-b", "L4", vec![addr.clone()], root.path(), vec![]).await;
+    let _reapers = (Reaper(a.supervisor.clone()), Reaper(b.supervisor.clone()));
+    lanectl(&addr, &["model", "register", "--file", file.to_str().unwrap()]);
+
+    let client = AdminClient::new(vec![addr.clone()]);
+    let spread = wait_for(
+        "two placed replicas ready, one per node",
+        Duration::from_secs(30),
+        || async { ready_nodes(&client, "echo").await.filter(|n| n.len() == 2) },
+    )
+    .await;
+    assert_eq!(
+        spread,
+        vec!["gpu-a".to_string(), "gpu-b".to_string()],
+        "spread across nodes"
+    );
+    let http = reqwest::Client::builder()
+        .pool_idle_timeout(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let base = format!("http://{}", nodes[0].router_addr);
+    let infer = || async {
+        http.post(format!("{base}/v2/models/echo/infer"))
+            .bearer_auth(&key)
+            .body(BODY)
+            .send()
+            .await
+            .map(|r| r.status().as_u16())
+            .unwrap_or(0)
+    };
+    wait_for("echo served", Duration::from_secs(10), || async {
+        (infer().await == 200).then_some(())
+    })
+    .await;
+
+    // gpu-a stops heartbeating (its replica process lives on, unreachable as far as the
+    // controllers know): declared down after 3 s, its replica is placed on gpu-b.
+    let sup_a = a.supervisor.clone();
+    a.stop();
+    let moved = wait_for("both replicas ready on gpu-b", Duration::from_secs(30), || async {
+        ready_nodes(&client, "echo")
+            .await
+            .filter(|n| n.iter().filter(|x| *x == "gpu-b").count() == 2)
+    })
+    .await;
+    // gpu-a's last report stays on record (its node is down, so nothing routes to it).
+    assert!(moved.len() <= 3, "{moved:?}");
+    wait_for("echo served from gpu-b", Duration::from_secs(10), || async {
+        (infer().await == 200).then_some(())
+    })
+    .await;
+
+    for sup in [sup_a, b.supervisor.clone()] {
+        for r in sup.status() {
+            let _ = sup
+                .drain(&r.id, Arc::new(|| 0), Duration::from_secs(1), Duration::from_secs(2))
+                .await;
+        }
+    }
+    b.stop();
 }

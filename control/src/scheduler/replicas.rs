@@ -1,0 +1,332 @@
+//! Warm floors as a pure decision: keep every model's placed replicas at its class's warm
+//! floor, on schedulable nodes. Replicas on nodes that are down, draining or gone are dropped
+//! and placed again elsewhere; models removed from the registry lose theirs. The output is one
+//! `SetDesiredReplicas` per node whose set changed, for the leader to commit.
+//!
+//! (Scaling above the floor from load is the fast loop's, issue #6; it will feed the same
+//! placement step with a higher target.)
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use super::placement::{FleetIndex, GpuView, NodeView, ProductFit, Request, Unplaced};
+use crate::command::Command;
+use crate::fleet::{Fleet, Liveness, NodeRecord};
+use crate::registry::{DesiredReplica, Model, Registry};
+
+/// What one pass decided.
+#[derive(Debug, Default, PartialEq)]
+pub struct ReplicaPlan {
+    pub commands: Vec<Command>,
+    pub unplaced: Vec<Unplaced>,
+}
+
+fn schedulable(n: &NodeRecord) -> bool {
+    n.liveness == Liveness::Up && !n.cordoned && !n.draining
+}
+
+/// GPU memory one replica of `model` needs on `product`, MB; a profile without a memory
+/// figure takes the whole card.
+fn need_mb(model: &Model, product: &str, card_mb: u32) -> u32 {
+    match model.profiles.get(product) {
+        Some(p) if p.gpu_memory_gb > 0 => p.gpu_memory_gb.saturating_mul(1000),
+        _ => card_mb,
+    }
+}
+
+/// The products a model may run on, smallest card first: a small model never takes a big card
+/// while a card of its own size has room.
+fn products_by_size(model: &Model, card_mb: &HashMap<String, u32>) -> Vec<ProductFit> {
+    let mut fits: Vec<ProductFit> = model
+        .profiles
+        .keys()
+        .filter_map(|p| {
+            let card = *card_mb.get(p)?;
+            Some(ProductFit {
+                product: p.clone(),
+                memory_mb: need_mb(model, p, card),
+            })
+        })
+        .collect();
+    fits.sort_by_key(|f| (card_mb[&f.product], f.product.clone()));
+    fits
+}
+
+/// Plans the placed replicas. `new_id` names a new replica of a model.
+pub fn plan(fleet: &Fleet, registry: &Registry, new_id: &mut dyn FnMut(&str) -> String) -> ReplicaPlan {
+    // Keep what still stands: schedulable or cordoned (cordon stops new work only) live nodes,
+    // models still registered.
+    let mut desired: BTreeMap<String, Vec<DesiredReplica>> = BTreeMap::new();
+    for (node, replicas) in &registry.desired {
+        let Some(n) = fleet.nodes.get(node) else { continue };
+        if n.liveness != Liveness::Up || n.draining {
+            continue;
+        }
+        let kept: Vec<DesiredReplica> = replicas
+            .iter()
+            .filter(|r| registry.models.contains_key(&r.model))
+            .cloned()
+            .collect();
+        if !kept.is_empty() {
+            desired.insert(node.clone(), kept);
+        }
+    }
+
+    // Targets: the class's warm floor per model.
+    let target = |m: &Model| registry.classes.get(&m.class).map_or(0, |c| c.warm_floor as usize);
+    let mut count: HashMap<String, usize> = HashMap::new();
+    for r in desired.values().flatten() {
+        *count.entry(r.model.clone()).or_default() += 1;
+    }
+    // Over the floor (the floor was lowered): drop the newest from the most crowded nodes.
+    for m in registry.models.values() {
+        let have = count.get(&m.name).copied().unwrap_or(0);
+        let mut extra = have.saturating_sub(target(m));
+        while extra > 0 {
+            let Some(node) = desired
+                .iter()
+                .filter(|(_, rs)| rs.iter().any(|r| r.model == m.name))
+                .max_by_key(|(id, rs)| (rs.iter().filter(|r| r.model == m.name).count(), std::cmp::Reverse(*id)))
+                .map(|(id, _)| id.clone())
+            else {
+                break;
+            };
+            let rs = desired.get_mut(&node).expect("node listed");
+            if let Some(pos) = rs.iter().rposition(|r| r.model == m.name) {
+                rs.remove(pos);
+            }
+            extra -= 1;
+        }
+        count.insert(m.name.clone(), target(m).min(have));
+    }
+
+    // The fleet as placement sees it, with what is already placed taken out of each GPU.
+    let mut card_mb: HashMap<String, u32> = HashMap::new();
+    let mut used: HashMap<&str, u32> = HashMap::new();
+    for r in desired.values().flatten() {
+        if let Some(m) = registry.models.get(&r.model) {
+            let card = fleet
+                .nodes
+                .values()
+                .flat_map(|n| &n.registration.gpus)
+                .find(|g| g.uuid == r.gpu)
+                .map_or(0, |g| (g.memory_bytes / 1_000_000) as u32);
+            *used.entry(r.gpu.as_str()).or_default() += need_mb(m, &r.product, card);
+        }
+    }
+    let nodes: Vec<NodeView> = fleet
+        .nodes
+        .values()
+        .filter(|n| schedulable(n) && !n.registration.gpus.is_empty())
+        .map(|n| {
+            let reg = &n.registration;
+            let product = reg.gpus[0].product.clone();
+            let gpus: Vec<GpuView> = reg
+                .gpus
+                .iter()
+                .filter(|g| g.product == product)
+                .map(|g| {
+                    let mb = (g.memory_bytes / 1_000_000) as u32;
+                    card_mb.entry(g.product.clone()).or_insert(mb);
+                    GpuView {
+                        uuid: g.uuid.clone(),
+                        memory_mb: mb,
+                        free_mb: mb.saturating_sub(used.get(g.uuid.as_str()).copied().unwrap_or(0)),
+                        models: desired
+                            .get(&reg.node_id)
+                            .into_iter()
+                            .flatten()
+                            .filter(|r| r.gpu == g.uuid)
+                            .map(|r| r.model.clone())
+                            .collect(),
+                    }
+                })
+                .collect();
+            let mut replicas: HashMap<String, u32> = HashMap::new();
+            for r in desired.get(&reg.node_id).into_iter().flatten() {
+                *replicas.entry(r.model.clone()).or_default() += 1;
+            }
+            NodeView {
+                id: reg.node_id.clone(),
+                pool: reg.pool.clone(),
+                product,
+                gpus,
+                taints: vec![],
+                cached_models: HashSet::new(),
+                replicas,
+                schedulable: true,
+            }
+        })
+        .collect();
+    let mut index = FleetIndex::new(nodes);
+
+    let mut unplaced = Vec::new();
+    for m in registry.models.values() {
+        let missing = target(m).saturating_sub(count.get(&m.name).copied().unwrap_or(0));
+        if missing == 0 {
+            continue;
+        }
+        let req = Request {
+            model: m.name.clone(),
+            products: products_by_size(m, &card_mb),
+            tolerations: vec![],
+        };
+        for _ in 0..missing {
+            match index.place(&req) {
+                Ok(p) => desired.entry(p.node.clone()).or_default().push(DesiredReplica {
+                    id: new_id(&m.name),
+                    model: m.name.clone(),
+                    gpu: p.gpu,
+                    product: p.product,
+                }),
+                Err(u) => {
+                    unplaced.push(u);
+                    break;
+                }
+            }
+        }
+    }
+
+    let mut commands = Vec::new();
+    let nodes: std::collections::BTreeSet<&String> = desired.keys().chain(registry.desired.keys()).collect();
+    for node in nodes {
+        let now = desired.get(node).cloned().unwrap_or_default();
+        let before = registry.desired.get(node).cloned().unwrap_or_default();
+        if now != before {
+            commands.push(Command::SetDesiredReplicas {
+                node_id: node.clone(),
+                replicas: now,
+            });
+        }
+    }
+    ReplicaPlan { commands, unplaced }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fleet::{GpuRecord, NodeRegistration};
+    use crate::registry::{Class, LaneKind, Millis, Profile};
+
+    fn fleet(nodes: &[(&str, &str, usize)]) -> Fleet {
+        let mut f = Fleet::default();
+        for (id, product, gpus) in nodes {
+            f.register(&NodeRegistration {
+                node_id: id.to_string(),
+                hostname: id.to_string(),
+                pool: product.to_lowercase(),
+                labels: Default::default(),
+                gpus: (0..*gpus)
+                    .map(|g| GpuRecord {
+                        uuid: format!("{id}-{g}"),
+                        product: product.to_string(),
+                        memory_bytes: if *product == "L4" {
+                            24_000_000_000
+                        } else {
+                            80_000_000_000
+                        },
+                        mig_capable: false,
+                    })
+                    .collect(),
+                replica_host: String::new(),
+            })
+            .unwrap();
+        }
+        f
+    }
+
+    fn registry(floor: u32) -> Registry {
+        let mut r = Registry::default();
+        r.put_class(&Class {
+            name: "speech".into(),
+            lane: LaneKind::Sync,
+            utilisation_target_pct: 60,
+            budget_ms: Millis(0),
+            warm_floor: floor,
+            protection_rank: 0,
+            request_timeout_ms: Millis::from_ms(1000.0),
+            degraded: None,
+        })
+        .unwrap();
+        let profile = |gb| Profile {
+            service_ms: Millis::from_ms(50.0),
+            max_batch: 4,
+            gpu_memory_gb: gb,
+            mig_profiles: vec![],
+        };
+        r.put_model(&Model {
+            name: "whisper".into(),
+            class: "speech".into(),
+            version: "1".into(),
+            profiles: [("L4".to_string(), profile(10)), ("H100-80GB".to_string(), profile(10))].into(),
+            runtime: Default::default(),
+            weights: vec![],
+        })
+        .unwrap();
+        r
+    }
+
+    fn apply(r: &mut Registry, p: &ReplicaPlan) {
+        for c in &p.commands {
+            if let Command::SetDesiredReplicas { node_id, replicas } = c {
+                r.set_desired(node_id, replicas);
+            }
+        }
+    }
+
+    fn ids() -> impl FnMut(&str) -> String {
+        let mut n = 0;
+        move |m: &str| {
+            n += 1;
+            format!("{m}-{n}")
+        }
+    }
+
+    #[test]
+    fn floors_are_placed_spread_and_on_the_smallest_card_first() {
+        let f = fleet(&[("a", "L4", 2), ("b", "L4", 2), ("h", "H100-80GB", 8)]);
+        let mut r = registry(3);
+        let p = plan(&f, &r, &mut ids());
+        apply(&mut r, &p);
+        let on = |n: &str| r.desired.get(n).map_or(0, Vec::len);
+        assert_eq!(
+            (on("a"), on("b"), on("h")),
+            (2, 1, 0),
+            "L4 cards first, spread across a and b"
+        );
+        assert!(
+            plan(&f, &r, &mut ids()).commands.is_empty(),
+            "a second pass changes nothing"
+        );
+    }
+
+    #[test]
+    fn a_dead_nodes_replicas_are_placed_elsewhere_and_a_lower_floor_removes_extras() {
+        let mut f = fleet(&[("a", "L4", 2), ("b", "L4", 2)]);
+        let mut r = registry(2);
+        let p = plan(&f, &r, &mut ids());
+        apply(&mut r, &p);
+        assert_eq!(r.desired["a"].len() + r.desired["b"].len(), 2);
+        f.set_liveness("a", Liveness::Down).unwrap();
+        let p = plan(&f, &r, &mut ids());
+        apply(&mut r, &p);
+        assert!(!r.desired.contains_key("a"), "the dead node's placements are dropped");
+        assert_eq!(r.desired["b"].len(), 2, "and placed on the live node");
+        // The floor drops to 1: one replica goes.
+        r.classes.get_mut("speech").unwrap().warm_floor = 1;
+        let p = plan(&f, &r, &mut ids());
+        apply(&mut r, &p);
+        assert_eq!(r.desired["b"].len(), 1);
+    }
+
+    #[test]
+    fn no_room_is_reported_not_forced() {
+        let f = fleet(&[("a", "L4", 1)]);
+        let r = registry(5);
+        let p = plan(&f, &r, &mut ids());
+        assert_eq!(p.unplaced.len(), 1);
+        let Command::SetDesiredReplicas { replicas, .. } = &p.commands[0] else {
+            panic!("expected a placement")
+        };
+        assert_eq!(replicas.len(), 2, "two 10 GB replicas fit a 24 GB L4, no more");
+    }
+}
