@@ -7,6 +7,7 @@
 pub mod config;
 pub mod gpu;
 pub mod mig;
+pub mod placed;
 pub mod runtime;
 pub mod sim_model;
 pub mod supervisor;

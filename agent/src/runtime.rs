@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use laneway_proto::agent::agent_service_client::AgentServiceClient;
-use laneway_proto::agent::{DesiredReplica, GpuInfo, GpuStatus, Heartbeat, RegisterRequest, ReplicaReport};
+use laneway_proto::agent::{GpuInfo, GpuStatus, Heartbeat, RegisterRequest, ReplicaReport};
 use laneway_proto::LEADER_ADDR_METADATA;
 use rand::Rng;
 use tokio::sync::{mpsc, watch};
@@ -15,7 +15,8 @@ use tonic::transport::Endpoint;
 
 use crate::config::AgentConfig;
 use crate::gpu::GpuBackend;
-use crate::supervisor::{ReplicaSpec, ReplicaState, RuntimeSpec, Supervisor, SupervisorConfig};
+use crate::placed::Placed;
+use crate::supervisor::{ReplicaSpec, ReplicaState, Supervisor, SupervisorConfig};
 use crate::weight_cache::WeightCache;
 
 /// Byte budget of the weight cache when the config does not set one.
@@ -119,6 +120,7 @@ async fn heartbeat_loop(
     let mut redirect: Option<String> = None;
     let mut backoff = Duration::from_millis(100);
     let mut hops = 0u32;
+    let placed = Placed::new(sup.clone(), cache);
     loop {
         let addr = redirect
             .take()
@@ -128,7 +130,7 @@ async fn heartbeat_loop(
             backend.as_ref(),
             &sup,
             &statics,
-            &cache,
+            &placed,
             &addr,
             &view,
             &mut backoff,
@@ -165,7 +167,7 @@ async fn session(
     backend: &dyn GpuBackend,
     sup: &Arc<Supervisor>,
     statics: &[ReplicaSpec],
-    cache: &WeightCache,
+    placed: &Placed,
     addr: &str,
     view: &watch::Sender<AgentView>,
     backoff: &mut Duration,
@@ -234,29 +236,20 @@ async fn session(
     };
     // One heartbeat now, then one per interval, until the stream closes.
     let interval = cfg.heartbeat;
-    let blobs: Vec<String> = cache.contents().into_iter().map(|b| b.sha256).collect();
+    let blobs = || -> Vec<String> { placed.cache().contents().into_iter().map(|b| b.sha256).collect() };
     let mut seq = 1u64;
-    let first = heartbeat(
-        &cfg.node_id,
-        seq,
-        backend_snapshot(backend),
-        sup_snapshot(sup),
-        blobs.clone(),
-    );
+    let first = heartbeat(&cfg.node_id, seq, backend_snapshot(backend), sup_snapshot(sup), blobs());
     if tx.send(first).await.is_err() {
         return SessionEnd::Failed("stream closed".into());
     }
     let mut last_reply = tokio::time::Instant::now();
-    // Placed replicas whose spec the supervisor refused, so each is reported once, not on
-    // every heartbeat.
-    let mut refused: std::collections::HashSet<String> = std::collections::HashSet::new();
     let mut tick = tokio::time::interval(interval);
     tick.tick().await;
     loop {
         tokio::select! {
             _ = tick.tick() => {
                 seq += 1;
-                let hb = heartbeat(&cfg.node_id, seq, backend_snapshot(backend), sup_snapshot(sup), blobs.clone());
+                let hb = heartbeat(&cfg.node_id, seq, backend_snapshot(backend), sup_snapshot(sup), blobs());
                 if tx.send(hb).await.is_err() {
                     return SessionEnd::Failed("stream closed".into());
                 }
@@ -278,7 +271,7 @@ async fn session(
                         // replicas still draining when the drain was lifted come back too.
                         restart_stopped(sup, statics);
                         if ds.replicas_managed {
-                            reconcile(sup, statics, &ds.replicas, &mut refused);
+                            placed.reconcile(statics, &ds.replicas);
                         }
                     }
                     view.send_modify(|v| {
@@ -315,57 +308,6 @@ fn drain_all(sup: &Arc<Supervisor>) {
         tokio::spawn(async move {
             let _ = sup
                 .drain(&r.id, Arc::new(|| 0), Duration::ZERO, Duration::from_secs(10))
-                .await;
-        });
-    }
-}
-
-/// Runs exactly the replicas the controllers placed here (besides the static ones): starts
-/// the missing, drains the ones no longer placed.
-fn reconcile(
-    sup: &Arc<Supervisor>,
-    statics: &[ReplicaSpec],
-    desired: &[DesiredReplica],
-    refused: &mut std::collections::HashSet<String>,
-) {
-    let status = sup.status();
-    for d in desired {
-        let running = status.iter().any(|s| s.id == d.id && s.state != ReplicaState::Stopped);
-        if running {
-            continue;
-        }
-        let spec = ReplicaSpec {
-            id: d.id.clone(),
-            model: d.model.clone(),
-            device: d.device.clone(),
-            weights: None,
-            runtime: RuntimeSpec {
-                command: d.command.clone(),
-                env: d.env.clone().into_iter().collect(),
-                health_path: d.health_path.clone(),
-                warmup: None,
-                start_timeout_ms: d.start_timeout_ms,
-            },
-        };
-        if refused.contains(&d.id) {
-            continue;
-        }
-        tracing::info!(replica = %d.id, model = %d.model, device = %d.device, "starting a placed replica");
-        if let Err(e) = sup.start(spec) {
-            tracing::error!(replica = %d.id, model = %d.model, error = %e, "cannot start a placed replica; fix the model's runtime in the registry (`lanectl model register`)");
-            refused.insert(d.id.clone());
-        }
-    }
-    for s in status {
-        let placed = desired.iter().any(|d| d.id == s.id) || statics.iter().any(|st| st.id == s.id);
-        if placed || matches!(s.state, ReplicaState::Stopped | ReplicaState::Draining) {
-            continue;
-        }
-        tracing::info!(replica = %s.id, "replica no longer placed here: draining it");
-        let sup = sup.clone();
-        tokio::spawn(async move {
-            let _ = sup
-                .drain(&s.id, Arc::new(|| 0), Duration::ZERO, Duration::from_secs(10))
                 .await;
         });
     }

@@ -494,6 +494,15 @@ impl StateMachineStore {
                     env: m.runtime.env.clone().into_iter().collect(),
                     health_path: m.runtime.health_path.clone(),
                     start_timeout_ms: 60_000,
+                    weights: m
+                        .weights
+                        .iter()
+                        .map(|a| laneway_proto::agent::WeightArtifact {
+                            uri: a.uri.clone(),
+                            sha256: a.sha256.clone(),
+                            size_bytes: a.size_bytes,
+                        })
+                        .collect(),
                 })
             })
             .collect()

@@ -500,9 +500,15 @@ async fn warm_floor_replicas_are_placed_served_and_moved_off_a_dead_node() {
         .as_str()
         .unwrap()
         .to_string();
+    // Weights the agents fetch into their cache (and pin) before starting a placed replica.
+    let weights = root.path().join("echo-weights.bin");
+    let content = "echo weights v1";
+    std::fs::write(&weights, content).unwrap();
+    let sha = laneway_control::registry::hash_key(content);
     let model = serde_json::json!({
         "name": "echo",
         "class": "speech",
+        "weights": [{"uri": format!("file://{}", weights.display()), "sha256": sha, "size_bytes": content.len()}],
         "profiles": {"L4": {"service_ms": 10, "max_batch": 4, "gpu_memory_gb": 6}},
         "runtime": {"command": [
             sim_model_bin().display().to_string(), "--listen", "127.0.0.1:{port}", "--model", "{model}",
@@ -528,6 +534,10 @@ async fn warm_floor_replicas_are_placed_served_and_moved_off_a_dead_node() {
         vec!["gpu-a".to_string(), "gpu-b".to_string()],
         "spread across nodes"
     );
+    for node in ["gpu-a", "gpu-b"] {
+        let blob = root.path().join(node).join("cache").join("blobs").join(&sha);
+        assert!(blob.exists(), "{node} fetched the weights before starting");
+    }
     let http = reqwest::Client::builder()
         .pool_idle_timeout(Duration::from_secs(2))
         .build()
