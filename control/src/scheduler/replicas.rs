@@ -165,9 +165,21 @@ pub fn plan(fleet: &Fleet, registry: &Registry, new_id: &mut dyn FnMut(&str) -> 
         if missing == 0 {
             continue;
         }
+        let products = products_by_size(m, &card_mb);
+        if products.is_empty() {
+            let listed: Vec<&str> = m.profiles.keys().map(String::as_str).collect();
+            unplaced.push(Unplaced {
+                model: m.name.clone(),
+                reason: format!(
+                    "no schedulable node has a GPU product the model lists ({})",
+                    listed.join(", ")
+                ),
+            });
+            continue;
+        }
         let req = Request {
             model: m.name.clone(),
-            products: products_by_size(m, &card_mb),
+            products,
             tolerations: vec![],
         };
         for _ in 0..missing {
