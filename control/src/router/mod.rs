@@ -543,6 +543,22 @@ impl Router {
         out
     }
 
+    /// Load per model on this router: requests on its replicas and waiting in its lane.
+    pub fn model_load(&self) -> HashMap<String, crate::scheduler::autoscale::ModelLoad> {
+        let table = self.table();
+        table
+            .models
+            .values()
+            .map(|m| {
+                let load = crate::scheduler::autoscale::ModelLoad {
+                    in_flight: m.replicas.iter().map(|s| s.load()).sum(),
+                    waiting: m.lane.lock().waiting_for(&m.name) as u32,
+                };
+                (m.name.clone(), load)
+            })
+            .collect()
+    }
+
     /// Live state of every lane on this router.
     pub fn lane_status(&self) -> Vec<LaneStatus> {
         let now = Instant::now();

@@ -1,6 +1,7 @@
 //! Scheduling decisions (issue #6), each a pure function of state, observations and time whose
 //! output is committed through Raft by a leader-only actor. Placement is the first of them.
 
+pub mod autoscale;
 pub mod placement;
 pub mod replicas;
 pub mod warm_floor_loop;

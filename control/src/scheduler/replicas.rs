@@ -3,8 +3,8 @@
 //! and placed again elsewhere; models removed from the registry lose theirs. The output is one
 //! `SetDesiredReplicas` per node whose set changed, for the leader to commit.
 //!
-//! (Scaling above the floor from load is the fast loop's, issue #6; it will feed the same
-//! placement step with a higher target.)
+//! Scaling above the floor comes from the fast loop ([`super::autoscale`]) as a target per
+//! model; this step places (or removes) replicas to meet it.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -51,8 +51,14 @@ fn products_by_size(model: &Model, card_mb: &HashMap<String, u32>) -> Vec<Produc
     fits
 }
 
-/// Plans the placed replicas. `new_id` names a new replica of a model.
-pub fn plan(fleet: &Fleet, registry: &Registry, new_id: &mut dyn FnMut(&str) -> String) -> ReplicaPlan {
+/// Plans the placed replicas. `targets` are the fast loop's replica counts per model (the warm
+/// floor when absent or lower); `new_id` names a new replica of a model.
+pub fn plan(
+    fleet: &Fleet,
+    registry: &Registry,
+    targets: &HashMap<String, usize>,
+    new_id: &mut dyn FnMut(&str) -> String,
+) -> ReplicaPlan {
     // Keep what still stands: schedulable or cordoned (cordon stops new work only) live nodes,
     // models still registered.
     let mut desired: BTreeMap<String, Vec<DesiredReplica>> = BTreeMap::new();
@@ -71,8 +77,11 @@ pub fn plan(fleet: &Fleet, registry: &Registry, new_id: &mut dyn FnMut(&str) -> 
         }
     }
 
-    // Targets: the class's warm floor per model.
-    let target = |m: &Model| registry.classes.get(&m.class).map_or(0, |c| c.warm_floor as usize);
+    // Targets: the fast loop's, never below the class's warm floor.
+    let target = |m: &Model| {
+        let floor = registry.classes.get(&m.class).map_or(0, |c| c.warm_floor as usize);
+        targets.get(&m.name).copied().unwrap_or(0).max(floor)
+    };
     let mut count: HashMap<String, usize> = HashMap::new();
     for r in desired.values().flatten() {
         *count.entry(r.model.clone()).or_default() += 1;
@@ -297,7 +306,7 @@ mod tests {
     fn floors_are_placed_spread_and_on_the_smallest_card_first() {
         let f = fleet(&[("a", "L4", 2), ("b", "L4", 2), ("h", "H100-80GB", 8)]);
         let mut r = registry(3);
-        let p = plan(&f, &r, &mut ids());
+        let p = plan(&f, &r, &HashMap::new(), &mut ids());
         apply(&mut r, &p);
         let on = |n: &str| r.desired.get(n).map_or(0, Vec::len);
         assert_eq!(
@@ -306,7 +315,7 @@ mod tests {
             "L4 cards first, spread across a and b"
         );
         assert!(
-            plan(&f, &r, &mut ids()).commands.is_empty(),
+            plan(&f, &r, &HashMap::new(), &mut ids()).commands.is_empty(),
             "a second pass changes nothing"
         );
     }
@@ -315,17 +324,17 @@ mod tests {
     fn a_dead_nodes_replicas_are_placed_elsewhere_and_a_lower_floor_removes_extras() {
         let mut f = fleet(&[("a", "L4", 2), ("b", "L4", 2)]);
         let mut r = registry(2);
-        let p = plan(&f, &r, &mut ids());
+        let p = plan(&f, &r, &HashMap::new(), &mut ids());
         apply(&mut r, &p);
         assert_eq!(r.desired["a"].len() + r.desired["b"].len(), 2);
         f.set_liveness("a", Liveness::Down).unwrap();
-        let p = plan(&f, &r, &mut ids());
+        let p = plan(&f, &r, &HashMap::new(), &mut ids());
         apply(&mut r, &p);
         assert!(!r.desired.contains_key("a"), "the dead node's placements are dropped");
         assert_eq!(r.desired["b"].len(), 2, "and placed on the live node");
         // The floor drops to 1: one replica goes.
         r.classes.get_mut("speech").unwrap().warm_floor = 1;
-        let p = plan(&f, &r, &mut ids());
+        let p = plan(&f, &r, &HashMap::new(), &mut ids());
         apply(&mut r, &p);
         assert_eq!(r.desired["b"].len(), 1);
     }
@@ -334,7 +343,7 @@ mod tests {
     fn no_room_is_reported_not_forced() {
         let f = fleet(&[("a", "L4", 1)]);
         let r = registry(5);
-        let p = plan(&f, &r, &mut ids());
+        let p = plan(&f, &r, &HashMap::new(), &mut ids());
         assert_eq!(p.unplaced.len(), 1);
         let Command::SetDesiredReplicas { replicas, .. } = &p.commands[0] else {
             panic!("expected a placement")

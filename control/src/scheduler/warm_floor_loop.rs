@@ -1,11 +1,22 @@
-//! The leader's placement loop: once a second, plan the replicas (warm floors, re-placement
-//! off dead or draining nodes) from the applied state and commit the changes through Raft.
+//! The leader's placement loop: once a second, decide each model's replica count from its load
+//! (the fast loop, [`crate::scheduler::autoscale`]), plan the replicas (targets, warm floors,
+//! re-placement off dead or draining nodes) from the applied state, and commit the changes
+//! through Raft.
+//!
+//! Load comes from this controller's router; the other controllers' routers do not report
+//! theirs yet, so with several routers the leader sees only its share (issue #6).
 //! Every decision is committed before an agent acts on it, so a new leader continues from the
 //! same intent; the next pass reads the applied result, so nothing is placed twice.
 
 use std::time::Duration;
 
+use std::collections::HashMap;
+
+use tokio::time::Instant;
+
 use crate::context::Context;
+use crate::registry::{LaneKind, Registry};
+use crate::scheduler::autoscale::{Inputs, ScaleState};
 use crate::scheduler::replicas;
 
 /// How often the leader plans.
@@ -16,6 +27,7 @@ pub async fn run(ctx: Context) {
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last_unplaced = Vec::new();
+    let mut scale = ScaleState::default();
     loop {
         tick.tick().await;
         if !ctx.is_leader() {
@@ -23,7 +35,8 @@ pub async fn run(ctx: Context) {
         }
         let (fleet, registry) = ctx.sm.routing_inputs();
         let mut new_id = |model: &str| format!("{model}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
-        let plan = replicas::plan(&fleet, &registry, &mut new_id);
+        let targets = fast_loop(&ctx, &registry, &mut scale, Instant::now());
+        let plan = replicas::plan(&fleet, &registry, &targets, &mut new_id);
         let unplaced: Vec<String> = plan
             .unplaced
             .iter()
@@ -49,4 +62,42 @@ pub async fn run(ctx: Context) {
             }
         }
     }
+}
+
+/// The fast loop: a replica count per model of a sync or bounded lane from its load.
+fn fast_loop(ctx: &Context, registry: &Registry, scale: &mut ScaleState, now: Instant) -> HashMap<String, usize> {
+    let load = ctx.router.model_load();
+    let mut targets = HashMap::new();
+    for m in registry.models.values() {
+        let Some(class) = registry.classes.get(&m.class) else {
+            continue;
+        };
+        if class.lane == LaneKind::Durable {
+            // Durable lanes scale from their job queue (issue #5).
+            continue;
+        }
+        let placed: Vec<u32> = registry
+            .desired
+            .values()
+            .flatten()
+            .filter(|r| r.model == m.name)
+            .map(|r| m.profiles.get(&r.product).map_or(1, |p| p.max_batch))
+            .collect();
+        if placed.is_empty() {
+            continue;
+        }
+        let inputs = Inputs {
+            load: load.get(&m.name).copied().unwrap_or_default(),
+            current: placed.len(),
+            slots_per_replica: placed.iter().sum::<u32>() / placed.len() as u32,
+            target: f64::from(class.utilisation_target_pct) / 100.0,
+            floor: class.warm_floor as usize,
+        };
+        let d = scale.decide(&m.name, &inputs, now);
+        if d.desired != inputs.current {
+            tracing::info!(model = %m.name, from = inputs.current, to = d.desired, reason = %d.reason, "scaling");
+        }
+        targets.insert(m.name.clone(), d.desired);
+    }
+    targets
 }
