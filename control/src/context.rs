@@ -21,6 +21,8 @@ pub struct Context {
     pub heartbeats: Arc<HeartbeatTable>,
     /// This controller's inference router (its live lane state is reported by the admin API).
     pub router: Arc<crate::router::Router>,
+    /// Load reports of every controller's router (read by the leader's fast loop).
+    pub load: Arc<crate::scheduler::load_board::LoadBoard>,
 }
 
 impl Context {

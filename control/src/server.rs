@@ -142,6 +142,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         proposer: Proposer::start(raft.clone()),
         heartbeats: Arc::new(HeartbeatTable::default()),
         router: Router::new(sm.clone()),
+        load: Arc::default(),
     };
     let router = ctx.router.clone();
     let router_task = router.start();
@@ -162,7 +163,15 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         AdminServiceServer::new(AdminGrpc::new(ctx.clone())).max_decoding_message_size(cfg.max_admin_request_bytes);
     let agent_svc =
         AgentServiceServer::new(AgentGrpc::new(ctx.clone())).max_decoding_message_size(cfg.max_admin_request_bytes);
-    let placement = tokio::spawn(crate::scheduler::warm_floor_loop::run(ctx.clone()));
+    let placement = tokio::spawn({
+        let ctx = ctx.clone();
+        async move {
+            tokio::join!(
+                crate::scheduler::warm_floor_loop::run(ctx.clone()),
+                crate::scheduler::warm_floor_loop::report(ctx)
+            );
+        }
+    });
     let monitor = tokio::spawn(monitor::run(ctx, cfg.node_dead_after));
 
     let (tx, rx) = oneshot::channel::<()>();

@@ -13,8 +13,8 @@ use laneway_proto::admin::{
     SnapshotRequest, StatusRequest, WriteReply,
 };
 use laneway_proto::admin::{
-    CreateTenantRequest, DocumentsReply, LaneStatusRequest, ListRegistryRequest, NameRequest, PutDocumentRequest,
-    SetTenantLimitRequest, TenantKeyReply,
+    CreateTenantRequest, DocumentsReply, LaneStatusRequest, ListRegistryRequest, LoadReport, LoadReportReply,
+    NameRequest, PutDocumentRequest, SetTenantLimitRequest, TenantKeyReply,
 };
 use openraft::error::{ForwardToLeader, RaftError};
 use openraft::{ChangeMembers, ServerState};
@@ -68,6 +68,7 @@ pub struct AdminGrpc {
     proposer: Proposer,
     heartbeats: Arc<HeartbeatTable>,
     router: Arc<crate::router::Router>,
+    load: Arc<crate::scheduler::load_board::LoadBoard>,
     /// Connections to other controllers (a follower asks the leader for read indexes).
     peers: AdminClient,
     /// One membership change at a time from this controller, so a concurrent `remove` and
@@ -87,9 +88,11 @@ impl AdminGrpc {
             proposer,
             heartbeats,
             router,
+            load,
         } = ctx;
         AdminGrpc {
             router,
+            load,
             proposer,
             heartbeats,
             peers: AdminClient::new(Vec::new()).with_call_timeout(READ_INDEX_TIMEOUT),
@@ -493,6 +496,40 @@ impl AdminService for AdminGrpc {
             })
             .await?,
         ))
+    }
+
+    async fn report_load(&self, req: Request<LoadReport>) -> Result<Response<LoadReportReply>, Status> {
+        let m = self.metrics();
+        if m.current_leader != Some(self.node_id) {
+            let leader = m
+                .current_leader
+                .and_then(|id| Some((id, m.membership_config.membership().get_node(&id)?.addr.clone())));
+            return Err(match leader {
+                Some((leader_id, leader_addr)) => AdminError::NotLeader {
+                    node_id: self.node_id,
+                    leader_id,
+                    leader_addr,
+                },
+                None => AdminError::NoLeader { node_id: self.node_id },
+            }
+            .into());
+        }
+        let r = req.into_inner();
+        let load = r
+            .models
+            .into_iter()
+            .map(|l| {
+                (
+                    l.model,
+                    crate::scheduler::autoscale::ModelLoad {
+                        in_flight: l.in_flight,
+                        waiting: l.waiting,
+                    },
+                )
+            })
+            .collect();
+        self.load.record(r.controller_id, load, tokio::time::Instant::now());
+        Ok(Response::new(LoadReportReply {}))
     }
 
     async fn lane_status(&self, req: Request<LaneStatusRequest>) -> Result<Response<DocumentsReply>, Status> {

@@ -2,6 +2,7 @@
 //! output is committed through Raft by a leader-only actor. Placement is the first of them.
 
 pub mod autoscale;
+pub mod load_board;
 pub mod placement;
 pub mod replicas;
 pub mod warm_floor_loop;

@@ -3,8 +3,8 @@
 //! re-placement off dead or draining nodes) from the applied state, and commit the changes
 //! through Raft.
 //!
-//! Load comes from this controller's router; the other controllers' routers do not report
-//! theirs yet, so with several routers the leader sees only its share (issue #6).
+//! Load comes from every controller's router: each reports its own once a second ([`report`]),
+//! the leader's straight into the board, the others' through the admin API.
 //! Every decision is committed before an agent acts on it, so a new leader continues from the
 //! same intent; the next pass reads the applied result, so nothing is placed twice.
 
@@ -66,7 +66,7 @@ pub async fn run(ctx: Context) {
 
 /// The fast loop: a replica count per model of a sync or bounded lane from its load.
 fn fast_loop(ctx: &Context, registry: &Registry, scale: &mut ScaleState, now: Instant) -> HashMap<String, usize> {
-    let load = ctx.router.model_load();
+    let load = ctx.load.total(now);
     let mut targets = HashMap::new();
     for m in registry.models.values() {
         let Some(class) = registry.classes.get(&m.class) else {
@@ -100,4 +100,41 @@ fn fast_loop(ctx: &Context, registry: &Registry, scale: &mut ScaleState, now: In
         targets.insert(m.name.clone(), d.desired);
     }
     targets
+}
+
+/// Reports this controller's router load to the leader once a second, for the fast loop.
+pub async fn report(ctx: Context) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let leaders = crate::client::AdminClient::new(Vec::new()).with_call_timeout(Duration::from_millis(500));
+    loop {
+        tick.tick().await;
+        let load = ctx.router.model_load();
+        match ctx.leader() {
+            Some((id, _)) if id == ctx.node_id => ctx.load.record(ctx.node_id, load, Instant::now()),
+            Some((_, addr)) => {
+                let report = laneway_proto::admin::LoadReport {
+                    controller_id: ctx.node_id,
+                    models: load
+                        .into_iter()
+                        .map(|(model, l)| laneway_proto::admin::ModelLoadReport {
+                            model,
+                            in_flight: l.in_flight,
+                            waiting: l.waiting,
+                        })
+                        .collect(),
+                };
+                let sent = leaders
+                    .call_one(&addr, |mut c| {
+                        let report = report.clone();
+                        async move { c.report_load(report).await }
+                    })
+                    .await;
+                if let Err(e) = sent {
+                    tracing::debug!(leader = %addr, error = %e, "load report not delivered; the next one follows in a second");
+                }
+            }
+            None => {}
+        }
+    }
 }

@@ -583,3 +583,97 @@ async fn warm_floor_replicas_are_placed_served_and_moved_off_a_dead_node() {
     }
     b.stop();
 }
+
+/// The fast loop counts load at every controller's router, not only the leader's: requests
+/// held at a follower's router scale the model up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_at_a_followers_router_scales_the_model_up() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes: Vec<Node> = (1..=3).map(|id| Node::new(root.path(), id)).collect();
+    let client = form_cluster(&mut nodes).await;
+    let addr = nodes[0].addr.clone();
+    lanectl(
+        &addr,
+        &[
+            "lane",
+            "set",
+            "speech",
+            "--lane",
+            "sync",
+            "--warm-floor",
+            "1",
+            "--target-pct",
+            "50",
+        ],
+    );
+    let key = lanectl(&addr, &["tenant", "create", "t1"])["api_key"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let model = serde_json::json!({
+        "name": "slow",
+        "class": "speech",
+        "profiles": {"L4": {"service_ms": 3000, "max_batch": 4, "gpu_memory_gb": 6}},
+        "runtime": {"command": [
+            sim_model_bin().display().to_string(), "--listen", "127.0.0.1:{port}", "--model", "{model}",
+            "--product", "{product}", "--service-ms", "L4=3000", "--max-batch", "{max_batch}", "--batch-window-ms", "1"
+        ]},
+    });
+    let file = root.path().join("slow.json");
+    std::fs::write(&file, model.to_string()).unwrap();
+    let controllers: Vec<String> = nodes.iter().map(|n| n.addr.clone()).collect();
+    let a = agent("gpu-a", "L4", controllers, root.path(), vec![]).await;
+    let _reaper = Reaper(a.supervisor.clone());
+    lanectl(&addr, &["model", "register", "--file", file.to_str().unwrap()]);
+    wait_for("the floor's replica ready", Duration::from_secs(30), || async {
+        ready_nodes(&client, "slow").await.filter(|n| n.len() == 1)
+    })
+    .await;
+
+    let leader = client
+        .call(|mut c| async move { c.status(laneway_proto::admin::StatusRequest {}).await })
+        .await
+        .unwrap()
+        .leader_id;
+    let follower = nodes.iter().find(|n| n.id != leader).unwrap();
+    let url = format!("http://{}/v2/models/slow/infer", follower.router_addr);
+    let http = reqwest::Client::new();
+    wait_for("the follower routes the model", Duration::from_secs(10), || async {
+        let r = http
+            .get(format!("http://{}/v2/models/slow/ready", follower.router_addr))
+            .bearer_auth(&key)
+            .send()
+            .await
+            .ok()?;
+        (r.status() == 200).then_some(())
+    })
+    .await;
+    // Four requests of 3 s on one replica of 4 slots at a 50% target need two replicas.
+    let held: Vec<_> = (0..4)
+        .map(|_| {
+            let (http, url, key) = (http.clone(), url.clone(), key.clone());
+            tokio::spawn(async move {
+                http.post(url)
+                    .bearer_auth(key)
+                    .body(BODY)
+                    .send()
+                    .await
+                    .map(|r| r.status())
+            })
+        })
+        .collect();
+    wait_for("a second replica placed and ready", Duration::from_secs(30), || async {
+        ready_nodes(&client, "slow").await.filter(|n| n.len() == 2)
+    })
+    .await;
+    for h in held {
+        assert_eq!(h.await.unwrap().unwrap(), 200);
+    }
+    for r in a.supervisor.status() {
+        let _ = a
+            .supervisor
+            .drain(&r.id, Arc::new(|| 0), Duration::from_secs(1), Duration::from_secs(2))
+            .await;
+    }
+    a.stop();
+}
