@@ -656,12 +656,11 @@ mod tests {
     /// replica and the dead one is skipped from then on.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_request_that_never_reached_its_replica_is_retried_elsewhere() {
-        use crate::fleet::{Fleet, GpuRecord, NodeRegistration};
-        use crate::registry::{Class, LaneKind, Millis, Model, Profile, Registry, ReplicaRecord, Tenant};
+        use crate::registry::{ReplicaRecord, Tenant};
         use laneway_agent::sim_model::{self, SimModelConfig};
 
         let sim = sim_model::app(SimModelConfig {
-            model: "m".into(),
+            model: "whisper".into(),
             product: "L4".into(),
             service_ms: [("L4".to_string(), 5.0)].into(),
             max_batch: 4,
@@ -677,52 +676,7 @@ mod tests {
             .local_addr()
             .unwrap();
 
-        let mut fleet = Fleet::default();
-        fleet
-            .register(&NodeRegistration {
-                node_id: "n1".into(),
-                hostname: "n1".into(),
-                pool: "l4".into(),
-                labels: Default::default(),
-                gpus: vec![GpuRecord {
-                    uuid: "GPU-1".into(),
-                    product: "L4".into(),
-                    memory_bytes: 1,
-                    mig_capable: false,
-                }],
-                replica_host: "127.0.0.1".into(),
-            })
-            .unwrap();
-        let mut reg = Registry::default();
-        let class = Class {
-            name: "speech".into(),
-            lane: LaneKind::Sync,
-            utilisation_target_pct: 60,
-            budget_ms: Millis(0),
-            warm_floor: 0,
-            protection_rank: 0,
-            request_timeout_ms: Millis::from_ms(5000.0),
-            degraded: None,
-        };
-        reg.put_class(&class).unwrap();
-        reg.put_model(&Model {
-            name: "m".into(),
-            class: "speech".into(),
-            version: "1".into(),
-            profiles: [(
-                "L4".to_string(),
-                Profile {
-                    service_ms: Millis::from_ms(5.0),
-                    max_batch: 4,
-                    gpu_memory_gb: 1,
-                    mig_profiles: vec![],
-                },
-            )]
-            .into(),
-            runtime: Default::default(),
-            weights: vec![],
-        })
-        .unwrap();
+        let (fleet, mut reg) = super::super::table::test_fixture();
         reg.create_tenant(&Tenant {
             name: "t".into(),
             key_sha256: hash_key("k"),
@@ -731,7 +685,7 @@ mod tests {
         .unwrap();
         let replica = |id: &str, addr: SocketAddr| ReplicaRecord {
             id: id.into(),
-            model: "m".into(),
+            model: "whisper".into(),
             device: "GPU-1".into(),
             state: "ready".into(),
             endpoint: addr.to_string(),
@@ -741,10 +695,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let router = Router::new(crate::store::StateMachineStore::open(dir.path()).unwrap());
         router.install(super::super::table::build(&fleet, &reg, &Default::default()));
-        let lane = router.table().models["m"].lane.clone();
+        let lane = router.table().models["whisper"].lane.clone();
         // One request already on the live replica: power of two choices now prefers the dead one.
         let table = router.table();
-        let slots = &table.models["m"].replicas;
+        let slots = &table.models["whisper"].replicas;
         let live_slot = slots.iter().find(|s| s.name == "n1/live").unwrap();
         let dead_slot = slots.iter().find(|s| s.name == "n1/dead").unwrap();
         assert!(live_slot.try_acquire());
@@ -756,7 +710,7 @@ mod tests {
         )
         .unwrap();
         let resp = reqwest::Client::new()
-            .post(format!("http://{}/v2/models/m/infer", server.addr))
+            .post(format!("http://{}/v2/models/whisper/infer", server.addr))
             .bearer_auth("k")
             .body(r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#)
             .send()
@@ -770,7 +724,7 @@ mod tests {
         // The dead replica is skipped from now on: no more retries.
         for _ in 0..5 {
             let r = reqwest::Client::new()
-                .post(format!("http://{}/v2/models/m/infer", server.addr))
+                .post(format!("http://{}/v2/models/whisper/infer", server.addr))
                 .bearer_auth("k")
                 .body(r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#)
                 .send()

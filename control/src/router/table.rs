@@ -245,6 +245,61 @@ pub fn slot_key(slot: &ReplicaSlot) -> String {
     format!("{}@{}#{}", slot.name, slot.endpoint, slot.max_in_flight)
 }
 
+/// One L4 node (`n1`, `GPU-1`, replicas dialled on 127.0.0.1), a sync class `speech` and a
+/// model `whisper` (20 ms, batch 4): the fixture of the router's unit tests.
+#[cfg(test)]
+pub fn test_fixture() -> (Fleet, Registry) {
+    use crate::fleet::{GpuRecord, NodeRegistration};
+    use crate::registry::{LaneKind, Millis, Model, Profile};
+    let mut fleet = Fleet::default();
+    fleet
+        .register(&NodeRegistration {
+            node_id: "n1".into(),
+            hostname: "n1".into(),
+            pool: "l4".into(),
+            labels: Default::default(),
+            gpus: vec![GpuRecord {
+                uuid: "GPU-1".into(),
+                product: "L4".into(),
+                memory_bytes: 1,
+                mig_capable: false,
+            }],
+            replica_host: "127.0.0.1".into(),
+        })
+        .unwrap();
+    let mut reg = Registry::default();
+    reg.put_class(&Class {
+        name: "speech".into(),
+        lane: LaneKind::Sync,
+        utilisation_target_pct: 60,
+        budget_ms: Millis(0),
+        warm_floor: 1,
+        protection_rank: 0,
+        request_timeout_ms: Millis::from_ms(1000.0),
+        degraded: None,
+    })
+    .unwrap();
+    reg.put_model(&Model {
+        name: "whisper".into(),
+        class: "speech".into(),
+        version: "1".into(),
+        profiles: [(
+            "L4".to_string(),
+            Profile {
+                service_ms: Millis::from_ms(20.0),
+                max_batch: 4,
+                gpu_memory_gb: 1,
+                mig_profiles: vec![],
+            },
+        )]
+        .into(),
+        runtime: Default::default(),
+        weights: vec![],
+    })
+    .unwrap();
+    (fleet, reg)
+}
+
 /// A free slot for unit tests.
 #[cfg(test)]
 pub fn test_slot(model: &str, max_in_flight: u32) -> Arc<ReplicaSlot> {
@@ -266,56 +321,10 @@ pub fn test_slot(model: &str, max_in_flight: u32) -> Arc<ReplicaSlot> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fleet::{GpuRecord, NodeRegistration};
-    use crate::registry::{LaneKind, Millis, Model, Profile, ReplicaRecord};
+    use crate::registry::ReplicaRecord;
 
     fn setup() -> (Fleet, Registry) {
-        let mut fleet = Fleet::default();
-        fleet
-            .register(&NodeRegistration {
-                node_id: "n1".into(),
-                hostname: "n1".into(),
-                pool: "l4".into(),
-                labels: Default::default(),
-                gpus: vec![GpuRecord {
-                    uuid: "GPU-1".into(),
-                    product: "L4".into(),
-                    memory_bytes: 1,
-                    mig_capable: false,
-                }],
-                replica_host: String::new(),
-            })
-            .unwrap();
-        let mut reg = Registry::default();
-        reg.put_class(&Class {
-            name: "speech".into(),
-            lane: LaneKind::Sync,
-            utilisation_target_pct: 60,
-            budget_ms: Millis(0),
-            warm_floor: 1,
-            protection_rank: 0,
-            request_timeout_ms: Millis::from_ms(1000.0),
-            degraded: None,
-        })
-        .unwrap();
-        reg.put_model(&Model {
-            name: "whisper".into(),
-            class: "speech".into(),
-            version: "1".into(),
-            profiles: [(
-                "L4".to_string(),
-                Profile {
-                    service_ms: Millis::from_ms(20.0),
-                    max_batch: 4,
-                    gpu_memory_gb: 1,
-                    mig_profiles: vec![],
-                },
-            )]
-            .into(),
-            runtime: Default::default(),
-            weights: vec![],
-        })
-        .unwrap();
+        let (fleet, mut reg) = test_fixture();
         let replica = |id: &str, state: &str| ReplicaRecord {
             id: id.into(),
             model: "whisper".into(),

@@ -23,6 +23,21 @@ pub fn lanectl_bin() -> &'static str {
     env!("CARGO_BIN_EXE_lanectl")
 }
 
+/// Runs lanectl against the controller at `addr`; panics with its stderr if it fails.
+pub fn lanectl_ok(addr: &str, args: &[&str]) -> std::process::Output {
+    let out = Command::new(lanectl_bin())
+        .args(["--addr", addr])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "lanectl {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
 /// A port that was free a moment ago.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()

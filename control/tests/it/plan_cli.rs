@@ -69,19 +69,7 @@ async fn plan_from_cluster_uses_the_registry() {
     let mut nodes = vec![super::harness::Node::new(root.path(), 1)];
     super::agents::form_cluster(&mut nodes).await;
     let addr = nodes[0].addr.clone();
-    let ctl = |args: &[&str]| {
-        let out = Command::new(lanectl_bin())
-            .args(["--addr", &addr])
-            .args(args)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        out
-    };
+    let ctl = |args: &[&str]| super::harness::lanectl_ok(&addr, args);
     ctl(&["lane", "set", "speech", "--lane", "sync", "--warm-floor", "5"]);
     ctl(&[
         "lane",

@@ -15,7 +15,7 @@ use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::agents::{agent, form_cluster};
-use super::harness::{lanectl_bin, wait_for, Node};
+use super::harness::{lanectl_ok, wait_for, Node};
 
 const BODY: &str = r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1.0]}]}"#;
 
@@ -70,17 +70,8 @@ fn sim_replica(id: &str, model: &str, service_ms: u32, max_batch: u32, gpu: u32,
 
 /// Runs lanectl against the controller and returns its JSON output.
 fn lanectl(addr: &str, args: &[&str]) -> Value {
-    let out = std::process::Command::new(lanectl_bin())
-        .args(["--addr", addr, "-o", "json"])
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "lanectl {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
+    let args: Vec<&str> = ["-o", "json"].iter().chain(args).copied().collect();
+    serde_json::from_slice(&lanectl_ok(addr, &args).stdout).unwrap_or(Value::Null)
 }
 
 /// Kills every replica process of a supervisor when dropped, so a failing test does not leave
@@ -125,6 +116,15 @@ impl Env {
 
     async fn infer(&self, model: &str) -> reqwest::Response {
         self.post(model, BODY, Some(&self.key)).await
+    }
+
+    /// Sends requests until one is answered `status` (within 5 s) and returns it.
+    async fn wait_status(&self, model: &str, status: u16, what: &str) -> reqwest::Response {
+        wait_for(what, Duration::from_secs(5), || async {
+            let r = self.infer(model).await;
+            (r.status() == status).then_some(r)
+        })
+        .await
     }
 
     /// Waits until `n` replicas of `model` are committed ready (registered or not).
@@ -244,11 +244,7 @@ async fn a_new_model_serves_right_after_register_and_p2c_spreads_the_load() {
             "L4=20:4",
         ],
     );
-    let served = wait_for("echo to be served", Duration::from_secs(5), || async {
-        let r = e.infer("echo").await;
-        (r.status() == 200).then_some(r)
-    })
-    .await;
+    let served = e.wait_status("echo", 200, "echo to be served").await;
     assert_eq!(served.headers()["x-laneway-lane"], "sync");
     assert_eq!(served.headers()["x-laneway-class"], "speech");
     assert!(served.headers().contains_key("x-request-id"));
@@ -303,10 +299,7 @@ async fn bad_input_gets_a_clear_status_and_sync_refuses_instead_of_queueing() {
         ],
     );
     e.wait_replicas("slow", 1).await;
-    wait_for("slow to be served", Duration::from_secs(5), || async {
-        (e.infer("slow").await.status() == 200).then_some(())
-    })
-    .await;
+    e.wait_status("slow", 200, "slow to be served").await;
 
     let r = e.post("slow", BODY, None).await;
     assert_eq!(r.status(), 401);
@@ -371,11 +364,7 @@ async fn bad_input_gets_a_clear_status_and_sync_refuses_instead_of_queueing() {
             "1",
         ],
     );
-    let limited = wait_for("the rate limit to apply", Duration::from_secs(5), || async {
-        let r = e.infer("slow").await;
-        (r.status() == 429).then_some(r)
-    })
-    .await;
+    let limited = e.wait_status("slow", 429, "the rate limit to apply").await;
     assert!(limited.headers().contains_key("retry-after"));
     assert!(limited.text().await.unwrap().contains("over its rate"));
 
@@ -413,10 +402,7 @@ async fn a_replica_crash_mid_load_retries_only_undelivered_requests_and_nothing_
         ],
     );
     e.wait_replicas("img", 2).await;
-    wait_for("img to be served", Duration::from_secs(5), || async {
-        (e.infer("img").await.status() == 200).then_some(())
-    })
-    .await;
+    e.wait_status("img", 200, "img to be served").await;
     let mut tasks = Vec::new();
     for _ in 0..8 {
         let (http, base, key) = (e.http.clone(), e.base.clone(), e.key.clone());
