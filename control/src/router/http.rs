@@ -274,16 +274,20 @@ async fn ready(State(router): State<Arc<Router>>) -> StatusCode {
     }
 }
 
-async fn metadata(State(router): State<Arc<Router>>, Path(model): Path<String>, headers: HeaderMap) -> Response {
+/// The request's metadata, its tenant checked and its model looked up (the GET paths).
+fn authorized(router: &Router, model: &str, headers: &HeaderMap) -> Result<(Meta, Arc<ModelRoute>), Response> {
     let mut meta = Meta {
-        request_id: request_id(&headers),
+        request_id: request_id(headers),
         ..Meta::default()
     };
-    if let Err(r) = authenticate(&router, &headers, &meta) {
-        return r;
-    }
-    let route = match lookup(&router, &model, &mut meta) {
-        Ok(r) => r,
+    authenticate(router, headers, &meta)?;
+    let route = lookup(router, model, &mut meta)?;
+    Ok((meta, route))
+}
+
+async fn metadata(State(router): State<Arc<Router>>, Path(model): Path<String>, headers: HeaderMap) -> Response {
+    let (meta, route) = match authorized(&router, &model, &headers) {
+        Ok(x) => x,
         Err(r) => return r,
     };
     let mut r = Json(json!({
@@ -300,26 +304,20 @@ async fn metadata(State(router): State<Arc<Router>>, Path(model): Path<String>, 
 }
 
 async fn model_ready(State(router): State<Arc<Router>>, Path(model): Path<String>, headers: HeaderMap) -> Response {
-    let mut meta = Meta {
-        request_id: request_id(&headers),
-        ..Meta::default()
+    let (meta, route) = match authorized(&router, &model, &headers) {
+        Ok(x) => x,
+        Err(r) => return r,
     };
-    if let Err(r) = authenticate(&router, &headers, &meta) {
-        return r;
-    }
-    match lookup(&router, &model, &mut meta) {
-        Ok(route) if !route.replicas.is_empty() => {
-            let mut r = StatusCode::OK.into_response();
-            stamp(r.headers_mut(), &meta);
-            r
-        }
-        Ok(_) => error(
+    if route.replicas.is_empty() {
+        return error(
             StatusCode::SERVICE_UNAVAILABLE,
             format!("model {model} has no ready replica"),
             &meta,
-        ),
-        Err(r) => r,
+        );
     }
+    let mut r = StatusCode::OK.into_response();
+    stamp(r.headers_mut(), &meta);
+    r
 }
 
 /// The Open Inference Protocol request, checked field by field before it costs a replica slot.

@@ -134,24 +134,7 @@ impl Env {
         wait_for(
             &format!("{n} ready replicas of {model}"),
             Duration::from_secs(30),
-            || async move {
-                let r = client
-                    .call(|mut c| async move {
-                        c.list_registry(ListRegistryRequest {
-                            kind: "replicas".into(),
-                        })
-                        .await
-                    })
-                    .await
-                    .ok()?;
-                let ready = r
-                    .json
-                    .iter()
-                    .filter_map(|j| serde_json::from_str::<Value>(j).ok())
-                    .filter(|v| v["replica"]["model"] == model && v["replica"]["state"] == "ready")
-                    .count();
-                (ready >= n).then_some(())
-            },
+            || async move { ready_nodes(client, model).await.filter(|nodes| nodes.len() >= n) },
         )
         .await;
     }
