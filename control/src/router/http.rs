@@ -400,17 +400,26 @@ async fn infer(
         Err(r) => return r,
     };
     let class = route.class.clone();
-    let body =
-        match body {
-            Ok(b) => b,
-            Err(rej) if rej.status() == StatusCode::PAYLOAD_TOO_LARGE => return error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "the request body is over the router's limit (router.max_body_bytes); send a smaller input or a URI"
-                    .into(),
-                &meta,
-            ),
-            Err(rej) => return error(rej.status(), rej.body_text(), &meta),
-        };
+    let body = match body {
+        Ok(b) => b,
+        Err(rej) => {
+            let mut r = if rej.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                error(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        "the request body is over the router's limit (router.max_body_bytes); send a smaller input or a URI"
+                            .into(),
+                        &meta,
+                    )
+            } else {
+                error(rej.status(), rej.body_text(), &meta)
+            };
+            // The rest of the body is never read, so this connection cannot carry another
+            // request: say so, or a client would reuse it and lose its next request.
+            r.headers_mut()
+                .insert(axum::http::header::CONNECTION, HeaderValue::from_static("close"));
+            return r;
+        }
+    };
     if let Err(msg) = check_body(&body) {
         return error(StatusCode::BAD_REQUEST, msg, &meta);
     }

@@ -301,7 +301,13 @@ async fn bad_input_gets_a_clear_status_and_sync_refuses_instead_of_queueing() {
     assert_eq!(r.status(), 400);
     assert!(r.text().await.unwrap().contains("inputs[0].shape"));
     let big = vec![b' '; 9 * 1024 * 1024];
-    assert_eq!(e.post("slow", big, Some(&e.key)).await.status(), 413);
+    let r = e.post("slow", big, Some(&e.key)).await;
+    assert_eq!(r.status(), 413);
+    assert_eq!(
+        r.headers()["connection"],
+        "close",
+        "the unread body ends the connection"
+    );
 
     // One slot of 400 ms: of four at once, the ones without a slot get 503 + Retry-After now.
     let mut tasks = Vec::new();
