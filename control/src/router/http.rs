@@ -22,7 +22,7 @@ use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::table::{ModelRoute, TenantRoute};
+use super::table::{ModelRoute, Table, TenantRoute};
 use super::{retry_after_header, Admitted, ForwardError, Refusal, RequestRecord, Router};
 use crate::registry::hash_key;
 
@@ -204,7 +204,7 @@ fn request_id(headers: &HeaderMap) -> String {
 }
 
 /// Authenticates the bearer API key.
-fn authenticate(router: &Router, headers: &HeaderMap, meta: &Meta) -> Result<Arc<TenantRoute>, Response> {
+fn authenticate(table: &Table, headers: &HeaderMap, meta: &Meta) -> Result<Arc<TenantRoute>, Response> {
     let Some(value) = headers.get(axum::http::header::AUTHORIZATION) else {
         return Err(error(
             StatusCode::UNAUTHORIZED,
@@ -225,7 +225,7 @@ fn authenticate(router: &Router, headers: &HeaderMap, meta: &Meta) -> Result<Arc
             meta,
         ));
     }
-    router.table().tenants.get(&hash_key(key)).cloned().ok_or_else(|| {
+    table.tenants.get(&hash_key(key)).cloned().ok_or_else(|| {
         error(
             StatusCode::UNAUTHORIZED,
             "unknown API key (rotated or mistyped?); `lanectl tenant rotate-key` issues a new one".into(),
@@ -234,8 +234,8 @@ fn authenticate(router: &Router, headers: &HeaderMap, meta: &Meta) -> Result<Arc
     })
 }
 
-fn lookup(router: &Router, model: &str, meta: &mut Meta) -> Result<Arc<ModelRoute>, Response> {
-    let route = router.table().models.get(model).cloned().ok_or_else(|| {
+fn lookup(table: &Table, model: &str, meta: &mut Meta) -> Result<Arc<ModelRoute>, Response> {
+    let route = table.models.get(model).cloned().ok_or_else(|| {
         error(
             StatusCode::NOT_FOUND,
             format!("model {model:?} is not registered; `lanectl model list` shows the models"),
@@ -280,8 +280,9 @@ fn authorized(router: &Router, model: &str, headers: &HeaderMap) -> Result<(Meta
         request_id: request_id(headers),
         ..Meta::default()
     };
-    authenticate(router, headers, &meta)?;
-    let route = lookup(router, model, &mut meta)?;
+    let table = router.table();
+    authenticate(&table, headers, &meta)?;
+    let route = lookup(&table, model, &mut meta)?;
     Ok((meta, route))
 }
 
@@ -391,11 +392,13 @@ async fn infer(
         request_id: request_id(&headers),
         ..Meta::default()
     };
-    let tenant = match authenticate(&router, &headers, &meta) {
+    // One snapshot of the table per request: the key and the model are read from the same one.
+    let table = router.table();
+    let tenant = match authenticate(&table, &headers, &meta) {
         Ok(t) => t,
         Err(r) => return r,
     };
-    let route = match lookup(&router, &model, &mut meta) {
+    let route = match lookup(&table, &model, &mut meta) {
         Ok(r) => r,
         Err(r) => return r,
     };

@@ -77,12 +77,7 @@ impl LaneState {
 
     /// A waiter gave up (its receiver is closed by the caller under this lock).
     pub fn forget_waiter(&mut self, model: &str) {
-        if let Some(n) = self.waiting.get_mut(model) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                self.waiting.remove(model);
-            }
-        }
+        self.forget_waiter_count(model);
         // Drop closed waiters at the front so the queue does not grow with dead entries.
         while self.queue.front().is_some_and(|w| w.tx.is_closed()) {
             self.queue.pop_front();

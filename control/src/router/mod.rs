@@ -267,14 +267,20 @@ impl Router {
     }
 
     /// Whether a sync lane more protected than `rank` refused work within the last second.
-    fn fleet_short_for(&self, rank: u32, now: Instant) -> bool {
+    /// The protection rank of the sync lane that refused work within the last second, if any.
+    fn recent_sync_refusal(&self, now: Instant) -> Option<u32> {
         let r = self.sync_refusal.lock().unwrap_or_else(|p| p.into_inner());
-        r.is_some_and(|(at, by)| by < rank && now.saturating_duration_since(at) < SHORT_WINDOW)
+        r.filter(|(at, _)| now.saturating_duration_since(*at) < SHORT_WINDOW)
+            .map(|(_, rank)| rank)
+    }
+
+    fn fleet_short_for(&self, rank: u32, now: Instant) -> bool {
+        self.recent_sync_refusal(now).is_some_and(|by| by < rank)
     }
 
     fn sync_short(&self, class: &Class, now: Instant) -> bool {
-        let r = self.sync_refusal.lock().unwrap_or_else(|p| p.into_inner());
-        r.is_some_and(|(at, by)| by <= class.protection_rank && now.saturating_duration_since(at) < SHORT_WINDOW)
+        self.recent_sync_refusal(now)
+            .is_some_and(|by| by <= class.protection_rank)
     }
 
     /// Applies the tenant's rate and concurrency limits for `class`. Refused: how long to wait.
