@@ -9,13 +9,15 @@
 use serde::{Deserialize, Serialize};
 
 use crate::fleet::{validate_node_id, NodeRegistration};
+use crate::jobs::dispatch::Assignment;
+use crate::jobs::{Completion, JobOutcome, JobSubmission};
 use crate::registry::{Class, DesiredReplica, Model, ReplicaRecord, Tenant, TenantLimit};
 
-/// Highest command format this binary can apply. Format 2 added the registry commands; a
-/// command is written with the lowest format that can express it ([`Command::format`]), so a
-/// format-1 controller keeps applying settings and fleet commands and stops only at the first
-/// registry command it cannot understand.
-pub const COMMAND_FORMAT: u32 = 2;
+/// Highest command format this binary can apply. Format 2 added the registry commands, format 3
+/// the durable job queue; a command is written with the lowest format that can express it
+/// ([`Command::format`]), so an older controller keeps applying what it knows and stops only
+/// at the first command it cannot understand.
+pub const COMMAND_FORMAT: u32 = 3;
 
 /// Longest setting key accepted, in bytes.
 pub const MAX_SETTING_KEY_BYTES: usize = 256;
@@ -97,6 +99,40 @@ pub enum Command {
         node_id: String,
         replicas: Vec<DesiredReplica>,
     },
+    /// The node monitor declares a node down: its liveness goes Down and, in the same entry,
+    /// its jobs lose their fencing tokens and go back to the queue.
+    NodeDown {
+        node_id: String,
+        at_ms: u64,
+    },
+    /// A durable job, acknowledged to its client only once this is committed.
+    SubmitJob(JobSubmission),
+    /// The dispatcher's assignments; each job's fencing token is this entry's log index.
+    AssignJobs {
+        assignments: Vec<Assignment>,
+        at_ms: u64,
+    },
+    /// The executor holding `token` started the job.
+    JobStarted {
+        job_id: String,
+        token: u64,
+        at_ms: u64,
+    },
+    /// The executor holding `token` finished an attempt (refused with any other token).
+    FinishJob {
+        job_id: String,
+        token: u64,
+        completion: Completion,
+        at_ms: u64,
+    },
+    CancelJob {
+        job_id: String,
+        at_ms: u64,
+    },
+    /// Forget finished jobs that finished before `before_ms` (retention).
+    CompactJobs {
+        before_ms: u64,
+    },
 }
 
 /// What applying one log entry produced.
@@ -110,6 +146,9 @@ pub struct CommandResponse {
     /// Set when the state machine refused the command (state unchanged), with the reason.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rejected: Option<String>,
+    /// For job submissions and cancels: what happened.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job: Option<JobOutcome>,
 }
 
 /// Why a command was refused before it was proposed.
@@ -149,6 +188,13 @@ impl Command {
             | Command::RotateTenantKey { .. }
             | Command::SetNodeReplicas { .. }
             | Command::SetDesiredReplicas { .. } => 2,
+            Command::NodeDown { .. }
+            | Command::SubmitJob(_)
+            | Command::AssignJobs { .. }
+            | Command::JobStarted { .. }
+            | Command::FinishJob { .. }
+            | Command::CancelJob { .. }
+            | Command::CompactJobs { .. } => 3,
         }
     }
 
@@ -189,6 +235,27 @@ impl Command {
                         .map(|r| 64 + r.id.len() + r.model.len() + r.gpu.len() + r.product.len())
                         .sum::<usize>()
             }
+            Command::NodeDown { node_id, .. } => node_id.len() + 16,
+            Command::SubmitJob(s) => {
+                // JSON-escaped in the log: quotes in the input double.
+                256 + s.input.as_ref().map_or(0, |i| i.len() * 5 / 4)
+                    + s.input_uri.as_ref().map_or(0, String::len)
+                    + s.idempotency_key.as_ref().map_or(0, String::len)
+            }
+            Command::AssignJobs { assignments, .. } => assignments
+                .iter()
+                .map(|a| 48 + a.job_id.len() + a.node_id.len() + a.replica_id.len())
+                .sum(),
+            Command::JobStarted { job_id, .. } | Command::CancelJob { job_id, .. } => job_id.len() + 32,
+            Command::FinishJob { job_id, completion, .. } => {
+                job_id.len()
+                    + 64
+                    + match completion {
+                        Completion::Succeeded(r) => r.key.len() + r.content_type.len() + 32,
+                        Completion::Failed { reason, .. } => reason.len(),
+                    }
+            }
+            Command::CompactJobs { .. } => 16,
         }
     }
 
@@ -209,6 +276,7 @@ impl Command {
             }),
             Command::RegisterNode(r) => r.validate().map_err(CommandError::InvalidNode),
             Command::SetNodeLiveness { node_id, .. }
+            | Command::NodeDown { node_id, .. }
             | Command::SetNodeFlags { node_id, .. }
             | Command::SetNodeReplicas { node_id, .. }
             | Command::SetDesiredReplicas { node_id, .. } => {
@@ -228,6 +296,15 @@ impl Command {
             Command::RotateTenantKey { tenant, .. } => {
                 crate::registry::validate_name("tenant", tenant).map_err(CommandError::Invalid)
             }
+            Command::SubmitJob(s) => s.validate().map_err(CommandError::Invalid),
+            Command::AssignJobs { assignments, .. } => assignments
+                .iter()
+                .try_for_each(|a| validate_node_id(&a.node_id))
+                .map_err(CommandError::InvalidNode),
+            Command::JobStarted { .. }
+            | Command::FinishJob { .. }
+            | Command::CancelJob { .. }
+            | Command::CompactJobs { .. } => Ok(()),
         }
     }
 }

@@ -12,6 +12,7 @@ pub mod config;
 pub mod context;
 pub mod dev;
 pub mod fleet;
+pub mod jobs;
 pub mod network;
 pub mod node;
 pub mod planner;

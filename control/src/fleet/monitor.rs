@@ -38,9 +38,17 @@ pub async fn run(ctx: Context, dead_after: Duration) {
             let ctx = ctx.clone();
             async move {
                 let up = t.to == Liveness::Up;
-                let cmd = Command::SetNodeLiveness {
-                    node_id: t.node_id.clone(),
-                    up,
+                let cmd = if up {
+                    Command::SetNodeLiveness {
+                        node_id: t.node_id.clone(),
+                        up,
+                    }
+                } else {
+                    // Down and fenced in one entry: its jobs go back to the queue at once.
+                    Command::NodeDown {
+                        node_id: t.node_id.clone(),
+                        at_ms: crate::jobs::unix_ms(),
+                    }
                 };
                 match ctx.proposer.propose(cmd).await {
                     Ok(_) if up => tracing::info!(node = %t.node_id, "node is back up"),

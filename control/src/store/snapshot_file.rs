@@ -31,6 +31,7 @@ impl SnapshotFile {
     pub fn decode(bytes: &[u8]) -> io::Result<Self> {
         let mut file: SnapshotFile = serde_json::from_slice(bytes).map_err(io::Error::other)?;
         file.state.fleet.rebuild_index();
+        file.state.jobs.rebuild_index();
         if file.format > SNAPSHOT_FORMAT {
             return Err(io::Error::other(format!(
                 "snapshot format {} is newer than this binary's {SNAPSHOT_FORMAT}; upgrade laneway-control",

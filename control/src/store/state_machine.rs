@@ -23,6 +23,7 @@ use super::snapshot_file::{self, SnapshotFile, SNAPSHOT_FORMAT};
 use super::{StoreError, SNAPSHOT_DIR, STATE_DB_FILE};
 use crate::command::{Command, CommandResponse, COMMAND_FORMAT};
 use crate::fleet::{Fleet, Liveness};
+use crate::jobs::{JobOutcome, Jobs};
 use crate::node::ControllerNode;
 use crate::registry::Registry;
 use crate::typ::{Entry, LogId, SnapshotMeta, StorageError, TypeConfig};
@@ -32,6 +33,8 @@ const SM_META: TableDefinition<&str, &[u8]> = TableDefinition::new("sm_meta");
 const NODES: TableDefinition<&str, &[u8]> = TableDefinition::new("nodes");
 /// Registry entries keyed `class/<name>`, `model/<name>`, `tenant/<name>`, `replicas/<node>`.
 const REGISTRY: TableDefinition<&str, &[u8]> = TableDefinition::new("registry");
+/// Durable jobs by id.
+const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs");
 
 const KEY_FORMAT: &str = "format";
 const KEY_LAST_APPLIED: &str = "last_applied";
@@ -55,6 +58,9 @@ pub struct AppState {
     /// Classes, models, tenants and routable replicas.
     #[serde(default)]
     pub registry: Registry,
+    /// The durable lanes' jobs.
+    #[serde(default)]
+    pub jobs: Jobs,
 }
 
 impl AppState {
@@ -66,8 +72,9 @@ impl AppState {
         hex::encode(Sha256::digest(&bytes))
     }
 
-    /// Applies one command. Deterministic: depends only on the state and the command.
-    pub fn apply(&mut self, command: &Command) -> CommandResponse {
+    /// Applies one command committed at log `index`. Deterministic: depends only on the state,
+    /// the command and the index (a job assignment's fencing token is its index).
+    pub fn apply(&mut self, command: &Command, index: u64) -> CommandResponse {
         match command {
             Command::PutSetting { key, value } => CommandResponse {
                 previous: self.settings.insert(key.clone(), value.clone()),
@@ -78,7 +85,7 @@ impl AppState {
                 ..CommandResponse::default()
             },
             Command::Batch(commands) => CommandResponse {
-                batch: commands.iter().map(|c| self.apply(c)).collect(),
+                batch: commands.iter().map(|c| self.apply(c, index)).collect(),
                 ..CommandResponse::default()
             },
             Command::RegisterNode(reg) => refused(self.fleet.register(reg)),
@@ -114,6 +121,49 @@ impl AppState {
                 } else {
                     refused(Err(format!("no node {node_id}")))
                 }
+            }
+            Command::NodeDown { node_id, at_ms } => {
+                let r = self.fleet.set_liveness(node_id, Liveness::Down);
+                if r.is_ok() {
+                    self.jobs.node_down(node_id, *at_ms);
+                }
+                refused(r)
+            }
+            Command::SubmitJob(s) => {
+                let ceiling = self
+                    .registry
+                    .tenants
+                    .get(&s.tenant)
+                    .and_then(|t| t.limit_for(&s.class))
+                    .map(|l| l.concurrency);
+                job_reply(self.jobs.submit(s, ceiling, index))
+            }
+            Command::AssignJobs { assignments, at_ms } => {
+                let refusals: Vec<String> = assignments
+                    .iter()
+                    .filter_map(|a| {
+                        self.jobs
+                            .assign(&a.job_id, &a.node_id, &a.replica_id, index, *at_ms)
+                            .err()
+                    })
+                    .collect();
+                refused(if refusals.is_empty() {
+                    Ok(())
+                } else {
+                    Err(refusals.join("; "))
+                })
+            }
+            Command::JobStarted { job_id, token, at_ms } => refused(self.jobs.started(job_id, *token, *at_ms)),
+            Command::FinishJob {
+                job_id,
+                token,
+                completion,
+                at_ms,
+            } => refused(self.jobs.finish(job_id, *token, completion, *at_ms)),
+            Command::CancelJob { job_id, at_ms } => job_reply(self.jobs.cancel(job_id, *at_ms)),
+            Command::CompactJobs { before_ms } => {
+                self.jobs.compact(*before_ms);
+                CommandResponse::default()
             }
         }
     }
@@ -218,6 +268,8 @@ pub struct StateMachineStore {
     snapshot_lock: Arc<Mutex<()>>,
     /// Bumped whenever the fleet or the registry changes, so routers rebuild their tables.
     changed: Arc<tokio::sync::watch::Sender<u64>>,
+    /// Bumped whenever a job changes (the dispatcher wakes on it; routers do not rebuild).
+    jobs_changed: Arc<tokio::sync::watch::Sender<u64>>,
 }
 
 /// A consistent copy of what the state machine has applied.
@@ -252,6 +304,7 @@ impl StateMachineStore {
             let _ = txn
                 .open_table(REGISTRY)
                 .map_err(|e| StoreError::db("opening registry", e))?;
+            let _ = txn.open_table(JOBS).map_err(|e| StoreError::db("opening jobs", e))?;
             let mut meta = txn
                 .open_table(SM_META)
                 .map_err(|e| StoreError::db("opening sm_meta", e))?;
@@ -312,6 +365,12 @@ impl StateMachineStore {
                     .load_registry_entry(k.value(), v.value())
                     .map_err(|e| corrupt(&format!("registry entry {}", k.value()), &e))?;
             }
+            let jobs = rtxn.open_table(JOBS).map_err(|e| StoreError::db("opening jobs", e))?;
+            for row in jobs.iter().map_err(|e| StoreError::db("scanning jobs", e))? {
+                let (k, v) = row.map_err(|e| StoreError::db("scanning jobs", e))?;
+                let job = serde_json::from_slice(v.value()).map_err(|e| corrupt(&format!("job {}", k.value()), &e))?;
+                inner.state.jobs.load(job);
+            }
             let meta = rtxn
                 .open_table(SM_META)
                 .map_err(|e| StoreError::db("opening sm_meta", e))?;
@@ -335,6 +394,7 @@ impl StateMachineStore {
             }
         }
         inner.state.fleet.rebuild_index();
+        inner.state.jobs.rebuild_index();
         snapshot_file::remove_all_but(&snapshot_dir, inner.snapshot.as_ref().map(|p| p.file.as_str())).map_err(
             |source| StoreError::Io {
                 what: format!("cleaning {}", snapshot_dir.display()),
@@ -348,6 +408,7 @@ impl StateMachineStore {
             snapshot_dir,
             snapshot_lock: Arc::default(),
             changed: Arc::new(tokio::sync::watch::channel(0).0),
+            jobs_changed: Arc::new(tokio::sync::watch::channel(0).0),
         };
         store.restore_from_snapshot_if_behind()?;
         Ok(store)
@@ -440,6 +501,22 @@ impl StateMachineStore {
     /// Changes whenever the fleet or the registry changes.
     pub fn subscribe_changes(&self) -> tokio::sync::watch::Receiver<u64> {
         self.changed.subscribe()
+    }
+
+    /// Changes whenever a job changes.
+    pub fn subscribe_jobs(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.jobs_changed.subscribe()
+    }
+
+    /// One job, as applied here.
+    pub fn job(&self, id: &str) -> Option<crate::jobs::Job> {
+        self.read().state.jobs.get(id).cloned()
+    }
+
+    /// Runs `f` on the applied jobs, fleet and registry without copying them.
+    pub fn with_jobs<T>(&self, f: impl FnOnce(&crate::jobs::Jobs, &Fleet, &Registry) -> T) -> T {
+        let inner = self.read();
+        f(&inner.state.jobs, &inner.state.fleet, &inner.state.registry)
     }
 
     /// A copy of the fleet and the registry, the router's inputs, without the settings.
@@ -542,6 +619,11 @@ impl StateMachineStore {
             for (k, v) in state.registry_entries() {
                 registry.insert(k.as_str(), v.as_slice())?;
             }
+            let mut jobs = txn.open_table(JOBS)?;
+            jobs.retain(|_, _| false)?;
+            for (id, job) in &state.jobs.jobs {
+                jobs.insert(id.as_str(), json(job).as_slice())?;
+            }
             let mut m = txn.open_table(SM_META)?;
             m.insert(KEY_LAST_APPLIED, json(&meta.last_log_id).as_slice())?;
             m.insert(KEY_MEMBERSHIP, json(&meta.last_membership).as_slice())?;
@@ -556,6 +638,7 @@ impl StateMachineStore {
         inner.snapshot = Some(pointer);
         drop(inner);
         self.changed.send_modify(|v| *v += 1);
+        self.jobs_changed.send_modify(|v| *v += 1);
         Ok(())
     }
 
@@ -578,6 +661,17 @@ impl StateMachineStore {
         }
         txn.commit()?;
         Ok(())
+    }
+}
+
+/// A job command's answer: its outcome, or why it was refused.
+fn job_reply(r: Result<JobOutcome, String>) -> CommandResponse {
+    match r {
+        Ok(outcome) => CommandResponse {
+            job: Some(outcome),
+            ..CommandResponse::default()
+        },
+        Err(e) => refused(Err(e)),
     }
 }
 
@@ -620,9 +714,19 @@ fn record_touched(command: &Command, t: &mut Touched) {
         Command::RegisterNode(r) => {
             nodes.insert(r.node_id.clone());
         }
-        Command::SetNodeLiveness { node_id, .. } | Command::SetNodeFlags { node_id, .. } => {
+        Command::SetNodeLiveness { node_id, .. }
+        | Command::SetNodeFlags { node_id, .. }
+        | Command::NodeDown { node_id, .. } => {
             nodes.insert(node_id.clone());
         }
+        // Jobs record what they change themselves (`Jobs::take_dirty`): a node going down
+        // touches jobs no command names.
+        Command::SubmitJob(_)
+        | Command::AssignJobs { .. }
+        | Command::JobStarted { .. }
+        | Command::FinishJob { .. }
+        | Command::CancelJob { .. }
+        | Command::CompactJobs { .. } => {}
         Command::PutClass(c) => key(format!("class/{}", c.name)),
         Command::PutModel(m) => key(format!("model/{}", m.name)),
         Command::RemoveModel { name } => key(format!("model/{name}")),
@@ -709,7 +813,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         let mut replies = Vec::new();
         let mut touched = Touched::default();
         let mut membership_changed = false;
-        let (last_applied, membership, retired, touched_nodes, touched_registry) = {
+        let (last_applied, membership, retired, touched_nodes, touched_registry, touched_jobs) = {
             let mut inner = self.write();
             for entry in entries {
                 match entry.payload {
@@ -726,7 +830,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                             )
                             .into());
                         }
-                        let reply = inner.state.apply(&env.command);
+                        let reply = inner.state.apply(&env.command, entry.log_id.index);
                         record_touched(&env.command, &mut touched);
                         replies.push(reply);
                     }
@@ -754,10 +858,23 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                     .iter()
                     .map(|k| (k.clone(), inner.state.registry_value(k)))
                     .collect::<Vec<_>>(),
+                {
+                    let dirty = inner.state.jobs.take_dirty();
+                    dirty
+                        .into_iter()
+                        .map(|id| {
+                            let job = inner.state.jobs.get(&id).map(json);
+                            (id, job)
+                        })
+                        .collect::<Vec<_>>()
+                },
             )
         };
         if !touched_nodes.is_empty() || !touched_registry.is_empty() {
             self.changed.send_modify(|v| *v += 1);
+        }
+        if !touched_jobs.is_empty() {
+            self.jobs_changed.send_modify(|v| *v += 1);
         }
         let touched = touched.settings;
         let db = self.db.clone();
@@ -784,6 +901,13 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                     match v {
                         Some(v) => registry.insert(k.as_str(), v.as_slice()).map(|_| ())?,
                         None => registry.remove(k.as_str()).map(|_| ())?,
+                    }
+                }
+                let mut jobs = txn.open_table(JOBS)?;
+                for (id, job) in &touched_jobs {
+                    match job {
+                        Some(j) => jobs.insert(id.as_str(), j.as_slice()).map(|_| ())?,
+                        None => jobs.remove(id.as_str()).map(|_| ())?,
                     }
                 }
                 let mut m = txn.open_table(SM_META)?;
@@ -882,7 +1006,7 @@ mod tests {
             Command::DeleteSetting { key: "a".into() },
             put("b", "3"),
         ]);
-        let r = state.apply(&batch);
+        let r = state.apply(&batch, 1);
         let previous: Vec<Option<&str>> = r.batch.iter().map(|r| r.previous.as_deref()).collect();
         assert_eq!(previous, vec![None, Some("1"), Some("2"), None]);
         assert_eq!(state.settings.get("a"), None);
@@ -898,12 +1022,12 @@ mod tests {
     fn state_hash_depends_only_on_content() {
         let mut a = AppState::default();
         let mut b = AppState::default();
-        a.apply(&put("x", "1"));
-        a.apply(&put("y", "2"));
-        b.apply(&put("y", "2"));
-        b.apply(&put("x", "1"));
+        a.apply(&put("x", "1"), 1);
+        a.apply(&put("y", "2"), 1);
+        b.apply(&put("y", "2"), 1);
+        b.apply(&put("x", "1"), 1);
         assert_eq!(a.state_hash(), b.state_hash());
-        b.apply(&put("x", "3"));
+        b.apply(&put("x", "3"), 1);
         assert_ne!(a.state_hash(), b.state_hash());
     }
 }

@@ -1,0 +1,150 @@
+//! The job dispatcher's decision, as a pure function: which queued jobs go to which ready
+//! replicas now. The leader runs it on every state change and commits its answer through Raft.
+//!
+//! Rules: only Ready replicas of the job's model on Up, non-draining nodes; never more jobs on a
+//! replica than its max batch; FIFO within a tenant; across tenants, the tenant with the fewest
+//! jobs already placed on that model goes next (ties: the oldest head of queue), so one tenant's
+//! backlog cannot starve another's single job.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use super::{Job, JobState, Jobs};
+use crate::fleet::{Fleet, Liveness};
+use crate::registry::{LaneKind, Registry};
+
+/// One assignment the dispatcher proposes.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Assignment {
+    pub job_id: String,
+    pub node_id: String,
+    pub replica_id: String,
+}
+
+/// A replica that can take jobs, and how many more.
+struct Slot {
+    node: String,
+    replica: String,
+    free: u32,
+}
+
+/// Free job slots per durable model, most free first.
+fn free_slots(fleet: &Fleet, registry: &Registry, jobs: &Jobs) -> HashMap<String, Vec<Slot>> {
+    let mut placed: HashMap<&str, u32> = HashMap::new();
+    for j in jobs.jobs.values().filter(|j| j.state.is_placed()) {
+        if let Some(r) = &j.replica {
+            *placed.entry(r.as_str()).or_default() += 1;
+        }
+    }
+    let mut slots: HashMap<String, Vec<Slot>> = HashMap::new();
+    for (node_id, replicas) in &registry.replicas {
+        let Some(node) = fleet.nodes.get(node_id) else { continue };
+        if node.liveness != Liveness::Up || node.draining {
+            continue;
+        }
+        for r in replicas.iter().filter(|r| r.state == "ready") {
+            let Some(model) = registry.models.get(&r.model) else {
+                continue;
+            };
+            let durable = registry
+                .classes
+                .get(&model.class)
+                .is_some_and(|c| c.lane == LaneKind::Durable);
+            if !durable {
+                continue;
+            }
+            let product = registry
+                .desired
+                .get(node_id)
+                .and_then(|d| d.iter().find(|d| d.id == r.id))
+                .map(|d| d.product.clone())
+                .or_else(|| {
+                    node.registration
+                        .gpus
+                        .iter()
+                        .find(|g| g.uuid == r.device)
+                        .map(|g| g.product.clone())
+                });
+            let capacity = product
+                .and_then(|p| model.profiles.get(&p))
+                .map_or(1, |p| p.max_batch.max(1));
+            let used = placed.get(r.id.as_str()).copied().unwrap_or(0);
+            if used < capacity {
+                slots.entry(r.model.clone()).or_default().push(Slot {
+                    node: node_id.clone(),
+                    replica: r.id.clone(),
+                    free: capacity - used,
+                });
+            }
+        }
+    }
+    for v in slots.values_mut() {
+        v.sort_by(|a, b| b.free.cmp(&a.free).then_with(|| a.replica.cmp(&b.replica)));
+    }
+    slots
+}
+
+/// The assignments to make now.
+pub fn dispatch(fleet: &Fleet, registry: &Registry, jobs: &Jobs) -> Vec<Assignment> {
+    let mut slots = free_slots(fleet, registry, jobs);
+    if slots.is_empty() {
+        return Vec::new();
+    }
+    // Per model: per tenant, queued jobs oldest first; and jobs already placed per tenant.
+    let mut queues: HashMap<&str, BTreeMap<&str, VecDeque<&Job>>> = HashMap::new();
+    let mut placed: HashMap<(&str, &str), u32> = HashMap::new();
+    for j in jobs.jobs.values() {
+        match j.state {
+            JobState::Queued if slots.contains_key(&j.model) => queues
+                .entry(j.model.as_str())
+                .or_default()
+                .entry(j.tenant.as_str())
+                .or_default()
+                .push_back(j),
+            s if s.is_placed() => *placed.entry((j.model.as_str(), j.tenant.as_str())).or_default() += 1,
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    for (model, mut tenants) in queues {
+        for q in tenants.values_mut() {
+            q.make_contiguous().sort_by_key(|j| j.seq);
+        }
+        let Some(model_slots) = slots.get_mut(model) else {
+            continue;
+        };
+        let mut next_slot = 0usize;
+        loop {
+            // The tenant with the fewest placed jobs, then the oldest head of queue.
+            let Some(tenant) = tenants
+                .iter()
+                .filter_map(|(t, q)| q.front().map(|j| (*t, j.seq)))
+                .min_by_key(|(t, seq)| (placed.get(&(model, *t)).copied().unwrap_or(0), *seq))
+                .map(|(t, _)| t)
+            else {
+                break;
+            };
+            // Round-robin over replicas with room, so a burst spreads across the fleet.
+            let Some(i) = (0..model_slots.len())
+                .map(|k| (next_slot + k) % model_slots.len())
+                .find(|&i| model_slots[i].free > 0)
+            else {
+                break;
+            };
+            next_slot = i + 1;
+            let slot = &mut model_slots[i];
+            slot.free -= 1;
+            let job = tenants
+                .get_mut(tenant)
+                .and_then(VecDeque::pop_front)
+                .expect("tenant chosen for its non-empty queue");
+            *placed.entry((model, tenant)).or_default() += 1;
+            out.push(Assignment {
+                job_id: job.id.clone(),
+                node_id: slot.node.clone(),
+                replica_id: slot.replica.clone(),
+            });
+        }
+    }
+    out.sort_by(|a, b| a.job_id.cmp(&b.job_id));
+    out
+}

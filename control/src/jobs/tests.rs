@@ -1,0 +1,454 @@
+use super::dispatch::{dispatch, Assignment};
+use super::*;
+use crate::command::Command;
+use crate::registry::{ReplicaRecord, Tenant, TenantLimit};
+use crate::store::AppState;
+
+fn sub(id: &str, tenant: &str, key: Option<&str>, body: &str) -> JobSubmission {
+    JobSubmission {
+        id: id.into(),
+        tenant: tenant.into(),
+        model: "wan-video".into(),
+        class: "video".into(),
+        input: Some(body.into()),
+        input_uri: None,
+        idempotency_key: key.map(str::to_string),
+        body_sha256: format!("sha-of-{body}"),
+        max_attempts: 2,
+        at_ms: 1_000,
+    }
+}
+
+fn ok_result(id: &str, token: u64) -> Completion {
+    Completion::Succeeded(JobResult {
+        key: format!("jobs/{id}/{token}"),
+        bytes: 10,
+        gpu_us: 45_000_000,
+        content_type: "application/json".into(),
+    })
+}
+
+fn failed(retryable: bool) -> Completion {
+    Completion::Failed {
+        reason: "replica crashed".into(),
+        retryable,
+    }
+}
+
+#[test]
+fn idempotency_key_returns_the_same_job_and_refuses_a_different_body() {
+    let mut j = Jobs::default();
+    assert_eq!(
+        j.submit(&sub("a", "t1", Some("k"), "x"), None, 1),
+        Ok(JobOutcome::Created { id: "a".into() })
+    );
+    // Same key, same body, new id proposed by another router: the first job.
+    assert_eq!(
+        j.submit(&sub("b", "t1", Some("k"), "x"), None, 2),
+        Ok(JobOutcome::Existing { id: "a".into() })
+    );
+    assert_eq!(
+        j.submit(&sub("c", "t1", Some("k"), "y"), None, 3),
+        Ok(JobOutcome::KeyConflict { id: "a".into() })
+    );
+    // Keys are per tenant.
+    assert_eq!(
+        j.submit(&sub("d", "t2", Some("k"), "y"), None, 4),
+        Ok(JobOutcome::Created { id: "d".into() })
+    );
+    assert_eq!(j.jobs.len(), 2);
+    // The index survives a rebuild (a restart or a snapshot install).
+    let mut restored = Jobs::default();
+    for job in j.jobs.values() {
+        restored.load(job.clone());
+    }
+    restored.rebuild_index();
+    assert_eq!(
+        restored.submit(&sub("e", "t1", Some("k"), "x"), None, 5),
+        Ok(JobOutcome::Existing { id: "a".into() })
+    );
+}
+
+#[test]
+fn ceiling_counts_queued_and_placed_jobs_and_frees_on_finish() {
+    let mut j = Jobs::default();
+    assert!(matches!(
+        j.submit(&sub("a", "t", None, "1"), Some(2), 1),
+        Ok(JobOutcome::Created { .. })
+    ));
+    assert!(matches!(
+        j.submit(&sub("b", "t", None, "2"), Some(2), 2),
+        Ok(JobOutcome::Created { .. })
+    ));
+    assert_eq!(
+        j.submit(&sub("c", "t", None, "3"), Some(2), 3),
+        Ok(JobOutcome::OverCeiling { active: 2, limit: 2 })
+    );
+    // Another tenant has its own ceiling.
+    assert!(matches!(
+        j.submit(&sub("d", "u", None, "4"), Some(2), 4),
+        Ok(JobOutcome::Created { .. })
+    ));
+    j.assign("a", "n1", "r1", 5, 10).unwrap();
+    assert_eq!(j.active("t", "video"), 2, "an assigned job still counts");
+    j.finish("a", 5, &ok_result("a", 5), 20).unwrap();
+    assert_eq!(j.active("t", "video"), 1);
+    assert!(matches!(
+        j.submit(&sub("c", "t", None, "3"), Some(2), 6),
+        Ok(JobOutcome::Created { .. })
+    ));
+}
+
+#[test]
+fn ceiling_comes_from_the_tenant_limit_in_the_state_machine() {
+    let mut s = AppState::default();
+    let mut limits = std::collections::BTreeMap::new();
+    limits.insert(
+        "video".to_string(),
+        TenantLimit {
+            concurrency: 1,
+            rate_per_s: 10,
+            burst: 10,
+        },
+    );
+    s.registry.tenants.insert(
+        "t".into(),
+        Tenant {
+            name: "t".into(),
+            key_sha256: "00".into(),
+            limits,
+        },
+    );
+    let r = s.apply(&Command::SubmitJob(sub("a", "t", None, "1")), 1);
+    assert_eq!(r.job, Some(JobOutcome::Created { id: "a".into() }));
+    let r = s.apply(&Command::SubmitJob(sub("b", "t", None, "2")), 2);
+    assert_eq!(r.job, Some(JobOutcome::OverCeiling { active: 1, limit: 1 }));
+}
+
+#[test]
+fn a_stale_token_cannot_complete_a_job() {
+    let mut j = Jobs::default();
+    j.submit(&sub("a", "t", None, "1"), None, 1).unwrap();
+    j.assign("a", "n1", "r1", 10, 100).unwrap();
+    j.started("a", 10, 110).unwrap();
+    assert_eq!(j.get("a").unwrap().state, JobState::Running);
+    // The first executor fails; the retry goes to another node with a higher token.
+    j.finish("a", 10, &failed(true), 120).unwrap();
+    assert_eq!(j.get("a").unwrap().state, JobState::Queued);
+    j.assign("a", "n2", "r2", 20, 130).unwrap();
+    // The first executor reports (late) that it succeeded after all: refused.
+    let err = j.finish("a", 10, &ok_result("a", 10), 140).unwrap_err();
+    assert!(err.contains("stale token 10"), "{err}");
+    assert!(j.started("a", 10, 140).is_err());
+    j.finish("a", 20, &ok_result("a", 20), 150).unwrap();
+    let job = j.get("a").unwrap();
+    assert_eq!(job.state, JobState::Succeeded);
+    assert_eq!(job.result.as_ref().unwrap().key, "jobs/a/20");
+    assert_eq!(job.input, None, "a finished job drops its input");
+    // A duplicate completion (the agent resending from its outbox) changes nothing.
+    assert!(j.finish("a", 20, &ok_result("a", 20), 160).is_err());
+    assert_eq!(j.get("a").unwrap().finished_ms, Some(150));
+}
+
+#[test]
+fn a_token_never_goes_backwards() {
+    let mut j = Jobs::default();
+    j.submit(&sub("a", "t", None, "1"), None, 1).unwrap();
+    j.assign("a", "n1", "r1", 10, 100).unwrap();
+    j.finish("a", 10, &failed(true), 120).unwrap();
+    assert!(j.assign("a", "n1", "r1", 10, 130).is_err());
+    assert!(j.assign("a", "n1", "r1", 9, 130).is_err());
+}
+
+#[test]
+fn node_down_requeues_its_jobs_and_fences_the_old_token() {
+    let mut s = AppState::default();
+    s.fleet
+        .register(&crate::fleet::NodeRegistration {
+            node_id: "n1".into(),
+            hostname: "h".into(),
+            pool: "p".into(),
+            labels: Default::default(),
+            gpus: Vec::new(),
+            replica_host: String::new(),
+        })
+        .unwrap();
+    s.apply(&Command::SubmitJob(sub("a", "t", None, "1")), 1);
+    s.apply(&Command::SubmitJob(sub("b", "t", None, "2")), 2);
+    s.apply(
+        &Command::AssignJobs {
+            assignments: vec![Assignment {
+                job_id: "a".into(),
+                node_id: "n1".into(),
+                replica_id: "r1".into(),
+            }],
+            at_ms: 5,
+        },
+        3,
+    );
+    assert_eq!(s.jobs.get("a").unwrap().token, Some(3));
+    s.apply(
+        &Command::NodeDown {
+            node_id: "n1".into(),
+            at_ms: 9,
+        },
+        4,
+    );
+    let a = s.jobs.get("a").unwrap();
+    assert_eq!(a.state, JobState::Queued);
+    assert_eq!(a.token, None);
+    assert_eq!(a.failures, vec!["attempt 1: node n1 was declared down".to_string()]);
+    let r = s.apply(
+        &Command::FinishJob {
+            job_id: "a".into(),
+            token: 3,
+            completion: ok_result("a", 3),
+            at_ms: 10,
+        },
+        5,
+    );
+    assert!(r.rejected.unwrap().contains("stale token"));
+    assert_eq!(
+        s.jobs.get("b").unwrap().state,
+        JobState::Queued,
+        "unplaced jobs are untouched"
+    );
+}
+
+#[test]
+fn a_job_fails_for_good_after_its_attempts_or_a_non_retryable_error() {
+    let mut j = Jobs::default();
+    j.submit(&sub("a", "t", None, "1"), None, 1).unwrap();
+    j.assign("a", "n", "r", 2, 0).unwrap();
+    j.finish("a", 2, &failed(true), 0).unwrap();
+    j.assign("a", "n", "r", 3, 0).unwrap();
+    j.finish("a", 3, &failed(true), 0).unwrap();
+    let a = j.get("a").unwrap();
+    assert_eq!(a.state, JobState::Failed, "max_attempts is 2");
+    assert_eq!(a.failures.len(), 2);
+    assert_eq!(j.active("t", "video"), 0);
+
+    j.submit(&sub("b", "t", None, "2"), None, 4).unwrap();
+    j.assign("b", "n", "r", 5, 0).unwrap();
+    j.finish("b", 5, &failed(false), 0).unwrap();
+    assert_eq!(
+        j.get("b").unwrap().state,
+        JobState::Failed,
+        "a bad input is not retried"
+    );
+}
+
+#[test]
+fn cancel_in_each_state() {
+    let mut j = Jobs::default();
+    for (i, id) in ["q", "as", "ru", "done"].iter().enumerate() {
+        j.submit(&sub(id, "t", None, id), None, i as u64 + 1).unwrap();
+    }
+    j.assign("as", "n", "r", 10, 0).unwrap();
+    j.assign("ru", "n", "r", 11, 0).unwrap();
+    j.started("ru", 11, 0).unwrap();
+    j.assign("done", "n", "r", 12, 0).unwrap();
+    j.finish("done", 12, &ok_result("done", 12), 0).unwrap();
+    assert_eq!(j.active("t", "video"), 3);
+    for (id, from) in [
+        ("q", JobState::Queued),
+        ("as", JobState::Assigned),
+        ("ru", JobState::Running),
+    ] {
+        assert_eq!(j.cancel(id, 50), Ok(JobOutcome::Cancelled { from }));
+        let job = j.get(id).unwrap();
+        assert_eq!(job.state, JobState::Cancelled);
+        assert_eq!(job.token, None, "the executor's token is void");
+    }
+    assert_eq!(j.active("t", "video"), 0);
+    // A cancelled running job's executor cannot publish a result.
+    assert!(j.finish("ru", 11, &ok_result("ru", 11), 60).is_err());
+    assert_eq!(
+        j.cancel("done", 70),
+        Ok(JobOutcome::AlreadyFinished {
+            state: JobState::Succeeded
+        })
+    );
+    assert_eq!(
+        j.cancel("q", 70),
+        Ok(JobOutcome::AlreadyFinished {
+            state: JobState::Cancelled
+        })
+    );
+    assert!(j.cancel("nope", 70).is_err());
+}
+
+#[test]
+fn compaction_forgets_old_finished_jobs_and_their_keys() {
+    let mut j = Jobs::default();
+    j.submit(&sub("old", "t", Some("k1"), "1"), None, 1).unwrap();
+    j.submit(&sub("new", "t", None, "2"), None, 2).unwrap();
+    j.submit(&sub("live", "t", None, "3"), None, 3).unwrap();
+    j.cancel("old", 100).unwrap();
+    j.cancel("new", 900).unwrap();
+    j.take_dirty();
+    assert_eq!(j.compact(500), 1);
+    assert!(j.get("old").is_none());
+    assert!(j.get("new").is_some() && j.get("live").is_some());
+    assert!(j.take_dirty().contains("old"), "the removal is persisted");
+    // The key is free again.
+    assert!(matches!(
+        j.submit(&sub("again", "t", Some("k1"), "other"), None, 4),
+        Ok(JobOutcome::Created { .. })
+    ));
+}
+
+#[test]
+fn submissions_are_checked() {
+    let mut s = sub("a", "t", None, "1");
+    s.input = Some("x".repeat(MAX_INLINE_INPUT_BYTES + 1));
+    assert!(s.validate().unwrap_err().contains("URI"));
+    let mut s = sub("a", "t", None, "1");
+    s.input_uri = Some("file:///x".into());
+    assert!(s.validate().unwrap_err().contains("not both"));
+    let mut s = sub("A b", "t", None, "1");
+    s.max_attempts = 1;
+    assert!(s.validate().is_err());
+}
+
+/// A fleet of `nodes` Up nodes, each with one ready replica of wan-video (max batch 2 on H100).
+fn durable_fleet(nodes: usize) -> AppState {
+    use crate::registry::{Class, LaneKind, Millis, Model, Profile};
+    let mut s = AppState::default();
+    s.registry
+        .put_class(&Class {
+            name: "video".into(),
+            lane: LaneKind::Durable,
+            utilisation_target_pct: 80,
+            budget_ms: Millis::from_ms(600_000.0),
+            warm_floor: 1,
+            protection_rank: 2,
+            request_timeout_ms: Millis::from_ms(120_000.0),
+            degraded: None,
+        })
+        .unwrap();
+    s.registry
+        .put_model(&Model {
+            name: "wan-video".into(),
+            class: "video".into(),
+            version: "1".into(),
+            profiles: [(
+                "H100-80GB".to_string(),
+                Profile {
+                    service_ms: Millis::from_ms(45_000.0),
+                    max_batch: 2,
+                    gpu_memory_gb: 40,
+                    mig_profiles: vec![],
+                },
+            )]
+            .into(),
+            runtime: Default::default(),
+            weights: vec![],
+        })
+        .unwrap();
+    for n in 0..nodes {
+        let node = format!("n{n}");
+        s.fleet
+            .register(&crate::fleet::NodeRegistration {
+                node_id: node.clone(),
+                hostname: "h".into(),
+                pool: "p".into(),
+                labels: Default::default(),
+                gpus: vec![crate::fleet::GpuRecord {
+                    uuid: format!("GPU-{n}"),
+                    product: "H100-80GB".into(),
+                    memory_bytes: 80 << 30,
+                    mig_capable: true,
+                }],
+                replica_host: String::new(),
+            })
+            .unwrap();
+        s.registry.replicas.insert(
+            node.clone(),
+            vec![ReplicaRecord {
+                id: format!("video-{n}"),
+                model: "wan-video".into(),
+                device: format!("GPU-{n}"),
+                state: "ready".into(),
+                endpoint: "127.0.0.1:1".into(),
+            }],
+        );
+    }
+    s
+}
+
+fn assign_all(s: &mut AppState, index: u64) -> Vec<Assignment> {
+    let a = dispatch(&s.fleet, &s.registry, &s.jobs);
+    s.apply(
+        &Command::AssignJobs {
+            assignments: a.clone(),
+            at_ms: 0,
+        },
+        index,
+    );
+    a
+}
+
+#[test]
+fn dispatch_fills_replicas_up_to_their_max_batch_and_no_further() {
+    let mut s = durable_fleet(2);
+    for i in 0..10 {
+        s.apply(
+            &Command::SubmitJob(sub(&format!("j{i:02}"), "t", None, &i.to_string())),
+            i + 1,
+        );
+    }
+    let a = assign_all(&mut s, 100);
+    assert_eq!(a.len(), 4, "2 replicas × max batch 2");
+    assert!(assign_all(&mut s, 101).is_empty(), "full replicas take nothing more");
+    // FIFO within the tenant: the four oldest.
+    let mut ids: Vec<_> = a.iter().map(|a| a.job_id.as_str()).collect();
+    ids.sort();
+    assert_eq!(ids, ["j00", "j01", "j02", "j03"]);
+    // One finishes: exactly one more goes out.
+    s.apply(
+        &Command::FinishJob {
+            job_id: "j00".into(),
+            token: 100,
+            completion: ok_result("j00", 100),
+            at_ms: 0,
+        },
+        102,
+    );
+    let next = assign_all(&mut s, 103);
+    assert_eq!(next.len(), 1);
+    assert_eq!(next[0].job_id, "j04");
+}
+
+#[test]
+fn dispatch_shares_replicas_fairly_across_tenants() {
+    let mut s = durable_fleet(1);
+    // A floods first, B submits one job later.
+    for i in 0..20 {
+        s.apply(
+            &Command::SubmitJob(sub(&format!("a{i:02}"), "A", None, &i.to_string())),
+            i + 1,
+        );
+    }
+    s.apply(&Command::SubmitJob(sub("b00", "B", None, "b")), 50);
+    let a = assign_all(&mut s, 100);
+    let tenants: Vec<_> = a
+        .iter()
+        .map(|x| s.jobs.get(&x.job_id).unwrap().tenant.as_str())
+        .collect();
+    assert!(tenants.contains(&"B"), "B's job is not behind A's backlog: {tenants:?}");
+}
+
+#[test]
+fn dispatch_skips_down_and_draining_nodes_and_unready_replicas() {
+    let mut s = durable_fleet(3);
+    s.fleet.set_liveness("n0", crate::fleet::Liveness::Down).unwrap();
+    s.fleet.set_flags("n1", None, Some(true)).unwrap();
+    s.registry.replicas.get_mut("n2").unwrap()[0].state = "starting".into();
+    s.apply(&Command::SubmitJob(sub("a", "t", None, "1")), 1);
+    assert!(dispatch(&s.fleet, &s.registry, &s.jobs).is_empty());
+    s.registry.replicas.get_mut("n2").unwrap()[0].state = "ready".into();
+    let a = dispatch(&s.fleet, &s.registry, &s.jobs);
+    assert_eq!(a.len(), 1);
+    assert_eq!(a[0].node_id, "n2");
+}
