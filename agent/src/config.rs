@@ -23,6 +23,9 @@ pub struct AgentFile {
     pub heartbeat_ms: Option<u64>,
     /// Host (name or IP) the routers dial to reach this node's replicas. Default: the hostname.
     pub replica_host: Option<String>,
+    /// Where durable jobs' results are written: a directory shared with the controllers, or
+    /// an object-store URL (`s3://bucket/prefix`). Default: `<data_dir>/results`.
+    pub results_store: Option<String>,
     #[serde(default)]
     pub gpu: GpuFile,
     /// Static replicas: run whatever the controllers say (like a kubelet's static pods).
@@ -87,6 +90,8 @@ pub struct AgentConfig {
     pub heartbeat: Duration,
     /// Host the routers dial to reach this node's replicas; empty = the hostname.
     pub replica_host: String,
+    /// Results store location (directory or object-store URL).
+    pub results_store: String,
     pub backend: Backend,
     pub replicas: Vec<StaticReplica>,
 }
@@ -187,6 +192,9 @@ impl AgentFile {
                 spec,
             });
         }
+        let results_store = self
+            .results_store
+            .unwrap_or_else(|| data_dir.join("results").display().to_string());
         Ok(AgentConfig {
             node_id,
             controllers: self.controllers,
@@ -196,6 +204,7 @@ impl AgentFile {
             join_token: self.join_token.unwrap_or_default(),
             heartbeat: Duration::from_millis(heartbeat_ms),
             replica_host: self.replica_host.unwrap_or_default(),
+            results_store,
             backend,
             replicas,
         })

@@ -6,8 +6,10 @@
 
 pub mod config;
 pub mod gpu;
+pub mod jobs;
 pub mod mig;
 pub mod placed;
+pub mod results;
 pub mod runtime;
 pub mod sim_model;
 pub mod supervisor;

@@ -15,7 +15,9 @@ use tonic::transport::Endpoint;
 
 use crate::config::AgentConfig;
 use crate::gpu::GpuBackend;
+use crate::jobs::JobRunner;
 use crate::placed::Placed;
+use crate::results::ResultStore;
 use crate::supervisor::{ReplicaSpec, ReplicaState, Supervisor, SupervisorConfig};
 use crate::weight_cache::WeightCache;
 
@@ -44,6 +46,8 @@ pub enum AgentError {
     Config(String),
     #[error("{0}")]
     Cache(#[from] crate::weight_cache::CacheError),
+    #[error("{0}")]
+    Results(#[from] crate::results::ResultStoreError),
 }
 
 /// A running agent.
@@ -88,9 +92,11 @@ pub async fn start(cfg: AgentConfig, backend: Arc<dyn GpuBackend>) -> Result<Age
             supervisor.start(spec).map_err(|e| AgentError::Config(e.to_string()))?;
         }
     }
+    let results = ResultStore::open(&cfg.results_store)?;
+    let jobs = JobRunner::open(&cfg.data_dir, results, supervisor.clone()).map_err(AgentError::Config)?;
     let (view_tx, view) = watch::channel(AgentView::default());
     let sup = supervisor.clone();
-    let task = tokio::spawn(async move { heartbeat_loop(cfg, backend, sup, cache, statics, view_tx).await });
+    let task = tokio::spawn(async move { heartbeat_loop(cfg, backend, sup, cache, statics, jobs, view_tx).await });
     Ok(Agent { supervisor, view, task })
 }
 
@@ -114,6 +120,7 @@ async fn heartbeat_loop(
     sup: Arc<Supervisor>,
     cache: WeightCache,
     statics: Vec<ReplicaSpec>,
+    jobs: JobRunner,
     view: watch::Sender<AgentView>,
 ) {
     let mut next = 0usize;
@@ -131,6 +138,7 @@ async fn heartbeat_loop(
             &sup,
             &statics,
             &placed,
+            &jobs,
             &addr,
             &view,
             &mut backoff,
@@ -168,6 +176,7 @@ async fn session(
     sup: &Arc<Supervisor>,
     statics: &[ReplicaSpec],
     placed: &Placed,
+    jobs: &JobRunner,
     addr: &str,
     view: &watch::Sender<AgentView>,
     backoff: &mut Duration,
@@ -238,7 +247,13 @@ async fn session(
     let interval = cfg.heartbeat;
     let blobs = || -> Vec<String> { placed.cache().contents().into_iter().map(|b| b.sha256).collect() };
     let mut seq = 1u64;
-    let first = heartbeat(&cfg.node_id, seq, backend_snapshot(backend), sup_snapshot(sup), blobs());
+    let beat = |seq: u64| {
+        let mut hb = heartbeat(&cfg.node_id, seq, backend_snapshot(backend), sup_snapshot(sup), blobs());
+        hb.jobs = jobs.reports();
+        hb
+    };
+    let wake = jobs.wake();
+    let first = beat(seq);
     if tx.send(first).await.is_err() {
         return SessionEnd::Failed("stream closed".into());
     }
@@ -247,10 +262,10 @@ async fn session(
     tick.tick().await;
     loop {
         tokio::select! {
-            _ = tick.tick() => {
+            // On the beat, or at once when a job started or finished.
+            _ = async { tokio::select! { _ = tick.tick() => {}, _ = wake.notified() => {} } } => {
                 seq += 1;
-                let hb = heartbeat(&cfg.node_id, seq, backend_snapshot(backend), sup_snapshot(sup), blobs());
-                if tx.send(hb).await.is_err() {
+                if tx.send(beat(seq)).await.is_err() {
                     return SessionEnd::Failed("stream closed".into());
                 }
             }
@@ -262,6 +277,7 @@ async fn session(
                 Ok(Some(ds)) => {
                     last_reply = tokio::time::Instant::now();
                     *backoff = Duration::from_millis(100);
+                    jobs.reconcile(&ds.jobs, &ds.settled);
                     let was_draining = view.borrow().draining;
                     if ds.draining && !was_draining {
                         drain_all(sup);
@@ -386,6 +402,7 @@ fn heartbeat(
         gpus,
         replicas,
         cached_blobs: blobs,
+        jobs: Vec::new(),
     }
 }
 

@@ -218,6 +218,7 @@ async fn play_agent(leader: &str, port: u16) -> anyhow::Result<tokio::task::Join
                     last_exit: String::new(),
                 }],
                 cached_blobs: vec![],
+                jobs: vec![],
             };
             if tx.send(hb).await.is_err() {
                 return;

@@ -3,7 +3,7 @@
 
 use futures::StreamExt;
 use laneway_proto::agent::agent_service_server::AgentService;
-use laneway_proto::agent::{DesiredState, Heartbeat, RegisterReply, RegisterRequest};
+use laneway_proto::agent::{AssignedJob, DesiredState, Heartbeat, JobRef, RegisterReply, RegisterRequest};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
@@ -14,6 +14,7 @@ use crate::command::Command;
 use crate::context::Context;
 use crate::fleet::heartbeats::Seen;
 use crate::fleet::{GpuRecord, NodeRegistration};
+use crate::jobs::{Completion, JobResult, JobState};
 use crate::registry::ReplicaRecord;
 
 /// Serves agents.
@@ -99,9 +100,34 @@ impl AgentService for AgentGrpc {
         tokio::spawn(async move {
             // The node this stream speaks for, fixed by its first heartbeat.
             let mut bound: Option<String> = None;
-            while let Some(msg) = inbound.next().await {
-                let Ok(hb) = msg else { break };
-                let reply = handle(&ctx, &mut bound, &hb);
+            let mut last: Option<Heartbeat> = None;
+            // Jobs in the last reply: an assignment or a cancel goes out when it commits,
+            // not on the next heartbeat.
+            let mut sent: Vec<(String, u64)> = Vec::new();
+            let mut jobs_changed = ctx.sm.subscribe_jobs();
+            loop {
+                let reply = tokio::select! {
+                    msg = inbound.next() => {
+                        let Some(Ok(hb)) = msg else { break };
+                        let reply = handle(&ctx, &mut bound, &hb);
+                        last = Some(hb);
+                        reply
+                    }
+                    changed = jobs_changed.changed() => {
+                        if changed.is_err() {
+                            break;
+                        }
+                        let Some(hb) = last.as_ref().filter(|_| ctx.is_leader()) else { continue };
+                        let (jobs, settled) = job_reply(&ctx, hb);
+                        if job_keys(&jobs) == sent {
+                            continue;
+                        }
+                        Ok(desired_state(&ctx, hb, jobs, settled))
+                    }
+                };
+                if let Ok(r) = &reply {
+                    sent = job_keys(&r.jobs);
+                }
                 let stop = reply.is_err();
                 if tx.send(reply).await.is_err() || stop {
                     break;
@@ -197,13 +223,121 @@ fn handle(ctx: &Context, bound: &mut Option<String>, hb: &Heartbeat) -> Result<D
         },
     );
     sync_replicas(ctx, hb);
+    commit_job_reports(ctx, hb);
+    let (jobs, settled) = job_reply(ctx, hb);
+    Ok(desired_state(ctx, hb, jobs, settled))
+}
+
+fn job_keys(jobs: &[AssignedJob]) -> Vec<(String, u64)> {
+    jobs.iter().map(|j| (j.job_id.clone(), j.token)).collect()
+}
+
+/// The reply to `hb`: the node's flags, placed replicas and jobs.
+fn desired_state(ctx: &Context, hb: &Heartbeat, jobs: Vec<AssignedJob>, settled: Vec<JobRef>) -> DesiredState {
     let (cordoned, draining) = ctx.sm.node_flags(&hb.node_id).unwrap_or((false, false));
-    Ok(DesiredState {
+    DesiredState {
         version: ctx.sm.applied_index(),
         sequence: hb.sequence,
         cordoned,
         draining,
         replicas: ctx.sm.desired_for(&hb.node_id),
         replicas_managed: true,
+        jobs,
+        settled,
+    }
+}
+
+/// Commits what the agent reports of its jobs: started and finished, each only while the job
+/// still holds the report's token.
+fn commit_job_reports(ctx: &Context, hb: &Heartbeat) {
+    let now = crate::jobs::unix_ms();
+    let mut commits = Vec::new();
+    ctx.sm.with_jobs(|jobs, _, _| {
+        for r in &hb.jobs {
+            let Some(job) = jobs.get(&r.job_id).filter(|j| j.token == Some(r.token)) else {
+                continue;
+            };
+            let command = match r.state.as_str() {
+                "running" if job.state == JobState::Assigned => Command::JobStarted {
+                    job_id: r.job_id.clone(),
+                    token: r.token,
+                    at_ms: now,
+                },
+                "succeeded" => Command::FinishJob {
+                    job_id: r.job_id.clone(),
+                    token: r.token,
+                    completion: Completion::Succeeded(JobResult {
+                        key: r.result_key.clone(),
+                        bytes: r.result_bytes,
+                        gpu_us: r.gpu_us,
+                        content_type: r.content_type.clone(),
+                    }),
+                    at_ms: now,
+                },
+                "failed" => Command::FinishJob {
+                    job_id: r.job_id.clone(),
+                    token: r.token,
+                    completion: Completion::Failed {
+                        reason: format!("on {}: {}", hb.node_id, r.error),
+                        retryable: r.retryable,
+                    },
+                    at_ms: now,
+                },
+                _ => continue,
+            };
+            commits.push(((r.job_id.clone(), r.token, r.state.clone()), command));
+        }
+    });
+    for (key, command) in commits {
+        ctx.jobs.commit_report(key, command);
+    }
+}
+
+/// The jobs assigned to `hb`'s node now, and the reports it may drop (finished, cancelled,
+/// reassigned or forgotten jobs: such a report can never count).
+fn job_reply(ctx: &Context, hb: &Heartbeat) -> (Vec<AssignedJob>, Vec<JobRef>) {
+    ctx.sm.with_jobs(|jobs, _, registry| {
+        let mut settled = Vec::new();
+        let mut reported = std::collections::HashSet::new();
+        for r in &hb.jobs {
+            reported.insert((r.job_id.as_str(), r.token));
+            let current = jobs.get(&r.job_id).is_some_and(|j| j.token == Some(r.token));
+            if !current && r.state != "running" {
+                settled.push(JobRef {
+                    job_id: r.job_id.clone(),
+                    token: r.token,
+                });
+            }
+        }
+        let assigned = jobs
+            .placed_on(&hb.node_id)
+            .filter_map(|j| {
+                let token = j.token?;
+                let known = reported.contains(&(j.id.as_str(), token));
+                Some(AssignedJob {
+                    job_id: j.id.clone(),
+                    token,
+                    model: j.model.clone(),
+                    replica_id: j.replica.clone().unwrap_or_default(),
+                    // The agent already has it: the input crosses the stream once.
+                    input: if known {
+                        String::new()
+                    } else {
+                        j.input.clone().unwrap_or_default()
+                    },
+                    input_uri: if known {
+                        String::new()
+                    } else {
+                        j.input_uri.clone().unwrap_or_default()
+                    },
+                    timeout_ms: registry
+                        .classes
+                        .get(&j.class)
+                        .map_or(600_000, |c| c.request_timeout_ms.as_duration().as_millis() as u64),
+                    result_key: laneway_agent::results::result_key(&j.id, token),
+                })
+            })
+            .collect();
+        (assigned, settled)
     })
 }

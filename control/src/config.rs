@@ -23,6 +23,17 @@ pub struct FileConfig {
     pub max_admin_request_bytes: Option<usize>,
     #[serde(default)]
     pub router: FileRouterConfig,
+    #[serde(default)]
+    pub jobs: FileJobsConfig,
+}
+
+/// `[jobs]` table of the TOML file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileJobsConfig {
+    /// Where durable jobs' results are read from: the directory (or object-store URL) the
+    /// agents write them to. Default `<data_dir>/results`.
+    pub results_store: Option<String>,
 }
 
 /// `[router]` table of the TOML file.
@@ -83,6 +94,10 @@ pub struct RunArgs {
     /// Inference router listen address (HTTP), or `off`. Default `127.0.0.1:8080`.
     #[arg(long, env = "LANEWAY_ROUTER_LISTEN")]
     pub router_listen: Option<String>,
+    /// Results store of the durable lanes: a directory shared with the agents, or an
+    /// object-store URL (s3://bucket/prefix). Default `<data-dir>/results`.
+    #[arg(long, env = "LANEWAY_RESULTS_STORE")]
+    pub results_store: Option<String>,
 }
 
 /// Raft timing and compaction settings, validated.
@@ -133,6 +148,8 @@ pub struct ControllerConfig {
     pub node_dead_after: std::time::Duration,
     /// The inference router's listener and limits.
     pub router: crate::router::http::RouterSettings,
+    /// Results store of the durable lanes (directory or object-store URL).
+    pub results_store: String,
 }
 
 /// An invalid configuration value.
@@ -305,7 +322,13 @@ impl RunArgs {
             ));
         }
         let router = resolve_router(self.router_listen.clone(), &file.router)?;
+        let results_store = self
+            .results_store
+            .clone()
+            .or_else(|| file.jobs.results_store.clone())
+            .unwrap_or_else(|| data_dir.join("results").display().to_string());
         Ok(ControllerConfig {
+            results_store,
             node_id,
             cluster_name,
             listen,

@@ -23,6 +23,8 @@ pub struct Context {
     pub router: Arc<crate::router::Router>,
     /// Load reports of every controller's router (read by the leader's fast loop).
     pub load: Arc<crate::scheduler::load_board::LoadBoard>,
+    /// How routers write durable jobs (through the leader).
+    pub jobs: Arc<crate::jobs::gateway::JobGateway>,
 }
 
 impl Context {

@@ -45,13 +45,15 @@ pub enum StartError {
     RaftConfig(String),
     #[error("raft failed to start: {0}")]
     Raft(String),
+    #[error("{0}; set jobs.results_store (or --results-store) to a directory or object-store URL the controllers and agents share")]
+    Results(String),
 }
 
 impl StartError {
     /// Process exit code: 2 for a misconfiguration the operator must fix, 1 otherwise.
     pub fn exit_code(&self) -> i32 {
         match self {
-            StartError::DataDir(_) | StartError::RaftConfig(_) => 2,
+            StartError::DataDir(_) | StartError::RaftConfig(_) | StartError::Results(_) => 2,
             StartError::Storage(_) | StartError::Bind { .. } | StartError::Raft(_) => 1,
         }
     }
@@ -132,6 +134,14 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
     .await
     .map_err(|e| StartError::Raft(e.to_string()))?;
 
+    let proposer = Proposer::start(raft.clone());
+    let jobs = Arc::new(crate::jobs::gateway::JobGateway::new(
+        raft.clone(),
+        cfg.node_id,
+        proposer.clone(),
+    ));
+    let results = laneway_agent::results::ResultStore::open(&cfg.results_store)
+        .map_err(|e| StartError::Results(e.to_string()))?;
     let ctx = Context {
         raft: raft.clone(),
         node_id: cfg.node_id,
@@ -139,12 +149,14 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         advertise: advertise.clone(),
         log,
         sm: sm.clone(),
-        proposer: Proposer::start(raft.clone()),
+        proposer,
         heartbeats: Arc::new(HeartbeatTable::default()),
         router: Router::new(sm.clone()),
         load: Arc::default(),
+        jobs: jobs.clone(),
     };
     let router = ctx.router.clone();
+    router.enable_jobs(jobs, results);
     let router_task = router.start();
     let router_server = match router_listener {
         Some(l) => Some(
@@ -168,7 +180,8 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         async move {
             tokio::join!(
                 crate::scheduler::warm_floor_loop::run(ctx.clone()),
-                crate::scheduler::warm_floor_loop::report(ctx)
+                crate::scheduler::warm_floor_loop::report(ctx.clone()),
+                crate::jobs::dispatcher::run(ctx)
             );
         }
     });

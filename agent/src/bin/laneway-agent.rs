@@ -66,6 +66,10 @@ struct RunArgs {
     sim_config: Option<PathBuf>,
     #[arg(long, env = "LANEWAY_JOIN_TOKEN")]
     join_token: Option<String>,
+    /// Where durable jobs' results go: a directory the controllers also read, or an
+    /// object-store URL (s3://bucket/prefix). Default: <data-dir>/results.
+    #[arg(long, env = "LANEWAY_RESULTS_STORE")]
+    results_store: Option<String>,
 }
 
 fn run_agent(args: RunArgs) -> ExitCode {
@@ -93,6 +97,9 @@ fn run_agent(args: RunArgs) -> ExitCode {
     }
     if args.join_token.is_some() {
         file.join_token = args.join_token;
+    }
+    if args.results_store.is_some() {
+        file.results_store = args.results_store;
     }
     if let Some(b) = args.backend {
         file.gpu.backend = Some(match b {

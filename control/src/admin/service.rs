@@ -13,8 +13,8 @@ use laneway_proto::admin::{
     SnapshotRequest, StatusRequest, WriteReply,
 };
 use laneway_proto::admin::{
-    CreateTenantRequest, DocumentsReply, LaneStatusRequest, ListRegistryRequest, LoadReport, LoadReportReply,
-    NameRequest, PutDocumentRequest, SetTenantLimitRequest, TenantKeyReply,
+    CreateTenantRequest, DocumentsReply, JobWriteReply, JobWriteRequest, LaneStatusRequest, ListRegistryRequest,
+    LoadReport, LoadReportReply, NameRequest, PutDocumentRequest, SetTenantLimitRequest, TenantKeyReply,
 };
 use openraft::error::{ForwardToLeader, RaftError};
 use openraft::{ChangeMembers, ServerState};
@@ -69,6 +69,7 @@ pub struct AdminGrpc {
     heartbeats: Arc<HeartbeatTable>,
     router: Arc<crate::router::Router>,
     load: Arc<crate::scheduler::load_board::LoadBoard>,
+    jobs: Arc<crate::jobs::gateway::JobGateway>,
     /// Connections to other controllers (a follower asks the leader for read indexes).
     peers: AdminClient,
     /// One membership change at a time from this controller, so a concurrent `remove` and
@@ -89,10 +90,12 @@ impl AdminGrpc {
             heartbeats,
             router,
             load,
+            jobs,
         } = ctx;
         AdminGrpc {
             router,
             load,
+            jobs,
             proposer,
             heartbeats,
             peers: AdminClient::new(Vec::new()).with_call_timeout(READ_INDEX_TIMEOUT),
@@ -238,6 +241,25 @@ impl AdminGrpc {
                 ))
             })?;
         Ok(())
+    }
+
+    /// Refuses a leader-only call on a follower, naming the leader.
+    fn leader_only(&self) -> Result<(), AdminError> {
+        let m = self.metrics();
+        if m.current_leader == Some(self.node_id) {
+            return Ok(());
+        }
+        let leader = m
+            .current_leader
+            .and_then(|id| Some((id, m.membership_config.membership().get_node(&id)?.addr.clone())));
+        Err(match leader {
+            Some((leader_id, leader_addr)) => AdminError::NotLeader {
+                node_id: self.node_id,
+                leader_id,
+                leader_addr,
+            },
+            None => AdminError::NoLeader { node_id: self.node_id },
+        })
     }
 
     fn check_node_id(&self, node_id: u64) -> Result<(), AdminError> {
@@ -436,9 +458,22 @@ impl AdminService for AdminGrpc {
                         .map(move |x| to_json(&serde_json::json!({"node": node, "replica": x})))
                 })
                 .collect(),
+            // Every tenant's jobs, for the operator: state and placement, never the input.
+            "jobs" => self.sm.with_jobs(|jobs, _, _| {
+                jobs.jobs
+                    .values()
+                    .map(|j| {
+                        let mut v = crate::router::jobs::view(j);
+                        v["tenant"] = serde_json::json!(j.tenant);
+                        v["token"] = serde_json::json!(j.token);
+                        v["result_key"] = serde_json::json!(j.result.as_ref().map(|r| &r.key));
+                        to_json(&v)
+                    })
+                    .collect()
+            }),
             other => {
                 return Err(AdminError::InvalidArgument(format!(
-                    "unknown registry kind {other:?}; use classes, models, tenants or replicas"
+                    "unknown registry kind {other:?}; use classes, models, tenants, replicas or jobs"
                 ))
                 .into())
             }
@@ -499,21 +534,7 @@ impl AdminService for AdminGrpc {
     }
 
     async fn report_load(&self, req: Request<LoadReport>) -> Result<Response<LoadReportReply>, Status> {
-        let m = self.metrics();
-        if m.current_leader != Some(self.node_id) {
-            let leader = m
-                .current_leader
-                .and_then(|id| Some((id, m.membership_config.membership().get_node(&id)?.addr.clone())));
-            return Err(match leader {
-                Some((leader_id, leader_addr)) => AdminError::NotLeader {
-                    node_id: self.node_id,
-                    leader_id,
-                    leader_addr,
-                },
-                None => AdminError::NoLeader { node_id: self.node_id },
-            }
-            .into());
-        }
+        self.leader_only()?;
         let r = req.into_inner();
         let load = r
             .models
@@ -530,6 +551,26 @@ impl AdminService for AdminGrpc {
             .collect();
         self.load.record(r.controller_id, load, tokio::time::Instant::now());
         Ok(Response::new(LoadReportReply {}))
+    }
+
+    async fn job_write(&self, req: Request<JobWriteRequest>) -> Result<Response<JobWriteReply>, Status> {
+        self.leader_only()?;
+        let write: crate::jobs::gateway::JobWrite = parse_document("job write", &req.into_inner().json)?;
+        write
+            .clone()
+            .into_command()
+            .validate()
+            .map_err(|e| AdminError::InvalidArgument(e.to_string()))?;
+        use crate::jobs::gateway::GatewayError;
+        let (log_index, resp) = self.jobs.commit_here(write).await.map_err(|e| match e {
+            GatewayError::Unavailable(m) => AdminError::Unavailable(m),
+            GatewayError::Rejected(m) => AdminError::FailedPrecondition(m),
+        })?;
+        Ok(Response::new(JobWriteReply {
+            outcome_json: resp.job.as_ref().map(to_json).unwrap_or_default(),
+            rejected: resp.rejected.unwrap_or_default(),
+            log_index,
+        }))
     }
 
     async fn lane_status(&self, req: Request<LaneStatusRequest>) -> Result<Response<DocumentsReply>, Status> {

@@ -30,7 +30,7 @@ struct Slot {
 /// Free job slots per durable model, most free first.
 fn free_slots(fleet: &Fleet, registry: &Registry, jobs: &Jobs) -> HashMap<String, Vec<Slot>> {
     let mut placed: HashMap<&str, u32> = HashMap::new();
-    for j in jobs.jobs.values().filter(|j| j.state.is_placed()) {
+    for j in jobs.open().filter(|j| j.state.is_placed()) {
         if let Some(r) = &j.replica {
             *placed.entry(r.as_str()).or_default() += 1;
         }
@@ -92,7 +92,7 @@ pub fn dispatch(fleet: &Fleet, registry: &Registry, jobs: &Jobs) -> Vec<Assignme
     // Per model: per tenant, queued jobs oldest first; and jobs already placed per tenant.
     let mut queues: HashMap<&str, BTreeMap<&str, VecDeque<&Job>>> = HashMap::new();
     let mut placed: HashMap<(&str, &str), u32> = HashMap::new();
-    for j in jobs.jobs.values() {
+    for j in jobs.open() {
         match j.state {
             JobState::Queued if slots.contains_key(&j.model) => queues
                 .entry(j.model.as_str())
@@ -113,16 +113,13 @@ pub fn dispatch(fleet: &Fleet, registry: &Registry, jobs: &Jobs) -> Vec<Assignme
             continue;
         };
         let mut next_slot = 0usize;
-        loop {
-            // The tenant with the fewest placed jobs, then the oldest head of queue.
-            let Some(tenant) = tenants
-                .iter()
-                .filter_map(|(t, q)| q.front().map(|j| (*t, j.seq)))
-                .min_by_key(|(t, seq)| (placed.get(&(model, *t)).copied().unwrap_or(0), *seq))
-                .map(|(t, _)| t)
-            else {
-                break;
-            };
+        // The tenant with the fewest placed jobs, then the oldest head of queue.
+        while let Some(tenant) = tenants
+            .iter()
+            .filter_map(|(t, q)| q.front().map(|j| (*t, j.seq)))
+            .min_by_key(|(t, seq)| (placed.get(&(model, *t)).copied().unwrap_or(0), *seq))
+            .map(|(t, _)| t)
+        {
             // Round-robin over replicas with room, so a burst spreads across the fleet.
             let Some(i) = (0..model_slots.len())
                 .map(|k| (next_slot + k) % model_slots.len())

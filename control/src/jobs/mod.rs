@@ -12,6 +12,8 @@
 //! or a node declared down, puts the job back to `Queued` until it has used `max_attempts`.
 
 pub mod dispatch;
+pub mod dispatcher;
+pub mod gateway;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -220,6 +222,16 @@ pub struct Jobs {
     /// (tenant, class) → jobs queued or placed.
     #[serde(skip)]
     active: HashMap<(String, String), u32>,
+    /// Ids of the jobs not finished (queued or placed): what the dispatcher looks at, without
+    /// walking the finished ones.
+    #[serde(skip)]
+    open: BTreeSet<String>,
+    /// Queued jobs per model (the router's drain estimate on every submission).
+    #[serde(skip)]
+    queued: HashMap<String, usize>,
+    /// Placed jobs per node (every heartbeat reply lists its node's).
+    #[serde(skip)]
+    placed: HashMap<String, BTreeSet<String>>,
     /// Job ids changed since the state machine last persisted them.
     #[serde(skip)]
     dirty: BTreeSet<String>,
@@ -238,14 +250,63 @@ impl Jobs {
     pub fn rebuild_index(&mut self) {
         self.by_key.clear();
         self.active.clear();
-        for j in self.jobs.values() {
+        self.open.clear();
+        self.queued.clear();
+        self.placed.clear();
+        let ids: Vec<String> = self.jobs.keys().cloned().collect();
+        for id in ids {
+            let j = &self.jobs[&id];
             if let Some(k) = &j.idempotency_key {
-                self.by_key.insert((j.tenant.clone(), k.clone()), j.id.clone());
+                self.by_key.insert((j.tenant.clone(), k.clone()), id.clone());
             }
-            if !j.state.is_terminal() {
-                *self.active.entry((j.tenant.clone(), j.class.clone())).or_default() += 1;
+            self.index(&id, true);
+        }
+    }
+
+    /// Adds (`add`) or removes a job's part in the derived counts, from its current state.
+    /// Every transition is `index(id, false)`, the change, `index(id, true)`.
+    fn index(&mut self, id: &str, add: bool) {
+        let Some(j) = self.jobs.get(id) else { return };
+        if j.state.is_terminal() {
+            return;
+        }
+        let delta: i32 = if add { 1 } else { -1 };
+        let e = self.active.entry((j.tenant.clone(), j.class.clone())).or_default();
+        *e = e.saturating_add_signed(delta);
+        if j.state == JobState::Queued {
+            let q = self.queued.entry(j.model.clone()).or_default();
+            *q = q.saturating_add_signed(delta as isize);
+        }
+        if let (true, Some(node)) = (j.state.is_placed(), j.node.clone()) {
+            let set = self.placed.entry(node.clone()).or_default();
+            if add {
+                set.insert(id.to_string());
+            } else {
+                set.remove(id);
+                if set.is_empty() {
+                    self.placed.remove(&node);
+                }
             }
         }
+        if add {
+            self.open.insert(id.to_string());
+        } else {
+            self.open.remove(id);
+        }
+    }
+
+    /// Queued jobs of `model`.
+    pub fn queued(&self, model: &str) -> usize {
+        self.queued.get(model).copied().unwrap_or(0)
+    }
+
+    /// Jobs assigned to or running on `node`.
+    pub fn placed_on(&self, node: &str) -> impl Iterator<Item = &Job> {
+        self.placed
+            .get(node)
+            .into_iter()
+            .flatten()
+            .filter_map(|id| self.jobs.get(id))
     }
 
     /// Inserts a stored job (load from the state database).
@@ -262,17 +323,17 @@ impl Jobs {
         self.jobs.get(id)
     }
 
+    /// Jobs not finished yet (queued or placed), in id order.
+    pub fn open(&self) -> impl Iterator<Item = &Job> {
+        self.open.iter().filter_map(|id| self.jobs.get(id))
+    }
+
     /// Jobs queued or placed for `tenant` on `class`.
     pub fn active(&self, tenant: &str, class: &str) -> u32 {
         self.active
             .get(&(tenant.to_string(), class.to_string()))
             .copied()
             .unwrap_or(0)
-    }
-
-    fn set_active(&mut self, tenant: &str, class: &str, delta: i32) {
-        let e = self.active.entry((tenant.to_string(), class.to_string())).or_default();
-        *e = e.saturating_add_signed(delta);
     }
 
     fn touch(&mut self, id: &str) {
@@ -328,15 +389,15 @@ impl Jobs {
         if let Some(k) = &s.idempotency_key {
             self.by_key.insert((s.tenant.clone(), k.clone()), s.id.clone());
         }
-        self.set_active(&s.tenant, &s.class, 1);
         self.jobs.insert(s.id.clone(), job);
+        self.index(&s.id, true);
         self.touch(&s.id);
         Ok(JobOutcome::Created { id: s.id.clone() })
     }
 
     /// Assigns a queued job to a replica; the token is `index`.
     pub fn assign(&mut self, id: &str, node: &str, replica: &str, index: u64, at_ms: u64) -> Result<(), String> {
-        let job = self.jobs.get_mut(id).ok_or_else(|| format!("no job {id}"))?;
+        let job = self.jobs.get(id).ok_or_else(|| format!("no job {id}"))?;
         if job.state != JobState::Queued {
             return Err(format!("job {id} is {}, not queued", job.state));
         }
@@ -346,6 +407,8 @@ impl Jobs {
                 job.last_token
             ));
         }
+        self.index(id, false);
+        let job = self.jobs.get_mut(id).expect("checked above");
         job.state = JobState::Assigned;
         job.token = Some(index);
         job.last_token = index;
@@ -354,6 +417,7 @@ impl Jobs {
         job.attempts += 1;
         job.assigned_ms = Some(at_ms);
         job.started_ms = None;
+        self.index(id, true);
         self.touch(id);
         Ok(())
     }
@@ -382,7 +446,9 @@ impl Jobs {
 
     /// The executor holding `token` finished an attempt.
     pub fn finish(&mut self, id: &str, token: u64, completion: &Completion, at_ms: u64) -> Result<(), String> {
-        let job = Self::current(&mut self.jobs, id, token)?;
+        Self::current(&mut self.jobs, id, token)?;
+        self.index(id, false);
+        let job = self.jobs.get_mut(id).expect("checked above");
         match completion {
             Completion::Succeeded(result) => {
                 job.result = Some(result.clone());
@@ -397,10 +463,7 @@ impl Jobs {
                 }
             }
         }
-        let (tenant, class, terminal) = (job.tenant.clone(), job.class.clone(), job.state.is_terminal());
-        if terminal {
-            self.set_active(&tenant, &class, -1);
-        }
+        self.index(id, true);
         self.touch(id);
         Ok(())
     }
@@ -428,9 +491,9 @@ impl Jobs {
             return Ok(JobOutcome::AlreadyFinished { state: job.state });
         }
         let from = job.state;
+        self.index(id, false);
+        let job = self.jobs.get_mut(id).expect("found above");
         Self::end(job, JobState::Cancelled, at_ms);
-        let (tenant, class) = (job.tenant.clone(), job.class.clone());
-        self.set_active(&tenant, &class, -1);
         self.touch(id);
         Ok(JobOutcome::Cancelled { from })
     }
@@ -438,12 +501,7 @@ impl Jobs {
     /// A node was declared down: its jobs lose their tokens and go back to the queue (or end
     /// Failed when they have used their attempts).
     pub fn node_down(&mut self, node: &str, at_ms: u64) -> usize {
-        let ids: Vec<String> = self
-            .jobs
-            .values()
-            .filter(|j| j.state.is_placed() && j.node.as_deref() == Some(node))
-            .map(|j| j.id.clone())
-            .collect();
+        let ids: Vec<String> = self.placed_on(node).map(|j| j.id.clone()).collect();
         for id in &ids {
             let job = self.jobs.get_mut(id).expect("listed above");
             let token = job.token.expect("placed jobs hold a token");
@@ -479,6 +537,34 @@ impl Jobs {
             self.touch(id);
         }
         old.len()
+    }
+
+    /// The derived indexes, to compare incremental upkeep with a rebuild.
+    #[cfg(test)]
+    #[allow(clippy::type_complexity)]
+    fn derived(
+        &self,
+    ) -> (
+        Vec<((String, String), u32)>,
+        Vec<(String, usize)>,
+        Vec<(String, BTreeSet<String>)>,
+        BTreeSet<String>,
+        Vec<((String, String), String)>,
+    ) {
+        fn sorted<K: Ord + Clone, V: Clone>(m: &HashMap<K, V>) -> Vec<(K, V)> {
+            let mut v: Vec<(K, V)> = m.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+            v.sort_by(|a, b| a.0.cmp(&b.0));
+            v
+        }
+        let nonzero = |v: Vec<((String, String), u32)>| v.into_iter().filter(|x| x.1 > 0).collect();
+        let queued = sorted(&self.queued).into_iter().filter(|x| x.1 > 0).collect();
+        (
+            nonzero(sorted(&self.active)),
+            queued,
+            sorted(&self.placed),
+            self.open.clone(),
+            sorted(&self.by_key),
+        )
     }
 
     /// Jobs in each state.

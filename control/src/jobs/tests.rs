@@ -452,3 +452,43 @@ fn dispatch_skips_down_and_draining_nodes_and_unready_replicas() {
     assert_eq!(a.len(), 1);
     assert_eq!(a[0].node_id, "n2");
 }
+
+#[test]
+fn the_derived_indexes_kept_on_every_transition_match_a_rebuild() {
+    let mut j = Jobs::default();
+    for i in 0..12u64 {
+        let key = (i % 3 == 0).then(|| format!("k{i}"));
+        j.submit(
+            &sub(
+                &format!("j{i:02}"),
+                if i % 2 == 0 { "A" } else { "B" },
+                key.as_deref(),
+                &i.to_string(),
+            ),
+            None,
+            i + 1,
+        )
+        .unwrap();
+    }
+    for i in 0..8u64 {
+        j.assign(&format!("j{i:02}"), if i < 4 { "n1" } else { "n2" }, "r", 100 + i, 0)
+            .unwrap();
+    }
+    j.started("j00", 100, 0).unwrap();
+    j.finish("j00", 100, &ok_result("j00", 100), 5).unwrap();
+    j.finish("j01", 101, &failed(true), 5).unwrap();
+    j.cancel("j02", 5).unwrap();
+    j.cancel("j10", 5).unwrap();
+    j.node_down("n2", 6);
+    j.compact(6);
+    let mut rebuilt = j.clone();
+    rebuilt.rebuild_index();
+    assert_eq!(j.derived(), rebuilt.derived());
+    assert_eq!(
+        j.queued("wan-video"),
+        8,
+        "j01 requeued, n2's four requeued, j08, j09, j11"
+    );
+    assert_eq!(j.placed_on("n1").count(), 1, "only j03 is still on n1");
+    assert_eq!(j.placed_on("n2").count(), 0);
+}

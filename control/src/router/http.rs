@@ -67,11 +67,17 @@ pub fn app(router: Arc<Router>, max_body_bytes: usize) -> axum::Router {
         .route("/v2/models/{model}", get(metadata))
         .route("/v2/models/{model}/ready", get(model_ready))
         .route("/v2/models/{model}/infer", post(infer))
+        .route("/v1/jobs", post(super::jobs::post_job).get(super::jobs::list_jobs))
+        .route(
+            "/v1/jobs/{id}",
+            get(super::jobs::get_job).delete(super::jobs::cancel_job),
+        )
+        .route("/v1/jobs/{id}/result", get(super::jobs::get_result))
         .route("/metrics", get(metrics))
         .fallback(|| async {
             error(
                 StatusCode::NOT_FOUND,
-                "no such path; the router serves POST /v2/models/{model}/infer, GET /v2/models/{model}, GET /v2/health/live|ready".into(),
+                "no such path; the router serves POST /v2/models/{model}/infer, GET /v2/models/{model}, GET /v2/health/live|ready, and jobs at POST|GET /v1/jobs, GET|DELETE /v1/jobs/{id}, GET /v1/jobs/{id}/result".into(),
                 &Meta::default(),
             )
         })
@@ -153,13 +159,13 @@ pub fn serve(router: Arc<Router>, listener: TcpListener, settings: &RouterSettin
 
 /// What every response says about the request, as far as it is known.
 #[derive(Default, Clone)]
-struct Meta {
-    request_id: String,
-    lane: Option<&'static str>,
-    class: Option<HeaderValue>,
+pub(super) struct Meta {
+    pub(super) request_id: String,
+    pub(super) lane: Option<&'static str>,
+    pub(super) class: Option<HeaderValue>,
 }
 
-fn error(status: StatusCode, message: String, meta: &Meta) -> Response {
+pub(super) fn error(status: StatusCode, message: String, meta: &Meta) -> Response {
     let mut r = (
         status,
         Json(json!({
@@ -173,7 +179,7 @@ fn error(status: StatusCode, message: String, meta: &Meta) -> Response {
     r
 }
 
-fn stamp(h: &mut HeaderMap, meta: &Meta) {
+pub(super) fn stamp(h: &mut HeaderMap, meta: &Meta) {
     if let Ok(v) = HeaderValue::from_str(&meta.request_id) {
         h.insert(REQUEST_ID, v);
     }
@@ -183,14 +189,14 @@ fn stamp(h: &mut HeaderMap, meta: &Meta) {
     }
 }
 
-fn with_retry_after(mut r: Response, wait: Duration) -> Response {
+pub(super) fn with_retry_after(mut r: Response, wait: Duration) -> Response {
     r.headers_mut()
         .insert(axum::http::header::RETRY_AFTER, retry_after_header(wait));
     r
 }
 
 /// The request id: the client's `x-request-id` when it is a sane token, else a new one.
-fn request_id(headers: &HeaderMap) -> String {
+pub(super) fn request_id(headers: &HeaderMap) -> String {
     headers
         .get(REQUEST_ID)
         .and_then(|v| v.to_str().ok())
@@ -204,7 +210,7 @@ fn request_id(headers: &HeaderMap) -> String {
 }
 
 /// Authenticates the bearer API key.
-fn authenticate(table: &Table, headers: &HeaderMap, meta: &Meta) -> Result<Arc<TenantRoute>, Response> {
+pub(super) fn authenticate(table: &Table, headers: &HeaderMap, meta: &Meta) -> Result<Arc<TenantRoute>, Response> {
     let Some(value) = headers.get(axum::http::header::AUTHORIZATION) else {
         return Err(error(
             StatusCode::UNAUTHORIZED,
@@ -234,7 +240,7 @@ fn authenticate(table: &Table, headers: &HeaderMap, meta: &Meta) -> Result<Arc<T
     })
 }
 
-fn lookup(table: &Table, model: &str, meta: &mut Meta) -> Result<Arc<ModelRoute>, Response> {
+pub(super) fn lookup(table: &Table, model: &str, meta: &mut Meta) -> Result<Arc<ModelRoute>, Response> {
     let route = table.models.get(model).cloned().ok_or_else(|| {
         error(
             StatusCode::NOT_FOUND,
@@ -325,7 +331,7 @@ async fn model_ready(State(router): State<Arc<Router>>, Path(model): Path<String
 /// Tensor data is not inspected (only required), so checking costs no copy of it.
 #[derive(Deserialize)]
 #[allow(dead_code)]
-struct InferRequest {
+pub(super) struct InferRequest {
     #[serde(default)]
     id: Option<String>,
     inputs: Vec<InferInput>,
@@ -346,7 +352,7 @@ struct InferInput {
     data: IgnoredAny,
 }
 
-fn check_body(body: &[u8]) -> Result<InferRequest, String> {
+pub(super) fn check_body(body: &[u8]) -> Result<InferRequest, String> {
     let de = &mut serde_json::Deserializer::from_slice(body);
     serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
@@ -375,7 +381,7 @@ fn degrade(body: &[u8], params: &std::collections::BTreeMap<String, String>) -> 
     serde_json::to_vec(&v).map(Bytes::from).map_err(|e| e.to_string())
 }
 
-fn unix_ms() -> u64 {
+pub(super) fn unix_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
@@ -425,6 +431,9 @@ async fn infer(
     };
     if let Err(msg) = check_body(&body) {
         return error(StatusCode::BAD_REQUEST, msg, &meta);
+    }
+    if class.lane == crate::registry::LaneKind::Durable {
+        return super::jobs::submit_infer(&router, &tenant, &route, body, &headers, &meta).await;
     }
     let mut record = RequestRecord {
         request_id: meta.request_id.clone(),

@@ -41,6 +41,8 @@ pub struct LaneCounters {
     pub failed: u64,
     /// Requests retried on another replica because the first never received them.
     pub retried: u64,
+    /// Durable: new jobs refused by the overload policy (503 with the drain estimate).
+    pub shed: u64,
 }
 
 pub struct LaneState {

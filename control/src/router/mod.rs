@@ -9,6 +9,7 @@
 
 pub mod admission;
 pub mod http;
+pub mod jobs;
 pub mod lane;
 pub mod metrics;
 pub mod table;
@@ -144,6 +145,10 @@ pub struct Router {
     /// When a sync lane last refused work, and its protection rank.
     sync_refusal: Mutex<Option<(Instant, u32)>>,
     built: AtomicBool,
+    /// The durable job queue's gateway and results store, when this router runs on a
+    /// controller (set once at start).
+    jobs: std::sync::OnceLock<Arc<crate::jobs::gateway::JobGateway>>,
+    results: std::sync::OnceLock<laneway_agent::results::ResultStore>,
 }
 
 impl Router {
@@ -164,6 +169,8 @@ impl Router {
             epoch: Instant::now(),
             sync_refusal: Mutex::new(None),
             built: AtomicBool::new(false),
+            jobs: std::sync::OnceLock::new(),
+            results: std::sync::OnceLock::new(),
         });
         router.rebuild();
         router
@@ -213,6 +220,16 @@ impl Router {
     #[cfg(test)]
     pub(crate) fn install(&self, table: Table) {
         *self.table.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(table);
+    }
+
+    /// Lets this router take durable jobs (once; later calls are ignored).
+    pub fn enable_jobs(
+        &self,
+        gateway: Arc<crate::jobs::gateway::JobGateway>,
+        results: laneway_agent::results::ResultStore,
+    ) {
+        let _ = self.jobs.set(gateway);
+        let _ = self.results.set(results);
     }
 
     pub fn table(&self) -> Arc<Table> {

@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 use crate::context::Context;
 use crate::registry::{LaneKind, Registry};
-use crate::scheduler::autoscale::{Inputs, ScaleState};
+use crate::scheduler::autoscale::{Inputs, ModelLoad, ScaleState};
 use crate::scheduler::replicas;
 
 /// How often the leader plans.
@@ -64,18 +64,33 @@ pub async fn run(ctx: Context) {
     }
 }
 
-/// The fast loop: a replica count per model of a sync or bounded lane from its load.
+/// The fast loop: a replica count per model from its load — the routers' in-flight and
+/// waiting requests for sync and bounded lanes, the replicated job queue (placed and queued
+/// jobs) for durable lanes.
 fn fast_loop(ctx: &Context, registry: &Registry, scale: &mut ScaleState, now: Instant) -> HashMap<String, usize> {
     let load = ctx.load.total(now);
+    let job_load = ctx.sm.with_jobs(|jobs, _, _| {
+        let mut by_model: HashMap<String, ModelLoad> = HashMap::new();
+        for j in jobs.open() {
+            let l = by_model.entry(j.model.clone()).or_default();
+            if j.state.is_placed() {
+                l.in_flight += 1;
+            } else {
+                l.waiting += 1;
+            }
+        }
+        by_model
+    });
     let mut targets = HashMap::new();
     for m in registry.models.values() {
         let Some(class) = registry.classes.get(&m.class) else {
             continue;
         };
-        if class.lane == LaneKind::Durable {
-            // Durable lanes scale from their job queue (issue #5).
-            continue;
-        }
+        let load = if class.lane == LaneKind::Durable {
+            &job_load
+        } else {
+            &load
+        };
         let placed: Vec<u32> = registry
             .desired
             .values()

@@ -67,6 +67,7 @@ pub async fn agent(
         join_token: String::new(),
         heartbeat: Duration::from_millis(300),
         replica_host: "127.0.0.1".into(),
+        results_store: dir.join("results").display().to_string(),
         backend: Backend::Nvml,
         replicas,
     };

@@ -50,6 +50,8 @@ pub struct Node {
     /// The inference router (HTTP).
     pub router_addr: String,
     pub dir: PathBuf,
+    /// The durable lanes' results store, shared by every controller and agent of a test.
+    pub results: PathBuf,
     child: Option<Child>,
 }
 
@@ -60,6 +62,7 @@ impl Node {
             addr: format!("127.0.0.1:{}", free_port()),
             router_addr: format!("127.0.0.1:{}", free_port()),
             dir: root.join(format!("node-{id}")),
+            results: root.join("results"),
             child: None,
         }
     }
@@ -80,6 +83,8 @@ impl Node {
             "500".into(),
             "--router-listen".into(),
             self.router_addr.clone(),
+            "--results-store".into(),
+            self.results.display().to_string(),
         ]
     }
 

@@ -3,6 +3,7 @@
 mod agents;
 mod cluster;
 mod harness;
+mod jobs;
 mod plan_cli;
 mod power_loss;
 mod router;

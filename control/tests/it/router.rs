@@ -21,7 +21,7 @@ const BODY: &str = r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data
 
 /// The simulated model server Cargo built next to this test (another package's binary, so
 /// no `CARGO_BIN_EXE_`): `cargo test --workspace` builds it.
-fn sim_model_bin() -> PathBuf {
+pub(super) fn sim_model_bin() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let dir = exe.parent().and_then(|d| d.parent()).unwrap();
     let bin = dir.join("laneway-sim-model");
@@ -69,14 +69,14 @@ fn sim_replica(id: &str, model: &str, service_ms: u32, max_batch: u32, gpu: u32,
 }
 
 /// Runs lanectl against the controller and returns its JSON output.
-fn lanectl(addr: &str, args: &[&str]) -> Value {
+pub(super) fn lanectl(addr: &str, args: &[&str]) -> Value {
     let args: Vec<&str> = ["-o", "json"].iter().chain(args).copied().collect();
     serde_json::from_slice(&lanectl_ok(addr, &args).stdout).unwrap_or(Value::Null)
 }
 
 /// Kills every replica process of a supervisor when dropped, so a failing test does not leave
 /// model servers behind (they are processes of their own, in their own process groups).
-struct Reaper(Arc<laneway_agent::supervisor::Supervisor>);
+pub(super) struct Reaper(pub(super) Arc<laneway_agent::supervisor::Supervisor>);
 
 impl Drop for Reaper {
     fn drop(&mut self) {

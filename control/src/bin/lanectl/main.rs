@@ -1,5 +1,6 @@
 //! `lanectl`: the operator CLI of a Laneway cluster (gRPC, follows the leader).
 
+mod job;
 mod registry;
 
 use std::process::ExitCode;
@@ -57,6 +58,8 @@ enum Cmd {
     /// Classes and their lanes (sync, bounded, durable) with live state.
     #[command(subcommand)]
     Lane(registry::LaneCmd),
+    /// Durable jobs of a tenant, through a router: submit (--wait), get, list, cancel, result.
+    Job(job::JobArgs),
     /// Models: register under a class, list, show, remove.
     #[command(subcommand)]
     Model(registry::ModelCmd),
@@ -150,6 +153,9 @@ fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
+    if let Cmd::Job(args) = cli.command {
+        return job::run(cli.output, args).await;
+    }
     if let Cmd::Plan {
         scenario,
         scale,
@@ -245,7 +251,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 format!("committed at index {}", r.log_index)
             });
         }
-        Cmd::Plan { .. } => unreachable!("handled before connecting"),
+        Cmd::Plan { .. } | Cmd::Job(_) => unreachable!("handled before connecting"),
         Cmd::Lane(c) => registry::lane(&client, out, c).await?,
         Cmd::Model(c) => registry::model(&client, out, c).await?,
         Cmd::Tenant(c) => registry::tenant(&client, out, c).await?,

@@ -103,7 +103,8 @@ pub enum TenantCmd {
         name: String,
         #[arg(long, default_value = "*")]
         class: String,
-        /// Requests in flight (queued or running) at once, per router.
+        /// Requests in flight (queued or running) at once, per router; on a durable lane, jobs
+        /// queued or running at once across the whole cluster.
         #[arg(long, required_unless_present = "remove")]
         concurrency: Option<u32>,
         /// Sustained requests per second.

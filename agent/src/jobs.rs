@@ -1,0 +1,314 @@
+//! The agent's side of the durable lane: run the jobs the controllers assigned to this node on
+//! their replicas, write each result to the results store under a key that names the job and
+//! its fencing token, and report the outcome until the controllers have settled it.
+//!
+//! Reports wait in a sled **outbox** until the leader acknowledges them (`settled` in a
+//! heartbeat reply), so a result computed while no leader was reachable, or just before the
+//! agent restarted, is still reported. sled's flush is not an fsync: if a power loss drops an
+//! outbox entry, the job is still assigned here with the same token, so the agent runs it again
+//! and writes the same key — work is repeated, never lost or published twice.
+
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use laneway_proto::agent::{AssignedJob, JobRef, JobReport};
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+
+use crate::results::ResultStore;
+use crate::sim_model::GPU_MS_HEADER;
+use crate::supervisor::{ReplicaState, Supervisor};
+
+/// How long a job waits for its replica to be ready before the attempt is given back.
+const REPLICA_WAIT: Duration = Duration::from_secs(30);
+
+type Key = (String, u64);
+
+/// Runs assigned jobs and keeps their reports.
+#[derive(Clone)]
+pub struct JobRunner {
+    inner: Arc<Inner>,
+}
+
+/// The sled outbox. sled flushes when its last handle is dropped; on a runtime worker during
+/// shutdown that flush was seen to wait forever for sled's IO threads, holding the whole
+/// runtime. Every write is flushed when made, so the handles are dropped on a thread of their
+/// own that nothing waits for.
+struct Outbox(Option<(sled::Tree, sled::Db)>);
+
+impl Outbox {
+    fn tree(&self) -> &sled::Tree {
+        &self.0.as_ref().expect("outbox open until dropped").0
+    }
+}
+
+impl Drop for Outbox {
+    fn drop(&mut self) {
+        if let Some(handles) = self.0.take() {
+            let _ = std::thread::Builder::new()
+                .name("outbox-close".into())
+                .spawn(move || drop(handles));
+        }
+    }
+}
+
+struct Inner {
+    store: ResultStore,
+    outbox: Outbox,
+    sup: Arc<Supervisor>,
+    client: reqwest::Client,
+    running: Mutex<HashMap<Key, JoinHandle<()>>>,
+    /// Woken when a report is ready, so it goes out now instead of on the next beat.
+    wake: Arc<Notify>,
+}
+
+fn outbox_key(job_id: &str, token: u64) -> Vec<u8> {
+    format!("{job_id}/{token}").into_bytes()
+}
+
+fn encode(r: &JobReport) -> Vec<u8> {
+    prost::Message::encode_to_vec(r)
+}
+
+impl JobRunner {
+    /// Opens the outbox under `data_dir`.
+    pub fn open(data_dir: &Path, store: ResultStore, sup: Arc<Supervisor>) -> Result<Self, String> {
+        let path = data_dir.join("jobs.sled");
+        let db = sled::open(&path).map_err(|e| format!("opening the job outbox {}: {e}", path.display()))?;
+        let outbox = db
+            .open_tree("outbox")
+            .map_err(|e| format!("opening the job outbox {}: {e}", path.display()))?;
+        let client = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(2))
+            .build()
+            .map_err(|e| format!("HTTP client: {e}"))?;
+        Ok(JobRunner {
+            inner: Arc::new(Inner {
+                store,
+                outbox: Outbox(Some((outbox, db))),
+                sup,
+                client,
+                running: Mutex::default(),
+                wake: Arc::new(Notify::new()),
+            }),
+        })
+    }
+
+    /// Notified when a report should go out at once.
+    pub fn wake(&self) -> Arc<Notify> {
+        self.inner.wake.clone()
+    }
+
+    fn finished(&self) -> Vec<JobReport> {
+        self.inner
+            .outbox
+            .tree()
+            .iter()
+            .filter_map(Result::ok)
+            .filter_map(|(_, v)| prost::Message::decode(v.as_ref()).ok())
+            .collect()
+    }
+
+    /// What goes into the next heartbeat: finished attempts not yet settled, and running ones.
+    pub fn reports(&self) -> Vec<JobReport> {
+        let mut out = self.finished();
+        let done: HashSet<Key> = out.iter().map(|r| (r.job_id.clone(), r.token)).collect();
+        let running = lock(&self.inner.running);
+        for (id, token) in running.keys() {
+            if !done.contains(&(id.clone(), *token)) {
+                out.push(JobReport {
+                    job_id: id.clone(),
+                    token: *token,
+                    state: "running".into(),
+                    ..JobReport::default()
+                });
+            }
+        }
+        out
+    }
+
+    /// Reconciles with a heartbeat reply: drop settled reports, start newly assigned jobs,
+    /// stop the ones no longer assigned here (cancelled, or reassigned after this node was
+    /// declared down).
+    pub fn reconcile(&self, assigned: &[AssignedJob], settled: &[JobRef]) {
+        for s in settled {
+            let _ = self.inner.outbox.tree().remove(outbox_key(&s.job_id, s.token));
+        }
+        if !settled.is_empty() {
+            // The task holds the runner, never a bare sled handle (see `Outbox`).
+            let this = self.clone();
+            tokio::spawn(async move {
+                let _ = this.inner.outbox.tree().flush_async().await;
+            });
+        }
+        let want: HashSet<Key> = assigned.iter().map(|a| (a.job_id.clone(), a.token)).collect();
+        let mut running = lock(&self.inner.running);
+        running.retain(|key, task| {
+            if task.is_finished() {
+                return false;
+            }
+            if want.contains(key) {
+                return true;
+            }
+            tracing::info!(job = %key.0, token = key.1, "job no longer assigned here (cancelled or reassigned): stopping it");
+            task.abort();
+            false
+        });
+        for a in assigned {
+            let key = (a.job_id.clone(), a.token);
+            if running.contains_key(&key) {
+                continue;
+            }
+            if self
+                .inner
+                .outbox
+                .tree()
+                .contains_key(outbox_key(&a.job_id, a.token))
+                .unwrap_or(false)
+            {
+                continue;
+            }
+            if a.input.is_empty() && a.input_uri.is_empty() {
+                // Its input was left out because this agent reported the job as running, but
+                // it is not running here (a restart): the next reply carries the input again.
+                continue;
+            }
+            let this = self.clone();
+            let job = a.clone();
+            running.insert(key, tokio::spawn(async move { this.run(job).await }));
+        }
+    }
+
+    async fn run(&self, job: AssignedJob) {
+        // The start goes out now, not on the next beat.
+        self.inner.wake.notify_one();
+        let report = match self.attempt(&job).await {
+            Ok((bytes, gpu_us, content_type)) => JobReport {
+                job_id: job.job_id.clone(),
+                token: job.token,
+                state: "succeeded".into(),
+                result_key: job.result_key.clone(),
+                result_bytes: bytes,
+                gpu_us,
+                content_type,
+                ..JobReport::default()
+            },
+            Err((error, retryable)) => {
+                tracing::warn!(job = %job.job_id, token = job.token, %error, retryable, "job attempt failed");
+                JobReport {
+                    job_id: job.job_id.clone(),
+                    token: job.token,
+                    state: "failed".into(),
+                    error,
+                    retryable,
+                    ..JobReport::default()
+                }
+            }
+        };
+        let key = outbox_key(&job.job_id, job.token);
+        if let Err(e) = self.inner.outbox.tree().insert(key, encode(&report)) {
+            tracing::error!(job = %job.job_id, error = %e, "cannot record a finished job in the outbox; it will run again");
+            return;
+        }
+        let _ = self.inner.outbox.tree().flush_async().await;
+        self.inner.wake.notify_one();
+    }
+
+    /// One attempt: returns (result bytes, GPU µs, content type) or (error, retryable).
+    async fn attempt(&self, job: &AssignedJob) -> Result<(u64, u64, String), (String, bool)> {
+        let port = self.ready_port(&job.replica_id).await?;
+        let input: Bytes = if job.input_uri.is_empty() {
+            Bytes::from(job.input.clone())
+        } else {
+            fetch(&job.input_uri).await.map_err(|e| (e, true))?
+        };
+        let url = format!("http://127.0.0.1:{port}/v2/models/{}/infer", job.model);
+        let timeout = Duration::from_millis(job.timeout_ms.max(1000));
+        let resp = self
+            .inner
+            .client
+            .post(&url)
+            .header("content-type", "application/json")
+            .header("x-request-id", job.job_id.as_str())
+            .timeout(timeout)
+            .body(input)
+            .send()
+            .await
+            .map_err(|e| (format!("replica {}: {e}", job.replica_id), true))?;
+        let status = resp.status();
+        let gpu_us = resp
+            .headers()
+            .get(GPU_MS_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<f64>().ok())
+            .map_or(0, |ms| (ms * 1000.0) as u64);
+        let content_type = resp
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("application/octet-stream")
+            .to_string();
+        let body = resp
+            .bytes()
+            .await
+            .map_err(|e| (format!("replica {}: reading the answer: {e}", job.replica_id), true))?;
+        if !status.is_success() {
+            let text = String::from_utf8_lossy(&body[..body.len().min(512)]).to_string();
+            // A 4xx is the model refusing this input: another attempt gets the same answer.
+            return Err((format!("replica answered {status}: {text}"), !status.is_client_error()));
+        }
+        let n = body.len() as u64;
+        self.inner
+            .store
+            .put(&job.result_key, body)
+            .await
+            .map_err(|e| (e.to_string(), true))?;
+        Ok((n, gpu_us, content_type))
+    }
+
+    async fn ready_port(&self, replica: &str) -> Result<u16, (String, bool)> {
+        let deadline = tokio::time::Instant::now() + REPLICA_WAIT;
+        loop {
+            let status = self.inner.sup.status();
+            match status.iter().find(|s| s.id == replica) {
+                Some(s) if s.state == ReplicaState::Ready && s.port != 0 => return Ok(s.port),
+                Some(_) if tokio::time::Instant::now() < deadline => {}
+                Some(s) => return Err((format!("replica {replica} is not ready ({:?})", s.state), true)),
+                None => return Err((format!("replica {replica} does not run on this node"), true)),
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+/// Reads an input given by URL (or a local path).
+async fn fetch(uri: &str) -> Result<Bytes, String> {
+    let (store, path) = if let Some(p) = uri.strip_prefix("file://").or((!uri.contains("://")).then_some(uri)) {
+        let p = std::path::Path::new(p);
+        let (dir, name) = (p.parent().unwrap_or(std::path::Path::new("/")), p.file_name());
+        let name = name.ok_or_else(|| format!("input {uri} names no file"))?;
+        let dir = ResultStore::open(&dir.display().to_string()).map_err(|e| e.to_string())?;
+        return dir
+            .get(&name.to_string_lossy())
+            .await
+            .map_err(|e| format!("input {uri}: {e}"));
+    } else {
+        let url = url::Url::parse(uri).map_err(|e| format!("input {uri} is not a URL: {e}"))?;
+        object_store::parse_url(&url).map_err(|e| format!("input {uri}: {e}"))?
+    };
+    use object_store::ObjectStoreExt;
+    store
+        .get(&path)
+        .await
+        .map_err(|e| format!("input {uri}: {e}"))?
+        .bytes()
+        .await
+        .map_err(|e| format!("input {uri}: {e}"))
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}

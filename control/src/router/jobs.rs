@@ -1,0 +1,587 @@
+//! The durable lane's HTTP face: submit (`POST /v1/jobs`, or `POST /v2/models/{m}/infer` on a
+//! durable model), read (`GET /v1/jobs`, `GET /v1/jobs/{id}`), cancel (`DELETE /v1/jobs/{id}`)
+//! and fetch the result (`GET /v1/jobs/{id}/result`). A submission is answered `202` only
+//! after it is committed through Raft.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use bytes::Bytes;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+use super::http::{authenticate, check_body, error, lookup, request_id, stamp, with_retry_after, Meta};
+use super::table::{ModelRoute, TenantRoute};
+use super::Router;
+use crate::jobs::gateway::{GatewayError, JobWrite};
+use crate::jobs::{
+    unix_ms, Job, JobOutcome, JobState, JobSubmission, DEFAULT_MAX_ATTEMPTS, MAX_ATTEMPTS_LIMIT,
+    MAX_IDEMPOTENCY_KEY_BYTES, MAX_INLINE_INPUT_BYTES,
+};
+use crate::registry::LaneKind;
+
+/// Header a client sets so that resubmitting returns the same job.
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+/// Longest Retry-After the router gives a durable submission.
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
+/// Most jobs `GET /v1/jobs` returns.
+const LIST_LIMIT: usize = 1000;
+
+/// `POST /v1/jobs` body.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SubmitBody {
+    model: String,
+    /// The inference request the job runs (an Open Inference Protocol request).
+    #[serde(default)]
+    input: Option<Value>,
+    /// Or a URL of it, for inputs over 64 KiB.
+    #[serde(default)]
+    input_uri: Option<String>,
+    #[serde(default)]
+    max_attempts: Option<u32>,
+}
+
+/// What a job looks like to its tenant.
+pub fn view(job: &Job) -> Value {
+    let result = job.result.as_ref().map(|r| {
+        json!({
+            "location": format!("/v1/jobs/{}/result", job.id),
+            "bytes": r.bytes,
+            "content_type": r.content_type,
+            "gpu_seconds": r.gpu_us as f64 / 1e6,
+        })
+    });
+    json!({
+        "job_id": job.id,
+        "model": job.model,
+        "class": job.class,
+        "state": job.state,
+        "attempts": job.attempts,
+        "max_attempts": job.max_attempts,
+        "failures": job.failures,
+        "submitted_unix_ms": job.submitted_ms,
+        "assigned_unix_ms": job.assigned_ms,
+        "started_unix_ms": job.started_ms,
+        "finished_unix_ms": job.finished_ms,
+        "node": job.node,
+        "replica": job.replica,
+        "result": result,
+    })
+}
+
+fn meta_for(headers: &HeaderMap) -> Meta {
+    Meta {
+        request_id: request_id(headers),
+        lane: Some("durable"),
+        ..Meta::default()
+    }
+}
+
+fn json_response(status: StatusCode, body: Value, meta: &Meta) -> Response {
+    let mut r = (status, Json(body)).into_response();
+    stamp(r.headers_mut(), meta);
+    r
+}
+
+fn clamp(d: Duration) -> Duration {
+    d.min(MAX_RETRY_AFTER).max(Duration::from_secs(1))
+}
+
+impl Router {
+    /// How long the queued jobs of `route`'s model take to drain at the ready replicas'
+    /// throughput: queued jobs × service time ÷ job slots (`None` with no ready replica).
+    pub fn durable_drain(&self, route: &ModelRoute) -> (usize, Option<Duration>) {
+        let queued = self.sm.with_jobs(|jobs, _, _| jobs.queued(&route.name));
+        let per_s = route.capacity_per_s();
+        let drain = (per_s > 0.0).then(|| Duration::from_secs_f64(queued as f64 / per_s));
+        (queued, drain)
+    }
+}
+
+/// Submits one job for `route`'s model; `input` is the inference request (inline) or a URI.
+#[allow(clippy::too_many_arguments)] // one submission's facts; a struct would only rename them
+pub(super) async fn submit(
+    router: &Arc<Router>,
+    tenant: &TenantRoute,
+    route: &ModelRoute,
+    input: Result<String, String>,
+    headers: &HeaderMap,
+    body_sha256: String,
+    max_attempts: u32,
+    meta: &Meta,
+) -> Response {
+    let Some(gateway) = router.jobs.get() else {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "this router takes no durable jobs (it runs without a controller)".into(),
+            meta,
+        );
+    };
+    let class = &route.class;
+    let now = tokio::time::Instant::now();
+    // The tenant's request rate applies to submissions like to any request; its ceiling on
+    // jobs queued or running is counted in the state machine below.
+    let retry_hint = route.min_service().unwrap_or(Duration::from_secs(1));
+    let _hold = match router.admit_tenant(tenant, class, retry_hint, now) {
+        Ok(g) => g,
+        Err((wait, why)) => {
+            route.lane.lock().counters.throttled += 1;
+            return with_retry_after(error(StatusCode::TOO_MANY_REQUESTS, why, meta), wait);
+        }
+    };
+    // Protect the more protected lanes first, and never accept a job the queue cannot start
+    // within the lane's budget: say honestly when it could.
+    let (queued, drain) = router.durable_drain(route);
+    let budget = class.budget_ms.as_duration();
+    let over_budget = drain.is_some_and(|d| !budget.is_zero() && d > budget);
+    if router.fleet_short_for(class.protection_rank, now) || over_budget {
+        let wait = match drain {
+            Some(d) if over_budget => d.saturating_sub(budget),
+            Some(d) => d,
+            None => super::NO_REPLICA_RETRY,
+        };
+        route.lane.lock().counters.shed += 1;
+        return with_retry_after(
+            error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "the {} lane is shedding new jobs: {queued} queued for {} drain in about {} s{}; jobs already accepted keep running — retry after the Retry-After",
+                    class.name,
+                    route.name,
+                    drain.map_or(0, |d| d.as_secs()),
+                    if over_budget {
+                        format!(", over the lane's {} s budget", budget.as_secs())
+                    } else {
+                        ", and a more protected lane is short of capacity".into()
+                    }
+                ),
+                meta,
+            ),
+            clamp(wait),
+        );
+    }
+    let idempotency_key = match headers.get(IDEMPOTENCY_KEY).map(|v| v.to_str()) {
+        None => None,
+        Some(Ok(k)) if !k.is_empty() && k.len() <= MAX_IDEMPOTENCY_KEY_BYTES => Some(k.to_string()),
+        Some(_) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("Idempotency-Key must be 1-{MAX_IDEMPOTENCY_KEY_BYTES} visible ASCII characters"),
+                meta,
+            )
+        }
+    };
+    let (input, input_uri) = match input {
+        Ok(inline) => (Some(inline), None),
+        Err(uri) => (None, Some(uri)),
+    };
+    let submission = JobSubmission {
+        id: uuid::Uuid::new_v4().simple().to_string(),
+        tenant: tenant.name.clone(),
+        model: route.name.clone(),
+        class: class.name.clone(),
+        input,
+        input_uri,
+        idempotency_key,
+        body_sha256,
+        max_attempts,
+        at_ms: unix_ms(),
+    };
+    if let Err(e) = submission.validate() {
+        return error(StatusCode::BAD_REQUEST, e, meta);
+    }
+    match gateway.write(JobWrite::Submit(submission)).await {
+        Ok(JobOutcome::Created { id }) => {
+            route.lane.lock().counters.admitted += 1;
+            accepted(router, &id, false, meta)
+        }
+        Ok(JobOutcome::Existing { id }) => accepted(router, &id, true, meta),
+        Ok(JobOutcome::OverCeiling { active, limit }) => {
+            // A slot frees when one of the tenant's jobs finishes: about one service time.
+            let wait = route.min_service().unwrap_or(Duration::from_secs(5));
+            route.lane.lock().counters.throttled += 1;
+            with_retry_after(
+                error(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    format!(
+                        "tenant {} has {active} jobs queued or running on the {} lane, its ceiling of {limit}; retry after the Retry-After",
+                        tenant.name, class.name
+                    ),
+                    meta,
+                ),
+                clamp(wait),
+            )
+        }
+        Ok(JobOutcome::KeyConflict { id }) => error(
+            StatusCode::CONFLICT,
+            format!("Idempotency-Key was already used for job {id} with a different body; use a new key for a new job"),
+            meta,
+        ),
+        Ok(other) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("unexpected outcome of a submission: {other:?}"),
+            meta,
+        ),
+        Err(GatewayError::Unavailable(why)) => with_retry_after(
+            error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("{why}; resubmit with the same Idempotency-Key to be sure of one job"),
+                meta,
+            ),
+            Duration::from_secs(1),
+        ),
+        Err(GatewayError::Rejected(why)) => error(StatusCode::BAD_REQUEST, why, meta),
+    }
+}
+
+fn accepted(router: &Router, id: &str, replay: bool, meta: &Meta) -> Response {
+    let location = format!("/v1/jobs/{id}");
+    let state = router.sm.job(id).map_or(JobState::Queued, |j| j.state);
+    let mut r = json_response(
+        StatusCode::ACCEPTED,
+        json!({ "job_id": id, "state": state, "location": location, "idempotent_replay": replay }),
+        meta,
+    );
+    if let Ok(v) = HeaderValue::from_str(&location) {
+        r.headers_mut().insert(axum::http::header::LOCATION, v);
+    }
+    r
+}
+
+fn body_or_413(body: Result<Bytes, BytesRejection>, meta: &Meta) -> Result<Bytes, Response> {
+    body.map_err(|rej| {
+        let mut r = if rej.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "the request body is over the router's limit (router.max_body_bytes); submit a job with input_uri"
+                    .into(),
+                meta,
+            )
+        } else {
+            error(rej.status(), rej.body_text(), meta)
+        };
+        r.headers_mut()
+            .insert(axum::http::header::CONNECTION, HeaderValue::from_static("close"));
+        r
+    })
+}
+
+fn too_large(len: usize, meta: &Meta) -> Response {
+    error(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        format!(
+            "the job input is {len} bytes, over the {MAX_INLINE_INPUT_BYTES}-byte inline limit; upload it and submit {{\"model\": …, \"input_uri\": \"s3://…\"}} to POST /v1/jobs"
+        ),
+        meta,
+    )
+}
+
+fn sha256_hex(b: &[u8]) -> String {
+    hex::encode(Sha256::digest(b))
+}
+
+/// `POST /v2/models/{model}/infer` on a durable model: the request itself is the job's input.
+pub(super) async fn submit_infer(
+    router: &Arc<Router>,
+    tenant: &TenantRoute,
+    route: &ModelRoute,
+    body: Bytes,
+    headers: &HeaderMap,
+    meta: &Meta,
+) -> Response {
+    if body.len() > MAX_INLINE_INPUT_BYTES {
+        return too_large(body.len(), meta);
+    }
+    let Ok(text) = std::str::from_utf8(&body) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "the request body is not UTF-8 JSON".into(),
+            meta,
+        );
+    };
+    let sha = sha256_hex(&body);
+    submit(
+        router,
+        tenant,
+        route,
+        Ok(text.to_string()),
+        headers,
+        sha,
+        DEFAULT_MAX_ATTEMPTS,
+        meta,
+    )
+    .await
+}
+
+/// `POST /v1/jobs`.
+pub(super) async fn post_job(
+    State(router): State<Arc<Router>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let mut meta = meta_for(&headers);
+    let table = router.table();
+    let tenant = match authenticate(&table, &headers, &meta) {
+        Ok(t) => t,
+        Err(r) => return r,
+    };
+    let body = match body_or_413(body, &meta) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let de = &mut serde_json::Deserializer::from_slice(&body);
+    let req: SubmitBody = match serde_path_to_error::deserialize(de) {
+        Ok(r) => r,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "invalid job at `{}`: {}; send {{\"model\": \"…\", \"input\": {{…}}}} or {{\"model\": \"…\", \"input_uri\": \"…\"}}",
+                    e.path(),
+                    e.inner()
+                ),
+                &meta,
+            )
+        }
+    };
+    let route = match lookup(&table, &req.model, &mut meta) {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    if route.class.lane != LaneKind::Durable {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "model {} is in the {} lane {}, which takes requests, not jobs: POST /v2/models/{}/infer",
+                route.name, route.class.lane, route.class.name, route.name
+            ),
+            &meta,
+        );
+    }
+    let max_attempts = req.max_attempts.unwrap_or(DEFAULT_MAX_ATTEMPTS);
+    if !(1..=MAX_ATTEMPTS_LIMIT).contains(&max_attempts) {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!("max_attempts = {max_attempts}: give 1-{MAX_ATTEMPTS_LIMIT}"),
+            &meta,
+        );
+    }
+    let input = match (req.input, req.input_uri) {
+        (Some(v), None) => {
+            let text = v.to_string();
+            if text.len() > MAX_INLINE_INPUT_BYTES {
+                return too_large(text.len(), &meta);
+            }
+            if let Err(e) = check_body(text.as_bytes()) {
+                return error(StatusCode::BAD_REQUEST, format!("`input`: {e}"), &meta);
+            }
+            Ok(text)
+        }
+        (None, Some(uri)) if !uri.is_empty() && uri.len() <= 2048 => Err(uri),
+        _ => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "give exactly one of `input` (the inference request) or `input_uri` (up to 2048 bytes)".into(),
+                &meta,
+            )
+        }
+    };
+    // The body (not the generated job id) is what a reused Idempotency-Key is compared with.
+    let sha = sha256_hex(&body);
+    submit(&router, &tenant, &route, input, &headers, sha, max_attempts, &meta).await
+}
+
+/// The tenant's job, or a 404 that does not reveal other tenants' jobs.
+fn owned_job(router: &Router, tenant: &TenantRoute, id: &str, meta: &Meta) -> Result<Job, Response> {
+    router.sm.job(id).filter(|j| j.tenant == tenant.name).ok_or_else(|| {
+        error(
+            StatusCode::NOT_FOUND,
+            format!(
+                "no job {id} for tenant {} (finished jobs are kept for the retention period)",
+                tenant.name
+            ),
+            meta,
+        )
+    })
+}
+
+fn tenant_of(router: &Router, headers: &HeaderMap, meta: &Meta) -> Result<Arc<TenantRoute>, Response> {
+    authenticate(&router.table(), headers, meta)
+}
+
+/// `GET /v1/jobs/{id}`.
+pub(super) async fn get_job(State(router): State<Arc<Router>>, Path(id): Path<String>, headers: HeaderMap) -> Response {
+    let meta = meta_for(&headers);
+    let tenant = match tenant_of(&router, &headers, &meta) {
+        Ok(t) => t,
+        Err(r) => return r,
+    };
+    match owned_job(&router, &tenant, &id, &meta) {
+        Ok(job) => json_response(StatusCode::OK, view(&job), &meta),
+        Err(r) => r,
+    }
+}
+
+#[derive(Deserialize)]
+pub(super) struct ListQuery {
+    state: Option<String>,
+    limit: Option<usize>,
+}
+
+/// `GET /v1/jobs?state=…&limit=…`: the tenant's jobs, newest first.
+pub(super) async fn list_jobs(
+    State(router): State<Arc<Router>>,
+    Query(q): Query<ListQuery>,
+    headers: HeaderMap,
+) -> Response {
+    let meta = meta_for(&headers);
+    let tenant = match tenant_of(&router, &headers, &meta) {
+        Ok(t) => t,
+        Err(r) => return r,
+    };
+    let state = match q.state.as_deref().map(|s| serde_json::from_value::<JobState>(json!(s))) {
+        None => None,
+        Some(Ok(s)) => Some(s),
+        Some(Err(_)) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "state must be one of queued, assigned, running, succeeded, failed, cancelled".into(),
+                &meta,
+            )
+        }
+    };
+    let limit = q.limit.unwrap_or(100).min(LIST_LIMIT);
+    let jobs: Vec<Value> = router.sm.with_jobs(|jobs, _, _| {
+        let mut mine: Vec<&Job> = jobs
+            .jobs
+            .values()
+            .filter(|j| j.tenant == tenant.name && state.is_none_or(|s| j.state == s))
+            .collect();
+        mine.sort_by_key(|j| std::cmp::Reverse(j.seq));
+        mine.into_iter().take(limit).map(view).collect()
+    });
+    json_response(StatusCode::OK, json!({ "jobs": jobs }), &meta)
+}
+
+/// `DELETE /v1/jobs/{id}`: cancels; a finished job is a no-op with a clear answer.
+pub(super) async fn cancel_job(
+    State(router): State<Arc<Router>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let meta = meta_for(&headers);
+    let tenant = match tenant_of(&router, &headers, &meta) {
+        Ok(t) => t,
+        Err(r) => return r,
+    };
+    if let Err(r) = owned_job(&router, &tenant, &id, &meta) {
+        return r;
+    }
+    let Some(gateway) = router.jobs.get() else {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "this router takes no durable jobs".into(),
+            &meta,
+        );
+    };
+    let write = JobWrite::Cancel {
+        job_id: id.clone(),
+        at_ms: unix_ms(),
+    };
+    match gateway.write(write).await {
+        Ok(JobOutcome::Cancelled { from }) => json_response(
+            StatusCode::OK,
+            json!({ "job_id": id, "state": JobState::Cancelled, "cancelled_from": from,
+                    "message": format!("cancelled while {from}; a running attempt is stopped on its replica") }),
+            &meta,
+        ),
+        Ok(JobOutcome::AlreadyFinished { state }) => json_response(
+            StatusCode::OK,
+            json!({ "job_id": id, "state": state,
+                    "message": format!("the job had already finished ({state}); nothing was cancelled") }),
+            &meta,
+        ),
+        Ok(other) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("unexpected outcome of a cancel: {other:?}"),
+            &meta,
+        ),
+        Err(GatewayError::Unavailable(why)) => with_retry_after(
+            error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("{why}; a cancel is safe to repeat"),
+                &meta,
+            ),
+            Duration::from_secs(1),
+        ),
+        Err(GatewayError::Rejected(why)) => error(StatusCode::NOT_FOUND, why, &meta),
+    }
+}
+
+/// `GET /v1/jobs/{id}/result`: the published result object.
+pub(super) async fn get_result(
+    State(router): State<Arc<Router>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let meta = meta_for(&headers);
+    let tenant = match tenant_of(&router, &headers, &meta) {
+        Ok(t) => t,
+        Err(r) => return r,
+    };
+    let job = match owned_job(&router, &tenant, &id, &meta) {
+        Ok(j) => j,
+        Err(r) => return r,
+    };
+    let Some(result) = job.result.as_ref().filter(|_| job.state == JobState::Succeeded) else {
+        let status = if job.state.is_terminal() {
+            StatusCode::NOT_FOUND
+        } else {
+            StatusCode::CONFLICT
+        };
+        return error(
+            status,
+            if job.state.is_terminal() {
+                format!("job {id} is {} and has no result", job.state)
+            } else {
+                format!(
+                    "job {id} is {} and has no result yet; poll GET /v1/jobs/{id}",
+                    job.state
+                )
+            },
+            &meta,
+        );
+    };
+    let Some(store) = router.results.get() else {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "this router has no results store".into(),
+            &meta,
+        );
+    };
+    match store.get(&result.key).await {
+        Ok(bytes) => {
+            let mut r = (StatusCode::OK, bytes).into_response();
+            if let Ok(v) = HeaderValue::from_str(&result.content_type) {
+                r.headers_mut().insert(axum::http::header::CONTENT_TYPE, v);
+            }
+            stamp(r.headers_mut(), &meta);
+            r
+        }
+        Err(e) => error(
+            StatusCode::BAD_GATEWAY,
+            format!(
+                "the result of job {id} could not be read from the results store {}: {e}",
+                store.location()
+            ),
+            &meta,
+        ),
+    }
+}
