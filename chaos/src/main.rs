@@ -6,6 +6,7 @@
 mod bench;
 mod faults;
 mod heartbeat_bench;
+mod jobs_bench;
 mod placement_bench;
 mod process_cluster;
 mod router_bench;
@@ -37,6 +38,9 @@ enum Cmd {
     /// Placement decision core: replicas placed per second on a synthetic 10,000-node ×
     /// 8-GPU fleet, against a full scan of the same fleet in the same run.
     Placement(placement_bench::PlacementArgs),
+    /// Durable job submissions: acknowledged/s and submit p99 on a 3-controller cluster,
+    /// against a 3-member etcd cluster's puts in the same run.
+    Jobs(jobs_bench::JobsBenchArgs),
 }
 
 /// Default path of a sibling binary (the one Cargo built next to this one).
@@ -55,6 +59,7 @@ fn main() -> ExitCode {
             Cmd::Faults(args) => faults::run(args).await,
             Cmd::Router(args) => router_bench::run(args).await,
             Cmd::Placement(args) => placement_bench::run(args),
+            Cmd::Jobs(args) => jobs_bench::run(args).await,
         }
     });
     match res {

@@ -49,24 +49,24 @@ pub struct RouterBenchArgs {
 
 const BODY: &str = r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1.0]}]}"#;
 
-type HttpClient = Client<HttpConnector, Full<Bytes>>;
+pub(crate) type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
-/// One request target: the replica directly, or the router.
+/// One request target (the replica directly, a router, an etcd member): where to POST what.
 #[derive(Clone)]
-struct Target {
-    name: &'static str,
-    uri: hyper::Uri,
-    key: Option<String>,
+pub(crate) struct Target {
+    pub name: &'static str,
+    pub uri: hyper::Uri,
+    /// Bearer API key, if the target wants one.
+    pub key: Option<String>,
+    pub body: Bytes,
 }
 
-async fn send(client: &HttpClient, t: &Target) -> anyhow::Result<()> {
+pub(crate) async fn send(client: &HttpClient, t: &Target) -> anyhow::Result<()> {
     let mut req = hyper::Request::post(t.uri.clone()).header("content-type", "application/json");
     if let Some(k) = &t.key {
         req = req.header("authorization", format!("Bearer {k}"));
     }
-    let resp = client
-        .request(req.body(Full::new(Bytes::from_static(BODY.as_bytes())))?)
-        .await?;
+    let resp = client.request(req.body(Full::new(t.body.clone()))?).await?;
     let status = resp.status();
     resp.into_body().collect().await?;
     if !status.is_success() {
@@ -75,7 +75,7 @@ async fn send(client: &HttpClient, t: &Target) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn client(connections: usize) -> HttpClient {
+pub(crate) fn client(connections: usize) -> HttpClient {
     let mut c = HttpConnector::new();
     c.set_nodelay(true);
     Client::builder(TokioExecutor::new())
@@ -83,14 +83,15 @@ fn client(connections: usize) -> HttpClient {
         .build(c)
 }
 
-/// Closed loop: `connections` clients back to back for `d`; requests per second.
-async fn saturate(t: &Target, connections: usize, d: Duration) -> anyhow::Result<(f64, u64)> {
+/// Closed loop: `connections` clients back to back for `d`, spread over `targets`; successful
+/// requests per second and failures.
+pub(crate) async fn saturate(targets: &[Target], connections: usize, d: Duration) -> anyhow::Result<(f64, u64)> {
     let client = client(connections);
     let end = Instant::now() + d;
     let start = Instant::now();
     let mut tasks = Vec::new();
-    for _ in 0..connections {
-        let (client, t) = (client.clone(), t.clone());
+    for i in 0..connections {
+        let (client, t) = (client.clone(), targets[i % targets.len()].clone());
         tasks.push(tokio::spawn(async move {
             let (mut ok, mut failed) = (0u64, 0u64);
             while Instant::now() < end {
@@ -119,7 +120,11 @@ struct OpenLoop {
 
 /// Open loop at `rate`/s per target for `d`, the targets' arrivals interleaved in the same
 /// window so that both see the same machine noise; latency from each intended send time, µs.
-async fn open_loop(targets: &[Target], rate: u64, d: Duration) -> anyhow::Result<Vec<(Histogram<u64>, u64)>> {
+pub(crate) async fn open_loop(
+    targets: &[Target],
+    rate: u64,
+    d: Duration,
+) -> anyhow::Result<Vec<(Histogram<u64>, u64)>> {
     let client = client(256);
     let results: Vec<Arc<OpenLoop>> = targets
         .iter()
@@ -165,11 +170,11 @@ async fn open_loop(targets: &[Target], rate: u64, d: Duration) -> anyhow::Result
         .collect())
 }
 
-fn free_port() -> anyhow::Result<u16> {
+pub(crate) fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-struct KillOnDrop(Child);
+pub(crate) struct KillOnDrop(pub(crate) Child);
 
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
@@ -282,11 +287,13 @@ pub async fn run(args: RouterBenchArgs) -> anyhow::Result<()> {
         name: "direct",
         uri: format!("http://127.0.0.1:{port}/v2/models/noop/infer").parse()?,
         key: None,
+        body: Bytes::from_static(BODY.as_bytes()),
     };
     let routed = Target {
         name: "router",
         uri: format!("http://{router}/v2/models/noop/infer").parse()?,
         key: Some(key),
+        body: Bytes::from_static(BODY.as_bytes()),
     };
     let c = client(1);
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -297,8 +304,8 @@ pub async fn run(args: RouterBenchArgs) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // Warm both paths (connection pools, caches).
-    saturate(&direct, args.connections, Duration::from_secs(1)).await?;
-    saturate(&routed, args.connections, Duration::from_secs(1)).await?;
+    saturate(std::slice::from_ref(&direct), args.connections, Duration::from_secs(1)).await?;
+    saturate(std::slice::from_ref(&routed), args.connections, Duration::from_secs(1)).await?;
 
     let d = Duration::from_secs(args.duration_secs);
     let controller_pid = cluster.pid(0).context("controller pid")?;
@@ -306,7 +313,7 @@ pub async fn run(args: RouterBenchArgs) -> anyhow::Result<()> {
     let mut router_cpu_us = 0.0;
     for t in [&direct, &routed] {
         let cpu0 = crate::heartbeat_bench::cpu_ticks(controller_pid).unwrap_or(0);
-        let (rps, failed) = saturate(t, args.connections, d).await?;
+        let (rps, failed) = saturate(std::slice::from_ref(t), args.connections, d).await?;
         let cpu1 = crate::heartbeat_bench::cpu_ticks(controller_pid).unwrap_or(0);
         // 100 clock ticks a second; CPU time of the controller process per routed request.
         let cpu_s = cpu1.saturating_sub(cpu0) as f64 / 100.0;

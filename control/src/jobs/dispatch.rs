@@ -6,9 +6,9 @@
 //! jobs already placed on that model goes next (ties: the oldest head of queue), so one tenant's
 //! backlog cannot starve another's single job.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 
-use super::{Job, JobState, Jobs};
+use super::Jobs;
 use crate::fleet::{Fleet, Liveness};
 use crate::registry::{LaneKind, Registry};
 
@@ -30,7 +30,7 @@ struct Slot {
 /// Free job slots per durable model, most free first.
 fn free_slots(fleet: &Fleet, registry: &Registry, jobs: &Jobs) -> HashMap<String, Vec<Slot>> {
     let mut placed: HashMap<&str, u32> = HashMap::new();
-    for j in jobs.open().filter(|j| j.state.is_placed()) {
+    for j in jobs.placed() {
         if let Some(r) = &j.replica {
             *placed.entry(r.as_str()).or_default() += 1;
         }
@@ -89,36 +89,31 @@ pub fn dispatch(fleet: &Fleet, registry: &Registry, jobs: &Jobs) -> Vec<Assignme
     if slots.is_empty() {
         return Vec::new();
     }
-    // Per model: per tenant, queued jobs oldest first; and jobs already placed per tenant.
-    let mut queues: HashMap<&str, BTreeMap<&str, VecDeque<&Job>>> = HashMap::new();
+    // Jobs already placed, per model and tenant (fair share counts them).
     let mut placed: HashMap<(&str, &str), u32> = HashMap::new();
-    for j in jobs.open() {
-        match j.state {
-            JobState::Queued if slots.contains_key(&j.model) => queues
-                .entry(j.model.as_str())
-                .or_default()
-                .entry(j.tenant.as_str())
-                .or_default()
-                .push_back(j),
-            s if s.is_placed() => *placed.entry((j.model.as_str(), j.tenant.as_str())).or_default() += 1,
-            _ => {}
-        }
+    for j in jobs.placed() {
+        *placed.entry((j.model.as_str(), j.tenant.as_str())).or_default() += 1;
     }
     let mut out = Vec::new();
-    for (model, mut tenants) in queues {
-        for q in tenants.values_mut() {
-            q.make_contiguous().sort_by_key(|j| j.seq);
+    for (model, model_slots) in slots.iter_mut() {
+        let model = model.as_str();
+        // Per tenant, its queue oldest first (the index keeps them in submission order); only
+        // the heads are looked at, so a long queue costs nothing here.
+        let Some(queue) = jobs.queue(model) else { continue };
+        let mut tenants: BTreeMap<&str, std::collections::btree_set::Iter<'_, (u64, String)>> =
+            queue.iter().map(|(t, q)| (t.as_str(), q.iter())).collect();
+        let mut heads: BTreeMap<&str, &(u64, String)> = BTreeMap::new();
+        for (t, it) in tenants.iter_mut() {
+            if let Some(h) = it.next() {
+                heads.insert(t, h);
+            }
         }
-        let Some(model_slots) = slots.get_mut(model) else {
-            continue;
-        };
         let mut next_slot = 0usize;
         // The tenant with the fewest placed jobs, then the oldest head of queue.
-        while let Some(tenant) = tenants
+        while let Some(tenant) = heads
             .iter()
-            .filter_map(|(t, q)| q.front().map(|j| (*t, j.seq)))
-            .min_by_key(|(t, seq)| (placed.get(&(model, *t)).copied().unwrap_or(0), *seq))
-            .map(|(t, _)| t)
+            .min_by_key(|(t, (seq, _))| (placed.get(&(model, **t)).copied().unwrap_or(0), *seq))
+            .map(|(t, _)| *t)
         {
             // Round-robin over replicas with room, so a burst spreads across the fleet.
             let Some(i) = (0..model_slots.len())
@@ -130,13 +125,13 @@ pub fn dispatch(fleet: &Fleet, registry: &Registry, jobs: &Jobs) -> Vec<Assignme
             next_slot = i + 1;
             let slot = &mut model_slots[i];
             slot.free -= 1;
-            let job = tenants
-                .get_mut(tenant)
-                .and_then(VecDeque::pop_front)
-                .expect("tenant chosen for its non-empty queue");
+            let (_, job_id) = heads.remove(tenant).expect("tenant chosen for its head");
+            if let Some(next) = tenants.get_mut(tenant).and_then(Iterator::next) {
+                heads.insert(tenant, next);
+            }
             *placed.entry((model, tenant)).or_default() += 1;
             out.push(Assignment {
-                job_id: job.id.clone(),
+                job_id: job_id.clone(),
                 node_id: slot.node.clone(),
                 replica_id: slot.replica.clone(),
             });

@@ -1,6 +1,8 @@
 //! How a router writes jobs: on the leader through its proposer, on a follower by forwarding
-//! the write to the leader (`JobWrite`) and then waiting until this controller has applied it,
-//! so a client that was told `202` can read its job back from the same router at once.
+//! the write to the leader (`JobWrite`). The answer does not wait for this follower to apply
+//! the write (that would add up to a Raft heartbeat interval to every submission); a read
+//! that misses a job catches up first ([`JobGateway::catch_up`]), so a client told `202` still
+//! reads its job back from the same router at once.
 
 use std::time::Duration;
 
@@ -12,7 +14,7 @@ use crate::command::{Command, CommandResponse};
 use crate::proposer::Proposer;
 use crate::typ::{NodeId, Raft};
 
-/// How long a follower waits to apply a write the leader committed.
+/// How long a follower waits to apply up to the leader's read index.
 const APPLY_WAIT: Duration = Duration::from_secs(2);
 /// Timeout of one forwarded write.
 const FORWARD_TIMEOUT: Duration = Duration::from_secs(5);
@@ -141,14 +143,31 @@ impl JobGateway {
         if !reply.rejected.is_empty() {
             return Err(GatewayError::Rejected(reply.rejected));
         }
-        let outcome: JobOutcome = serde_json::from_str(&reply.outcome_json)
-            .map_err(|e| GatewayError::Unavailable(format!("leader {leader} answered an unreadable outcome: {e}")))?;
-        // Read-your-writes on this router: wait (briefly) until the write is applied here.
-        let _ = self
-            .raft
-            .wait(Some(APPLY_WAIT))
-            .applied_index_at_least(Some(reply.log_index), "job write applied")
+        serde_json::from_str(&reply.outcome_json)
+            .map_err(|e| GatewayError::Unavailable(format!("leader {leader} answered an unreadable outcome: {e}")))
+    }
+
+    /// Brings this controller's state up to everything committed when the call started: a
+    /// follower asks the leader for its read index and waits (at most 2 s) to apply it. Used
+    /// when a read misses, so a job acknowledged through any router is found. Best effort: on
+    /// failure the read answers from what is applied.
+    pub async fn catch_up(&self) {
+        let Some((leader, addr)) = self.leader() else { return };
+        if leader == self.node_id {
+            return;
+        }
+        let index = self
+            .leaders
+            .call_one(&addr, |mut c| async move {
+                c.read_index(laneway_proto::admin::ReadIndexRequest {}).await
+            })
             .await;
-        Ok(outcome)
+        if let Ok(r) = index {
+            let _ = self
+                .raft
+                .wait(Some(APPLY_WAIT))
+                .applied_index_at_least(Some(r.read_index), "job read")
+                .await;
+        }
     }
 }

@@ -226,9 +226,10 @@ pub struct Jobs {
     /// walking the finished ones.
     #[serde(skip)]
     open: BTreeSet<String>,
-    /// Queued jobs per model (the router's drain estimate on every submission).
+    /// Queued jobs per model and tenant, oldest first: the dispatcher takes the heads, the
+    /// router's drain estimate counts them, without walking every job.
     #[serde(skip)]
-    queued: HashMap<String, usize>,
+    queues: HashMap<String, BTreeMap<String, BTreeSet<(u64, String)>>>,
     /// Placed jobs per node (every heartbeat reply lists its node's).
     #[serde(skip)]
     placed: HashMap<String, BTreeSet<String>>,
@@ -251,7 +252,7 @@ impl Jobs {
         self.by_key.clear();
         self.active.clear();
         self.open.clear();
-        self.queued.clear();
+        self.queues.clear();
         self.placed.clear();
         let ids: Vec<String> = self.jobs.keys().cloned().collect();
         for id in ids {
@@ -274,8 +275,19 @@ impl Jobs {
         let e = self.active.entry((j.tenant.clone(), j.class.clone())).or_default();
         *e = e.saturating_add_signed(delta);
         if j.state == JobState::Queued {
-            let q = self.queued.entry(j.model.clone()).or_default();
-            *q = q.saturating_add_signed(delta as isize);
+            let tenants = self.queues.entry(j.model.clone()).or_default();
+            let q = tenants.entry(j.tenant.clone()).or_default();
+            if add {
+                q.insert((j.seq, id.to_string()));
+            } else {
+                q.remove(&(j.seq, id.to_string()));
+                if q.is_empty() {
+                    tenants.remove(&j.tenant);
+                    if tenants.is_empty() {
+                        self.queues.remove(&j.model);
+                    }
+                }
+            }
         }
         if let (true, Some(node)) = (j.state.is_placed(), j.node.clone()) {
             let set = self.placed.entry(node.clone()).or_default();
@@ -297,7 +309,31 @@ impl Jobs {
 
     /// Queued jobs of `model`.
     pub fn queued(&self, model: &str) -> usize {
-        self.queued.get(model).copied().unwrap_or(0)
+        self.queues
+            .get(model)
+            .map_or(0, |t| t.values().map(BTreeSet::len).sum())
+    }
+
+    /// The queue of `model`: per tenant, its queued jobs' (submission index, id), oldest first.
+    pub fn queue(&self, model: &str) -> Option<&BTreeMap<String, BTreeSet<(u64, String)>>> {
+        self.queues.get(model)
+    }
+
+    /// Every placed job (assigned or running), node by node.
+    pub fn placed(&self) -> impl Iterator<Item = &Job> {
+        self.placed.values().flatten().filter_map(|id| self.jobs.get(id))
+    }
+
+    /// Per model: jobs placed (in flight) and queued (waiting), for the fast loop.
+    pub fn load_by_model(&self) -> HashMap<String, (u32, u32)> {
+        let mut load: HashMap<String, (u32, u32)> = HashMap::new();
+        for j in self.placed() {
+            load.entry(j.model.clone()).or_default().0 += 1;
+        }
+        for model in self.queues.keys() {
+            load.entry(model.clone()).or_default().1 = self.queued(model) as u32;
+        }
+        load
     }
 
     /// Jobs assigned to or running on `node`.
@@ -557,7 +593,13 @@ impl Jobs {
             v
         }
         let nonzero = |v: Vec<((String, String), u32)>| v.into_iter().filter(|x| x.1 > 0).collect();
-        let queued = sorted(&self.queued).into_iter().filter(|x| x.1 > 0).collect();
+        let queued = self
+            .queues
+            .keys()
+            .map(|m| (m.clone(), self.queued(m)))
+            .collect::<std::collections::BTreeMap<_, _>>()
+            .into_iter()
+            .collect();
         (
             nonzero(sorted(&self.active)),
             queued,

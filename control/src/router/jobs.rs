@@ -243,6 +243,7 @@ pub(super) async fn submit(
 
 fn accepted(router: &Router, id: &str, replay: bool, meta: &Meta) -> Response {
     let location = format!("/v1/jobs/{id}");
+    // A follower may not have applied the submission yet: then it is queued.
     let state = router.sm.job(id).map_or(JobState::Queued, |j| j.state);
     let mut r = json_response(
         StatusCode::ACCEPTED,
@@ -398,9 +399,17 @@ pub(super) async fn post_job(
     submit(&router, &tenant, &route, input, &headers, sha, max_attempts, &meta).await
 }
 
-/// The tenant's job, or a 404 that does not reveal other tenants' jobs.
-fn owned_job(router: &Router, tenant: &TenantRoute, id: &str, meta: &Meta) -> Result<Job, Response> {
-    router.sm.job(id).filter(|j| j.tenant == tenant.name).ok_or_else(|| {
+/// The tenant's job, or a 404 that does not reveal other tenants' jobs. A miss catches up with
+/// the leader first: the job may have been acknowledged a moment ago through another router.
+async fn owned_job(router: &Router, tenant: &TenantRoute, id: &str, meta: &Meta) -> Result<Job, Response> {
+    let mine = |j: &Job| j.tenant == tenant.name;
+    if let Some(job) = router.sm.job(id).filter(mine) {
+        return Ok(job);
+    }
+    if let Some(gateway) = router.jobs.get() {
+        gateway.catch_up().await;
+    }
+    router.sm.job(id).filter(mine).ok_or_else(|| {
         error(
             StatusCode::NOT_FOUND,
             format!(
@@ -423,7 +432,7 @@ pub(super) async fn get_job(State(router): State<Arc<Router>>, Path(id): Path<St
         Ok(t) => t,
         Err(r) => return r,
     };
-    match owned_job(&router, &tenant, &id, &meta) {
+    match owned_job(&router, &tenant, &id, &meta).await {
         Ok(job) => json_response(StatusCode::OK, view(&job), &meta),
         Err(r) => r,
     }
@@ -481,7 +490,7 @@ pub(super) async fn cancel_job(
         Ok(t) => t,
         Err(r) => return r,
     };
-    if let Err(r) = owned_job(&router, &tenant, &id, &meta) {
+    if let Err(r) = owned_job(&router, &tenant, &id, &meta).await {
         return r;
     }
     let Some(gateway) = router.jobs.get() else {
@@ -536,7 +545,7 @@ pub(super) async fn get_result(
         Ok(t) => t,
         Err(r) => return r,
     };
-    let job = match owned_job(&router, &tenant, &id, &meta) {
+    let job = match owned_job(&router, &tenant, &id, &meta).await {
         Ok(j) => j,
         Err(r) => return r,
     };

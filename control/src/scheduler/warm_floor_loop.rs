@@ -69,17 +69,11 @@ pub async fn run(ctx: Context) {
 /// jobs) for durable lanes.
 fn fast_loop(ctx: &Context, registry: &Registry, scale: &mut ScaleState, now: Instant) -> HashMap<String, usize> {
     let load = ctx.load.total(now);
-    let job_load = ctx.sm.with_jobs(|jobs, _, _| {
-        let mut by_model: HashMap<String, ModelLoad> = HashMap::new();
-        for j in jobs.open() {
-            let l = by_model.entry(j.model.clone()).or_default();
-            if j.state.is_placed() {
-                l.in_flight += 1;
-            } else {
-                l.waiting += 1;
-            }
-        }
-        by_model
+    let job_load: HashMap<String, ModelLoad> = ctx.sm.with_jobs(|jobs, _, _| {
+        jobs.load_by_model()
+            .into_iter()
+            .map(|(m, (in_flight, waiting))| (m, ModelLoad { in_flight, waiting }))
+            .collect()
     });
     let mut targets = HashMap::new();
     for m in registry.models.values() {

@@ -1,0 +1,245 @@
+//! `laneway-chaos jobs`: acknowledged durable-job submissions per second and submit latency on
+//! a 3-controller cluster on loopback (fsync on, as always), side by side with a 3-member etcd
+//! cluster (Debian's `etcd-server`) taking the same number of HTTP/JSON puts in the same run.
+//!
+//! Both are driven the same way, over HTTP/1.1 with the same client, spread over the three
+//! members (a laneway follower's router forwards to the leader; an etcd follower does too):
+//! closed-loop saturation, then open-loop arrivals at fixed rates with latency timed from each
+//! request's intended send time. A laneway acknowledgement (`202`) means the job is committed
+//! through Raft on a quorum; an etcd one means the put is. Everything shares the machine's two
+//! cores, load generator included, so only the ratio in the same run means much.
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use bytes::Bytes;
+use hdrhistogram::Histogram;
+use laneway_proto::admin::{CreateTenantRequest, PutDocumentRequest};
+use serde_json::json;
+use tokio::time::Instant;
+
+use crate::process_cluster::ProcessCluster;
+use crate::router_bench::{client, free_port, open_loop, saturate, send, KillOnDrop, Target};
+
+/// Flags of `laneway-chaos jobs`.
+#[derive(Debug, clap::Args)]
+pub struct JobsBenchArgs {
+    #[arg(long)]
+    control_bin: Option<std::path::PathBuf>,
+    /// The etcd server binary of the reference cluster (`apt-get install etcd-server`).
+    #[arg(long, default_value = "etcd")]
+    etcd_bin: std::path::PathBuf,
+    /// Seconds per measurement.
+    #[arg(long, default_value_t = 10)]
+    duration_secs: u64,
+    /// Open-loop arrival rates, submissions/s, comma-separated.
+    #[arg(long, default_value = "1000,3000", value_delimiter = ',')]
+    rates: Vec<u64>,
+    /// Concurrent connections of the saturation runs.
+    #[arg(long, default_value_t = 256)]
+    connections: usize,
+    /// Which laneway routers take the submissions: `all` (like etcd's members), `leader`, or
+    /// `followers` (every submission forwarded).
+    #[arg(long, default_value = "all")]
+    via: String,
+}
+
+/// An inference request of about the size of the etcd value below (96 bytes of data).
+fn job_body() -> Bytes {
+    let input = json!({"inputs": [{"name": "prompt", "shape": [1], "datatype": "BYTES", "data": ["x".repeat(96)]}]});
+    Bytes::from(json!({"model": "bench-video", "input": input}).to_string())
+}
+
+/// A put of 96 bytes (base64 in etcd's JSON gateway).
+const ETCD_PUT: &str = r#"{"key":"YmVuY2g=","value":"eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4"}"#;
+
+/// A 3-member etcd cluster on loopback, killed on drop.
+struct Etcd {
+    _members: Vec<KillOnDrop>,
+    clients: Vec<String>,
+    _dir: tempfile::TempDir,
+}
+
+fn start_etcd(bin: &std::path::Path) -> anyhow::Result<Etcd> {
+    let dir = tempfile::Builder::new().prefix("laneway-etcd-").tempdir()?;
+    let ports: Vec<(u16, u16)> = (0..3)
+        .map(|_| Ok((free_port()?, free_port()?)))
+        .collect::<anyhow::Result<_>>()?;
+    let initial = ports
+        .iter()
+        .enumerate()
+        .map(|(i, (_, peer))| format!("e{i}=http://127.0.0.1:{peer}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut members = Vec::new();
+    let mut clients = Vec::new();
+    for (i, (client_port, peer)) in ports.iter().enumerate() {
+        let log = std::fs::File::create(dir.path().join(format!("e{i}.log")))?;
+        let child = Command::new(bin)
+            .args(["--name", &format!("e{i}")])
+            .arg("--data-dir")
+            .arg(dir.path().join(format!("e{i}")))
+            .args(["--listen-client-urls", &format!("http://127.0.0.1:{client_port}")])
+            .args(["--advertise-client-urls", &format!("http://127.0.0.1:{client_port}")])
+            .args(["--listen-peer-urls", &format!("http://127.0.0.1:{peer}")])
+            .args(["--initial-advertise-peer-urls", &format!("http://127.0.0.1:{peer}")])
+            .args(["--initial-cluster", &initial])
+            .args([
+                "--initial-cluster-state",
+                "new",
+                "--initial-cluster-token",
+                "laneway-bench",
+            ])
+            .args(["--log-level", "warn"])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .with_context(|| {
+                format!(
+                    "starting {}: install the reference with `apt-get install etcd-server` or pass --etcd-bin",
+                    bin.display()
+                )
+            })?;
+        members.push(KillOnDrop(child));
+        clients.push(format!("127.0.0.1:{client_port}"));
+    }
+    Ok(Etcd {
+        _members: members,
+        clients,
+        _dir: dir,
+    })
+}
+
+/// Waits until every target acknowledges a request.
+async fn wait_serving(targets: &[Target], what: &str) -> anyhow::Result<()> {
+    let c = client(1);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for t in targets {
+        while let Err(e) = send(&c, t).await {
+            if Instant::now() > deadline {
+                bail!("{what} at {} did not accept a write within 30 s: {e}", t.uri);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    Ok(())
+}
+
+fn merged(hists: Vec<(Histogram<u64>, u64)>) -> anyhow::Result<(Histogram<u64>, u64)> {
+    let mut all = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
+    let mut failed = 0;
+    for (h, f) in hists {
+        all.add(h)?;
+        failed += f;
+    }
+    Ok((all, failed))
+}
+
+pub async fn run(args: JobsBenchArgs) -> anyhow::Result<()> {
+    let control = args
+        .control_bin
+        .clone()
+        .unwrap_or_else(|| crate::sibling_bin("laneway-control"));
+    let cluster = ProcessCluster::start_with(&control, 3, true).await?;
+    let admin = cluster.client();
+    // A durable lane and a model no replica serves: jobs stay queued (with no replica there is
+    // no drain estimate to shed on), so only the submission path is measured.
+    let class = json!({"name": "bench-video", "lane": "durable", "budget_ms": 3_600_000, "protection_rank": 2});
+    let model = json!({"name": "bench-video", "class": "bench-video", "profiles": {"H100-80GB": {"service_ms": 45000, "max_batch": 1}}});
+    for (what, doc) in [("class", class), ("model", model)] {
+        let json = doc.to_string();
+        admin
+            .call(|mut c| {
+                let json = json.clone();
+                async move {
+                    if what == "class" {
+                        c.put_class(PutDocumentRequest { json }).await
+                    } else {
+                        c.put_model(PutDocumentRequest { json }).await
+                    }
+                }
+            })
+            .await?;
+    }
+    let key = admin
+        .call(|mut c| async move { c.create_tenant(CreateTenantRequest { name: "bench".into() }).await })
+        .await?
+        .api_key;
+    let body = job_body();
+    let leader = cluster.leader().await.context("no leader")?;
+    let laneway: Vec<Target> = cluster
+        .members
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| match args.via.as_str() {
+            "leader" => *i == leader,
+            "followers" => *i != leader,
+            _ => true,
+        })
+        .map(|(_, m)| {
+            Ok(Target {
+                name: "laneway",
+                uri: format!("http://{}/v1/jobs", m.router_addr.as_deref().context("router address")?).parse()?,
+                key: Some(key.clone()),
+                body: body.clone(),
+            })
+        })
+        .collect::<anyhow::Result<_>>()?;
+    wait_serving(&laneway, "laneway router").await?;
+
+    let etcd = start_etcd(&args.etcd_bin)?;
+    let reference: Vec<Target> = etcd
+        .clients
+        .iter()
+        .map(|c| {
+            Ok(Target {
+                name: "etcd",
+                uri: format!("http://{c}/v3/kv/put").parse()?,
+                key: None,
+                body: Bytes::from_static(ETCD_PUT.as_bytes()),
+            })
+        })
+        .collect::<anyhow::Result<_>>()?;
+    wait_serving(&reference, "etcd").await?;
+
+    let d = Duration::from_secs(args.duration_secs);
+    let mut max = Vec::new();
+    for targets in [&reference, &laneway] {
+        saturate(targets, args.connections, Duration::from_secs(2)).await?;
+        let (rps, failed) = saturate(targets, args.connections, d).await?;
+        println!(
+            "{}",
+            json!({"bench": "jobs", "mode": "saturation", "system": targets[0].name, "members": 3,
+                   "connections": args.connections, "acked_per_s": rps.round(), "failed": failed})
+        );
+        max.push(rps);
+    }
+    let mut p99_at = Vec::new();
+    for &rate in &args.rates {
+        for targets in [&reference, &laneway] {
+            // The rate is split over the three members.
+            let per = (rate / targets.len() as u64).max(1);
+            let (h, failed) = merged(open_loop(targets, per, d).await?)?;
+            let q = |p: f64| h.value_at_quantile(p) as f64 / 1000.0;
+            println!(
+                "{}",
+                json!({"bench": "jobs", "mode": "open_loop", "system": targets[0].name, "rate": per * targets.len() as u64,
+                       "acked": h.len(), "failed": failed, "p50_ms": q(0.5), "p99_ms": q(0.99), "p999_ms": q(0.999),
+                       "max_ms": h.max() as f64 / 1000.0})
+            );
+            p99_at.push((targets[0].name, rate, q(0.99)));
+        }
+    }
+    let ratio = max[1] / max[0].max(1.0);
+    println!(
+        "{}",
+        json!({
+            "bench": "jobs", "summary": true,
+            "etcd_acked_per_s": max[0].round(), "laneway_acked_per_s": max[1].round(),
+            "ratio": (ratio * 100.0).round() / 100.0, "target_ratio": 1.5, "meets_target": ratio >= 1.5,
+            "p99_ms": p99_at.iter().map(|(s, r, p)| json!({"system": s, "rate": r, "p99_ms": p})).collect::<Vec<_>>(),
+        })
+    );
+    Ok(())
+}
