@@ -33,10 +33,15 @@ pub struct JobRunner {
     inner: Arc<Inner>,
 }
 
-/// The sled outbox. sled flushes when its last handle is dropped; on a runtime worker during
-/// shutdown that flush was seen to wait forever for sled's IO threads, holding the whole
-/// runtime. Every write is flushed when made, so the handles are dropped on a thread of their
-/// own that nothing waits for.
+/// The sled outbox.
+///
+/// sled 0.34's `flush_async` runs the flush on sled's own bounded IO thread pool, where it
+/// waits for buffer writes that need a thread of that same pool: a few concurrent
+/// `flush_async` calls exhaust it and every flush in the process deadlocks (seen in tests,
+/// with the weight cache's flushes stuck behind them). So the outbox flushes with the blocking
+/// `flush` on a tokio blocking thread ([`JobRunner::flush`]), never `flush_async`. sled also
+/// flushes when its last handle drops; the handles are dropped on a thread of their own so a
+/// slow final flush cannot hold a runtime worker.
 struct Outbox(Option<(sled::Tree, sled::Db)>);
 
 impl Outbox {
@@ -97,6 +102,15 @@ impl JobRunner {
         })
     }
 
+    /// Flushes the outbox on a blocking thread (see [`Outbox`] for why not `flush_async`).
+    async fn flush(&self) {
+        let this = self.clone();
+        let flushed = tokio::task::spawn_blocking(move || this.inner.outbox.tree().flush()).await;
+        if let Ok(Err(e)) = flushed {
+            tracing::warn!(error = %e, "cannot flush the job outbox; a report lost in a crash makes its job run again");
+        }
+    }
+
     /// Notified when a report should go out at once.
     pub fn wake(&self) -> Arc<Notify> {
         self.inner.wake.clone()
@@ -138,11 +152,8 @@ impl JobRunner {
             let _ = self.inner.outbox.tree().remove(outbox_key(&s.job_id, s.token));
         }
         if !settled.is_empty() {
-            // The task holds the runner, never a bare sled handle (see `Outbox`).
             let this = self.clone();
-            tokio::spawn(async move {
-                let _ = this.inner.outbox.tree().flush_async().await;
-            });
+            tokio::spawn(async move { this.flush().await });
         }
         let want: HashSet<Key> = assigned.iter().map(|a| (a.job_id.clone(), a.token)).collect();
         let mut running = lock(&self.inner.running);
@@ -213,7 +224,7 @@ impl JobRunner {
             tracing::error!(job = %job.job_id, error = %e, "cannot record a finished job in the outbox; it will run again");
             return;
         }
-        let _ = self.inner.outbox.tree().flush_async().await;
+        self.flush().await;
         self.inner.wake.notify_one();
     }
 

@@ -15,12 +15,11 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use bytes::Bytes;
 use hdrhistogram::Histogram;
-use laneway_proto::admin::{CreateTenantRequest, PutDocumentRequest};
 use serde_json::json;
 use tokio::time::Instant;
 
 use crate::process_cluster::ProcessCluster;
-use crate::router_bench::{client, free_port, open_loop, saturate, send, KillOnDrop, Target};
+use crate::router_bench::{client, free_port, open_loop, register, saturate, send, KillOnDrop, Target};
 
 /// Flags of `laneway-chaos jobs`.
 #[derive(Debug, clap::Args)]
@@ -142,30 +141,11 @@ pub async fn run(args: JobsBenchArgs) -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| crate::sibling_bin("laneway-control"));
     let cluster = ProcessCluster::start_with(&control, 3, true).await?;
-    let admin = cluster.client();
     // A durable lane and a model no replica serves: jobs stay queued (with no replica there is
     // no drain estimate to shed on), so only the submission path is measured.
     let class = json!({"name": "bench-video", "lane": "durable", "budget_ms": 3_600_000, "protection_rank": 2});
     let model = json!({"name": "bench-video", "class": "bench-video", "profiles": {"H100-80GB": {"service_ms": 45000, "max_batch": 1}}});
-    for (what, doc) in [("class", class), ("model", model)] {
-        let json = doc.to_string();
-        admin
-            .call(|mut c| {
-                let json = json.clone();
-                async move {
-                    if what == "class" {
-                        c.put_class(PutDocumentRequest { json }).await
-                    } else {
-                        c.put_model(PutDocumentRequest { json }).await
-                    }
-                }
-            })
-            .await?;
-    }
-    let key = admin
-        .call(|mut c| async move { c.create_tenant(CreateTenantRequest { name: "bench".into() }).await })
-        .await?
-        .api_key;
+    let key = register(&cluster.client(), class, model).await?;
     let body = job_body();
     let leader = cluster.leader().await.context("no leader")?;
     let laneway: Vec<Target> = cluster

@@ -170,6 +170,33 @@ pub(crate) async fn open_loop(
         .collect())
 }
 
+/// Puts a class and a model in the registry and creates the tenant `bench`; its API key.
+pub(crate) async fn register(
+    admin: &laneway_control::client::AdminClient,
+    class: serde_json::Value,
+    model: serde_json::Value,
+) -> anyhow::Result<String> {
+    for (what, doc) in [("class", class), ("model", model)] {
+        let json = doc.to_string();
+        admin
+            .call(|mut c| {
+                let json = json.clone();
+                async move {
+                    if what == "class" {
+                        c.put_class(PutDocumentRequest { json }).await
+                    } else {
+                        c.put_model(PutDocumentRequest { json }).await
+                    }
+                }
+            })
+            .await?;
+    }
+    Ok(admin
+        .call(|mut c| async move { c.create_tenant(CreateTenantRequest { name: "bench".into() }).await })
+        .await?
+        .api_key)
+}
+
 pub(crate) fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
@@ -259,28 +286,9 @@ pub async fn run(args: RouterBenchArgs) -> anyhow::Result<()> {
             .with_context(|| format!("starting {}", sim.display()))?,
     );
 
-    let admin = cluster.client();
     let class = json!({"name": "bench", "lane": "sync", "utilisation_target_pct": 100, "request_timeout_ms": 5000});
     let model = json!({"name": "noop", "class": "bench", "profiles": {"L4": {"service_ms": 0.05, "max_batch": 4096}}});
-    for (what, doc) in [("class", class), ("model", model)] {
-        let json = doc.to_string();
-        admin
-            .call(|mut c| {
-                let json = json.clone();
-                async move {
-                    if what == "class" {
-                        c.put_class(PutDocumentRequest { json }).await
-                    } else {
-                        c.put_model(PutDocumentRequest { json }).await
-                    }
-                }
-            })
-            .await?;
-    }
-    let key = admin
-        .call(|mut c| async move { c.create_tenant(CreateTenantRequest { name: "bench".into() }).await })
-        .await?
-        .api_key;
+    let key = register(&cluster.client(), class, model).await?;
     let _agent = play_agent(&cluster.members[0].addr, port).await?;
 
     let direct = Target {

@@ -144,21 +144,32 @@ async fn drain_all(sup: &laneway_agent::supervisor::Supervisor) {
     }
 }
 
-/// `lanectl job submit --wait` takes a job through to its result; the result object is the
-/// one under the job's id and token; bad input gets a clear status.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_job_goes_through_to_its_one_result_and_bad_input_is_refused() {
+/// One controller, the `video` lane (`clip`: L4, `service_ms`, batch 1, warm floor 1, queue
+/// budget `budget_ms`), a tenant and an agent whose floor replica is ready.
+async fn one_controller(
+    service_ms: u32,
+    budget_ms: u32,
+) -> (tempfile::TempDir, Vec<Node>, AdminClient, String, Agent, Reaper) {
     let root = tempfile::tempdir().unwrap();
     let mut nodes = vec![Node::new(root.path(), 1)];
     let client = form_cluster(&mut nodes).await;
     let addr = nodes[0].addr.clone();
-    let key = durable_registry(&addr, root.path(), 400, 1, 1, 600_000);
-    let a = agent("gpu-a", "L4", vec![addr.clone()], root.path(), vec![]).await;
-    let _reaper = Reaper(a.supervisor.clone());
+    let key = durable_registry(&addr, root.path(), service_ms, 1, 1, budget_ms);
+    let a = agent("gpu-a", "L4", vec![addr], root.path(), vec![]).await;
+    let reaper = Reaper(a.supervisor.clone());
     wait_for("the warm floor's replica ready", Duration::from_secs(30), || async {
         (ready_replicas(&client, "clip").await >= 1).then_some(())
     })
     .await;
+    (root, nodes, client, key, a, reaper)
+}
+
+/// `lanectl job submit --wait` takes a job through to its result; the result object is the
+/// one under the job's id and token; bad input gets a clear status.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_goes_through_to_its_one_result_and_bad_input_is_refused() {
+    let (_root, nodes, client, key, a, _reaper) = one_controller(400, 600_000).await;
+    let addr = nodes[0].addr.clone();
     let base = format!("http://{}", nodes[0].router_addr);
 
     // The operator's path: lanectl follows the job and prints the result.
@@ -333,18 +344,8 @@ async fn a_job_goes_through_to_its_one_result_and_bad_input_is_refused() {
 /// number is honest: after waiting it, a submission is accepted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shedding_gives_an_honest_retry_after() {
-    let root = tempfile::tempdir().unwrap();
-    let mut nodes = vec![Node::new(root.path(), 1)];
-    let client = form_cluster(&mut nodes).await;
-    let addr = nodes[0].addr.clone();
     // 500 ms a job, one at a time per replica, 2 s budget: about four queued jobs fit.
-    let key = durable_registry(&addr, root.path(), 500, 1, 1, 2000);
-    let a = agent("gpu-a", "L4", vec![addr.clone()], root.path(), vec![]).await;
-    let _reaper = Reaper(a.supervisor.clone());
-    wait_for("the warm floor's replica ready", Duration::from_secs(30), || async {
-        (ready_replicas(&client, "clip").await >= 1).then_some(())
-    })
-    .await;
+    let (_root, nodes, client, key, a, _reaper) = one_controller(500, 2000).await;
     let base = format!("http://{}", nodes[0].router_addr);
     let http = http();
     let mut accepted = 0;
