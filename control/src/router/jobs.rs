@@ -105,6 +105,33 @@ impl Router {
     }
 }
 
+impl Router {
+    /// The job queue of a durable lane's models, for `lane show`.
+    pub(super) fn durable_status(&self, routes: &[&Arc<ModelRoute>]) -> Value {
+        let (mut queued, mut assigned, mut running) = (0usize, 0usize, 0usize);
+        let mut drain_s: Option<f64> = Some(0.0);
+        for route in routes {
+            let (q, drain) = self.durable_drain(route);
+            queued += q;
+            drain_s = match (drain_s, drain) {
+                (Some(a), Some(d)) => Some(a.max(d.as_secs_f64())),
+                (_, None) if q > 0 => None,
+                (a, _) => a,
+            };
+            self.sm.with_jobs(|jobs, _, _| {
+                for j in jobs.placed().filter(|j| j.model == route.name) {
+                    match j.state {
+                        JobState::Running => running += 1,
+                        _ => assigned += 1,
+                    }
+                }
+            });
+        }
+        json!({ "queued": queued, "assigned": assigned, "running": running,
+                "drain_s": drain_s.map(|d| (d * 10.0).round() / 10.0) })
+    }
+}
+
 /// Submits one job for `route`'s model; `input` is the inference request (inline) or a URI.
 #[allow(clippy::too_many_arguments)] // one submission's facts; a struct would only rename them
 pub(super) async fn submit(

@@ -209,6 +209,11 @@ pub struct LaneStatus {
     pub counters: serde_json::Value,
     /// Seconds since the level last changed.
     pub level_for_s: f64,
+    /// Durable lanes: the replicated job queue (the same on every controller) — jobs queued,
+    /// assigned and running, and the seconds the queue takes to drain at the ready replicas'
+    /// throughput (the number shedding uses).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub jobs: Option<serde_json::Value>,
 }
 
 impl LaneState {

@@ -82,6 +82,7 @@ mod tests {
             ready_replicas: 1,
             counters: serde_json::json!({"admitted": 5, "refused": 7}),
             level_for_s: 1.0,
+            jobs: None,
         };
         let text = render(&[status]).unwrap();
         assert!(

@@ -601,16 +601,25 @@ impl Router {
                 let in_flight = routes.iter().flat_map(|m| m.replicas.iter()).map(|s| s.load()).sum();
                 let ready = routes.iter().map(|m| m.replicas.len()).sum();
                 let short = self.sync_short(class, now);
+                let jobs = (class.lane == LaneKind::Durable).then(|| self.durable_status(&routes));
                 let mut s = lane.lock();
+                let (queue_depth, in_flight) = match &jobs {
+                    Some(j) => (
+                        j["queued"].as_u64().unwrap_or(0) as usize,
+                        (j["assigned"].as_u64().unwrap_or(0) + j["running"].as_u64().unwrap_or(0)) as u32,
+                    ),
+                    None => (s.depth(), in_flight),
+                };
                 Some(LaneStatus {
                     class: class.name.clone(),
                     lane: class.lane.to_string(),
                     level: s.level_name(short).to_string(),
-                    queue_depth: s.depth(),
+                    queue_depth,
                     drain_per_s: s.drain.measured(now),
                     pressure: s.pressure,
                     in_flight,
                     slots,
+                    jobs,
                     ready_replicas: ready,
                     counters: serde_json::to_value(s.counters).unwrap_or_default(),
                     level_for_s: now.saturating_duration_since(s.overload.changed_at).as_secs_f64(),

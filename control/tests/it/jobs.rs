@@ -337,6 +337,13 @@ async fn a_job_goes_through_to_its_one_result_and_bad_input_is_refused() {
     }
     assert_eq!(statuses, vec![202, 202, 429]);
     assert!(retry_after.is_some_and(|s| s >= 1));
+    // `lane show` tells the operator the replicated queue: both jobs are queued or placed.
+    let jobs = &lanectl(&addr, &["lane", "show", "video"])["status"]["jobs"];
+    let active: u64 = ["queued", "assigned", "running"]
+        .iter()
+        .map(|k| jobs[*k].as_u64().unwrap())
+        .sum();
+    assert_eq!(active, 2, "{jobs}");
     stop_agent(a).await;
 }
 

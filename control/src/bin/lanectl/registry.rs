@@ -304,6 +304,17 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
                         s.ready_replicas,
                         s.counters
                     ));
+                    if let Some(j) = &s.jobs {
+                        t.push_str(&format!(
+                            "\njobs (cluster-wide): queued {}  assigned {}  running {}  queue drains in {}",
+                            j["queued"],
+                            j["assigned"],
+                            j["running"],
+                            j["drain_s"]
+                                .as_f64()
+                                .map_or("- (no ready replica)".into(), |d| format!("~{d:.0} s"))
+                        ));
+                    }
                 }
                 if !records.is_empty() {
                     t.push_str(&format!(
