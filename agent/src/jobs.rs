@@ -295,22 +295,16 @@ impl JobRunner {
     }
 }
 
-/// Reads an input given by URL (or a local path).
+/// Reads an input given by URL (`file://`, `s3://`, …) or absolute local path, through
+/// `object_store` as the weight cache reads weights.
 async fn fetch(uri: &str) -> Result<Bytes, String> {
-    let (store, path) = if let Some(p) = uri.strip_prefix("file://").or((!uri.contains("://")).then_some(uri)) {
-        let p = std::path::Path::new(p);
-        let (dir, name) = (p.parent().unwrap_or(std::path::Path::new("/")), p.file_name());
-        let name = name.ok_or_else(|| format!("input {uri} names no file"))?;
-        let dir = ResultStore::open(&dir.display().to_string()).map_err(|e| e.to_string())?;
-        return dir
-            .get(&name.to_string_lossy())
-            .await
-            .map_err(|e| format!("input {uri}: {e}"));
-    } else {
-        let url = url::Url::parse(uri).map_err(|e| format!("input {uri} is not a URL: {e}"))?;
-        object_store::parse_url(&url).map_err(|e| format!("input {uri}: {e}"))?
-    };
     use object_store::ObjectStoreExt;
+    let url = if uri.contains("://") {
+        url::Url::parse(uri).map_err(|e| format!("input {uri} is not a URL: {e}"))?
+    } else {
+        url::Url::from_file_path(uri).map_err(|()| format!("input {uri} is neither a URL nor an absolute path"))?
+    };
+    let (store, path) = object_store::parse_url(&url).map_err(|e| format!("input {uri}: {e}"))?;
     store
         .get(&path)
         .await

@@ -35,9 +35,14 @@ impl Context {
 
     /// The current leader's id and address, if known.
     pub fn leader(&self) -> Option<(NodeId, String)> {
-        let m = self.raft.metrics().borrow().clone();
-        let id = m.current_leader?;
-        let addr = m.membership_config.membership().get_node(&id)?.addr.clone();
-        Some((id, addr))
+        current_leader(&self.raft)
     }
+}
+
+/// The leader `raft` knows of now, with its address (from this member's own metrics).
+pub fn current_leader(raft: &Raft) -> Option<(NodeId, String)> {
+    let m = raft.metrics().borrow().clone();
+    let id = m.current_leader?;
+    let addr = m.membership_config.membership().get_node(&id)?.addr.clone();
+    Some((id, addr))
 }

@@ -103,10 +103,7 @@ impl JobGateway {
     }
 
     fn leader(&self) -> Option<(NodeId, String)> {
-        let m = self.raft.metrics().borrow().clone();
-        let id = m.current_leader?;
-        let addr = m.membership_config.membership().get_node(&id)?.addr.clone();
-        Some((id, addr))
+        crate::context::current_leader(&self.raft)
     }
 
     /// Commits `write` on the leader (this controller must be it): used by `JobWrite` calls.

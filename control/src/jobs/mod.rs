@@ -222,10 +222,6 @@ pub struct Jobs {
     /// (tenant, class) → jobs queued or placed.
     #[serde(skip)]
     active: HashMap<(String, String), u32>,
-    /// Ids of the jobs not finished (queued or placed): what the dispatcher looks at, without
-    /// walking the finished ones.
-    #[serde(skip)]
-    open: BTreeSet<String>,
     /// Queued jobs per model and tenant, oldest first: the dispatcher takes the heads, the
     /// router's drain estimate counts them, without walking every job.
     #[serde(skip)]
@@ -251,7 +247,6 @@ impl Jobs {
     pub fn rebuild_index(&mut self) {
         self.by_key.clear();
         self.active.clear();
-        self.open.clear();
         self.queues.clear();
         self.placed.clear();
         let ids: Vec<String> = self.jobs.keys().cloned().collect();
@@ -299,11 +294,6 @@ impl Jobs {
                     self.placed.remove(&node);
                 }
             }
-        }
-        if add {
-            self.open.insert(id.to_string());
-        } else {
-            self.open.remove(id);
         }
     }
 
@@ -357,11 +347,6 @@ impl Jobs {
 
     pub fn get(&self, id: &str) -> Option<&Job> {
         self.jobs.get(id)
-    }
-
-    /// Jobs not finished yet (queued or placed), in id order.
-    pub fn open(&self) -> impl Iterator<Item = &Job> {
-        self.open.iter().filter_map(|id| self.jobs.get(id))
     }
 
     /// Jobs queued or placed for `tenant` on `class`.
@@ -582,9 +567,8 @@ impl Jobs {
         &self,
     ) -> (
         Vec<((String, String), u32)>,
-        Vec<(String, usize)>,
+        Vec<(String, BTreeMap<String, BTreeSet<(u64, String)>>)>,
         Vec<(String, BTreeSet<String>)>,
-        BTreeSet<String>,
         Vec<((String, String), String)>,
     ) {
         fn sorted<K: Ord + Clone, V: Clone>(m: &HashMap<K, V>) -> Vec<(K, V)> {
@@ -593,29 +577,12 @@ impl Jobs {
             v
         }
         let nonzero = |v: Vec<((String, String), u32)>| v.into_iter().filter(|x| x.1 > 0).collect();
-        let queued = self
-            .queues
-            .keys()
-            .map(|m| (m.clone(), self.queued(m)))
-            .collect::<std::collections::BTreeMap<_, _>>()
-            .into_iter()
-            .collect();
         (
             nonzero(sorted(&self.active)),
-            queued,
+            sorted(&self.queues),
             sorted(&self.placed),
-            self.open.clone(),
             sorted(&self.by_key),
         )
-    }
-
-    /// Jobs in each state.
-    pub fn counts(&self) -> BTreeMap<JobState, usize> {
-        let mut c = BTreeMap::new();
-        for j in self.jobs.values() {
-            *c.entry(j.state).or_default() += 1;
-        }
-        c
     }
 }
 

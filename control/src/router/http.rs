@@ -365,6 +365,27 @@ pub(super) fn check_body(body: &[u8]) -> Result<InferRequest, String> {
     })
 }
 
+/// The request body, or the answer to a body that could not be read: over the router's limit
+/// is `413` with `what_to_do`. The rest of such a body is never read, so the connection cannot
+/// carry another request: the answer says so (`Connection: close`), or a client would reuse it
+/// and lose its next request.
+pub(super) fn read_body(body: Result<Bytes, BytesRejection>, what_to_do: &str, meta: &Meta) -> Result<Bytes, Response> {
+    body.map_err(|rej| {
+        let mut r = if rej.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the request body is over the router's limit (router.max_body_bytes); {what_to_do}"),
+                meta,
+            )
+        } else {
+            error(rej.status(), rej.body_text(), meta)
+        };
+        r.headers_mut()
+            .insert(axum::http::header::CONNECTION, HeaderValue::from_static("close"));
+        r
+    })
+}
+
 /// Merges the degraded lane's parameters into the request's `parameters`.
 fn degrade(body: &[u8], params: &std::collections::BTreeMap<String, String>) -> Result<Bytes, String> {
     let mut v: Value = serde_json::from_slice(body).map_err(|e| e.to_string())?;
@@ -379,12 +400,6 @@ fn degrade(body: &[u8], params: &std::collections::BTreeMap<String, String>) -> 
         p.insert("laneway_degraded".into(), Value::Bool(true));
     }
     serde_json::to_vec(&v).map(Bytes::from).map_err(|e| e.to_string())
-}
-
-pub(super) fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 async fn infer(
@@ -409,25 +424,9 @@ async fn infer(
         Err(r) => return r,
     };
     let class = route.class.clone();
-    let body = match body {
+    let body = match read_body(body, "send a smaller input or a URI", &meta) {
         Ok(b) => b,
-        Err(rej) => {
-            let mut r = if rej.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                error(
-                        StatusCode::PAYLOAD_TOO_LARGE,
-                        "the request body is over the router's limit (router.max_body_bytes); send a smaller input or a URI"
-                            .into(),
-                        &meta,
-                    )
-            } else {
-                error(rej.status(), rej.body_text(), &meta)
-            };
-            // The rest of the body is never read, so this connection cannot carry another
-            // request: say so, or a client would reuse it and lose its next request.
-            r.headers_mut()
-                .insert(axum::http::header::CONNECTION, HeaderValue::from_static("close"));
-            return r;
-        }
+        Err(r) => return r,
     };
     if let Err(msg) = check_body(&body) {
         return error(StatusCode::BAD_REQUEST, msg, &meta);
@@ -437,7 +436,7 @@ async fn infer(
     }
     let mut record = RequestRecord {
         request_id: meta.request_id.clone(),
-        unix_ms: unix_ms(),
+        unix_ms: crate::jobs::unix_ms(),
         lane: class.lane.to_string(),
         class: class.name.clone(),
         model: route.name.clone(),

@@ -16,7 +16,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-use super::http::{authenticate, check_body, error, lookup, request_id, stamp, with_retry_after, Meta};
+use super::http::{authenticate, check_body, error, lookup, read_body, request_id, stamp, with_retry_after, Meta};
 use super::table::{ModelRoute, TenantRoute};
 use super::Router;
 use crate::jobs::gateway::{GatewayError, JobWrite};
@@ -284,24 +284,6 @@ fn accepted(router: &Router, id: &str, replay: bool, meta: &Meta) -> Response {
     r
 }
 
-fn body_or_413(body: Result<Bytes, BytesRejection>, meta: &Meta) -> Result<Bytes, Response> {
-    body.map_err(|rej| {
-        let mut r = if rej.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "the request body is over the router's limit (router.max_body_bytes); submit a job with input_uri"
-                    .into(),
-                meta,
-            )
-        } else {
-            error(rej.status(), rej.body_text(), meta)
-        };
-        r.headers_mut()
-            .insert(axum::http::header::CONNECTION, HeaderValue::from_static("close"));
-        r
-    })
-}
-
 fn too_large(len: usize, meta: &Meta) -> Response {
     error(
         StatusCode::PAYLOAD_TOO_LARGE,
@@ -361,7 +343,7 @@ pub(super) async fn post_job(
         Ok(t) => t,
         Err(r) => return r,
     };
-    let body = match body_or_413(body, &meta) {
+    let body = match read_body(body, "submit a job with input_uri", &meta) {
         Ok(b) => b,
         Err(r) => return r,
     };
@@ -453,15 +435,19 @@ fn tenant_of(router: &Router, headers: &HeaderMap, meta: &Meta) -> Result<Arc<Te
     authenticate(&router.table(), headers, meta)
 }
 
+/// What every `/v1/jobs/{id}` handler starts with: the response meta, and the calling
+/// tenant's job (or the 401/404 to answer).
+async fn tenant_job(router: &Router, headers: &HeaderMap, id: &str) -> Result<(Meta, Job), Response> {
+    let meta = meta_for(headers);
+    let tenant = tenant_of(router, headers, &meta)?;
+    let job = owned_job(router, &tenant, id, &meta).await?;
+    Ok((meta, job))
+}
+
 /// `GET /v1/jobs/{id}`.
 pub(super) async fn get_job(State(router): State<Arc<Router>>, Path(id): Path<String>, headers: HeaderMap) -> Response {
-    let meta = meta_for(&headers);
-    let tenant = match tenant_of(&router, &headers, &meta) {
-        Ok(t) => t,
-        Err(r) => return r,
-    };
-    match owned_job(&router, &tenant, &id, &meta).await {
-        Ok(job) => json_response(StatusCode::OK, view(&job), &meta),
+    match tenant_job(&router, &headers, &id).await {
+        Ok((meta, job)) => json_response(StatusCode::OK, view(&job), &meta),
         Err(r) => r,
     }
 }
@@ -513,14 +499,10 @@ pub(super) async fn cancel_job(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    let meta = meta_for(&headers);
-    let tenant = match tenant_of(&router, &headers, &meta) {
-        Ok(t) => t,
+    let meta = match tenant_job(&router, &headers, &id).await {
+        Ok((meta, _)) => meta,
         Err(r) => return r,
     };
-    if let Err(r) = owned_job(&router, &tenant, &id, &meta).await {
-        return r;
-    }
     let Some(gateway) = router.jobs.get() else {
         return error(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -568,13 +550,8 @@ pub(super) async fn get_result(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    let meta = meta_for(&headers);
-    let tenant = match tenant_of(&router, &headers, &meta) {
-        Ok(t) => t,
-        Err(r) => return r,
-    };
-    let job = match owned_job(&router, &tenant, &id, &meta).await {
-        Ok(j) => j,
+    let (meta, job) = match tenant_job(&router, &headers, &id).await {
+        Ok(x) => x,
         Err(r) => return r,
     };
     let Some(result) = job.result.as_ref().filter(|_| job.state == JobState::Succeeded) else {

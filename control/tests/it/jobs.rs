@@ -125,6 +125,22 @@ async fn submit(
     }
 }
 
+/// A tenant's `GET` as JSON (`None` while it fails).
+async fn get_json(http: &reqwest::Client, url: &str, key: &str) -> Option<Value> {
+    http.get(url).bearer_auth(key).send().await.ok()?.json().await.ok()
+}
+
+/// `POST /v2/models/clip/infer` with the idempotency key `k1`.
+async fn infer_k1(http: &reqwest::Client, base: &str, key: &str, body: impl Into<reqwest::Body>) -> reqwest::Response {
+    http.post(format!("{base}/v2/models/clip/infer"))
+        .bearer_auth(key)
+        .header("idempotency-key", "k1")
+        .body(body)
+        .send()
+        .await
+        .unwrap()
+}
+
 fn clip(input: &str) -> Value {
     json!({"model": "clip", "input": serde_json::from_str::<Value>(input).unwrap()})
 }
@@ -168,7 +184,7 @@ async fn one_controller(
 /// one under the job's id and token; bad input gets a clear status.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_goes_through_to_its_one_result_and_bad_input_is_refused() {
-    let (_root, nodes, client, key, a, _reaper) = one_controller(400, 600_000).await;
+    let (root, nodes, client, key, a, _reaper) = one_controller(400, 600_000).await;
     let addr = nodes[0].addr.clone();
     let base = format!("http://{}", nodes[0].router_addr);
 
@@ -189,51 +205,23 @@ async fn a_job_goes_through_to_its_one_result_and_bad_input_is_refused() {
 
     // The same over HTTP, through the Open Inference Protocol path of a durable model.
     let http = http();
-    let r = http
-        .post(format!("{base}/v2/models/clip/infer"))
-        .bearer_auth(&key)
-        .header("idempotency-key", "k1")
-        .body(INPUT)
-        .send()
-        .await
-        .unwrap();
+    let r = infer_k1(&http, &base, &key, INPUT).await;
     assert_eq!(r.status(), 202);
     let location = r.headers()["location"].to_str().unwrap().to_string();
     let id = r.json::<Value>().await.unwrap()["job_id"].as_str().unwrap().to_string();
     assert_eq!(location, format!("/v1/jobs/{id}"));
     // The same key and body: the same job, never a second one.
-    let r = http
-        .post(format!("{base}/v2/models/clip/infer"))
-        .bearer_auth(&key)
-        .header("idempotency-key", "k1")
-        .body(INPUT)
-        .send()
-        .await
-        .unwrap();
+    let r = infer_k1(&http, &base, &key, INPUT).await;
     assert_eq!(r.status(), 202);
     assert_eq!(r.json::<Value>().await.unwrap()["job_id"], id.as_str());
     // The same key with another body: 409.
-    let r = http
-        .post(format!("{base}/v2/models/clip/infer"))
-        .bearer_auth(&key)
-        .header("idempotency-key", "k1")
-        .body(INPUT.replace("lighthouse", "harbour"))
-        .send()
-        .await
-        .unwrap();
+    let r = infer_k1(&http, &base, &key, INPUT.replace("lighthouse", "harbour")).await;
     assert_eq!(r.status(), 409);
 
     let job = wait_for("the job succeeded", Duration::from_secs(30), || async {
-        let v: Value = http
-            .get(format!("{base}{location}"))
-            .bearer_auth(&key)
-            .send()
+        get_json(&http, &format!("{base}{location}"), &key)
             .await
-            .ok()?
-            .json()
-            .await
-            .ok()?;
-        (v["state"] == "succeeded").then_some(v)
+            .filter(|v| v["state"] == "succeeded")
     })
     .await;
     assert_eq!(job["attempts"], 1);
@@ -286,16 +274,9 @@ async fn a_job_goes_through_to_its_one_result_and_bad_input_is_refused() {
     assert_eq!(status, 202, "{v}");
     let running = v["job_id"].as_str().unwrap().to_string();
     wait_for("the job running", Duration::from_secs(20), || async {
-        let v: Value = http
-            .get(format!("{base}/v1/jobs/{running}"))
-            .bearer_auth(&key)
-            .send()
+        get_json(&http, &format!("{base}/v1/jobs/{running}"), &key)
             .await
-            .ok()?
-            .json()
-            .await
-            .ok()?;
-        (v["state"] == "running").then_some(())
+            .filter(|v| v["state"] == "running")
     })
     .await;
     let v: Value = http
@@ -312,6 +293,27 @@ async fn a_job_goes_through_to_its_one_result_and_bad_input_is_refused() {
     let all = jobs(&client).await.unwrap();
     assert_eq!(all[&running]["state"], "cancelled");
     assert_eq!(all[&running]["result_key"], Value::Null);
+
+    // An input too large to carry inline goes by URI; the agent reads it.
+    let input = root.path().join("input.json");
+    std::fs::write(&input, INPUT).unwrap();
+    let (status, v, _) = submit(
+        &http,
+        &base,
+        &key,
+        None,
+        json!({"model": "clip", "input_uri": format!("file://{}", input.display())}),
+    )
+    .await;
+    assert_eq!(status, 202, "{v}");
+    let by_uri = v["job_id"].as_str().unwrap().to_string();
+    let done = wait_for("the job given by URI finished", Duration::from_secs(20), || async {
+        get_json(&http, &format!("{base}/v1/jobs/{by_uri}"), &key)
+            .await
+            .filter(|v| v["state"] == "succeeded" || v["state"] == "failed")
+    })
+    .await;
+    assert_eq!(done["state"], "succeeded", "{done}");
 
     // The tenant's ceiling on the lane holds in the state machine: queued + running jobs.
     lanectl(
