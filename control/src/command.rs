@@ -17,7 +17,7 @@ use crate::registry::{Class, DesiredReplica, Model, ReplicaRecord, Tenant, Tenan
 /// the durable job queue; a command is written with the lowest format that can express it
 /// ([`Command::format`]), so an older controller keeps applying what it knows and stops only
 /// at the first command it cannot understand.
-pub const COMMAND_FORMAT: u32 = 3;
+pub const COMMAND_FORMAT: u32 = 4;
 
 /// Longest setting key accepted, in bytes.
 pub const MAX_SETTING_KEY_BYTES: usize = 256;
@@ -102,6 +102,13 @@ pub enum Command {
     /// The node monitor declares a node down: its liveness goes Down and, in the same entry,
     /// its jobs lose their fencing tokens and go back to the queue.
     NodeDown {
+        node_id: String,
+        at_ms: u64,
+    },
+    /// A spot node got its preemption notice: it is cordoned and drained and, in the same
+    /// entry, its jobs lose their fencing tokens and go back to the queue — before the node
+    /// dies, so they restart elsewhere at once instead of after the liveness timeout.
+    PreemptNode {
         node_id: String,
         at_ms: u64,
     },
@@ -195,6 +202,7 @@ impl Command {
             | Command::FinishJob { .. }
             | Command::CancelJob { .. }
             | Command::CompactJobs { .. } => 3,
+            Command::PreemptNode { .. } => 4,
         }
     }
 
@@ -235,7 +243,7 @@ impl Command {
                         .map(|r| 64 + r.id.len() + r.model.len() + r.gpu.len() + r.product.len())
                         .sum::<usize>()
             }
-            Command::NodeDown { node_id, .. } => node_id.len() + 16,
+            Command::NodeDown { node_id, .. } | Command::PreemptNode { node_id, .. } => node_id.len() + 16,
             Command::SubmitJob(s) => {
                 // JSON-escaped in the log: quotes in the input double.
                 256 + s.input.as_ref().map_or(0, |i| i.len() * 5 / 4)
@@ -277,6 +285,7 @@ impl Command {
             Command::RegisterNode(r) => r.validate().map_err(CommandError::InvalidNode),
             Command::SetNodeLiveness { node_id, .. }
             | Command::NodeDown { node_id, .. }
+            | Command::PreemptNode { node_id, .. }
             | Command::SetNodeFlags { node_id, .. }
             | Command::SetNodeReplicas { node_id, .. }
             | Command::SetDesiredReplicas { node_id, .. } => {

@@ -229,9 +229,13 @@ pub struct Jobs {
     /// Placed jobs per node (every heartbeat reply lists its node's).
     #[serde(skip)]
     placed: HashMap<String, BTreeSet<String>>,
-    /// Job ids changed since the state machine last persisted them.
+    /// Job ids changed since the state machine last persisted them, with their `seq` (the
+    /// persisted key of a job is `(seq, id)`, so a removed job's row can still be found).
     #[serde(skip)]
-    dirty: BTreeSet<String>,
+    dirty: BTreeMap<String, u64>,
+    /// Bumped on every change, so a caller can tell whether a run of commands changed a job.
+    #[serde(skip)]
+    changes: u64,
 }
 
 impl PartialEq for Jobs {
@@ -340,8 +344,8 @@ impl Jobs {
         self.jobs.insert(job.id.clone(), job);
     }
 
-    /// Job ids changed since the last call.
-    pub fn take_dirty(&mut self) -> BTreeSet<String> {
+    /// Job ids (and their `seq`) changed since the last call.
+    pub fn take_dirty(&mut self) -> BTreeMap<String, u64> {
         std::mem::take(&mut self.dirty)
     }
 
@@ -358,7 +362,21 @@ impl Jobs {
     }
 
     fn touch(&mut self, id: &str) {
-        self.dirty.insert(id.to_string());
+        if let Some(seq) = self.jobs.get(id).map(|j| j.seq) {
+            self.touch_seq(id, seq);
+        }
+    }
+
+    fn touch_seq(&mut self, id: &str, seq: u64) {
+        self.changes += 1;
+        if !self.dirty.contains_key(id) {
+            self.dirty.insert(id.to_string(), seq);
+        }
+    }
+
+    /// Count of changes so far (not replicated; only differences between two reads mean much).
+    pub fn changes(&self) -> u64 {
+        self.changes
     }
 
     /// Queues a submission unless its idempotency key or the tenant's ceiling says otherwise.
@@ -519,20 +537,19 @@ impl Jobs {
         Ok(JobOutcome::Cancelled { from })
     }
 
-    /// A node was declared down: its jobs lose their tokens and go back to the queue (or end
-    /// Failed when they have used their attempts).
-    pub fn node_down(&mut self, node: &str, at_ms: u64) -> usize {
+    /// A node was declared down or got a preemption notice: its jobs lose their tokens and go
+    /// back to the queue (or end Failed when they have used their attempts), `reason` recorded.
+    pub fn requeue_node(&mut self, node: &str, reason: &str, at_ms: u64) -> usize {
         let ids: Vec<String> = self.placed_on(node).map(|j| j.id.clone()).collect();
         for id in &ids {
             let job = self.jobs.get_mut(id).expect("listed above");
             let token = job.token.expect("placed jobs hold a token");
             // Through `finish`, so the attempt accounting is the same as any failure's.
-            let reason = format!("node {node} was declared down");
             let _ = self.finish(
                 id,
                 token,
                 &Completion::Failed {
-                    reason,
+                    reason: reason.to_string(),
                     retryable: true,
                 },
                 at_ms,
@@ -551,11 +568,11 @@ impl Jobs {
             .collect();
         for id in &old {
             if let Some(j) = self.jobs.remove(id) {
+                self.touch_seq(id, j.seq);
                 if let Some(k) = j.idempotency_key {
                     self.by_key.remove(&(j.tenant, k));
                 }
             }
-            self.touch(id);
         }
         old.len()
     }

@@ -216,6 +216,82 @@ fn node_down_requeues_its_jobs_and_fences_the_old_token() {
 }
 
 #[test]
+fn a_preemption_notice_drains_the_node_and_requeues_its_jobs_before_it_dies() {
+    let mut s = AppState::default();
+    s.fleet
+        .register(&crate::fleet::NodeRegistration {
+            node_id: "spot-1".into(),
+            hostname: "h".into(),
+            pool: "p".into(),
+            labels: Default::default(),
+            gpus: Vec::new(),
+            replica_host: String::new(),
+        })
+        .unwrap();
+    s.apply(&Command::SubmitJob(sub("a", "t", None, "1")), 1);
+    let assign = |node: &str| Command::AssignJobs {
+        assignments: vec![Assignment {
+            job_id: "a".into(),
+            node_id: node.into(),
+            replica_id: "r1".into(),
+        }],
+        at_ms: 5,
+    };
+    s.apply(&assign("spot-1"), 2);
+    s.apply(
+        &Command::JobStarted {
+            job_id: "a".into(),
+            token: 2,
+            at_ms: 6,
+        },
+        3,
+    );
+    let r = s.apply(
+        &Command::PreemptNode {
+            node_id: "spot-1".into(),
+            at_ms: 7,
+        },
+        4,
+    );
+    assert_eq!(r.rejected, None);
+    let node = &s.fleet.nodes["spot-1"];
+    assert!(
+        node.cordoned && node.draining,
+        "no new work lands on a node about to die"
+    );
+    assert_eq!(
+        node.liveness,
+        crate::fleet::Liveness::Up,
+        "it still serves until it dies"
+    );
+    let a = s.jobs.get("a").unwrap();
+    assert_eq!((a.state, a.token), (JobState::Queued, None));
+    assert_eq!(
+        a.failures,
+        vec!["attempt 1: node spot-1 got a spot preemption notice".to_string()]
+    );
+    // The preempted executor is fenced: its late completion is refused.
+    let late = s.apply(
+        &Command::FinishJob {
+            job_id: "a".into(),
+            token: 2,
+            completion: ok_result("a", 2),
+            at_ms: 8,
+        },
+        5,
+    );
+    assert!(late.rejected.unwrap().contains("stale token"));
+    let unknown = s.apply(
+        &Command::PreemptNode {
+            node_id: "nope".into(),
+            at_ms: 9,
+        },
+        6,
+    );
+    assert!(unknown.rejected.unwrap().contains("no node nope"));
+}
+
+#[test]
 fn a_job_fails_for_good_after_its_attempts_or_a_non_retryable_error() {
     let mut j = Jobs::default();
     j.submit(&sub("a", "t", None, "1"), None, 1).unwrap();
@@ -290,7 +366,7 @@ fn compaction_forgets_old_finished_jobs_and_their_keys() {
     assert_eq!(j.compact(500), 1);
     assert!(j.get("old").is_none());
     assert!(j.get("new").is_some() && j.get("live").is_some());
-    assert!(j.take_dirty().contains("old"), "the removal is persisted");
+    assert!(j.take_dirty().contains_key("old"), "the removal is persisted");
     // The key is free again.
     assert!(matches!(
         j.submit(&sub("again", "t", Some("k1"), "other"), None, 4),
@@ -479,7 +555,7 @@ fn the_derived_indexes_kept_on_every_transition_match_a_rebuild() {
     j.finish("j01", 101, &failed(true), 5).unwrap();
     j.cancel("j02", 5).unwrap();
     j.cancel("j10", 5).unwrap();
-    j.node_down("n2", 6);
+    j.requeue_node("n2", "node n2 was declared down", 6);
     j.compact(6);
     let mut rebuilt = j.clone();
     rebuilt.rebuild_index();
