@@ -13,8 +13,9 @@ use laneway_proto::admin::{
     SnapshotRequest, StatusRequest, WriteReply,
 };
 use laneway_proto::admin::{
-    CreateTenantRequest, DocumentsReply, JobWriteReply, JobWriteRequest, LaneStatusRequest, ListRegistryRequest,
-    LoadReport, LoadReportReply, NameRequest, PutDocumentRequest, SetTenantLimitRequest, TenantKeyReply,
+    CreateTenantRequest, DocumentsReply, JobWriteReply, JobWritesReply, JobWritesRequest, LaneStatusRequest,
+    ListRegistryRequest, LoadReport, LoadReportReply, NameRequest, PutDocumentRequest, SetTenantLimitRequest,
+    TenantKeyReply,
 };
 use openraft::error::{ForwardToLeader, RaftError};
 use openraft::{ChangeMembers, ServerState};
@@ -553,24 +554,38 @@ impl AdminService for AdminGrpc {
         Ok(Response::new(LoadReportReply {}))
     }
 
-    async fn job_write(&self, req: Request<JobWriteRequest>) -> Result<Response<JobWriteReply>, Status> {
+    async fn job_writes(&self, req: Request<JobWritesRequest>) -> Result<Response<JobWritesReply>, Status> {
         self.leader_only()?;
-        let write: crate::jobs::gateway::JobWrite = parse_document("job write", &req.into_inner().json)?;
-        write
-            .clone()
-            .into_command()
-            .validate()
-            .map_err(|e| AdminError::InvalidArgument(e.to_string()))?;
-        use crate::jobs::gateway::GatewayError;
-        let (log_index, resp) = self.jobs.commit_here(write).await.map_err(|e| match e {
-            GatewayError::Unavailable(m) => AdminError::Unavailable(m),
-            GatewayError::Rejected(m) => AdminError::FailedPrecondition(m),
-        })?;
-        Ok(Response::new(JobWriteReply {
-            outcome_json: resp.job.as_ref().map(to_json).unwrap_or_default(),
-            rejected: resp.rejected.unwrap_or_default(),
-            log_index,
+        use crate::jobs::gateway::{GatewayError, JobWrite};
+        // Every write is proposed at once, so the proposer folds them into one entry.
+        let replies = futures::future::join_all(req.into_inner().json.iter().map(|json| async move {
+            let refused = |why: String| JobWriteReply {
+                rejected: why,
+                ..JobWriteReply::default()
+            };
+            let write: JobWrite = match parse_document("job write", json) {
+                Ok(w) => w,
+                Err(e) => return refused(e.to_string()),
+            };
+            if let Err(e) = write.clone().into_command().validate() {
+                return refused(e.to_string());
+            }
+            match self.jobs.commit_here(write).await {
+                Ok((log_index, resp)) => JobWriteReply {
+                    outcome_json: resp.job.as_ref().map(to_json).unwrap_or_default(),
+                    rejected: resp.rejected.unwrap_or_default(),
+                    log_index,
+                    unavailable: String::new(),
+                },
+                Err(GatewayError::Rejected(m)) => refused(m),
+                Err(GatewayError::Unavailable(m)) => JobWriteReply {
+                    unavailable: m,
+                    ..JobWriteReply::default()
+                },
+            }
         }))
+        .await;
+        Ok(Response::new(JobWritesReply { replies }))
     }
 
     async fn lane_status(&self, req: Request<LaneStatusRequest>) -> Result<Response<DocumentsReply>, Status> {
@@ -692,9 +707,16 @@ impl AdminService for AdminGrpc {
             "cordon" => (Some(true), None),
             "uncordon" => (Some(false), Some(false)),
             "drain" => (None, Some(true)),
+            "preempt" => {
+                let command = Command::PreemptNode {
+                    node_id: req.node_id,
+                    at_ms: crate::jobs::unix_ms(),
+                };
+                return Ok(Response::new(self.write(command).await?));
+            }
             other => {
                 return Err(AdminError::InvalidArgument(format!(
-                    "action {other:?}: expected cordon, uncordon or drain"
+                    "action {other:?}: expected cordon, uncordon, drain or preempt"
                 ))
                 .into())
             }

@@ -7,6 +7,12 @@ use laneway_control::config::RunArgs;
 use laneway_control::dev::{self, DevArgs, DevError};
 use laneway_control::server;
 
+/// mimalloc instead of glibc's malloc: the controller allocates and frees many small buffers
+/// per request across its worker threads, where glibc's arenas spent about a fifth of the CPU
+/// of the jobs benchmark (`laneway-chaos jobs`, perf) in malloc/free and consolidation.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "laneway-control",

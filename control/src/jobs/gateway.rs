@@ -1,10 +1,16 @@
 //! How a router writes jobs: on the leader through its proposer, on a follower by forwarding
-//! the write to the leader (`JobWrite`). The answer does not wait for this follower to apply
-//! the write (that would add up to a Raft heartbeat interval to every submission); a read
-//! that misses a job catches up first ([`JobGateway::catch_up`]), so a client told `202` still
-//! reads its job back from the same router at once.
+//! the write to the leader (`JobWrites`). A follower forwards every write its routers queued
+//! while its previous calls were in flight in one call (the leader proposes them together, so
+//! they become one Raft entry): one gRPC round trip per batch instead of per job. The answer
+//! does not wait for this follower to apply the write (that would add up to a Raft heartbeat
+//! interval to every submission); a read that misses a job catches up first
+//! ([`JobGateway::catch_up`]), so a client told `202` still reads its job back from the same
+//! router at once.
 
+use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use serde::{Deserialize, Serialize};
 
@@ -16,8 +22,15 @@ use crate::typ::{NodeId, Raft};
 
 /// How long a follower waits to apply up to the leader's read index.
 const APPLY_WAIT: Duration = Duration::from_secs(2);
-/// Timeout of one forwarded write.
+/// Timeout of one forwarded call.
 const FORWARD_TIMEOUT: Duration = Duration::from_secs(5);
+/// Most writes forwarded in one call, and most bytes of JSON (well under gRPC's 4 MiB).
+const FORWARD_BATCH: usize = 512;
+const FORWARD_BATCH_BYTES: usize = 1024 * 1024;
+/// Forwarding calls in flight at once; writes queue up behind them and go in the next call.
+const FORWARD_IN_FLIGHT: usize = 4;
+/// Writes waiting to be forwarded before routers wait for room.
+const FORWARD_QUEUE: usize = 16 * 1024;
 
 /// A job write a router may make.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -48,12 +61,19 @@ pub enum GatewayError {
     Rejected(String),
 }
 
+/// A write waiting for the forwarder.
+struct Forward {
+    json: String,
+    reply: oneshot::Sender<Result<JobOutcome, GatewayError>>,
+}
+
 /// The routers' path to the job queue.
 pub struct JobGateway {
     raft: Raft,
     node_id: NodeId,
     proposer: Proposer,
-    leaders: AdminClient,
+    leaders: Arc<AdminClient>,
+    forward: mpsc::Sender<Forward>,
     /// Executor reports being committed now (job, token, state), so a report repeated by
     /// the next heartbeat before the first commit lands is not proposed twice.
     reporting: std::sync::Mutex<std::collections::HashSet<(String, u64, String)>>,
@@ -68,12 +88,17 @@ fn outcome(resp: CommandResponse) -> Result<JobOutcome, GatewayError> {
 }
 
 impl JobGateway {
+    /// Starts the gateway and its forwarding task (needs a Tokio runtime).
     pub fn new(raft: Raft, node_id: NodeId, proposer: Proposer) -> Self {
+        let leaders = Arc::new(AdminClient::new(Vec::new()).with_call_timeout(FORWARD_TIMEOUT));
+        let (forward, rx) = mpsc::channel(FORWARD_QUEUE);
+        tokio::spawn(forward_loop(raft.clone(), leaders.clone(), rx));
         JobGateway {
             raft,
             node_id,
             proposer,
-            leaders: AdminClient::new(Vec::new()).with_call_timeout(FORWARD_TIMEOUT),
+            leaders,
+            forward,
             reporting: Default::default(),
         }
     }
@@ -116,7 +141,7 @@ impl JobGateway {
 
     /// Commits `write` through the leader and answers once this controller has applied it.
     pub async fn write(&self, write: JobWrite) -> Result<JobOutcome, GatewayError> {
-        let Some((leader, addr)) = self.leader() else {
+        let Some((leader, _)) = self.leader() else {
             return Err(GatewayError::Unavailable(
                 "no controller leader is elected right now (an election is in progress)".into(),
             ));
@@ -126,22 +151,13 @@ impl JobGateway {
             return outcome(resp);
         }
         let json = serde_json::to_string(&write).expect("job writes serialize");
-        let reply = self
-            .leaders
-            .call_one(&addr, |mut c| async move {
-                c.job_write(laneway_proto::admin::JobWriteRequest { json }).await
-            })
+        let (reply, rx) = oneshot::channel();
+        let stopped = || GatewayError::Unavailable("this controller is shutting down".into());
+        self.forward
+            .send(Forward { json, reply })
             .await
-            .map_err(|e| {
-                GatewayError::Unavailable(format!(
-                    "leader {leader} at {addr} did not answer; the write may not have been committed: {e}"
-                ))
-            })?;
-        if !reply.rejected.is_empty() {
-            return Err(GatewayError::Rejected(reply.rejected));
-        }
-        serde_json::from_str(&reply.outcome_json)
-            .map_err(|e| GatewayError::Unavailable(format!("leader {leader} answered an unreadable outcome: {e}")))
+            .map_err(|_| stopped())?;
+        rx.await.unwrap_or_else(|_| Err(stopped()))
     }
 
     /// Brings this controller's state up to everything committed when the call started: a
@@ -166,5 +182,85 @@ impl JobGateway {
                 .applied_index_at_least(Some(r.read_index), "job read")
                 .await;
         }
+    }
+}
+
+/// Forwards queued writes to the leader: each call takes every write queued while the previous
+/// calls were in flight (up to [`FORWARD_BATCH`]).
+async fn forward_loop(raft: Raft, leaders: Arc<AdminClient>, mut rx: mpsc::Receiver<Forward>) {
+    let permits = Arc::new(Semaphore::new(FORWARD_IN_FLIGHT));
+    loop {
+        let Ok(permit) = permits.clone().acquire_owned().await else {
+            return;
+        };
+        let Some(first) = rx.recv().await else { return };
+        let mut bytes = first.json.len();
+        let mut batch = vec![first];
+        while batch.len() < FORWARD_BATCH && bytes < FORWARD_BATCH_BYTES {
+            match rx.try_recv() {
+                Ok(f) => {
+                    bytes += f.json.len();
+                    batch.push(f);
+                }
+                Err(_) => break,
+            }
+        }
+        let raft = raft.clone();
+        let leaders = leaders.clone();
+        tokio::spawn(async move {
+            forward_batch(&raft, &leaders, batch).await;
+            drop(permit);
+        });
+    }
+}
+
+async fn forward_batch(raft: &Raft, leaders: &AdminClient, batch: Vec<Forward>) {
+    let (json, replies): (Vec<String>, Vec<_>) = batch.into_iter().map(|f| (f.json, f.reply)).unzip();
+    let fail_all = |replies: Vec<oneshot::Sender<_>>, why: String| {
+        for r in replies {
+            let _ = r.send(Err(GatewayError::Unavailable(why.clone())));
+        }
+    };
+    // Whoever leads now: the leader may have changed while the writes were queued.
+    let Some((leader, addr)) = crate::context::current_leader(raft) else {
+        return fail_all(
+            replies,
+            "no controller leader is elected right now (an election is in progress)".into(),
+        );
+    };
+    let sent = json.len();
+    let answer = leaders
+        .call_one(&addr, |mut c| async move {
+            c.job_writes(laneway_proto::admin::JobWritesRequest { json }).await
+        })
+        .await;
+    let answers = match answer {
+        Ok(a) if a.replies.len() == sent => a.replies,
+        Ok(a) => {
+            return fail_all(
+                replies,
+                format!(
+                    "leader {leader} at {addr} answered {} of {sent} writes; they may or may not have been committed",
+                    a.replies.len()
+                ),
+            )
+        }
+        Err(e) => {
+            return fail_all(
+                replies,
+                format!("leader {leader} at {addr} did not answer; the write may not have been committed: {e}"),
+            )
+        }
+    };
+    for (reply, a) in replies.into_iter().zip(answers) {
+        let result = if !a.unavailable.is_empty() {
+            Err(GatewayError::Unavailable(a.unavailable))
+        } else if !a.rejected.is_empty() {
+            Err(GatewayError::Rejected(a.rejected))
+        } else {
+            serde_json::from_str(&a.outcome_json)
+                .map_err(|e| GatewayError::Unavailable(format!("leader {leader} answered an unreadable outcome: {e}")))
+        };
+        let _ = reply.send(result);
     }
 }

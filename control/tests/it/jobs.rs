@@ -349,6 +349,53 @@ async fn a_job_goes_through_to_its_one_result_and_bad_input_is_refused() {
     stop_agent(a).await;
 }
 
+/// A spot preemption notice (`lanectl node preempt`, what a termination handler calls) drains
+/// the node and puts its running job back in the queue at once, fenced: the doomed node's
+/// attempt is stopped and publishes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_preemption_notice_requeues_the_nodes_jobs_before_it_dies() {
+    let (_root, nodes, client, key, a, _reaper) = one_controller(20_000, 3_600_000).await;
+    let addr = nodes[0].addr.clone();
+    let base = format!("http://{}", nodes[0].router_addr);
+    let http = http();
+    let (status, v, _) = submit(&http, &base, &key, None, clip(INPUT)).await;
+    assert_eq!(status, 202, "{v}");
+    let id = v["job_id"].as_str().unwrap().to_string();
+    let url = format!("{base}/v1/jobs/{id}");
+    wait_for("the job running", Duration::from_secs(20), || async {
+        get_json(&http, &url, &key).await.filter(|v| v["state"] == "running")
+    })
+    .await;
+
+    let out = lanectl(&addr, &["node", "preempt", "gpu-a"]);
+    assert!(out["log_index"].as_u64().is_some(), "{out}");
+    let v = get_json(&http, &url, &key).await.unwrap();
+    assert_eq!(v["state"], "queued", "{v}");
+    assert!(
+        v["failures"][0].as_str().unwrap().contains("preemption notice"),
+        "the reason is kept: {v}"
+    );
+    let node = lanectl(&addr, &["node", "show", "gpu-a"]);
+    assert_eq!(node[0]["draining"], true, "{node}");
+    assert_eq!(node[0]["liveness"], "up", "it serves until it dies: {node}");
+    // Nothing else can take it here, and the preempted attempt publishes nothing.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let all = jobs(&client).await.unwrap();
+    assert_eq!(all[&id]["state"], "queued", "{}", all[&id]);
+    assert_eq!(all[&id]["result_key"], Value::Null);
+    let unknown = Command::new(lanectl_bin())
+        .args(["--addr", &addr, "node", "preempt", "nope"])
+        .output()
+        .unwrap();
+    assert!(!unknown.status.success());
+    assert!(
+        String::from_utf8_lossy(&unknown.stderr).contains("no node nope"),
+        "{}",
+        String::from_utf8_lossy(&unknown.stderr)
+    );
+    stop_agent(a).await;
+}
+
 /// A lane over its budget sheds new jobs with a Retry-After from the real queue drain, and the
 /// number is honest: after waiting it, a submission is accepted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

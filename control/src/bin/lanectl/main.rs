@@ -120,6 +120,9 @@ enum NodeCmd {
     Uncordon { node_id: String },
     /// Move replicas off this node (implies cordon).
     Drain { node_id: String },
+    /// A spot preemption notice (for the cloud's termination handler): drain the node and put
+    /// its durable jobs back in the queue now, fenced, so they restart elsewhere before it dies.
+    Preempt { node_id: String },
 }
 
 #[derive(Subcommand)]
@@ -270,6 +273,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Node(NodeCmd::Cordon { node_id }) => node_flag(&client, out, node_id, "cordon").await?,
         Cmd::Node(NodeCmd::Uncordon { node_id }) => node_flag(&client, out, node_id, "uncordon").await?,
         Cmd::Node(NodeCmd::Drain { node_id }) => node_flag(&client, out, node_id, "drain").await?,
+        Cmd::Node(NodeCmd::Preempt { node_id }) => node_flag(&client, out, node_id, "preempt").await?,
         Cmd::Settings(SettingsCmd::Delete { key }) => {
             let r = client
                 .call(|mut c| {
