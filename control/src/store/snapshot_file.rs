@@ -51,6 +51,9 @@ pub fn file_name(meta: &SnapshotMeta) -> String {
     format!("{term:020}-{index:020}-{id}.snap")
 }
 
+/// Bytes of a snapshot file written between two syncs.
+const SYNC_CHUNK: usize = 4 * 1024 * 1024;
+
 /// Writes `bytes` to `dir/name` atomically and durably.
 pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> io::Result<PathBuf> {
     fs::create_dir_all(dir)?;
@@ -58,7 +61,13 @@ pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> io::Result<PathBuf>
     let path = dir.join(name);
     {
         let mut f = File::create(&tmp)?;
-        f.write_all(bytes)?;
+        // In slices, each synced before the next: a large snapshot (a long job queue runs to tens
+        // of MB) written whole and then synced left one flush of all of it queued in front of
+        // the log's fsyncs, long enough for followers to miss AppendEntries deadlines.
+        for chunk in bytes.chunks(SYNC_CHUNK) {
+            f.write_all(chunk)?;
+            f.sync_data()?;
+        }
         f.sync_all()?;
     }
     fs::rename(&tmp, &path)?;

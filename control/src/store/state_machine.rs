@@ -895,34 +895,36 @@ pub struct SnapshotBuilder {
 
 impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
-        let (state, last_applied, last_membership) = {
-            let inner = self.store.read();
-            (inner.state.clone(), inner.last_applied, inner.last_membership.clone())
-        };
-        let snapshot_id = match last_applied {
-            Some(l) => format!("{}-{}-{}", l.leader_id.term, l.index, uuid::Uuid::new_v4().simple()),
-            None => format!("empty-{}", uuid::Uuid::new_v4().simple()),
-        };
-        let file = SnapshotFile {
-            format: SNAPSHOT_FORMAT,
-            meta: SnapshotMeta {
-                last_log_id: last_applied,
-                last_membership,
-                snapshot_id,
-            },
-            state,
-        };
-        let bytes = file.encode();
         let store = self.store.clone();
-        let meta = file.meta.clone();
-        let data = bytes.clone();
-        tokio::task::spawn_blocking(move || -> Result<(), StorageError> {
+        // Copying and encoding a large state (a long job queue runs to tens of MB) takes a
+        // second or more of CPU: off the async workers, so requests and applies on them do
+        // not stall behind it. Applies wait only for the copy (the read lock).
+        let build = move || -> Result<_, StorageError> {
+            let (state, last_applied, last_membership) = {
+                let inner = store.read();
+                (inner.state.clone(), inner.last_applied, inner.last_membership.clone())
+            };
+            let snapshot_id = match last_applied {
+                Some(l) => format!("{}-{}-{}", l.leader_id.term, l.index, uuid::Uuid::new_v4().simple()),
+                None => format!("empty-{}", uuid::Uuid::new_v4().simple()),
+            };
+            let file = SnapshotFile {
+                format: SNAPSHOT_FORMAT,
+                meta: SnapshotMeta {
+                    last_log_id: last_applied,
+                    last_membership,
+                    snapshot_id,
+                },
+                state,
+            };
+            let bytes = file.encode();
+            let meta = file.meta.clone();
             let _guard = store.lock_snapshots();
             // An install (or a later build) may have moved the pointer past this snapshot while
             // it was being serialized; never move it back.
             let current = store.read().snapshot.as_ref().and_then(|p| p.meta.last_log_id);
             if current.is_some() && current >= file.meta.last_log_id {
-                return Ok(());
+                return Ok((meta, bytes));
             }
             let pointer = store.save_snapshot(&file, &bytes)?;
             store
@@ -931,10 +933,11 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             store.write().snapshot = Some(pointer.clone());
             snapshot_file::remove_all_but(&store.snapshot_dir, Some(&pointer.file))
                 .map_err(|e| sm_err("removing old snapshots", e))?;
-            Ok(())
-        })
-        .await
-        .map_err(|e| sm_err("snapshot task", e))??;
+            Ok((meta, bytes))
+        };
+        let (meta, data) = tokio::task::spawn_blocking(build)
+            .await
+            .map_err(|e| sm_err("snapshot task", e))??;
         Ok(Snapshot {
             meta,
             snapshot: Box::new(Cursor::new(data)),
