@@ -69,23 +69,38 @@ async fn run(raft: Raft, mut rx: mpsc::Receiver<Pending>) {
             return;
         };
         let Some(first) = rx.recv().await else { return };
-        let mut bytes = first.command.payload_bytes();
-        let mut batch = vec![first];
-        while batch.len() < MAX_BATCH && bytes < MAX_BATCH_BYTES {
-            match rx.try_recv() {
-                Ok(p) => {
-                    bytes += p.command.payload_bytes();
-                    batch.push(p);
-                }
-                Err(_) => break,
-            }
-        }
+        let batch = with_queued(&mut rx, first, MAX_BATCH, MAX_BATCH_BYTES, |p| {
+            p.command.payload_bytes()
+        });
         let raft = raft.clone();
         tokio::spawn(async move {
             propose_batch(&raft, batch).await;
             drop(permit);
         });
     }
+}
+
+/// `first` and whatever else is queued already, up to `max` items or until `max_bytes` (as
+/// `size` counts them) is reached: what one batch takes.
+pub(crate) fn with_queued<T>(
+    rx: &mut mpsc::Receiver<T>,
+    first: T,
+    max: usize,
+    max_bytes: usize,
+    size: impl Fn(&T) -> usize,
+) -> Vec<T> {
+    let mut bytes = size(&first);
+    let mut batch = vec![first];
+    while batch.len() < max && bytes < max_bytes {
+        match rx.try_recv() {
+            Ok(item) => {
+                bytes += size(&item);
+                batch.push(item);
+            }
+            Err(_) => break,
+        }
+    }
+    batch
 }
 
 async fn propose_batch(raft: &Raft, mut batch: Vec<Pending>) {

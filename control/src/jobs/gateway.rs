@@ -194,17 +194,7 @@ async fn forward_loop(raft: Raft, leaders: Arc<AdminClient>, mut rx: mpsc::Recei
             return;
         };
         let Some(first) = rx.recv().await else { return };
-        let mut bytes = first.json.len();
-        let mut batch = vec![first];
-        while batch.len() < FORWARD_BATCH && bytes < FORWARD_BATCH_BYTES {
-            match rx.try_recv() {
-                Ok(f) => {
-                    bytes += f.json.len();
-                    batch.push(f);
-                }
-                Err(_) => break,
-            }
-        }
+        let batch = crate::proposer::with_queued(&mut rx, first, FORWARD_BATCH, FORWARD_BATCH_BYTES, |f| f.json.len());
         let raft = raft.clone();
         let leaders = leaders.clone();
         tokio::spawn(async move {

@@ -160,12 +160,12 @@ fn a_token_never_goes_backwards() {
     assert!(j.assign("a", "n1", "r1", 9, 130).is_err());
 }
 
-#[test]
-fn node_down_requeues_its_jobs_and_fences_the_old_token() {
+/// A state with one registered node.
+fn state_with_node(node_id: &str) -> AppState {
     let mut s = AppState::default();
     s.fleet
         .register(&crate::fleet::NodeRegistration {
-            node_id: "n1".into(),
+            node_id: node_id.into(),
             hostname: "h".into(),
             pool: "p".into(),
             labels: Default::default(),
@@ -173,6 +173,12 @@ fn node_down_requeues_its_jobs_and_fences_the_old_token() {
             replica_host: String::new(),
         })
         .unwrap();
+    s
+}
+
+#[test]
+fn node_down_requeues_its_jobs_and_fences_the_old_token() {
+    let mut s = state_with_node("n1");
     s.apply(&Command::SubmitJob(sub("a", "t", None, "1")), 1);
     s.apply(&Command::SubmitJob(sub("b", "t", None, "2")), 2);
     s.apply(
@@ -217,17 +223,7 @@ fn node_down_requeues_its_jobs_and_fences_the_old_token() {
 
 #[test]
 fn a_preemption_notice_drains_the_node_and_requeues_its_jobs_before_it_dies() {
-    let mut s = AppState::default();
-    s.fleet
-        .register(&crate::fleet::NodeRegistration {
-            node_id: "spot-1".into(),
-            hostname: "h".into(),
-            pool: "p".into(),
-            labels: Default::default(),
-            gpus: Vec::new(),
-            replica_host: String::new(),
-        })
-        .unwrap();
+    let mut s = state_with_node("spot-1");
     s.apply(&Command::SubmitJob(sub("a", "t", None, "1")), 1);
     let assign = |node: &str| Command::AssignJobs {
         assignments: vec![Assignment {
