@@ -83,7 +83,7 @@ fn main() -> ExitCode {
                         }
                         ExitCode::SUCCESS
                     }
-                    _ = tokio::signal::ctrl_c() => {
+                    _ = stop_requested() => {
                         controller.shutdown().await;
                         ExitCode::SUCCESS
                     }
@@ -126,7 +126,7 @@ fn main() -> ExitCode {
                     );
                 }
                 println!("Press Ctrl-C to stop.");
-                let _ = tokio::signal::ctrl_c().await;
+                stop_requested().await;
                 println!("stopping");
                 for (_, agent) in dev.agents {
                     // Dev mode owns its replicas: drain them so nothing outlives the process.
@@ -148,4 +148,21 @@ fn main() -> ExitCode {
             }
         }
     })
+}
+
+/// Ctrl-C (SIGINT) or SIGTERM — what systemd, `docker stop` and `kill` send — whichever comes
+/// first, so a stop through any of them shuts down cleanly (dev mode drains its replicas).
+async fn stop_requested() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("laneway-control: cannot watch SIGTERM ({e}); stop with Ctrl-C");
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
 }
