@@ -63,16 +63,20 @@ impl Proc {
 }
 
 /// Whether a process exists (and is not a zombie we could reap).
+///
+/// `kill(pid, 0)` is the authority; `/proc` only tells a zombie (which still answers it) from a
+/// live process. A `/proc` read that fails while the process still answers `kill` counts as
+/// alive: calling a running replica dead makes the supervisor start a second one beside it.
 pub fn alive(pid: i32) -> bool {
-    if kill(Pid::from_raw(pid), None).is_err() {
+    let exists = || kill(Pid::from_raw(pid), None).is_ok();
+    if !exists() {
         return false;
     }
-    // A zombie still answers kill(0); its state letter in /proc says so.
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Ok(stat) => !stat
             .rsplit_once(')')
-            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
-        Err(_) => false,
+            .is_some_and(|(_, rest)| matches!(rest.trim_start().chars().next(), Some('Z' | 'X'))),
+        Err(_) => exists(),
     }
 }
 

@@ -194,9 +194,14 @@ async fn replicas_survive_an_agent_restart_and_are_re_adopted_or_reaped() {
     assert!(!alive(old_pid), "undesired orphan still running");
     let s = wait_until(&sup, "keep", "adopted ready", |s| s.state == ReplicaState::Ready).await;
     assert_eq!(s.pid, Some(keep_pid), "re-adopted, not restarted");
+    assert!(
+        matches!(&sup.status()[..], [st] if st.pid == Some(keep_pid) && st.state == ReplicaState::Ready),
+        "the adopted replica was taken for dead and replaced: {:?}",
+        sup.status()
+    );
     // Clean up.
     sup.drain("keep", Arc::new(|| 0), Duration::from_secs(1), Duration::from_secs(2))
         .await
         .unwrap();
-    assert!(!alive(keep_pid));
+    assert!(!alive(keep_pid), "drained replica still running: {:?}", sup.status());
 }
