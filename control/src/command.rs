@@ -11,13 +11,15 @@ use serde::{Deserialize, Serialize};
 use crate::fleet::{validate_node_id, NodeRegistration};
 use crate::jobs::dispatch::Assignment;
 use crate::jobs::{Completion, JobOutcome, JobSubmission};
+use crate::ledger::{Tier, UsageReport};
 use crate::registry::{Class, DesiredReplica, Model, ReplicaRecord, Tenant, TenantLimit};
 
 /// Highest command format this binary can apply. Format 2 added the registry commands, format 3
-/// the durable job queue; a command is written with the lowest format that can express it
+/// the durable job queue, format 4 spot preemption notices, format 5 the ledger (prices and
+/// usage reports); a command is written with the lowest format that can express it
 /// ([`Command::format`]), so an older controller keeps applying what it knows and stops only
 /// at the first command it cannot understand.
-pub const COMMAND_FORMAT: u32 = 4;
+pub const COMMAND_FORMAT: u32 = 5;
 
 /// Longest setting key accepted, in bytes.
 pub const MAX_SETTING_KEY_BYTES: usize = 256;
@@ -140,6 +142,15 @@ pub enum Command {
     CompactJobs {
         before_ms: u64,
     },
+    /// Set (or, with `None`, remove) the price of a GPU product on a capacity tier,
+    /// micro-dollars per GPU-hour. Applies to usage committed from then on.
+    SetPrice {
+        product: String,
+        tier: Tier,
+        micros_per_hour: Option<u64>,
+    },
+    /// A router's metered usage since its previous report (priced when applied).
+    RecordUsage(UsageReport),
 }
 
 /// What applying one log entry produced.
@@ -203,6 +214,7 @@ impl Command {
             | Command::CancelJob { .. }
             | Command::CompactJobs { .. } => 3,
             Command::PreemptNode { .. } => 4,
+            Command::SetPrice { .. } | Command::RecordUsage(_) => 5,
         }
     }
 
@@ -264,6 +276,12 @@ impl Command {
                     }
             }
             Command::CompactJobs { .. } => 16,
+            Command::SetPrice { product, .. } => product.len() + 32,
+            Command::RecordUsage(r) => r
+                .rows
+                .iter()
+                .map(|u| 96 + u.class.len() + u.model.len() + u.version.len() + u.tenant.len())
+                .sum(),
         }
     }
 
@@ -314,6 +332,16 @@ impl Command {
             | Command::FinishJob { .. }
             | Command::CancelJob { .. }
             | Command::CompactJobs { .. } => Ok(()),
+            Command::SetPrice { product, .. } => {
+                if product.is_empty() || product.len() > 64 || product.chars().any(char::is_control) {
+                    Err(CommandError::Invalid(format!(
+                        "product {product:?}: give a GPU product name such as H100-80GB or L4"
+                    )))
+                } else {
+                    Ok(())
+                }
+            }
+            Command::RecordUsage(r) => r.validate().map_err(CommandError::Invalid),
         }
     }
 }

@@ -42,11 +42,20 @@ pub struct DevController {
     _temp: Option<tempfile::TempDir>,
 }
 
-/// The simulated nodes of dev mode: (node id, pool, GPU product, count).
-const DEV_NODES: &[(&str, &str, &str, u32)] = &[
-    ("sim-l4-1", "l4", "L4", 2),
-    ("sim-l40s-1", "l40s", "L40S", 2),
-    ("sim-h100-1", "h100", "H100-80GB", 4),
+/// The simulated nodes of dev mode: (node id, pool, GPU product, count, capacity tier).
+const DEV_NODES: &[(&str, &str, &str, u32, &str)] = &[
+    ("sim-l4-1", "l4", "L4", 2, "reserved"),
+    ("sim-l40s-1", "l40s", "L40S", 2, "on-demand"),
+    ("sim-h100-1", "h100", "H100-80GB", 4, "on-demand"),
+];
+
+/// Example prices, US dollars per GPU-hour (reserved, on-demand, spot), set when the dev
+/// cluster has none, so the ledger shows costs from the first request.
+const DEV_PRICES: &[(&str, [f64; 3])] = &[
+    ("L4", [0.45, 0.80, 0.30]),
+    ("L40S", [0.95, 1.60, 0.70]),
+    ("H100-80GB", [2.10, 3.50, 1.60]),
+    ("H200", [2.80, 4.50, 2.10]),
 ];
 
 /// The example registry of dev mode, as the TOML an operator would write.
@@ -107,7 +116,7 @@ struct DevRegistry {
 /// Starts the simulated agents; the controllers place the replicas (warm floors).
 async fn start_agents(controller: &str, data_dir: &std::path::Path) -> Result<Vec<(String, Agent)>, DevError> {
     let mut agents = Vec::new();
-    for (node, pool, product, count) in DEV_NODES.iter() {
+    for (node, pool, product, count, tier) in DEV_NODES.iter() {
         let backend = SimBackend::from_toml(&format!(
             "node = \"{node}\"\n[[gpu]]\nproduct = \"{product}\"\ncount = {count}\n"
         ))
@@ -116,7 +125,12 @@ async fn start_agents(controller: &str, data_dir: &std::path::Path) -> Result<Ve
             node_id: node.to_string(),
             controllers: vec![controller.to_string()],
             pool: pool.to_string(),
-            labels: [("product".to_string(), product.to_string())].into_iter().collect(),
+            labels: [
+                ("product".to_string(), product.to_string()),
+                (crate::ledger::TIER_LABEL.to_string(), tier.to_string()),
+            ]
+            .into_iter()
+            .collect(),
             data_dir: data_dir.join("agents").join(node),
             join_token: String::new(),
             heartbeat: Duration::from_secs(1),
@@ -191,6 +205,22 @@ async fn register_examples(controller: &Controller, registry: &DevRegistry) -> R
     }
     for m in &registry.model {
         commit(controller, Command::PutModel(m.clone())).await?;
+    }
+    if controller.state.with_ledger(|l, _| l.prices.is_empty()) {
+        for (product, prices) in DEV_PRICES {
+            for (tier, usd) in crate::ledger::Tier::ALL.into_iter().zip(prices) {
+                let micros = crate::ledger::usd_to_micros(*usd).map_err(DevError::Other)?;
+                commit(
+                    controller,
+                    Command::SetPrice {
+                        product: product.to_string(),
+                        tier,
+                        micros_per_hour: Some(micros),
+                    },
+                )
+                .await?;
+            }
+        }
     }
     let key = new_api_key();
     let exists = controller.state.registry().tenants.contains_key("dev");

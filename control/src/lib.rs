@@ -13,6 +13,7 @@ pub mod context;
 pub mod dev;
 pub mod fleet;
 pub mod jobs;
+pub mod ledger;
 pub mod network;
 pub mod node;
 pub mod planner;

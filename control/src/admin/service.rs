@@ -14,8 +14,8 @@ use laneway_proto::admin::{
 };
 use laneway_proto::admin::{
     CreateTenantRequest, DocumentsReply, JobWriteReply, JobWritesReply, JobWritesRequest, LaneStatusRequest,
-    ListRegistryRequest, LoadReport, LoadReportReply, NameRequest, PutDocumentRequest, SetTenantLimitRequest,
-    TenantKeyReply,
+    LedgerRequest, ListRegistryRequest, LoadReport, LoadReportReply, NameRequest, PutDocumentRequest, SetPriceRequest,
+    SetTenantLimitRequest, TenantKeyReply, UsageReportRequest,
 };
 use openraft::error::{ForwardToLeader, RaftError};
 use openraft::{ChangeMembers, ServerState};
@@ -472,9 +472,23 @@ impl AdminService for AdminGrpc {
                     })
                     .collect()
             }),
+            "prices" => self.sm.with_ledger(|l, _| {
+                l.prices
+                    .iter()
+                    .flat_map(|(product, tiers)| {
+                        tiers.iter().map(move |(tier, m)| {
+                            to_json(&serde_json::json!({
+                                "product": product,
+                                "tier": tier,
+                                "usd_per_hour": *m as f64 / 1e6,
+                            }))
+                        })
+                    })
+                    .collect()
+            }),
             other => {
                 return Err(AdminError::InvalidArgument(format!(
-                    "unknown registry kind {other:?}; use classes, models, tenants, replicas or jobs"
+                    "unknown registry kind {other:?}; use classes, models, tenants, replicas, jobs or prices"
                 ))
                 .into())
             }
@@ -552,6 +566,59 @@ impl AdminService for AdminGrpc {
             .collect();
         self.load.record(r.controller_id, load, tokio::time::Instant::now());
         Ok(Response::new(LoadReportReply {}))
+    }
+
+    async fn record_usage(&self, req: Request<UsageReportRequest>) -> Result<Response<WriteReply>, Status> {
+        self.leader_only()?;
+        let report: crate::ledger::UsageReport = parse_document("usage report", &req.into_inner().json)?;
+        Ok(Response::new(self.write(Command::RecordUsage(report)).await?))
+    }
+
+    async fn set_price(&self, req: Request<SetPriceRequest>) -> Result<Response<WriteReply>, Status> {
+        let r = req.into_inner();
+        let tier = crate::ledger::Tier::parse(&r.tier).map_err(AdminError::InvalidArgument)?;
+        let micros_per_hour = if r.remove {
+            None
+        } else {
+            Some(crate::ledger::usd_to_micros(r.usd_per_hour).map_err(AdminError::InvalidArgument)?)
+        };
+        Ok(Response::new(
+            self.write(Command::SetPrice {
+                product: r.product,
+                tier,
+                micros_per_hour,
+            })
+            .await?,
+        ))
+    }
+
+    async fn ledger(&self, req: Request<LedgerRequest>) -> Result<Response<DocumentsReply>, Status> {
+        let r = req.into_inner();
+        let by = crate::ledger::query::By::parse(if r.by.is_empty() { "lane" } else { &r.by })
+            .map_err(AdminError::InvalidArgument)?;
+        let window_ms = if r.window_ms == 0 {
+            crate::ledger::HOUR_MS
+        } else {
+            r.window_ms
+        };
+        if window_ms > crate::ledger::HOURS_KEPT_MS {
+            return Err(AdminError::OutOfRange(format!(
+                "window of {} h: the ledger keeps {} days; ask for less",
+                window_ms / crate::ledger::HOUR_MS,
+                crate::ledger::HOURS_KEPT_MS / crate::ledger::HOUR_MS / 24
+            ))
+            .into());
+        }
+        self.linearizable_barrier().await?;
+        let applied_index = self.sm.applied_index();
+        let now = crate::jobs::unix_ms();
+        let report = self
+            .sm
+            .with_ledger(|l, f| crate::ledger::query::report(l, f, by, now.saturating_sub(window_ms), now));
+        Ok(Response::new(DocumentsReply {
+            json: vec![to_json(&report)],
+            applied_index,
+        }))
     }
 
     async fn job_writes(&self, req: Request<JobWritesRequest>) -> Result<Response<JobWritesReply>, Status> {

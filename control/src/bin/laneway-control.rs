@@ -119,6 +119,7 @@ fn main() -> ExitCode {
                 println!("Try:");
                 println!("  lanectl --addr {addr} lane list");
                 println!("  lanectl --addr {addr} node list");
+                println!("  lanectl --addr {addr} ledger --by model --since 15m");
                 if let (Some(r), true) = (dev.router_addr, dev.replicas_running) {
                     println!(
                         "  curl -s -D - -H 'Authorization: Bearer {}' -d '{{\"inputs\":[{{\"name\":\"audio\",\"shape\":[1],\"datatype\":\"FP32\",\"data\":[0.5]}}]}}' http://{r}/v2/models/whisper/infer",

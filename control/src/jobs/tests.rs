@@ -564,3 +564,91 @@ fn the_derived_indexes_kept_on_every_transition_match_a_rebuild() {
     assert_eq!(j.placed_on("n1").count(), 1, "only j03 is still on n1");
     assert_eq!(j.placed_on("n2").count(), 0);
 }
+
+/// A job is metered once, when it ends: its GPU time at the price of the card its replica ran
+/// on, on the node's tier; a failed attempt that is retried is not yet a request.
+#[test]
+fn a_finished_job_is_metered_at_the_price_of_its_card() {
+    let mut s = state_with_node("n1");
+    s.apply(
+        &Command::SetPrice {
+            product: "H100-80GB".into(),
+            tier: crate::ledger::Tier::OnDemand,
+            micros_per_hour: Some(3_600_000),
+        },
+        1,
+    );
+    s.apply(
+        &Command::SetDesiredReplicas {
+            node_id: "n1".into(),
+            replicas: vec![crate::registry::DesiredReplica {
+                id: "r1".into(),
+                model: "wan-video".into(),
+                gpu: "GPU-1".into(),
+                product: "H100-80GB".into(),
+            }],
+        },
+        2,
+    );
+    s.apply(&Command::SubmitJob(sub("a", "t", None, "1")), 3);
+    let assign = |s: &mut AppState, index: u64| {
+        s.apply(
+            &Command::AssignJobs {
+                assignments: vec![Assignment {
+                    job_id: "a".into(),
+                    node_id: "n1".into(),
+                    replica_id: "r1".into(),
+                }],
+                at_ms: 5,
+            },
+            index,
+        );
+    };
+    assign(&mut s, 4);
+    s.apply(
+        &Command::FinishJob {
+            job_id: "a".into(),
+            token: 4,
+            completion: failed(true),
+            at_ms: 6,
+        },
+        5,
+    );
+    assert!(
+        s.ledger.minutes.is_empty(),
+        "a retried attempt is not a finished request"
+    );
+    assign(&mut s, 6);
+    // A stale completion is refused and meters nothing.
+    let stale = s.apply(
+        &Command::FinishJob {
+            job_id: "a".into(),
+            token: 4,
+            completion: ok_result("a", 4),
+            at_ms: 7,
+        },
+        7,
+    );
+    assert!(stale.rejected.is_some());
+    assert!(s.ledger.minutes.is_empty());
+    s.apply(
+        &Command::FinishJob {
+            job_id: "a".into(),
+            token: 6,
+            completion: ok_result("a", 6),
+            at_ms: 8,
+        },
+        8,
+    );
+    let rows: Vec<_> = s.ledger.minutes.values().flatten().collect();
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    let r = rows[0];
+    assert_eq!((r.key.model.as_str(), r.key.tenant.as_str()), ("wan-video", "t"));
+    assert_eq!(
+        (r.key.product.as_str(), r.key.pool.as_str(), r.key.tier.as_str()),
+        ("H100-80GB", "p", "on-demand")
+    );
+    assert_eq!((r.counts.requests, r.counts.ok, r.counts.gpu_us), (1, 1, 45_000_000));
+    // 45 GPU-seconds at $3.60/h = $0.045.
+    assert_eq!(r.counts.cost_nanos, 45_000_000);
+}

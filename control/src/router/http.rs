@@ -440,6 +440,7 @@ async fn infer(
         lane: class.lane.to_string(),
         class: class.name.clone(),
         model: route.name.clone(),
+        version: route.version.clone(),
         tenant: tenant.name.clone(),
         status: 0,
         replica: None,

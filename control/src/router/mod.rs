@@ -103,6 +103,9 @@ pub struct RequestRecord {
     pub lane: String,
     pub class: String,
     pub model: String,
+    /// Model version that served it (the ledger compares versions' cost per request).
+    #[serde(default)]
+    pub version: String,
     pub tenant: String,
     pub status: u16,
     pub replica: Option<String>,
@@ -141,6 +144,8 @@ pub struct Router {
     tenants: Mutex<HashMap<(String, String), TenantState>>,
     client: Client<HttpConnector, Full<Bytes>>,
     records: Mutex<VecDeque<RequestRecord>>,
+    /// Usage served and not yet committed to the ledger.
+    meter: crate::ledger::meter::Meter,
     epoch: Instant,
     /// When a sync lane last refused work, and its protection rank.
     sync_refusal: Mutex<Option<(Instant, u32)>>,
@@ -166,6 +171,7 @@ impl Router {
             tenants: Mutex::default(),
             client,
             records: Mutex::new(VecDeque::with_capacity(RECORDS_KEPT)),
+            meter: crate::ledger::meter::Meter::new(),
             epoch: Instant::now(),
             sync_refusal: Mutex::new(None),
             built: AtomicBool::new(false),
@@ -542,8 +548,14 @@ impl Router {
             .unwrap_or(Err(ForwardError::Timeout))
     }
 
-    /// Keeps a request record (the newest [`RECORDS_KEPT`]).
+    /// This router's meter.
+    pub fn meter(&self) -> &crate::ledger::meter::Meter {
+        &self.meter
+    }
+
+    /// Meters a request and keeps its record (the newest [`RECORDS_KEPT`]).
     pub fn record(&self, rec: RequestRecord) {
+        self.meter.add(&rec);
         tracing::debug!(target: "laneway::request", request_id = %rec.request_id, lane = %rec.lane, model = %rec.model, tenant = %rec.tenant, status = rec.status, replica = ?rec.replica, queue_ms = rec.queue_ms, service_ms = rec.service_ms, gpu_ms = ?rec.gpu_ms, "request");
         let mut r = self.records.lock().unwrap_or_else(|p| p.into_inner());
         if r.len() == RECORDS_KEPT {

@@ -28,7 +28,8 @@ use super::snapshot_file::{self, SnapshotFile, SNAPSHOT_FORMAT};
 use super::{StoreError, SNAPSHOT_DIR, STATE_DB_FILE};
 use crate::command::{Command, CommandResponse, COMMAND_FORMAT};
 use crate::fleet::{Fleet, Liveness};
-use crate::jobs::{JobOutcome, Jobs};
+use crate::jobs::{Completion, JobOutcome, JobState, Jobs};
+use crate::ledger::Ledger;
 use crate::node::ControllerNode;
 use crate::registry::Registry;
 use crate::typ::{Entry, LogId, SnapshotMeta, StorageError, TypeConfig};
@@ -38,6 +39,8 @@ const SM_META: TableDefinition<&str, &[u8]> = TableDefinition::new("sm_meta");
 const NODES: TableDefinition<&str, &[u8]> = TableDefinition::new("nodes");
 /// Registry entries keyed `class/<name>`, `model/<name>`, `tenant/<name>`, `replicas/<node>`.
 const REGISTRY: TableDefinition<&str, &[u8]> = TableDefinition::new("registry");
+/// Ledger parts (prices, versions, events, reporters) and time buckets (`m/…`, `h/…`).
+const LEDGER: TableDefinition<&str, &[u8]> = TableDefinition::new("ledger");
 /// Durable jobs keyed `(seq, id)`: submissions append at the right edge of the tree, so a
 /// flush of a burst of new jobs rewrites a few pages instead of one random page per job.
 const JOBS: TableDefinition<(u64, &str), &[u8]> = TableDefinition::new("jobs_by_seq");
@@ -69,6 +72,9 @@ pub struct AppState {
     /// The durable lanes' jobs.
     #[serde(default)]
     pub jobs: Jobs,
+    /// Prices, metered usage and cost events.
+    #[serde(default)]
+    pub ledger: Ledger,
 }
 
 impl AppState {
@@ -176,13 +182,83 @@ impl AppState {
                 token,
                 completion,
                 at_ms,
-            } => refused(self.jobs.finish(job_id, *token, completion, *at_ms)),
+            } => {
+                let r = self.jobs.finish(job_id, *token, completion, *at_ms);
+                if r.is_ok() {
+                    self.meter_job(job_id, completion, *at_ms);
+                }
+                refused(r)
+            }
             Command::CancelJob { job_id, at_ms } => job_reply(self.jobs.cancel(job_id, *at_ms)),
             Command::CompactJobs { before_ms } => {
                 self.jobs.compact(*before_ms);
                 CommandResponse::default()
             }
+            Command::SetPrice {
+                product,
+                tier,
+                micros_per_hour,
+            } => refused(self.ledger.set_price(product, *tier, *micros_per_hour)),
+            Command::RecordUsage(report) => {
+                let pct = self.cost_regression_pct();
+                self.ledger.apply_report(report, &self.fleet, pct);
+                CommandResponse::default()
+            }
         }
+    }
+
+    /// Threshold of the cost-regression event, from the cluster setting or the default.
+    fn cost_regression_pct(&self) -> u64 {
+        self.settings
+            .get(crate::ledger::COST_REGRESSION_SETTING)
+            .and_then(|v| v.trim().trim_end_matches('%').parse().ok())
+            .unwrap_or(crate::ledger::DEFAULT_COST_REGRESSION_PCT)
+    }
+
+    /// Meters a job that just reached a terminal state: one request, the GPU time its result
+    /// reports, on the card its replica was placed on.
+    fn meter_job(&mut self, job_id: &str, completion: &Completion, at_ms: u64) {
+        let Some(job) = self.jobs.get(job_id) else { return };
+        if !matches!(job.state, JobState::Succeeded | JobState::Failed) {
+            return;
+        }
+        // A finished job keeps the placement of the attempt that ended it.
+        let (node, replica) = (job.node.clone(), job.replica.clone());
+        let product = node.as_ref().and_then(|n| {
+            let replica = replica.as_ref()?;
+            self.registry
+                .desired
+                .get(n)?
+                .iter()
+                .find(|d| &d.id == replica)
+                .map(|d| d.product.clone())
+        });
+        let usage = crate::ledger::Usage {
+            class: job.class.clone(),
+            lane: self
+                .registry
+                .classes
+                .get(&job.class)
+                .map_or_else(|| "durable".to_string(), |c| c.lane.to_string()),
+            model: job.model.clone(),
+            version: self
+                .registry
+                .models
+                .get(&job.model)
+                .map_or_else(String::new, |m| m.version.clone()),
+            tenant: job.tenant.clone(),
+            node,
+            product,
+            mig_profile: None,
+            requests: 1,
+            ok: u64::from(job.state == JobState::Succeeded),
+            gpu_us: match completion {
+                Completion::Succeeded(r) => r.gpu_us,
+                Completion::Failed { .. } => 0,
+            },
+        };
+        let pct = self.cost_regression_pct();
+        self.ledger.record(at_ms, &[usage], &self.fleet, pct);
     }
 
     /// The stored value of a registry key (`class/…`, `model/…`, `tenant/…`, `replicas/…`), or
@@ -347,6 +423,9 @@ impl StateMachineStore {
                 .open_table(REGISTRY)
                 .map_err(|e| StoreError::db("opening registry", e))?;
             let _ = txn.open_table(JOBS).map_err(|e| StoreError::db("opening jobs", e))?;
+            let _ = txn
+                .open_table(LEDGER)
+                .map_err(|e| StoreError::db("opening ledger", e))?;
             let mut meta = txn
                 .open_table(SM_META)
                 .map_err(|e| StoreError::db("opening sm_meta", e))?;
@@ -418,6 +497,17 @@ impl StateMachineStore {
                 let job =
                     serde_json::from_slice(v.value()).map_err(|e| corrupt(&format!("job {}", k.value().1), &e))?;
                 inner.state.jobs.load(job);
+            }
+            let ledger = rtxn
+                .open_table(LEDGER)
+                .map_err(|e| StoreError::db("opening ledger", e))?;
+            for row in ledger.iter().map_err(|e| StoreError::db("scanning ledger", e))? {
+                let (k, v) = row.map_err(|e| StoreError::db("scanning ledger", e))?;
+                inner
+                    .state
+                    .ledger
+                    .load(k.value(), v.value())
+                    .map_err(|e| corrupt(&format!("ledger entry {}", k.value()), &e))?;
             }
             let meta = rtxn
                 .open_table(SM_META)
@@ -634,6 +724,12 @@ impl StateMachineStore {
             .collect()
     }
 
+    /// Runs `f` on the applied ledger and fleet without copying them.
+    pub fn with_ledger<R>(&self, f: impl FnOnce(&Ledger, &Fleet) -> R) -> R {
+        let inner = self.read();
+        f(&inner.state.ledger, &inner.state.fleet)
+    }
+
     /// A copy of the registry.
     pub fn registry(&self) -> Registry {
         self.read().state.registry.clone()
@@ -673,6 +769,11 @@ impl StateMachineStore {
             jobs.retain(|_, _| false)?;
             for (id, job) in &state.jobs.jobs {
                 jobs.insert((job.seq, id.as_str()), json(job).as_slice())?;
+            }
+            let mut ledger = txn.open_table(LEDGER)?;
+            ledger.retain(|_, _| false)?;
+            for (k, v) in state.ledger.entries() {
+                ledger.insert(k.as_str(), v.as_slice())?;
             }
             let mut m = txn.open_table(SM_META)?;
             m.insert(KEY_LAST_APPLIED, json(&meta.last_log_id).as_slice())?;
@@ -725,11 +826,12 @@ impl StateMachineStore {
 /// [`StateMachineStore::flush`], on the parts it needs.
 fn flush(inner: &RwLock<Inner>, db: &Database, persist_lock: &Mutex<()>) -> Result<(), redb::Error> {
     let _persist = persist_lock.lock().unwrap_or_else(|p| p.into_inner());
-    let (touched, last_applied, membership, retired, nodes, registry, jobs) = {
+    let (touched, last_applied, membership, retired, nodes, registry, jobs, ledger) = {
         let mut inner = inner.write().unwrap_or_else(|p| p.into_inner());
         inner.flush_scheduled = false;
         let touched = std::mem::take(&mut inner.unflushed);
         let dirty_jobs = inner.state.jobs.take_dirty();
+        let dirty_ledger = inner.state.ledger.take_dirty();
         let state = &inner.state;
         (
             touched.settings,
@@ -751,6 +853,13 @@ fn flush(inner: &RwLock<Inner>, db: &Database, persist_lock: &Mutex<()>) -> Resu
                 .map(|(id, seq)| {
                     let job = state.jobs.get(&id).map(json);
                     (seq, id, job)
+                })
+                .collect::<Vec<_>>(),
+            dirty_ledger
+                .into_iter()
+                .map(|k| {
+                    let v = state.ledger.value(&k);
+                    (k, v)
                 })
                 .collect::<Vec<_>>(),
         )
@@ -776,6 +885,7 @@ fn flush(inner: &RwLock<Inner>, db: &Database, persist_lock: &Mutex<()>) -> Resu
         }
         put(&mut txn.open_table(NODES)?, &nodes)?;
         put(&mut txn.open_table(REGISTRY)?, &registry)?;
+        put(&mut txn.open_table(LEDGER)?, &ledger)?;
         let mut table = txn.open_table(JOBS)?;
         for (seq, id, job) in &jobs {
             match job {
@@ -871,7 +981,10 @@ fn record_touched(command: &Command, t: &mut Touched) {
         | Command::JobStarted { .. }
         | Command::FinishJob { .. }
         | Command::CancelJob { .. }
-        | Command::CompactJobs { .. } => {}
+        | Command::CompactJobs { .. }
+        // So does the ledger (`Ledger::take_dirty`): a report folds buckets no command names.
+        | Command::SetPrice { .. }
+        | Command::RecordUsage(_) => {}
         Command::PutClass(c) => key(format!("class/{}", c.name)),
         Command::PutModel(m) => key(format!("model/{}", m.name)),
         Command::RemoveModel { name } => key(format!("model/{name}")),
@@ -1167,6 +1280,69 @@ mod tests {
         assert_eq!(sm.applied_index(), 4);
         assert_eq!(sm.get_setting("a").0.as_deref(), Some("2"));
         assert_eq!(sm.job("j2").map(|j| j.seq), Some(4));
+    }
+
+    /// Prices and usage are written by the flush and read back on open, folded buckets
+    /// included.
+    #[tokio::test]
+    async fn the_ledger_is_persisted_by_the_flush() {
+        let dir = tempfile::tempdir().unwrap();
+        let t0 = 1_800_000_000_000;
+        let report = |seq: u64, at_ms: u64| {
+            Command::RecordUsage(crate::ledger::UsageReport {
+                reporter: 1,
+                incarnation: "i".into(),
+                seq,
+                at_ms,
+                rows: vec![crate::ledger::Usage {
+                    class: "speech".into(),
+                    lane: "sync".into(),
+                    model: "whisper".into(),
+                    version: "1".into(),
+                    tenant: "acme".into(),
+                    node: None,
+                    product: None,
+                    mig_profile: None,
+                    requests: 10,
+                    ok: 9,
+                    gpu_us: 0,
+                }],
+            })
+        };
+        let before = {
+            let mut sm = StateMachineStore::open(dir.path()).unwrap();
+            sm.apply(vec![
+                entry(
+                    1,
+                    Command::SetPrice {
+                        product: "L4".into(),
+                        tier: crate::ledger::Tier::Spot,
+                        micros_per_hour: Some(300_000),
+                    },
+                ),
+                entry(2, report(1, t0)),
+                entry(3, report(2, t0 + 3 * crate::ledger::HOUR_MS)),
+                // A retry of seq 2 changes nothing.
+                entry(4, report(2, t0 + 3 * crate::ledger::HOUR_MS)),
+            ])
+            .await
+            .unwrap();
+            sm.flush().unwrap();
+            sm.with_ledger(|l, _| l.clone())
+        };
+        assert_eq!(before.hours.len(), 1, "the first minute was folded into its hour");
+        let sm = StateMachineStore::open(dir.path()).unwrap();
+        let after = sm.with_ledger(|l, _| l.clone());
+        assert_eq!(after, before);
+        assert_eq!(after.price("L4", crate::ledger::Tier::Spot), Some(300_000));
+        let requests: u64 = after
+            .minutes
+            .values()
+            .chain(after.hours.values())
+            .flatten()
+            .map(|r| r.counts.requests)
+            .sum();
+        assert_eq!(requests, 20);
     }
 
     /// A format-1 state database (jobs keyed by id) opens with its jobs moved to `(seq, id)`.

@@ -561,6 +561,8 @@ async fn warm_floor_replicas_are_placed_served_and_moved_off_a_dead_node() {
 
 /// The fast loop counts load at every controller's router, not only the leader's: requests
 /// held at a follower's router scale the model up.
+/// Also the meter end to end: the follower's router reports what it served to the leader,
+/// which commits it priced by the card it ran on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn load_at_a_followers_router_scales_the_model_up() {
     let root = tempfile::tempdir().unwrap();
@@ -600,6 +602,7 @@ async fn load_at_a_followers_router_scales_the_model_up() {
     let a = agent("gpu-a", "L4", controllers, root.path(), vec![]).await;
     let _reaper = Reaper(a.supervisor.clone());
     lanectl(&addr, &["model", "register", "--file", file.to_str().unwrap()]);
+    lanectl(&addr, &["price", "set", "L4", "--tier", "on-demand", "0.80"]);
     wait_for("the floor's replica ready", Duration::from_secs(30), || async {
         ready_nodes(&client, "slow").await.filter(|n| n.len() == 1)
     })
@@ -644,6 +647,30 @@ async fn load_at_a_followers_router_scales_the_model_up() {
     for h in held {
         assert_eq!(h.await.unwrap().unwrap(), 200);
     }
+    // The agent has no tier label: its L4 is on-demand, at the price set above.
+    let row = wait_for(
+        "the follower's usage in the ledger",
+        Duration::from_secs(20),
+        || async {
+            let report = lanectl(&addr, &["ledger", "--by", "model", "--since", "10m"]);
+            let rows = report["rows"].as_array()?.clone();
+            rows.into_iter().find(|r| r["name"] == "slow@1" && r["requests"] == 4)
+        },
+    )
+    .await;
+    assert_eq!(row["ok"], 4, "{row}");
+    assert_eq!(row["lane"], "sync", "{row}");
+    let (gpu_s, cost) = (row["gpu_seconds"].as_f64().unwrap(), row["cost_usd"].as_f64().unwrap());
+    assert!(gpu_s >= 2.9, "four 3 s requests report their GPU time: {row}");
+    assert!((cost - gpu_s * 0.80 / 3600.0).abs() < 1e-8, "{row}");
+    assert_eq!(row["traffic_share_pct"], 100.0, "{row}");
+    let fleet = lanectl(&addr, &["ledger", "--since", "10m"])["fleet"].clone();
+    assert_eq!(fleet[0]["tier"], "on-demand", "{fleet}");
+    let gpus = fleet[0]["gpus"].as_f64().unwrap();
+    assert!(
+        (fleet[0]["usd_per_hour"].as_f64().unwrap() - gpus * 0.80).abs() < 1e-9,
+        "{fleet}"
+    );
     for r in a.supervisor.status() {
         let _ = a
             .supervisor

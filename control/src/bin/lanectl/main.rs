@@ -1,6 +1,7 @@
 //! `lanectl`: the operator CLI of a Laneway cluster (gRPC, follows the leader).
 
 mod job;
+mod ledger;
 mod registry;
 
 use std::process::ExitCode;
@@ -66,6 +67,20 @@ enum Cmd {
     /// Tenants: API keys and per-class limits.
     #[command(subcommand)]
     Tenant(registry::TenantCmd),
+    /// What a card costs per GPU-hour, by product and tier (reserved, on-demand, spot).
+    #[command(subcommand)]
+    Price(ledger::PriceCmd),
+    /// Requests, GPU-seconds and cost per lane, model or tenant, traffic share beside cost
+    /// share, and what the fleet costs per hour by pool and tier.
+    Ledger {
+        /// Group rows by lane, model or tenant.
+        #[arg(long, default_value = "lane")]
+        by: String,
+        /// Window: the last 15m, 1h, 24h, 7d, ... (the ledger keeps 35 days; beyond the last
+        /// two hours it counts whole hours).
+        #[arg(long, default_value = "1h")]
+        since: String,
+    },
     /// Capacity plan from a scenario file: cards, bill, warm floor, tiers, and what 3x/10x
     /// traffic does before new cards arrive (pure computation; no cluster needed).
     Plan {
@@ -256,6 +271,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Cmd::Plan { .. } | Cmd::Job(_) => unreachable!("handled before connecting"),
         Cmd::Lane(c) => registry::lane(&client, out, c).await?,
+        Cmd::Price(c) => ledger::price(&client, out, c).await?,
+        Cmd::Ledger { by, since } => ledger::ledger(&client, out, &by, &since).await?,
         Cmd::Model(c) => registry::model(&client, out, c).await?,
         Cmd::Tenant(c) => registry::tenant(&client, out, c).await?,
         Cmd::Node(NodeCmd::List) => {

@@ -1,0 +1,190 @@
+//! The router side of the meter: sums what this controller's router served and commits it to
+//! the ledger every [`REPORT_EVERY`], through the leader.
+//!
+//! A report that may not have been delivered is sent again unchanged (same sequence number)
+//! until one attempt is answered, while new usage waits for the next report: the ledger skips
+//! a sequence it has applied, so a lost reply never counts a request twice, and usage is never
+//! dropped because the leader was changing.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use super::{Usage, UsageReport};
+use crate::router::RequestRecord;
+
+/// How often a router commits its usage.
+pub const REPORT_EVERY: Duration = Duration::from_secs(5);
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Key {
+    class: String,
+    lane: String,
+    model: String,
+    version: String,
+    tenant: String,
+    node: Option<String>,
+    product: Option<String>,
+    mig_profile: Option<String>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Sums {
+    requests: u64,
+    ok: u64,
+    gpu_us: u64,
+}
+
+/// Usage this router served and has not yet reported.
+pub struct Meter {
+    incarnation: String,
+    state: Mutex<MeterState>,
+}
+
+#[derive(Default)]
+struct MeterState {
+    rows: HashMap<Key, Sums>,
+    seq: u64,
+    /// A report handed out and not yet confirmed delivered.
+    pending: Option<UsageReport>,
+}
+
+impl Default for Meter {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Meter {
+    pub fn new() -> Self {
+        Meter {
+            incarnation: uuid::Uuid::new_v4().simple().to_string(),
+            state: Mutex::default(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, MeterState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Counts one request the router answered.
+    pub fn add(&self, rec: &RequestRecord) {
+        let node = rec
+            .replica
+            .as_deref()
+            .and_then(|r| r.split_once('/'))
+            .map(|(node, _)| node.to_string());
+        let key = Key {
+            class: rec.class.clone(),
+            lane: rec.lane.clone(),
+            model: rec.model.clone(),
+            version: rec.version.clone(),
+            tenant: rec.tenant.clone(),
+            node,
+            product: rec.product.clone(),
+            mig_profile: rec.mig_profile.clone(),
+        };
+        let gpu_us = rec.gpu_ms.map_or(0, |ms| (ms.max(0.0) * 1000.0).round() as u64);
+        let mut s = self.lock();
+        let sums = s.rows.entry(key).or_default();
+        sums.requests += 1;
+        sums.ok += u64::from((200..300).contains(&rec.status));
+        sums.gpu_us += gpu_us;
+    }
+
+    /// The report to send now: the one still pending, else a new one of everything counted
+    /// since (`None` when there is nothing to report).
+    pub fn next_report(&self, reporter: u64, at_ms: u64) -> Option<UsageReport> {
+        let mut s = self.lock();
+        if let Some(p) = &s.pending {
+            return Some(p.clone());
+        }
+        if s.rows.is_empty() {
+            return None;
+        }
+        let rows: Vec<Usage> = s
+            .rows
+            .drain()
+            .map(|(k, v)| Usage {
+                class: k.class,
+                lane: k.lane,
+                model: k.model,
+                version: k.version,
+                tenant: k.tenant,
+                node: k.node,
+                product: k.product,
+                mig_profile: k.mig_profile,
+                requests: v.requests,
+                ok: v.ok,
+                gpu_us: v.gpu_us,
+            })
+            .collect();
+        s.seq += 1;
+        let report = UsageReport {
+            reporter,
+            incarnation: self.incarnation.clone(),
+            seq: s.seq,
+            at_ms,
+            rows,
+        };
+        s.pending = Some(report.clone());
+        Some(report)
+    }
+
+    /// The pending report `seq` was committed (or found already applied).
+    pub fn delivered(&self, seq: u64) {
+        let mut s = self.lock();
+        if s.pending.as_ref().is_some_and(|p| p.seq == seq) {
+            s.pending = None;
+        }
+    }
+
+    /// Requests counted and not yet handed out in a report.
+    pub fn unreported_requests(&self) -> u64 {
+        self.lock().rows.values().map(|s| s.requests).sum()
+    }
+}
+
+/// Commits this router's usage every [`REPORT_EVERY`]: through its own proposer when this
+/// controller leads, else to the leader over the admin API.
+pub async fn run(ctx: crate::context::Context) {
+    let mut tick = tokio::time::interval(REPORT_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let leaders = crate::client::AdminClient::new(Vec::new()).with_call_timeout(Duration::from_secs(2));
+    loop {
+        tick.tick().await;
+        let meter = ctx.router.meter();
+        let Some(report) = meter.next_report(ctx.node_id, crate::jobs::unix_ms()) else {
+            continue;
+        };
+        let seq = report.seq;
+        let sent = match ctx.leader() {
+            Some((id, _)) if id == ctx.node_id => ctx
+                .proposer
+                .propose(crate::command::Command::RecordUsage(report))
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
+            Some((_, addr)) => {
+                let req = laneway_proto::admin::UsageReportRequest {
+                    json: serde_json::to_string(&report).expect("usage reports serialize"),
+                };
+                leaders
+                    .call_one(&addr, |mut c| {
+                        let req = req.clone();
+                        async move { c.record_usage(req).await }
+                    })
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            }
+            None => Err("no leader".to_string()),
+        };
+        match sent {
+            Ok(()) => meter.delivered(seq),
+            Err(e) => {
+                tracing::debug!(seq, error = %e, "usage report not committed yet; sending it again in {:?}", REPORT_EVERY)
+            }
+        }
+    }
+}
