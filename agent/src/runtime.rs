@@ -356,6 +356,7 @@ fn backend_snapshot(backend: &dyn GpuBackend) -> Vec<GpuStatus> {
             memory_used_bytes: g.memory_used_bytes,
             healthy: g.health.healthy,
             reason: g.health.reason.unwrap_or_default(),
+            mig_profiles: g.mig.devices.iter().map(|d| d.profile.clone()).collect(),
             mig_devices: g.mig.devices.into_iter().map(|d| d.uuid).collect(),
         })
         .collect()

@@ -220,6 +220,19 @@ fn handle(ctx: &Context, bound: &mut Option<String>, hb: &Heartbeat) -> Result<D
             at: Instant::now(),
             replicas_ready,
             replicas_total: hb.replicas.len() as u32,
+            lag_ms: crate::jobs::unix_ms().checked_sub(hb.sent_unix_ms),
+            gpus: hb
+                .gpus
+                .iter()
+                .map(|g| crate::fleet::heartbeats::GpuSeen {
+                    uuid: g.uuid.clone(),
+                    utilisation_pct: g.utilisation_pct,
+                    memory_used_bytes: g.memory_used_bytes,
+                    healthy: g.healthy,
+                    mig_devices: g.mig_devices.clone(),
+                    mig_profiles: g.mig_profiles.clone(),
+                })
+                .collect(),
         },
     );
     sync_replicas(ctx, hb);

@@ -25,6 +25,8 @@ pub struct Context {
     pub load: Arc<crate::scheduler::load_board::LoadBoard>,
     /// How routers write durable jobs (through the leader).
     pub jobs: Arc<crate::jobs::gateway::JobGateway>,
+    /// The last minutes of each lane and the latest scaling decisions, for the dashboard.
+    pub history: Arc<crate::observe::history::History>,
 }
 
 impl Context {

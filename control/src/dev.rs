@@ -49,6 +49,9 @@ const DEV_NODES: &[(&str, &str, &str, u32, &str)] = &[
     ("sim-h100-1", "h100", "H100-80GB", 4, "on-demand"),
 ];
 
+/// MIG layouts of dev mode: the last GPU of these nodes is split into these profiles.
+const DEV_MIG: &[(&str, &[&str])] = &[("sim-h100-1", &["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"])];
+
 /// Example prices, US dollars per GPU-hour (reserved, on-demand, spot), set when the dev
 /// cluster has none, so the ledger shows costs from the first request.
 const DEV_PRICES: &[(&str, [f64; 3])] = &[
@@ -121,6 +124,15 @@ async fn start_agents(controller: &str, data_dir: &std::path::Path) -> Result<Ve
             "node = \"{node}\"\n[[gpu]]\nproduct = \"{product}\"\ncount = {count}\n"
         ))
         .map_err(|e| DevError::Other(e.to_string()))?;
+        if let Some(layout) = DEV_MIG.iter().find(|(n, _)| n == node).map(|(_, l)| l) {
+            // The node's last card is split into MIG slices, as a capacity plan would.
+            use laneway_agent::gpu::GpuBackend;
+            let uuid = format!("GPU-sim-{node}-{}", count - 1);
+            let profiles: Vec<String> = layout.iter().map(|p| p.to_string()).collect();
+            backend
+                .set_mig_devices(&uuid, &profiles)
+                .map_err(|e| DevError::Other(format!("simulated MIG layout on {uuid}: {e}")))?;
+        }
         let cfg = AgentConfig {
             node_id: node.to_string(),
             controllers: vec![controller.to_string()],

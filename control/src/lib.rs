@@ -16,6 +16,7 @@ pub mod jobs;
 pub mod ledger;
 pub mod network;
 pub mod node;
+pub mod observe;
 pub mod planner;
 pub mod proposer;
 pub mod registry;

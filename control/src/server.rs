@@ -154,15 +154,18 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         router: Router::new(sm.clone()),
         load: Arc::default(),
         jobs: jobs.clone(),
+        history: Arc::default(),
     };
     let router = ctx.router.clone();
     router.enable_jobs(jobs, results);
     let router_task = router.start();
     let router_server = match router_listener {
         Some(l) => Some(
-            http::serve(router.clone(), l, &cfg.router).map_err(|source| StartError::Bind {
-                addr: cfg.router.listen.unwrap_or(addr),
-                source,
+            http::serve(router.clone(), crate::observe::routes(ctx.clone()), l, &cfg.router).map_err(|source| {
+                StartError::Bind {
+                    addr: cfg.router.listen.unwrap_or(addr),
+                    source,
+                }
             })?,
         ),
         None => None,
@@ -182,6 +185,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
                 crate::scheduler::warm_floor_loop::run(ctx.clone()),
                 crate::scheduler::warm_floor_loop::report(ctx.clone()),
                 crate::ledger::meter::run(ctx.clone()),
+                crate::observe::history::run(ctx.clone()),
                 crate::jobs::dispatcher::run(ctx)
             );
         }

@@ -92,6 +92,7 @@ impl AdminGrpc {
             router,
             load,
             jobs,
+            history: _,
         } = ctx;
         AdminGrpc {
             router,

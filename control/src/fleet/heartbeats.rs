@@ -13,6 +13,23 @@ pub struct Seen {
     pub at: Instant,
     pub replicas_ready: u32,
     pub replicas_total: u32,
+    /// Milliseconds from the agent sending the heartbeat to the leader reading it (clock skew
+    /// included; `None` when the agent's clock is ahead).
+    pub lag_ms: Option<u64>,
+    pub gpus: Vec<GpuSeen>,
+}
+
+/// One GPU as its agent last reported it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuSeen {
+    pub uuid: String,
+    pub utilisation_pct: u32,
+    pub memory_used_bytes: u64,
+    pub healthy: bool,
+    /// MIG devices on it (`MIG-…` UUIDs).
+    pub mig_devices: Vec<String>,
+    /// Profile of each MIG device (same order).
+    pub mig_profiles: Vec<String>,
 }
 
 /// How long the leader waits for a replica proposal to apply before proposing it again.
@@ -41,6 +58,11 @@ impl HeartbeatTable {
             .unwrap_or_else(|p| p.into_inner())
             .get(node_id)
             .cloned()
+    }
+
+    /// Everything last heard, by node.
+    pub fn all(&self) -> HashMap<String, Seen> {
+        self.seen.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// When each node was last heard from.

@@ -73,11 +73,10 @@ pub fn app(router: Arc<Router>, max_body_bytes: usize) -> axum::Router {
             get(super::jobs::get_job).delete(super::jobs::cancel_job),
         )
         .route("/v1/jobs/{id}/result", get(super::jobs::get_result))
-        .route("/metrics", get(metrics))
         .fallback(|| async {
             error(
                 StatusCode::NOT_FOUND,
-                "no such path; the router serves POST /v2/models/{model}/infer, GET /v2/models/{model}, GET /v2/health/live|ready, and jobs at POST|GET /v1/jobs, GET|DELETE /v1/jobs/{id}, GET /v1/jobs/{id}/result".into(),
+                "no such path; the router serves POST /v2/models/{model}/infer, GET /v2/models/{model}, GET /v2/health/live|ready, jobs at POST|GET /v1/jobs, GET|DELETE /v1/jobs/{id}, GET /v1/jobs/{id}/result, and GET /metrics and /ui".into(),
                 &Meta::default(),
             )
         })
@@ -99,10 +98,16 @@ impl RouterServer {
     }
 }
 
-/// Serves the router on an already-bound listener, with the settings' limits.
-pub fn serve(router: Arc<Router>, listener: TcpListener, settings: &RouterSettings) -> std::io::Result<RouterServer> {
+/// Serves the router, and `extra` routes beside it (the controller's `/metrics` and `/ui`), on
+/// an already-bound listener, with the settings' limits.
+pub fn serve(
+    router: Arc<Router>,
+    extra: axum::Router,
+    listener: TcpListener,
+    settings: &RouterSettings,
+) -> std::io::Result<RouterServer> {
     let addr = listener.local_addr()?;
-    let app = app(router, settings.max_body_bytes);
+    let app = app(router, settings.max_body_bytes).merge(extra);
     let permits = Arc::new(Semaphore::new(settings.max_connections));
     let header_timeout = settings.header_read_timeout;
     let (tx, mut rx) = watch::channel(false);
@@ -251,25 +256,6 @@ pub(super) fn lookup(table: &Table, model: &str, meta: &mut Meta) -> Result<Arc<
     meta.lane = Some(route.class.lane.as_str());
     meta.class = Some(route.class_header.clone());
     Ok(route)
-}
-
-/// Prometheus/OpenMetrics exposition of the lanes' live state on this router.
-async fn metrics(State(router): State<Arc<Router>>) -> Response {
-    match super::metrics::render(&router.lane_status()) {
-        Ok(text) => (
-            [(
-                axum::http::header::CONTENT_TYPE,
-                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            )],
-            text,
-        )
-            .into_response(),
-        Err(e) => error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            format!("encoding metrics: {e}"),
-            &Meta::default(),
-        ),
-    }
 }
 
 async fn ready(State(router): State<Arc<Router>>) -> StatusCode {
@@ -724,6 +710,7 @@ mod tests {
 
         let server = serve(
             router.clone(),
+            axum::Router::new(),
             TcpListener::bind("127.0.0.1:0").await.unwrap(),
             &RouterSettings::default(),
         )

@@ -1,29 +1,64 @@
 //! The router's lane metrics in the OpenMetrics text format: the level of the overload policy,
-//! queue depth, in-flight and slots, ready replicas, and request outcomes per lane. Built from
-//! the lanes' live state at each scrape, so there is no second copy of it to keep in step.
+//! queue depth, expected wait, in-flight and slots, ready replicas, request outcomes, and
+//! queue and service latency histograms per lane. Gauges are built from the lanes' live state
+//! at each scrape, so there is no second copy of it to keep in step; the histograms are the
+//! one thing the router keeps for them.
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::{Registry, Unit};
 
 use super::lane::LaneStatus;
+use super::RequestRecord;
 
-type Labels = Vec<(&'static str, String)>;
+pub type Labels = Vec<(&'static str, String)>;
 
-/// Encodes the lanes' state.
-pub fn render(lanes: &[LaneStatus]) -> Result<String, std::fmt::Error> {
-    let mut registry = <Registry>::with_prefix("laneway_lane");
+fn latency_histogram() -> Histogram {
+    // 1 ms .. ~33 s.
+    Histogram::new(exponential_buckets(0.001, 2.0, 16))
+}
+
+/// Queue and service latency per lane, observed as requests finish.
+#[derive(Clone)]
+pub struct LaneHistograms {
+    queue: Family<Labels, Histogram, fn() -> Histogram>,
+    service: Family<Labels, Histogram, fn() -> Histogram>,
+}
+
+impl Default for LaneHistograms {
+    fn default() -> Self {
+        LaneHistograms {
+            queue: Family::new_with_constructor(latency_histogram),
+            service: Family::new_with_constructor(latency_histogram),
+        }
+    }
+}
+
+impl LaneHistograms {
+    pub fn observe(&self, rec: &RequestRecord) {
+        let labels = vec![("class", rec.class.clone()), ("lane", rec.lane.clone())];
+        self.queue.get_or_create(&labels).observe(rec.queue_ms / 1000.0);
+        // Only requests a replica worked on have a service time.
+        if rec.replica.is_some() {
+            self.service.get_or_create(&labels).observe(rec.service_ms / 1000.0);
+        }
+    }
+}
+
+/// Registers the lanes' series under `registry` (which carries the `laneway_lane` prefix).
+pub fn register_lanes(registry: &mut Registry, lanes: &[LaneStatus], histograms: &LaneHistograms) {
     let gauges = [
         (
             "overload_level",
             "Overload policy level: 0 normal, 1 degraded (bounded) or short (sync)",
         ),
-        ("queue_depth", "Requests waiting in the lane's queue"),
+        ("queue_depth", "Requests (or durable jobs) waiting in the lane's queue"),
         (
             "in_flight",
-            "Requests on replicas of the lane's models, from this router",
+            "Requests on replicas of the lane's models, from this router (durable: jobs placed)",
         ),
         ("slots", "Replica slots (sum of max batch) of the lane's ready replicas"),
         ("ready_replicas", "Ready replicas of the lane's models"),
@@ -33,11 +68,29 @@ pub fn render(lanes: &[LaneStatus]) -> Result<String, std::fmt::Error> {
         registry.register(name, help, f.clone());
         f
     });
+    let expected_wait = Family::<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+    registry.register_with_unit(
+        "expected_wait",
+        "Time the current queue takes to drain at the measured completion rate",
+        Unit::Seconds,
+        expected_wait.clone(),
+    );
     let requests = Family::<Labels, Counter>::default();
     registry.register(
         "requests",
         "Requests by outcome: admitted, refused (503 sync / 429 bounded), throttled (tenant 429), expired (504), completed, failed, retried",
         requests.clone(),
+    );
+    // The unit is in the name: strict OpenMetrics parsers refuse a UNIT line on a histogram.
+    registry.register(
+        "queue_seconds",
+        "Time requests waited in the lane's queue before a replica slot",
+        histograms.queue.clone(),
+    );
+    registry.register(
+        "service_seconds",
+        "Time from dispatch to the replica's answer",
+        histograms.service.clone(),
     );
     for l in lanes {
         let labels = vec![("class", l.class.clone()), ("lane", l.lane.clone())];
@@ -51,6 +104,11 @@ pub fn render(lanes: &[LaneStatus]) -> Result<String, std::fmt::Error> {
         for (g, v) in gauges.iter().zip(values) {
             g.get_or_create(&labels).set(v);
         }
+        if let Some(rate) = l.drain_per_s.filter(|r| *r > 0.0) {
+            expected_wait.get_or_create(&labels).set(l.queue_depth as f64 / rate);
+        } else if l.queue_depth == 0 {
+            expected_wait.get_or_create(&labels).set(0.0);
+        }
         if let Some(counters) = l.counters.as_object() {
             for (outcome, v) in counters {
                 let mut with_outcome = labels.clone();
@@ -59,6 +117,12 @@ pub fn render(lanes: &[LaneStatus]) -> Result<String, std::fmt::Error> {
             }
         }
     }
+}
+
+/// Encodes the lanes' state alone.
+pub fn render(lanes: &[LaneStatus], histograms: &LaneHistograms) -> Result<String, std::fmt::Error> {
+    let mut registry = <Registry>::with_prefix("laneway_lane");
+    register_lanes(&mut registry, lanes, histograms);
     let mut out = String::new();
     encode(&mut out, &registry)?;
     Ok(out)
@@ -84,7 +148,7 @@ mod tests {
             level_for_s: 1.0,
             jobs: None,
         };
-        let text = render(&[status]).unwrap();
+        let text = render(&[status], &LaneHistograms::default()).unwrap();
         assert!(
             text.contains("laneway_lane_overload_level{class=\"image\",lane=\"bounded\"} 1"),
             "{text}"

@@ -146,6 +146,7 @@ pub struct Router {
     records: Mutex<VecDeque<RequestRecord>>,
     /// Usage served and not yet committed to the ledger.
     meter: crate::ledger::meter::Meter,
+    histograms: metrics::LaneHistograms,
     epoch: Instant,
     /// When a sync lane last refused work, and its protection rank.
     sync_refusal: Mutex<Option<(Instant, u32)>>,
@@ -172,6 +173,7 @@ impl Router {
             client,
             records: Mutex::new(VecDeque::with_capacity(RECORDS_KEPT)),
             meter: crate::ledger::meter::Meter::new(),
+            histograms: metrics::LaneHistograms::default(),
             epoch: Instant::now(),
             sync_refusal: Mutex::new(None),
             built: AtomicBool::new(false),
@@ -548,6 +550,11 @@ impl Router {
             .unwrap_or(Err(ForwardError::Timeout))
     }
 
+    /// Queue and service latency histograms per lane.
+    pub fn histograms(&self) -> &metrics::LaneHistograms {
+        &self.histograms
+    }
+
     /// This router's meter.
     pub fn meter(&self) -> &crate::ledger::meter::Meter {
         &self.meter
@@ -556,12 +563,29 @@ impl Router {
     /// Meters a request and keeps its record (the newest [`RECORDS_KEPT`]).
     pub fn record(&self, rec: RequestRecord) {
         self.meter.add(&rec);
+        self.histograms.observe(&rec);
         tracing::debug!(target: "laneway::request", request_id = %rec.request_id, lane = %rec.lane, model = %rec.model, tenant = %rec.tenant, status = rec.status, replica = ?rec.replica, queue_ms = rec.queue_ms, service_ms = rec.service_ms, gpu_ms = ?rec.gpu_ms, "request");
         let mut r = self.records.lock().unwrap_or_else(|p| p.into_inner());
         if r.len() == RECORDS_KEPT {
             r.pop_front();
         }
         r.push_back(rec);
+    }
+
+    /// Queue + service time (ms) of the requests a replica answered since `since_unix_ms`, by
+    /// class (from the newest records kept).
+    pub fn latencies_since(&self, since_unix_ms: u64) -> HashMap<String, Vec<f64>> {
+        let r = self.records.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out: HashMap<String, Vec<f64>> = HashMap::new();
+        // Records are kept in finishing order but stamped at arrival: look at all of them.
+        for rec in r.iter() {
+            if rec.replica.is_some() && rec.unix_ms >= since_unix_ms {
+                out.entry(rec.class.clone())
+                    .or_default()
+                    .push(rec.queue_ms + rec.service_ms);
+            }
+        }
+        out
     }
 
     /// The newest `n` records, of one class or all.

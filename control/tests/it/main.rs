@@ -4,6 +4,7 @@ mod agents;
 mod cluster;
 mod harness;
 mod jobs;
+mod observe;
 mod plan_cli;
 mod power_loss;
 mod router;

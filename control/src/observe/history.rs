@@ -1,0 +1,175 @@
+//! The last few minutes of each lane, sampled once a second for the dashboard: GPU
+//! utilisation, queue depth, p99 latency, admitted and shed rates. Kept in memory on every
+//! controller (it is a view, not state); Prometheus keeps the long history.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::context::Context;
+
+/// Samples kept per lane (one a second: five minutes).
+pub const KEPT: usize = 300;
+/// Latency percentiles are taken over the requests that finished in this window.
+const LATENCY_WINDOW_MS: u64 = 5_000;
+/// Scaling decisions kept.
+const DECISIONS_KEPT: usize = 50;
+
+/// One second of one lane.
+#[derive(Debug, Clone, Serialize)]
+pub struct Sample {
+    pub t_ms: u64,
+    /// Mean utilisation of the GPUs running the lane's replicas (leader only: heartbeats go
+    /// there).
+    pub gpu_util_pct: Option<f64>,
+    pub queue_depth: f64,
+    pub in_flight: f64,
+    /// p99 of queue + service time of the requests served in the last few seconds.
+    pub p99_ms: Option<f64>,
+    pub admitted_per_s: f64,
+    /// Refused, throttled and expired per second.
+    pub shed_per_s: f64,
+}
+
+/// A scaling decision of the fast loop, with its reason.
+#[derive(Debug, Clone, Serialize)]
+pub struct Decision {
+    pub at_ms: u64,
+    pub model: String,
+    pub from: usize,
+    pub to: usize,
+    pub reason: String,
+}
+
+#[derive(Default)]
+pub struct History {
+    lanes: Mutex<BTreeMap<String, VecDeque<Sample>>>,
+    /// Last counter totals per lane (admitted, shed), for the rates.
+    last: Mutex<HashMap<String, (u64, u64)>>,
+    decisions: Mutex<VecDeque<Decision>>,
+}
+
+impl History {
+    /// Every lane's samples, oldest first.
+    pub fn lanes(&self) -> BTreeMap<String, Vec<Sample>> {
+        let lanes = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
+        lanes
+            .iter()
+            .map(|(k, v)| (k.clone(), v.iter().cloned().collect()))
+            .collect()
+    }
+
+    /// Records a scaling decision (the leader's fast loop).
+    pub fn decided(&self, d: Decision) {
+        let mut ds = self.decisions.lock().unwrap_or_else(|p| p.into_inner());
+        if ds.len() == DECISIONS_KEPT {
+            ds.pop_front();
+        }
+        ds.push_back(d);
+    }
+
+    /// Scaling decisions, newest first.
+    pub fn decisions(&self) -> Vec<Decision> {
+        let ds = self.decisions.lock().unwrap_or_else(|p| p.into_inner());
+        ds.iter().rev().cloned().collect()
+    }
+
+    /// Takes one sample of every lane.
+    pub fn sample(&self, ctx: &Context, now_ms: u64) {
+        let lanes = ctx.router.lane_status();
+        let latencies = ctx.router.latencies_since(now_ms.saturating_sub(LATENCY_WINDOW_MS));
+        let util = lane_gpu_utilisation(ctx);
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        let mut kept = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
+        for l in &lanes {
+            let counter = |k: &str| l.counters.get(k).and_then(|v| v.as_u64()).unwrap_or(0);
+            let admitted = counter("admitted");
+            let shed = counter("refused") + counter("throttled") + counter("expired");
+            let (prev_admitted, prev_shed) = last
+                .insert(l.class.clone(), (admitted, shed))
+                .unwrap_or((admitted, shed));
+            let sample = Sample {
+                t_ms: now_ms,
+                gpu_util_pct: util.get(&l.class).copied(),
+                queue_depth: l.queue_depth as f64,
+                in_flight: f64::from(l.in_flight),
+                p99_ms: latencies.get(&l.class).and_then(|v| percentile(v, 0.99)),
+                admitted_per_s: admitted.saturating_sub(prev_admitted) as f64,
+                shed_per_s: shed.saturating_sub(prev_shed) as f64,
+            };
+            let q = kept.entry(l.class.clone()).or_default();
+            if q.len() == KEPT {
+                q.pop_front();
+            }
+            q.push_back(sample);
+        }
+        kept.retain(|class, _| lanes.iter().any(|l| &l.class == class));
+    }
+}
+
+/// The `q` quantile (nearest rank) of `values`.
+pub fn percentile(values: &[f64], q: f64) -> Option<f64> {
+    if values.is_empty() {
+        return None;
+    }
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    Some(v[rank - 1])
+}
+
+/// Mean utilisation of the GPUs that run each class's replicas, from the heartbeats this
+/// controller has (none unless it leads).
+fn lane_gpu_utilisation(ctx: &Context) -> HashMap<String, f64> {
+    let seen = ctx.heartbeats.all();
+    if seen.is_empty() {
+        return HashMap::new();
+    }
+    // GPU (or MIG device) UUID → utilisation of its card.
+    let mut util: HashMap<&str, u32> = HashMap::new();
+    for s in seen.values() {
+        for g in &s.gpus {
+            util.insert(&g.uuid, g.utilisation_pct);
+            for m in &g.mig_devices {
+                util.insert(m, g.utilisation_pct);
+            }
+        }
+    }
+    let registry = ctx.sm.registry();
+    let mut sums: HashMap<String, (f64, u32)> = HashMap::new();
+    for r in registry.replicas.values().flatten() {
+        let (Some(model), Some(u)) = (registry.models.get(&r.model), util.get(r.device.as_str())) else {
+            continue;
+        };
+        let e = sums.entry(model.class.clone()).or_default();
+        e.0 += f64::from(*u);
+        e.1 += 1;
+    }
+    sums.into_iter().map(|(c, (sum, n))| (c, sum / f64::from(n))).collect()
+}
+
+/// Samples every lane once a second.
+pub async fn run(ctx: Context) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        ctx.history.sample(&ctx, crate::jobs::unix_ms());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::percentile;
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&v, 0.99), Some(99.0));
+        assert_eq!(percentile(&v, 0.5), Some(50.0));
+        assert_eq!(percentile(&[7.0], 0.99), Some(7.0));
+        assert_eq!(percentile(&[], 0.99), None);
+    }
+}

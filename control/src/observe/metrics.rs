@@ -1,0 +1,215 @@
+//! `/metrics` of a controller, in the OpenMetrics text format: the router's lanes, Raft, the
+//! fleet (nodes, GPUs, heartbeats), replicas and jobs by state, and the fleet's cost rate.
+//!
+//! Everything is read from live state at scrape time. Heartbeats reach only the leader, so the
+//! per-GPU and heartbeat series come from the leader alone (`laneway_raft_is_leader` picks it);
+//! the replicated series (nodes, replicas, jobs, cost) are the same on every member.
+
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::context::Context;
+use crate::fleet::Liveness;
+use crate::ledger::Tier;
+use crate::router::metrics::{register_lanes, Labels};
+
+type F64Gauge = Gauge<f64, AtomicU64>;
+
+fn gauge(registry: &mut Registry, name: &str, help: &str) -> Family<Labels, Gauge> {
+    let f = Family::<Labels, Gauge>::default();
+    registry.register(name, help, f.clone());
+    f
+}
+
+fn gauge_f64(registry: &mut Registry, name: &str, help: &str, unit: Option<Unit>) -> Family<Labels, F64Gauge> {
+    let f = Family::<Labels, F64Gauge>::default();
+    match unit {
+        Some(u) => registry.register_with_unit(name, help, u, f.clone()),
+        None => registry.register(name, help, f.clone()),
+    }
+    f
+}
+
+/// Encodes every series of this controller.
+pub fn render(ctx: &Context) -> Result<String, std::fmt::Error> {
+    let mut root = <Registry>::with_prefix("laneway");
+    register_lanes(
+        root.sub_registry_with_prefix("lane"),
+        &ctx.router.lane_status(),
+        ctx.router.histograms(),
+    );
+    raft(root.sub_registry_with_prefix("raft"), ctx);
+    fleet(&mut root, ctx);
+    let mut out = String::new();
+    encode(&mut out, &root)?;
+    Ok(out)
+}
+
+/// A series without labels.
+fn single(r: &mut Registry, name: &str, help: &str, value: i64) {
+    let g = Gauge::<i64>::default();
+    g.set(value);
+    r.register(name, help, g);
+}
+
+fn raft(r: &mut Registry, ctx: &Context) {
+    let m = ctx.raft.metrics().borrow().clone();
+    single(r, "term", "Current Raft term", m.current_term as i64);
+    single(
+        r,
+        "is_leader",
+        "1 on the leader",
+        i64::from(m.current_leader == Some(ctx.node_id)),
+    );
+    single(
+        r,
+        "leader_id",
+        "Node id of the leader this member knows (0: none)",
+        m.current_leader.unwrap_or(0) as i64,
+    );
+    single(
+        r,
+        "last_log_index",
+        "Index of the last entry in this member's log",
+        m.last_log_index.unwrap_or(0) as i64,
+    );
+    single(
+        r,
+        "applied_index",
+        "Index of the last entry applied to this member's state",
+        m.last_applied.map_or(0, |l| l.index) as i64,
+    );
+    single(
+        r,
+        "snapshot_index",
+        "Index the latest snapshot covers",
+        m.snapshot.map_or(0, |l| l.index) as i64,
+    );
+    let lag = gauge(
+        r,
+        "replication_lag_entries",
+        "Leader only: entries a member's log is behind the leader's",
+    );
+    if let Some(ms) = m.millis_since_quorum_ack {
+        let g = F64Gauge::default();
+        g.set(ms as f64 / 1000.0);
+        r.register_with_unit(
+            "quorum_ack_age",
+            "Leader only: time since a quorum last acknowledged the leader",
+            Unit::Seconds,
+            g,
+        );
+    }
+    let last = m.last_log_index.unwrap_or(0);
+    for (id, matched) in m.replication.iter().flatten() {
+        let behind = last.saturating_sub(matched.map_or(0, |l| l.index));
+        lag.get_or_create(&vec![("member", id.to_string())]).set(behind as i64);
+    }
+}
+
+fn fleet(root: &mut Registry, ctx: &Context) {
+    let seen = ctx.heartbeats.all();
+    let (nodes, pools) = ctx
+        .sm
+        .with_ledger(|ledger, fleet| (fleet.nodes.clone(), crate::ledger::query::fleet_cost(ledger, fleet)));
+    let node_up = gauge(root, "node_up", "1 while the committed liveness of a node is up");
+    let node_cordoned = gauge(root, "node_cordoned", "1 while a node takes no new replicas");
+    let hb_age = gauge_f64(
+        root,
+        "node_heartbeat_age",
+        "Leader only: time since the node's last heartbeat",
+        Some(Unit::Seconds),
+    );
+    let hb_lag = gauge_f64(
+        root,
+        "node_heartbeat_lag",
+        "Leader only: time from the agent sending its last heartbeat to the leader reading it",
+        Some(Unit::Seconds),
+    );
+    let gpu_util = gauge_f64(
+        root,
+        "gpu_utilisation_ratio",
+        "Leader only: GPU utilisation (0-1) as the agent reported it",
+        None,
+    );
+    let gpu_mem_used = gauge(root, "gpu_memory_used_bytes", "Leader only: GPU memory in use");
+    let gpu_mem = gauge(root, "gpu_memory_bytes", "GPU memory");
+    let gpu_healthy = gauge(root, "gpu_healthy", "Leader only: 1 while the GPU reports healthy");
+    let now = tokio::time::Instant::now();
+    for (id, n) in &nodes {
+        let reg = &n.registration;
+        let tier = Tier::of_labels(&reg.labels);
+        let labels = vec![
+            ("node", id.clone()),
+            ("pool", reg.pool.clone()),
+            ("tier", tier.as_str().to_string()),
+        ];
+        node_up
+            .get_or_create(&labels)
+            .set(i64::from(n.liveness == Liveness::Up));
+        node_cordoned.get_or_create(&labels).set(i64::from(n.cordoned));
+        let s = seen.get(id);
+        if let Some(s) = s {
+            let node = vec![("node", id.clone())];
+            hb_age
+                .get_or_create(&node)
+                .set(now.saturating_duration_since(s.at).as_secs_f64());
+            if let Some(lag) = s.lag_ms {
+                hb_lag.get_or_create(&node).set(lag as f64 / 1000.0);
+            }
+        }
+        for g in &reg.gpus {
+            let gl = vec![
+                ("node", id.clone()),
+                ("gpu", g.uuid.clone()),
+                ("product", g.product.clone()),
+            ];
+            gpu_mem.get_or_create(&gl).set(g.memory_bytes as i64);
+            if let Some(gs) = s.and_then(|s| s.gpus.iter().find(|x| x.uuid == g.uuid)) {
+                gpu_util.get_or_create(&gl).set(f64::from(gs.utilisation_pct) / 100.0);
+                gpu_mem_used.get_or_create(&gl).set(gs.memory_used_bytes as i64);
+                gpu_healthy.get_or_create(&gl).set(i64::from(gs.healthy));
+            }
+        }
+    }
+    let replicas = gauge(root, "replicas", "Replicas by model and state, as agents reported them");
+    let jobs = gauge(root, "jobs", "Durable jobs by class and state");
+    ctx.sm.with_jobs(|js, _, registry| {
+        let mut counts: std::collections::BTreeMap<(String, String), i64> = Default::default();
+        for r in registry.replicas.values().flatten() {
+            *counts.entry((r.model.clone(), r.state.clone())).or_default() += 1;
+        }
+        for ((model, state), n) in counts {
+            replicas.get_or_create(&vec![("model", model), ("state", state)]).set(n);
+        }
+        let mut by_state: std::collections::BTreeMap<(String, String), i64> = Default::default();
+        for j in js.jobs.values() {
+            *by_state.entry((j.class.clone(), j.state.to_string())).or_default() += 1;
+        }
+        for ((class, state), n) in by_state {
+            jobs.get_or_create(&vec![("class", class), ("state", state)]).set(n);
+        }
+    });
+    let cost = gauge_f64(
+        root,
+        "pool_cost_usd_per_hour",
+        "What the pool's cards that are up cost per hour at their tier's price",
+        None,
+    );
+    let pool_gpus = gauge(root, "pool_gpus", "GPUs of nodes that are up");
+    let unpriced = gauge(
+        root,
+        "pool_unpriced_gpus",
+        "GPUs whose product has no price on their tier",
+    );
+    for p in pools {
+        let labels = vec![("pool", p.pool), ("tier", p.tier)];
+        cost.get_or_create(&labels).set(p.usd_per_hour);
+        pool_gpus.get_or_create(&labels).set(i64::from(p.gpus));
+        unpriced.get_or_create(&labels).set(i64::from(p.unpriced_gpus));
+    }
+}

@@ -1,0 +1,239 @@
+//! What an operator sees of `laneway-control dev` under load: `/metrics` parsed as
+//! OpenMetrics, and the `/ui` dashboard rendered by a real headless browser.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::harness::free_port;
+
+const BODY: &str = r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1.0]}]}"#;
+
+/// `laneway-control dev` as a new user starts it, stopped with Ctrl-C (SIGINT) on drop so its
+/// simulated replicas are drained.
+struct Dev {
+    child: Child,
+    router: String,
+    key: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Dev {
+    fn start() -> Dev {
+        let dir = tempfile::tempdir().unwrap();
+        let (grpc, http) = (free_port(), free_port());
+        let mut child = Command::new(env!("CARGO_BIN_EXE_laneway-control"))
+            .args(["dev", "--listen", &format!("127.0.0.1:{grpc}")])
+            .args(["--router-listen", &format!("127.0.0.1:{http}")])
+            .args(["--data-dir", dir.path().to_str().unwrap()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut key = None;
+        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        for line in lines.map_while(Result::ok) {
+            if let Some(k) = line.trim().strip_prefix("tenant dev key:") {
+                key = Some(k.trim().to_string());
+            }
+            if line.starts_with("Press Ctrl-C") {
+                break;
+            }
+        }
+        Dev {
+            child,
+            router: format!("http://127.0.0.1:{http}"),
+            key: key.expect("dev mode printed the dev tenant's key"),
+            _dir: dir,
+        }
+    }
+
+    /// Sends requests to `models` from a few clients until the returned flag is set.
+    fn load(&self, models: &[&'static str]) -> Arc<AtomicBool> {
+        let stop = Arc::new(AtomicBool::new(false));
+        for (i, model) in models.iter().cycle().take(6).enumerate() {
+            let (url, key, stop) = (
+                format!("{}/v2/models/{model}/infer", self.router),
+                self.key.clone(),
+                stop.clone(),
+            );
+            tokio::spawn(async move {
+                let http = reqwest::Client::new();
+                while !stop.load(Ordering::Relaxed) {
+                    let _ = http.post(&url).bearer_auth(&key).body(BODY).send().await;
+                    tokio::time::sleep(Duration::from_millis(20 + i as u64 * 5)).await;
+                }
+            });
+        }
+        stop
+    }
+}
+
+impl Drop for Dev {
+    fn drop(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT);
+        // Up to 10 s for the replicas to drain.
+        for _ in 0..100 {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn get(url: &str) -> String {
+    let r = reqwest::get(url).await.unwrap();
+    assert_eq!(r.status(), 200, "GET {url}");
+    r.text().await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_parse_as_openmetrics_and_carry_the_lane_series() {
+    let dev = Dev::start();
+    let http = reqwest::Client::new();
+    let mut served = 0;
+    for _ in 0..40 {
+        let r = http
+            .post(format!("{}/v2/models/whisper/infer", dev.router))
+            .bearer_auth(&dev.key)
+            .body(BODY)
+            .send()
+            .await
+            .unwrap();
+        served += u64::from(r.status() == 200);
+    }
+    assert!(served > 0);
+    let text = get(&format!("{}/metrics", dev.router)).await;
+    let parsed = openmetrics_parser::openmetrics::parse_openmetrics(&text)
+        .unwrap_or_else(|e| panic!("/metrics is not valid OpenMetrics ({e:?}):\n{text}"));
+    for family in [
+        "laneway_lane_queue_depth",
+        "laneway_lane_expected_wait_seconds",
+        "laneway_lane_in_flight",
+        "laneway_lane_requests",
+        "laneway_lane_queue_seconds",
+        "laneway_lane_service_seconds",
+        "laneway_lane_overload_level",
+        "laneway_replicas",
+        "laneway_raft_term",
+        "laneway_raft_applied_index",
+        "laneway_node_heartbeat_age_seconds",
+        "laneway_gpu_utilisation_ratio",
+        "laneway_gpu_memory_used_bytes",
+        "laneway_pool_cost_usd_per_hour",
+    ] {
+        assert!(parsed.families.contains_key(family), "no {family} in:\n{text}");
+    }
+    // The speech lane's completions and its service-time histogram count what was served.
+    let completed =
+        format!("laneway_lane_requests_total{{class=\"speech\",lane=\"sync\",outcome=\"completed\"}} {served}");
+    assert!(text.contains(&completed), "{completed} not in:\n{text}");
+    let count = format!("laneway_lane_service_seconds_count{{class=\"speech\",lane=\"sync\"}} {served}");
+    assert!(text.contains(&count), "{count} not in:\n{text}");
+    // The dev fleet's H100 pool: 4 cards on-demand at $3.50.
+    assert!(
+        text.contains("laneway_pool_cost_usd_per_hour{pool=\"h100\",tier=\"on-demand\"} 14.0"),
+        "{text}"
+    );
+}
+
+/// Debian's `chromium` (installed by .ci/run). Without it the test fails in CI and is skipped,
+/// saying so, on a developer's machine.
+fn browser() -> Option<PathBuf> {
+    let found = ["chromium", "chromium-browser", "google-chrome"].iter().find_map(|b| {
+        std::env::var_os("PATH")?
+            .to_str()?
+            .split(':')
+            .map(|d| PathBuf::from(d).join(b))
+            .find(|p| p.exists())
+    });
+    if found.is_none() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "chromium is not installed; .ci/run installs it (apt-get install chromium)"
+        );
+        eprintln!("SKIPPED: no chromium on PATH (apt-get install chromium) to render /ui");
+    }
+    found
+}
+
+fn headless(browser: &PathBuf, url: &str, extra: &[&str]) -> std::process::Output {
+    let profile = tempfile::tempdir().unwrap();
+    Command::new(browser)
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--window-size=1400,2400",
+            "--enable-logging=stderr",
+            "--v=0",
+        ])
+        .arg(format!("--user-data-dir={}", profile.path().display()))
+        .args(extra)
+        .arg(url)
+        .output()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_renders_in_a_headless_browser_under_load() {
+    let Some(browser) = browser() else { return };
+    let dev = Dev::start();
+    let stop = dev.load(&["whisper", "sdxl"]);
+    // Long enough for a usage report to reach the ledger and the charts to have a history.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let url = format!("{}/ui", dev.router);
+    let shot = tempfile::tempdir().unwrap();
+    let png = shot.path().join("ui.png");
+    let (dom, screenshot) = tokio::task::spawn_blocking({
+        let (browser, url, png) = (browser.clone(), url.clone(), png.clone());
+        move || {
+            let dom = headless(&browser, &url, &["--dump-dom"]);
+            let shot = headless(&browser, &url, &[&format!("--screenshot={}", png.display())]);
+            (dom, shot)
+        }
+    })
+    .await
+    .unwrap();
+    stop.store(true, Ordering::Relaxed);
+    assert!(dom.status.success(), "{}", String::from_utf8_lossy(&dom.stderr));
+    let html = String::from_utf8_lossy(&dom.stdout);
+    let logs = format!(
+        "{}{}",
+        String::from_utf8_lossy(&dom.stderr),
+        String::from_utf8_lossy(&screenshot.stderr)
+    );
+    // The page runs no script: any console message is an error.
+    let console: Vec<&str> = logs.lines().filter(|l| l.contains(":CONSOLE")).collect();
+    assert!(console.is_empty(), "console messages: {console:?}");
+    // The lanes, each with its charts.
+    for lane in ["speech", "image", "video"] {
+        assert!(
+            html.contains(&format!("class=\"lane\" data-lane=\"{lane}\"")),
+            "no {lane} lane:\n{html}"
+        );
+    }
+    assert!(html.matches("<svg").count() >= 12, "charts missing:\n{html}");
+    // The ledger, with traffic share beside cost share and the load's models in it.
+    assert!(html.contains("id=\"ledger\"") && html.contains("traffic share") && html.contains("cost share"));
+    assert!(html.contains("whisper@1"), "the ledger has not filled:\n{html}");
+    // The GPU layout, with the MIG-split H100 drawn as its slices.
+    assert!(html.matches("data-gpu=").count() >= 8, "{html}");
+    assert!(html.contains("data-mig-profile=\"3g.40gb\""), "{html}");
+    assert!(html.contains("data-mig-profile=\"2g.20gb\""), "{html}");
+    assert!(html.contains("id=\"jobs\"") && html.contains("id=\"decisions\""));
+    let png = std::fs::read(&png).unwrap_or_default();
+    assert!(
+        png.starts_with(b"\x89PNG") && png.len() > 20_000,
+        "screenshot missing or blank ({} bytes)",
+        png.len()
+    );
+}
