@@ -70,6 +70,7 @@ utilisation_target_pct = 60
 warm_floor = 2
 protection_rank = 0
 request_timeout_ms = 5000
+slo_p99_ms = 1000
 
 [[class]]
 name = "image"
@@ -79,6 +80,7 @@ budget_ms = 2000
 warm_floor = 1
 protection_rank = 1
 request_timeout_ms = 20000
+slo_p99_ms = 8000
 degraded = { budget_ms = 4000, parameters = { resolution = "512" } }
 
 [[class]]

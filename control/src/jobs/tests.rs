@@ -397,6 +397,7 @@ fn durable_fleet(nodes: usize) -> AppState {
             protection_rank: 2,
             request_timeout_ms: Millis::from_ms(120_000.0),
             degraded: None,
+            slo_p99_ms: None,
         })
         .unwrap();
     s.registry

@@ -122,7 +122,7 @@ pub fn percentile(values: &[f64], q: f64) -> Option<f64> {
 
 /// Mean utilisation of the GPUs that run each class's replicas, from the heartbeats this
 /// controller has (none unless it leads).
-fn lane_gpu_utilisation(ctx: &Context) -> HashMap<String, f64> {
+pub fn lane_gpu_utilisation(ctx: &Context) -> HashMap<String, f64> {
     let seen = ctx.heartbeats.all();
     if seen.is_empty() {
         return HashMap::new();

@@ -37,11 +37,21 @@ fn gauge_f64(registry: &mut Registry, name: &str, help: &str, unit: Option<Unit>
 /// Encodes every series of this controller.
 pub fn render(ctx: &Context) -> Result<String, std::fmt::Error> {
     let mut root = <Registry>::with_prefix("laneway");
-    register_lanes(
-        root.sub_registry_with_prefix("lane"),
-        &ctx.router.lane_status(),
-        ctx.router.histograms(),
+    let lanes = ctx.router.lane_status();
+    let lane_registry = root.sub_registry_with_prefix("lane");
+    register_lanes(lane_registry, &lanes, ctx.router.histograms());
+    let util = gauge_f64(
+        lane_registry,
+        "gpu_utilisation_ratio",
+        "Leader only: mean utilisation (0-1) of the GPUs running the lane's replicas",
+        None,
     );
+    for (class, u) in super::history::lane_gpu_utilisation(ctx) {
+        if let Some(l) = lanes.iter().find(|l| l.class == class) {
+            util.get_or_create(&vec![("class", class), ("lane", l.lane.clone())])
+                .set(u / 100.0);
+        }
+    }
     raft(root.sub_registry_with_prefix("raft"), ctx);
     fleet(&mut root, ctx);
     let mut out = String::new();
@@ -187,6 +197,16 @@ fn fleet(root: &mut Registry, ctx: &Context) {
             replicas.get_or_create(&vec![("model", model), ("state", state)]).set(n);
         }
         let mut by_state: std::collections::BTreeMap<(String, String), i64> = Default::default();
+        // Every state of every durable class, zero included: a panel shows 0, not "no data".
+        for c in registry
+            .classes
+            .values()
+            .filter(|c| c.lane == crate::registry::LaneKind::Durable)
+        {
+            for state in crate::jobs::JobState::ALL {
+                by_state.insert((c.name.clone(), state.to_string()), 0);
+            }
+        }
         for j in js.jobs.values() {
             *by_state.entry((j.class.clone(), j.state.to_string())).or_default() += 1;
         }

@@ -203,6 +203,7 @@ mod tests {
             protection_rank: rank,
             request_timeout_ms: Millis::from_ms(1000.0),
             degraded: None,
+            slo_p99_ms: None,
         }
     }
 

@@ -112,6 +112,11 @@ pub struct Class {
     /// What the lane switches to under overload (bounded lanes).
     #[serde(default)]
     pub degraded: Option<Degraded>,
+    /// Latency objective: p99 of end-to-end time (queue + service) of answered requests.
+    /// Exported as `laneway_lane_slo_p99_seconds`; the alert rules in deploy/prometheus page
+    /// on it. Durable lanes have none (their jobs are measured in GPU-seconds, not latency).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slo_p99_ms: Option<Millis>,
 }
 
 fn default_target() -> u32 {
@@ -307,6 +312,20 @@ impl Class {
         }
         if self.request_timeout_ms.0 == 0 {
             return Err(format!("class {n}: request_timeout_ms must be > 0"));
+        }
+        if let Some(slo) = self.slo_p99_ms {
+            if self.lane == LaneKind::Durable {
+                return Err(format!(
+                    "class {n}: a durable lane has no latency objective (jobs are not waited on); remove slo_p99_ms"
+                ));
+            }
+            if slo.0 == 0 || slo > self.request_timeout_ms {
+                return Err(format!(
+                    "class {n}: slo_p99_ms = {}: give more than 0 and at most request_timeout_ms ({})",
+                    slo.as_ms(),
+                    self.request_timeout_ms.as_ms()
+                ));
+            }
         }
         if let Some(d) = &self.degraded {
             if self.lane != LaneKind::Bounded {
@@ -532,7 +551,32 @@ mod tests {
             protection_rank: 0,
             request_timeout_ms: Millis::from_ms(1000.0),
             degraded: None,
+            slo_p99_ms: None,
         }
+    }
+
+    #[test]
+    fn a_latency_objective_must_fit_the_timeout_and_a_durable_lane_has_none() {
+        let with = |lane, budget, slo: f64| Class {
+            slo_p99_ms: Some(Millis::from_ms(slo)),
+            ..class("c", lane, budget)
+        };
+        assert!(with(LaneKind::Sync, 0.0, 500.0).validate().is_ok());
+        assert!(with(LaneKind::Sync, 0.0, 2000.0)
+            .validate()
+            .unwrap_err()
+            .contains("at most request_timeout_ms"));
+        assert!(with(LaneKind::Durable, 100.0, 500.0)
+            .validate()
+            .unwrap_err()
+            .contains("no latency objective"));
+        // An older binary must not be handed a class it cannot read.
+        let put = crate::command::Command::PutClass(with(LaneKind::Sync, 0.0, 500.0));
+        assert_eq!(put.format(), 5);
+        assert_eq!(
+            crate::command::Command::PutClass(class("c", LaneKind::Sync, 0.0)).format(),
+            2
+        );
     }
 
     fn model(name: &str, class: &str) -> Model {

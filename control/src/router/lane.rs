@@ -214,6 +214,9 @@ pub struct LaneStatus {
     /// throughput (the number shedding uses).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub jobs: Option<serde_json::Value>,
+    /// The class's latency objective (p99, ms), if it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slo_p99_ms: Option<f64>,
 }
 
 impl LaneState {

@@ -26,6 +26,8 @@ fn latency_histogram() -> Histogram {
 pub struct LaneHistograms {
     queue: Family<Labels, Histogram, fn() -> Histogram>,
     service: Family<Labels, Histogram, fn() -> Histogram>,
+    /// Queue + service of answered requests: what the latency objective is about.
+    request: Family<Labels, Histogram, fn() -> Histogram>,
 }
 
 impl Default for LaneHistograms {
@@ -33,6 +35,7 @@ impl Default for LaneHistograms {
         LaneHistograms {
             queue: Family::new_with_constructor(latency_histogram),
             service: Family::new_with_constructor(latency_histogram),
+            request: Family::new_with_constructor(latency_histogram),
         }
     }
 }
@@ -44,6 +47,9 @@ impl LaneHistograms {
         // Only requests a replica worked on have a service time.
         if rec.replica.is_some() {
             self.service.get_or_create(&labels).observe(rec.service_ms / 1000.0);
+            self.request
+                .get_or_create(&labels)
+                .observe((rec.queue_ms + rec.service_ms) / 1000.0);
         }
     }
 }
@@ -92,6 +98,18 @@ pub fn register_lanes(registry: &mut Registry, lanes: &[LaneStatus], histograms:
         "Time from dispatch to the replica's answer",
         histograms.service.clone(),
     );
+    registry.register(
+        "request_seconds",
+        "Queue + service time of requests a replica answered (the latency objective's measure)",
+        histograms.request.clone(),
+    );
+    let slo = Family::<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+    registry.register_with_unit(
+        "slo_p99",
+        "The lane's latency objective: p99 of request_seconds",
+        Unit::Seconds,
+        slo.clone(),
+    );
     for l in lanes {
         let labels = vec![("class", l.class.clone()), ("lane", l.lane.clone())];
         let values = [
@@ -103,6 +121,9 @@ pub fn register_lanes(registry: &mut Registry, lanes: &[LaneStatus], histograms:
         ];
         for (g, v) in gauges.iter().zip(values) {
             g.get_or_create(&labels).set(v);
+        }
+        if let Some(ms) = l.slo_p99_ms {
+            slo.get_or_create(&labels).set(ms / 1000.0);
         }
         if let Some(rate) = l.drain_per_s.filter(|r| *r > 0.0) {
             expected_wait.get_or_create(&labels).set(l.queue_depth as f64 / rate);
@@ -147,6 +168,7 @@ mod tests {
             counters: serde_json::json!({"admitted": 5, "refused": 7}),
             level_for_s: 1.0,
             jobs: None,
+            slo_p99_ms: Some(2000.0),
         };
         let text = render(&[status], &LaneHistograms::default()).unwrap();
         assert!(

@@ -659,6 +659,7 @@ impl Router {
                     ready_replicas: ready,
                     counters: serde_json::to_value(s.counters).unwrap_or_default(),
                     level_for_s: now.saturating_duration_since(s.overload.changed_at).as_secs_f64(),
+                    slo_p99_ms: class.slo_p99_ms.map(|m| m.as_ms()),
                 })
             })
             .collect();
@@ -691,6 +692,7 @@ mod tests {
                 parameters: [("resolution".to_string(), "512".to_string())].into(),
             })
             .filter(|_| lane == LaneKind::Bounded),
+            slo_p99_ms: None,
         })
     }
 

@@ -277,6 +277,7 @@ pub fn test_fixture() -> (Fleet, Registry) {
         protection_rank: 0,
         request_timeout_ms: Millis::from_ms(1000.0),
         degraded: None,
+        slo_p99_ms: None,
     })
     .unwrap();
     reg.put_model(&Model {

@@ -266,6 +266,7 @@ mod tests {
             protection_rank: 0,
             request_timeout_ms: Millis::from_ms(1000.0),
             degraded: None,
+            slo_p99_ms: None,
         })
         .unwrap();
         let profile = |gb| Profile {

@@ -142,26 +142,91 @@ async fn metrics_parse_as_openmetrics_and_carry_the_lane_series() {
         text.contains("laneway_pool_cost_usd_per_hour{pool=\"h100\",tier=\"on-demand\"} 14.0"),
         "{text}"
     );
+    // Every series the shipped dashboard and alert rules use is one a controller exports.
+    for file in [
+        "deploy/grafana/laneway-dashboard.json",
+        "deploy/prometheus/laneway-rules.yml",
+    ] {
+        let path = repo_root().join(file);
+        let content = std::fs::read_to_string(&path).unwrap();
+        let names = metric_names(&content);
+        assert!(names.len() >= 4, "{file}: {names:?}");
+        for name in names {
+            let family = ["_bucket", "_count", "_sum", "_total"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s))
+                .unwrap_or(&name);
+            assert!(
+                parsed.families.contains_key(family) || parsed.families.contains_key(name.as_str()),
+                "{file} uses {name}, which no controller exports"
+            );
+        }
+    }
 }
 
-/// Debian's `chromium` (installed by .ci/run). Without it the test fails in CI and is skipped,
-/// saying so, on a developer's machine.
-fn browser() -> Option<PathBuf> {
-    let found = ["chromium", "chromium-browser", "google-chrome"].iter().find_map(|b| {
-        std::env::var_os("PATH")?
-            .to_str()?
+fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// Every `laneway_…` series name in a file.
+fn metric_names(text: &str) -> std::collections::BTreeSet<String> {
+    let mut out = std::collections::BTreeSet::new();
+    let mut rest = text;
+    while let Some(i) = rest.find("laneway_") {
+        let before = rest[..i].chars().next_back();
+        let tail = &rest[i..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(tail.len());
+        // Skip words that merely contain it (e.g. a file name).
+        if !before.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '/') {
+            out.insert(tail[..end].to_string());
+        }
+        rest = &tail[end..];
+    }
+    out
+}
+
+/// Debian's `promtool` (installed by .ci/run with the prometheus package). Without it the
+/// test fails in CI and is skipped, saying so, elsewhere.
+fn tool(name: &str, package: &str) -> Option<PathBuf> {
+    let found = std::env::var_os("PATH").and_then(|p| {
+        p.to_str()?
             .split(':')
-            .map(|d| PathBuf::from(d).join(b))
+            .map(|d| PathBuf::from(d).join(name))
             .find(|p| p.exists())
     });
     if found.is_none() {
         assert!(
             std::env::var_os("CI").is_none(),
-            "chromium is not installed; .ci/run installs it (apt-get install chromium)"
+            "{name} is not installed; .ci/run installs it (apt-get install {package})"
         );
-        eprintln!("SKIPPED: no chromium on PATH (apt-get install chromium) to render /ui");
+        eprintln!("SKIPPED: no {name} on PATH (apt-get install {package})");
     }
     found
+}
+
+#[test]
+fn the_alert_rules_are_valid_and_fire_on_the_symptoms_they_name() {
+    let Some(promtool) = tool("promtool", "prometheus") else {
+        return;
+    };
+    let dir = repo_root().join("deploy/prometheus");
+    for args in [
+        ["check", "rules", "laneway-rules.yml"],
+        ["test", "rules", "laneway-rules.test.yml"],
+    ] {
+        let out = Command::new(&promtool).args(args).current_dir(&dir).output().unwrap();
+        assert!(
+            out.status.success(),
+            "promtool {args:?}:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }
 
 fn headless(browser: &PathBuf, url: &str, extra: &[&str]) -> std::process::Output {
@@ -185,7 +250,9 @@ fn headless(browser: &PathBuf, url: &str, extra: &[&str]) -> std::process::Outpu
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboard_renders_in_a_headless_browser_under_load() {
-    let Some(browser) = browser() else { return };
+    let Some(browser) = tool("chromium", "chromium") else {
+        return;
+    };
     let dev = Dev::start();
     let stop = dev.load(&["whisper", "sdxl"]);
     // Long enough for a usage report to reach the ledger and the charts to have a history.

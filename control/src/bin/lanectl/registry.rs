@@ -58,6 +58,10 @@ pub struct LaneSetArgs {
     /// Request parameter set while degraded, `key=value` (repeatable), e.g. resolution=512.
     #[arg(long, value_parser = key_value)]
     degraded_param: Vec<(String, String)>,
+    /// Latency objective: p99 of queue + service time, ms (sync and bounded lanes); 0 removes
+    /// it. The alert rules in deploy/prometheus page when it burns.
+    #[arg(long)]
+    slo_p99_ms: Option<f64>,
 }
 
 #[derive(Subcommand)]
@@ -284,6 +288,9 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
                     c.protection_rank,
                     c.request_timeout_ms.as_ms()
                 );
+                if let Some(slo) = c.slo_p99_ms {
+                    t.push_str(&format!("  objective p99 {} ms", slo.as_ms()));
+                }
                 if let Some(d) = &c.degraded {
                     t.push_str(&format!(
                         "\ndegraded: budget {} ms, parameters {:?}",
@@ -364,6 +371,7 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
                     protection_rank: 0,
                     request_timeout_ms: Millis::from_ms(30_000.0),
                     degraded: None,
+                    slo_p99_ms: None,
                 },
                 (None, None) => anyhow::bail!("class {} is new: give --lane sync|bounded|durable", a.class),
             };
@@ -378,6 +386,9 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
             }
             if let Some(v) = a.warm_floor {
                 c.warm_floor = v;
+            }
+            if let Some(v) = a.slo_p99_ms {
+                c.slo_p99_ms = (v > 0.0).then(|| Millis::from_ms(v));
             }
             if let Some(v) = a.rank {
                 c.protection_rank = v;
