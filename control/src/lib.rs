@@ -24,4 +24,5 @@ pub mod router;
 pub mod scheduler;
 pub mod server;
 pub mod store;
+pub mod telemetry;
 pub mod typ;

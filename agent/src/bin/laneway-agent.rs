@@ -7,10 +7,14 @@ use clap::{Parser, Subcommand, ValueEnum};
 use laneway_agent::gpu::nvml::NvmlBackend;
 use laneway_agent::gpu::sim::SimBackend;
 use laneway_agent::gpu::{Gpu, GpuBackend, GpuError};
+use laneway_agent::logging::LogFormat;
 
 #[derive(Parser)]
 #[command(name = "laneway-agent", version, about = "Laneway node agent")]
 struct Cli {
+    /// Log lines as text or JSON (one object per line); the filter is LANEWAY_LOG.
+    #[arg(long, env = "LANEWAY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Cmd,
 }
@@ -72,7 +76,7 @@ struct RunArgs {
     results_store: Option<String>,
 }
 
-fn run_agent(args: RunArgs) -> ExitCode {
+fn run_agent(args: RunArgs, log_format: LogFormat) -> ExitCode {
     let mut file = match &args.config {
         Some(p) => match laneway_agent::config::read_file(p) {
             Ok(f) => f,
@@ -117,10 +121,11 @@ fn run_agent(args: RunArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("LANEWAY_LOG").unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        .init();
+    let filter = std::env::var("LANEWAY_LOG").unwrap_or_else(|_| "info".into());
+    if let Err(e) = laneway_agent::logging::init(&filter, log_format) {
+        eprintln!("laneway-agent: {e}");
+        return ExitCode::from(2);
+    }
     let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
     rt.block_on(async move {
         let backend: std::sync::Arc<dyn GpuBackend> = match &cfg.backend {
@@ -156,7 +161,7 @@ fn run_agent(args: RunArgs) -> ExitCode {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Cmd::Run(args) => run_agent(args),
+        Cmd::Run(args) => run_agent(args, cli.log_format),
         Cmd::Gpus {
             backend,
             sim_config,

@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 use laneway_control::config::RunArgs;
 use laneway_control::dev::{self, DevArgs, DevError};
 use laneway_control::server;
+use laneway_control::telemetry::{self, LogFormat};
 
 /// mimalloc instead of glibc's malloc: the controller allocates and frees many small buffers
 /// per request across its worker threads, where glibc's arenas spent about a fifth of the CPU
@@ -23,6 +24,10 @@ struct Cli {
     /// Log filter (tracing EnvFilter syntax), e.g. `info,openraft=warn`.
     #[arg(long, env = "LANEWAY_LOG", default_value = "info,openraft=warn", global = true)]
     log: String,
+    /// Log lines as text or JSON (one object per line). Traces go over OTLP when
+    /// OTEL_EXPORTER_OTLP_ENDPOINT is set.
+    #[arg(long, env = "LANEWAY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Cmd,
 }
@@ -37,11 +42,14 @@ enum Cmd {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    // Kept to the end of main: dropping it flushes the spans not yet exported.
+    let _telemetry = match telemetry::init("laneway-control", &cli.log, cli.log_format) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("laneway-control: {e}");
+            return ExitCode::from(2);
+        }
+    };
     // Validate configuration before starting the runtime, binding ports or opening files.
     let run_cfg = match &cli.command {
         Cmd::Run(args) => match args.resolve() {

@@ -388,9 +388,39 @@ fn degrade(body: &[u8], params: &std::collections::BTreeMap<String, String>) -> 
     serde_json::to_vec(&v).map(Bytes::from).map_err(|e| e.to_string())
 }
 
+/// `POST /v2/models/{model}/infer`, in a span that continues the client's W3C trace and that
+/// the dispatch to the replica continues (exported when traces are configured).
 async fn infer(
     State(router): State<Arc<Router>>,
     Path(model): Path<String>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let span = tracing::debug_span!(
+        target: "laneway_trace",
+        "infer",
+        model = %model,
+        status = tracing::field::Empty,
+        otel.kind = "server"
+    );
+    if span.is_disabled() {
+        return serve_infer(router, model, headers, body).await;
+    }
+    {
+        use tracing_opentelemetry::OpenTelemetrySpanExt;
+        let parent = opentelemetry::global::get_text_map_propagator(|p| {
+            p.extract(&opentelemetry_http::HeaderExtractor(&headers))
+        });
+        let _ = span.set_parent(parent);
+    }
+    let resp = tracing::Instrument::instrument(serve_infer(router, model, headers, body), span.clone()).await;
+    span.record("status", resp.status().as_u16());
+    resp
+}
+
+async fn serve_infer(
+    router: Arc<Router>,
+    model: String,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
@@ -657,11 +687,126 @@ mod tests {
         );
     }
 
+    /// A router whose table has `whisper` (tenant key `k`) on node n1's replicas at `replicas`.
+    fn router_with(replicas: &[(&str, SocketAddr)]) -> (Arc<Router>, tempfile::TempDir) {
+        use crate::registry::{ReplicaRecord, Tenant};
+        let (fleet, mut reg) = super::super::table::test_fixture();
+        reg.create_tenant(&Tenant {
+            name: "t".into(),
+            key_sha256: hash_key("k"),
+            limits: Default::default(),
+        })
+        .unwrap();
+        let records: Vec<ReplicaRecord> = replicas
+            .iter()
+            .map(|(id, addr)| ReplicaRecord {
+                id: id.to_string(),
+                model: "whisper".into(),
+                device: "GPU-1".into(),
+                state: "ready".into(),
+                endpoint: addr.to_string(),
+            })
+            .collect();
+        reg.set_node_replicas("n1", &records);
+        let dir = tempfile::tempdir().unwrap();
+        let router = Router::new(crate::store::StateMachineStore::open(dir.path()).unwrap());
+        router.install(super::super::table::build(&fleet, &reg, &Default::default()));
+        (router, dir)
+    }
+
+    /// With traces exported, the router continues the client's W3C trace and hands the replica
+    /// its dispatch span as the parent; without, the client's traceparent reaches the replica
+    /// as it came.
+    #[tokio::test(flavor = "current_thread")]
+    async fn the_replica_continues_the_clients_trace_through_the_router() {
+        use opentelemetry::trace::TracerProvider as _;
+        use tracing_subscriber::layer::SubscriberExt;
+        use tracing_subscriber::Layer;
+
+        opentelemetry::global::set_text_map_propagator(opentelemetry_sdk::propagation::TraceContextPropagator::new());
+        let exporter = opentelemetry_sdk::trace::InMemorySpanExporter::default();
+        let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
+            .with_simple_exporter(exporter.clone())
+            .build();
+        let otel = tracing_opentelemetry::layer()
+            .with_tracer(provider.tracer("test"))
+            .with_filter(
+                tracing_subscriber::filter::Targets::new()
+                    .with_target(crate::telemetry::TRACE_TARGET, tracing::Level::DEBUG),
+            );
+        let tracing_on = tracing::subscriber::set_default(tracing_subscriber::registry().with(otel));
+
+        // A replica that remembers the traceparent it was sent.
+        let seen = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+        let replica = axum::Router::new().route(
+            "/v2/models/whisper/infer",
+            post({
+                let seen = seen.clone();
+                move |h: HeaderMap| async move {
+                    let tp = h.get("traceparent").and_then(|v| v.to_str().ok()).unwrap_or("-");
+                    seen.lock().unwrap().push(tp.to_string());
+                    (StatusCode::OK, [("x-laneway-gpu-ms", "1.0")], "{\"outputs\":[]}")
+                }
+            }),
+        );
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(l, replica).await });
+        let (router, _dir) = router_with(&[("live", addr)]);
+        let server = serve(
+            router,
+            axum::Router::new(),
+            TcpListener::bind("127.0.0.1:0").await.unwrap(),
+            &RouterSettings::default(),
+        )
+        .unwrap();
+        let (trace, client_span) = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7");
+        let incoming = format!("00-{trace}-{client_span}-01");
+        let send = || {
+            reqwest::Client::new()
+                .post(format!("http://{}/v2/models/whisper/infer", server.addr))
+                .bearer_auth("k")
+                .header("traceparent", &incoming)
+                .body(r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#)
+                .send()
+        };
+        assert_eq!(send().await.unwrap().status(), 200);
+        let sent = seen.lock().unwrap()[0].clone();
+        let parts: Vec<&str> = sent.split('-').collect();
+        assert_eq!(parts.len(), 4, "{sent}");
+        assert_eq!(parts[1], trace, "the replica is in the client's trace");
+        provider.force_flush().unwrap();
+        let spans = exporter.get_finished_spans().unwrap();
+        let span = |name: &str| {
+            spans
+                .iter()
+                .find(|s| s.name == name)
+                .unwrap_or_else(|| panic!("no {name} span in {spans:?}"))
+        };
+        let (infer, dispatch) = (span("infer"), span("dispatch"));
+        assert_eq!(infer.span_context.trace_id().to_string(), trace);
+        assert_eq!(infer.parent_span_id.to_string(), client_span);
+        assert_eq!(dispatch.parent_span_id, infer.span_context.span_id());
+        assert_eq!(
+            parts[2],
+            dispatch.span_context.span_id().to_string(),
+            "the replica's parent is the dispatch"
+        );
+
+        drop(tracing_on);
+        assert_eq!(send().await.unwrap().status(), 200);
+        assert_eq!(
+            seen.lock().unwrap()[1],
+            incoming,
+            "passed through untouched when tracing is off"
+        );
+        server.stop().await;
+    }
+
     /// A replica whose port is closed never received the request: it is retried on another
     /// replica and the dead one is skipped from then on.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_request_that_never_reached_its_replica_is_retried_elsewhere() {
-        use crate::registry::{ReplicaRecord, Tenant};
         use laneway_agent::sim_model::{self, SimModelConfig};
 
         let sim = sim_model::app(SimModelConfig {
@@ -681,25 +826,7 @@ mod tests {
             .local_addr()
             .unwrap();
 
-        let (fleet, mut reg) = super::super::table::test_fixture();
-        reg.create_tenant(&Tenant {
-            name: "t".into(),
-            key_sha256: hash_key("k"),
-            limits: Default::default(),
-        })
-        .unwrap();
-        let replica = |id: &str, addr: SocketAddr| ReplicaRecord {
-            id: id.into(),
-            model: "whisper".into(),
-            device: "GPU-1".into(),
-            state: "ready".into(),
-            endpoint: addr.to_string(),
-        };
-        reg.set_node_replicas("n1", &[replica("dead", dead), replica("live", live)]);
-
-        let dir = tempfile::tempdir().unwrap();
-        let router = Router::new(crate::store::StateMachineStore::open(dir.path()).unwrap());
-        router.install(super::super::table::build(&fleet, &reg, &Default::default()));
+        let (router, _dir) = router_with(&[("dead", dead), ("live", live)]);
         let lane = router.table().models["whisper"].lane.clone();
         // One request already on the live replica: power of two choices now prefers the dead one.
         let table = router.table();

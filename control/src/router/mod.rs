@@ -510,11 +510,29 @@ impl Router {
         traceparent: Option<&HeaderValue>,
         timeout: Duration,
     ) -> Result<Forwarded, ForwardError> {
+        let span =
+            tracing::debug_span!(target: "laneway_trace", "dispatch", replica = %slot.name, otel.kind = "client");
         let mut req = hyper::Request::post(slot.infer_uri.clone())
             .header(CONTENT_TYPE, "application/json")
             .header("x-request-id", request_id);
-        if let Some(tp) = traceparent {
-            req = req.header("traceparent", tp);
+        // The replica continues this dispatch's span when traces are exported, else the
+        // client's trace as it came.
+        let mut trace_headers = hyper::HeaderMap::new();
+        if !span.is_disabled() {
+            use tracing_opentelemetry::OpenTelemetrySpanExt;
+            let cx = span.context();
+            opentelemetry::global::get_text_map_propagator(|p| {
+                p.inject_context(&cx, &mut opentelemetry_http::HeaderInjector(&mut trace_headers))
+            });
+        }
+        match (trace_headers.is_empty(), traceparent) {
+            (false, _) => {
+                if let Some(h) = req.headers_mut() {
+                    h.extend(trace_headers);
+                }
+            }
+            (true, Some(tp)) => req = req.header("traceparent", tp),
+            (true, None) => {}
         }
         let req = req
             .body(Full::new(body))
@@ -545,7 +563,7 @@ impl Router {
                 gpu_ms,
             })
         };
-        tokio::time::timeout(timeout, work)
+        tracing::Instrument::instrument(tokio::time::timeout(timeout, work), span)
             .await
             .unwrap_or(Err(ForwardError::Timeout))
     }

@@ -23,9 +23,14 @@ struct Dev {
 
 impl Dev {
     fn start() -> Dev {
+        Dev::start_with(&[])
+    }
+
+    fn start_with(env: &[(&str, &str)]) -> Dev {
         let dir = tempfile::tempdir().unwrap();
         let (grpc, http) = (free_port(), free_port());
         let mut child = Command::new(env!("CARGO_BIN_EXE_laneway-control"))
+            .envs(env.iter().copied())
             .args(["dev", "--listen", &format!("127.0.0.1:{grpc}")])
             .args(["--router-listen", &format!("127.0.0.1:{http}")])
             .args(["--data-dir", dir.path().to_str().unwrap()])
@@ -302,5 +307,61 @@ async fn the_dashboard_renders_in_a_headless_browser_under_load() {
         png.starts_with(b"\x89PNG") && png.len() > 20_000,
         "screenshot missing or blank ({} bytes)",
         png.len()
+    );
+}
+
+/// With OTEL_EXPORTER_OTLP_ENDPOINT set, `laneway-control` exports the router's spans over
+/// OTLP/HTTP, in the client's trace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_are_exported_over_otlp_in_the_clients_trace() {
+    use axum::body::Bytes;
+    let received = Arc::new(std::sync::Mutex::new(Vec::<Bytes>::new()));
+    let collector = axum::Router::new().route(
+        "/v1/traces",
+        axum::routing::post({
+            let received = received.clone();
+            move |body: Bytes| async move {
+                received.lock().unwrap().push(body);
+                axum::http::StatusCode::OK
+            }
+        }),
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(l, collector).await });
+    let dev = Dev::start_with(&[
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
+        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+    ]);
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let r = reqwest::Client::new()
+        .post(format!("{}/v2/models/whisper/infer", dev.router))
+        .bearer_auth(&dev.key)
+        .header("traceparent", format!("00-{trace}-00f067aa0ba902b7-01"))
+        .body(BODY)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    // The trace id travels as 16 raw bytes in the OTLP protobuf.
+    let raw: Vec<u8> = (0..16)
+        .map(|i| u8::from_str_radix(&trace[2 * i..2 * i + 2], 16).unwrap())
+        .collect();
+    let mut found = false;
+    for _ in 0..50 {
+        found = received.lock().unwrap().iter().any(|b| {
+            b.windows(16).any(|w| w == raw.as_slice())
+                && b.windows(b"dispatch".len()).any(|w| w == b"dispatch")
+                && b.windows(b"laneway-control".len()).any(|w| w == b"laneway-control")
+        });
+        if found {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        found,
+        "no exported span of trace {trace} reached the collector ({} posts)",
+        received.lock().unwrap().len()
     );
 }
