@@ -26,6 +26,8 @@ pub struct AgentFile {
     /// Where durable jobs' results are written: a directory shared with the controllers, or
     /// an object-store URL (`s3://bucket/prefix`). Default: `<data_dir>/results`.
     pub results_store: Option<String>,
+    /// `/metrics` for Prometheus: `host:port`, or "off". Default 0.0.0.0:9400.
+    pub metrics_listen: Option<String>,
     #[serde(default)]
     pub gpu: GpuFile,
     /// Static replicas: run whatever the controllers say (like a kubelet's static pods).
@@ -94,7 +96,12 @@ pub struct AgentConfig {
     pub results_store: String,
     pub backend: Backend,
     pub replicas: Vec<StaticReplica>,
+    /// Where `/metrics` is served; `None`: nowhere.
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
+
+/// Default `/metrics` address of an agent.
+pub const DEFAULT_METRICS_LISTEN: &str = "0.0.0.0:9400";
 
 /// An invalid configuration value.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -195,6 +202,16 @@ impl AgentFile {
         let results_store = self
             .results_store
             .unwrap_or_else(|| data_dir.join("results").display().to_string());
+        let metrics_listen = match self.metrics_listen.as_deref().unwrap_or(DEFAULT_METRICS_LISTEN) {
+            "off" => None,
+            a => Some(a.parse().map_err(|_| {
+                bad(
+                    "metrics_listen",
+                    a,
+                    "an IP address and port such as 0.0.0.0:9400, or \"off\"",
+                )
+            })?),
+        };
         Ok(AgentConfig {
             node_id,
             controllers: self.controllers,
@@ -207,6 +224,7 @@ impl AgentFile {
             results_store,
             backend,
             replicas,
+            metrics_listen,
         })
     }
 }

@@ -8,6 +8,7 @@ pub mod config;
 pub mod gpu;
 pub mod jobs;
 pub mod logging;
+pub mod metrics;
 pub mod mig;
 pub mod placed;
 pub mod results;

@@ -31,6 +31,8 @@ pub struct AgentView {
     pub connected_to: Option<String>,
     /// Heartbeats acknowledged by the leader.
     pub acked: u64,
+    /// When the last one was (ms since the epoch; 0: never).
+    pub last_ack_unix_ms: u64,
     pub cordoned: bool,
     pub draining: bool,
     /// The last registration refusal, if the leader refused this node.
@@ -55,12 +57,17 @@ pub struct Agent {
     pub supervisor: Arc<Supervisor>,
     pub view: watch::Receiver<AgentView>,
     task: tokio::task::JoinHandle<()>,
+    /// The `/metrics` listener, when configured.
+    metrics: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Agent {
     /// Stops heartbeating; replicas keep running (as they do when an agent restarts).
     pub fn stop(self) {
         self.task.abort();
+        if let Some(m) = self.metrics {
+            m.abort();
+        }
     }
 }
 
@@ -95,9 +102,33 @@ pub async fn start(cfg: AgentConfig, backend: Arc<dyn GpuBackend>) -> Result<Age
     let results = ResultStore::open(&cfg.results_store)?;
     let jobs = JobRunner::open(&cfg.data_dir, results, supervisor.clone()).map_err(AgentError::Config)?;
     let (view_tx, view) = watch::channel(AgentView::default());
+    let metrics = match cfg.metrics_listen {
+        Some(addr) => Some(
+            crate::metrics::serve(
+                addr,
+                crate::metrics::Sources {
+                    backend: backend.clone(),
+                    supervisor: supervisor.clone(),
+                    view: view.clone(),
+                },
+            )
+            .await
+            .map_err(|e| {
+                AgentError::Config(format!(
+                    "metrics_listen = {addr}: cannot listen ({e}); pick a free port or \"off\""
+                ))
+            })?,
+        ),
+        None => None,
+    };
     let sup = supervisor.clone();
     let task = tokio::spawn(async move { heartbeat_loop(cfg, backend, sup, cache, statics, jobs, view_tx).await });
-    Ok(Agent { supervisor, view, task })
+    Ok(Agent {
+        supervisor,
+        view,
+        task,
+        metrics,
+    })
 }
 
 enum SessionEnd {
@@ -296,6 +327,7 @@ async fn session(
                         }
                         v.connected_to = Some(addr.to_string());
                         v.acked += 1;
+                        v.last_ack_unix_ms = unix_ms();
                         v.cordoned = ds.cordoned;
                         v.draining = ds.draining;
                     });
@@ -366,13 +398,10 @@ fn sup_snapshot(sup: &Supervisor) -> Vec<ReplicaReport> {
     sup.status()
         .into_iter()
         .map(|s| {
-            let (state, last_exit) = match s.state {
-                ReplicaState::Starting => ("starting", String::new()),
-                ReplicaState::Ready => ("ready", String::new()),
-                ReplicaState::Draining => ("draining", String::new()),
-                ReplicaState::Stopped => ("stopped", String::new()),
-                ReplicaState::Backoff { last_exit, .. } => ("backoff", last_exit),
-                ReplicaState::CrashLoop { last_exit, .. } => ("crash_loop", last_exit),
+            let state = s.state.name();
+            let last_exit = match s.state {
+                ReplicaState::Backoff { last_exit, .. } | ReplicaState::CrashLoop { last_exit, .. } => last_exit,
+                _ => String::new(),
             };
             ReplicaReport {
                 id: s.id,
@@ -397,9 +426,7 @@ fn heartbeat(
     Heartbeat {
         node_id: node_id.to_string(),
         sequence,
-        sent_unix_ms: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64),
+        sent_unix_ms: unix_ms(),
         gpus,
         replicas,
         cached_blobs: blobs,
@@ -411,4 +438,10 @@ fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|_| "unknown".into())
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }

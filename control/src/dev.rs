@@ -152,6 +152,8 @@ async fn start_agents(controller: &str, data_dir: &std::path::Path) -> Result<Ve
             results_store: data_dir.join("results").display().to_string(),
             backend: laneway_agent::config::Backend::Nvml,
             replicas: Vec::new(),
+            // The controller's /metrics covers dev mode's in-process agents.
+            metrics_listen: None,
         };
         let agent = laneway_agent::runtime::start(cfg, Arc::new(backend))
             .await

@@ -74,6 +74,9 @@ struct RunArgs {
     /// object-store URL (s3://bucket/prefix). Default: <data-dir>/results.
     #[arg(long, env = "LANEWAY_RESULTS_STORE")]
     results_store: Option<String>,
+    /// Prometheus `/metrics` address, `host:port` or "off" (default 0.0.0.0:9400).
+    #[arg(long, env = "LANEWAY_METRICS_LISTEN")]
+    metrics_listen: Option<String>,
 }
 
 fn run_agent(args: RunArgs, log_format: LogFormat) -> ExitCode {
@@ -104,6 +107,9 @@ fn run_agent(args: RunArgs, log_format: LogFormat) -> ExitCode {
     }
     if args.results_store.is_some() {
         file.results_store = args.results_store;
+    }
+    if args.metrics_listen.is_some() {
+        file.metrics_listen = args.metrics_listen;
     }
     if let Some(b) = args.backend {
         file.gpu.backend = Some(match b {

@@ -67,6 +67,28 @@ pub enum ReplicaState {
     },
 }
 
+impl ReplicaState {
+    /// The state's name as heartbeats and metrics report it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            ReplicaState::Starting => "starting",
+            ReplicaState::Ready => "ready",
+            ReplicaState::Draining => "draining",
+            ReplicaState::Stopped => "stopped",
+            ReplicaState::Backoff { .. } => "backoff",
+            ReplicaState::CrashLoop { .. } => "crash_loop",
+        }
+    }
+
+    /// Restarts in a row so far (0 unless crashing).
+    pub fn restarts(&self) -> u32 {
+        match self {
+            ReplicaState::Backoff { restarts, .. } | ReplicaState::CrashLoop { restarts, .. } => *restarts,
+            _ => 0,
+        }
+    }
+}
+
 /// A replica's status.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ReplicaStatus {

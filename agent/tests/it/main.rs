@@ -92,3 +92,57 @@ fn run_with_a_bad_config_exits_2_naming_the_field() {
         "{stderr}"
     );
 }
+
+/// An agent serves `/metrics` even before it reaches a controller: its GPUs and that its
+/// heartbeat stream is down are exactly what an operator needs to see then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_show_the_gpus_and_a_heartbeat_stream_that_is_down() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_laneway-agent"))
+        .args([
+            "run",
+            "--node-id",
+            "n1",
+            "--controllers",
+            "127.0.0.1:1",
+            "--backend",
+            "sim",
+        ])
+        .args(["--sim-config", &example(), "--data-dir", dir.path().to_str().unwrap()])
+        .args(["--metrics-listen", &format!("127.0.0.1:{port}")])
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let url = format!("http://127.0.0.1:{port}/metrics");
+    let mut text = None;
+    for _ in 0..100 {
+        if let Ok(r) = reqwest::get(&url).await {
+            text = Some(r.text().await.unwrap());
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let text = text.expect("the agent serves /metrics");
+    let parsed = openmetrics_parser::openmetrics::parse_openmetrics(&text)
+        .unwrap_or_else(|e| panic!("not valid OpenMetrics ({e:?}):\n{text}"));
+    for family in [
+        "laneway_agent_gpu_utilisation_ratio",
+        "laneway_agent_gpu_memory_bytes",
+        "laneway_agent_gpu_healthy",
+        "laneway_agent_heartbeat_connected",
+    ] {
+        assert!(parsed.families.contains_key(family), "no {family}:\n{text}");
+    }
+    // The example node's H100s, and no leader reached yet.
+    assert!(
+        text.contains("gpu=\"GPU-sim-sim-h100-1-0\",product=\"H100-80GB\""),
+        "{text}"
+    );
+    assert!(text.contains("laneway_agent_heartbeat_connected 0"), "{text}");
+    child.kill().await.unwrap();
+}

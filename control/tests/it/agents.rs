@@ -70,6 +70,7 @@ pub async fn agent(
         results_store: dir.join("results").display().to_string(),
         backend: Backend::Nvml,
         replicas,
+        metrics_listen: None,
     };
     start(cfg, Arc::new(backend)).await.unwrap()
 }
