@@ -26,7 +26,7 @@ pub struct AgentFile {
     /// Where durable jobs' results are written: a directory shared with the controllers, or
     /// an object-store URL (`s3://bucket/prefix`). Default: `<data_dir>/results`.
     pub results_store: Option<String>,
-    /// `/metrics` for Prometheus: `host:port`, or "off". Default 0.0.0.0:9400.
+    /// `/metrics` for Prometheus: `host:port`, or "off". Default 0.0.0.0:9419.
     pub metrics_listen: Option<String>,
     #[serde(default)]
     pub gpu: GpuFile,
@@ -101,7 +101,7 @@ pub struct AgentConfig {
 }
 
 /// Default `/metrics` address of an agent.
-pub const DEFAULT_METRICS_LISTEN: &str = "0.0.0.0:9400";
+pub const DEFAULT_METRICS_LISTEN: &str = "0.0.0.0:9419";
 
 /// An invalid configuration value.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -208,7 +208,7 @@ impl AgentFile {
                 bad(
                     "metrics_listen",
                     a,
-                    "an IP address and port such as 0.0.0.0:9400, or \"off\"",
+                    "an IP address and port such as 0.0.0.0:9419, or \"off\"",
                 )
             })?),
         };

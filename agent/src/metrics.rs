@@ -19,7 +19,46 @@ use crate::gpu::GpuBackend;
 use crate::runtime::AgentView;
 use crate::supervisor::Supervisor;
 
-type Labels = Vec<(&'static str, String)>;
+/// A label set whose values are escaped as the exposition format requires.
+pub type Labels = Vec<(&'static str, LabelValue)>;
+
+/// A label value. prometheus-client writes label values as they are, so a `"`, `\\` or
+/// newline in an operator-chosen name (a pool, a GPU product) would break the whole scrape;
+/// this escapes them.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct LabelValue(String);
+
+impl From<String> for LabelValue {
+    fn from(s: String) -> Self {
+        LabelValue(s)
+    }
+}
+
+impl From<&str> for LabelValue {
+    fn from(s: &str) -> Self {
+        LabelValue(s.to_string())
+    }
+}
+
+impl prometheus_client::encoding::EncodeLabelValue for LabelValue {
+    fn encode(&self, encoder: &mut prometheus_client::encoding::LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        use std::fmt::Write;
+        for c in self.0.chars() {
+            match c {
+                '\\' => encoder.write_str("\\\\")?,
+                '"' => encoder.write_str("\\\"")?,
+                '\n' => encoder.write_str("\\n")?,
+                c => encoder.write_char(c)?,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Labels from `(name, value)` pairs.
+pub fn labels<const N: usize>(pairs: [(&'static str, String); N]) -> Labels {
+    pairs.into_iter().map(|(k, v)| (k, LabelValue(v))).collect()
+}
 
 /// What the metrics are read from.
 #[derive(Clone)]
@@ -50,7 +89,7 @@ pub fn render(s: &Sources, now_unix_ms: u64) -> Result<String, String> {
     let mig = gauge(&mut r, "gpu_mig_devices", "MIG devices on the GPU (0: whole card)");
     let gpus = s.backend.inventory().map_err(|e| e.to_string())?;
     for g in &gpus {
-        let l = vec![("gpu", g.uuid.clone()), ("product", g.product.to_string())];
+        let l = labels([("gpu", g.uuid.clone()), ("product", g.product.to_string())]);
         util.get_or_create(&l).set(f64::from(g.utilisation_pct) / 100.0);
         mem_used.get_or_create(&l).set(g.memory_used_bytes as i64);
         mem.get_or_create(&l).set(g.memory_total_bytes as i64);
@@ -63,12 +102,12 @@ pub fn render(s: &Sources, now_unix_ms: u64) -> Result<String, String> {
     for st in s.supervisor.status() {
         *by_state.entry((st.model.clone(), st.state.name())).or_default() += 1;
         restarts
-            .get_or_create(&vec![("replica", st.id.clone()), ("model", st.model.clone())])
+            .get_or_create(&labels([("replica", st.id.clone()), ("model", st.model.clone())]))
             .set(i64::from(st.state.restarts()));
     }
     for ((model, state), n) in by_state {
         replicas
-            .get_or_create(&vec![("model", model), ("state", state.to_string())])
+            .get_or_create(&labels([("model", model), ("state", state.to_string())]))
             .set(n);
     }
     let view = s.view.borrow().clone();
@@ -129,4 +168,20 @@ pub async fn serve(addr: SocketAddr, sources: Sources) -> std::io::Result<tokio:
             tracing::warn!(error = %e, "agent metrics listener stopped");
         }
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn label_values_are_escaped() {
+        let f = Family::<Labels, Gauge>::default();
+        f.get_or_create(&labels([("pool", "a\"b\\c\nd".to_string())])).set(1);
+        let mut r = <Registry>::default();
+        r.register("x", "x", f);
+        let mut out = String::new();
+        encode(&mut out, &r).unwrap();
+        assert!(out.contains(r#"x{pool="a\"b\\c\nd"} 1"#), "{out}");
+    }
 }

@@ -102,23 +102,22 @@ pub async fn start(cfg: AgentConfig, backend: Arc<dyn GpuBackend>) -> Result<Age
     let results = ResultStore::open(&cfg.results_store)?;
     let jobs = JobRunner::open(&cfg.data_dir, results, supervisor.clone()).map_err(AgentError::Config)?;
     let (view_tx, view) = watch::channel(AgentView::default());
+    // Metrics are worth a loud warning, never an agent that will not start.
     let metrics = match cfg.metrics_listen {
-        Some(addr) => Some(
-            crate::metrics::serve(
-                addr,
-                crate::metrics::Sources {
-                    backend: backend.clone(),
-                    supervisor: supervisor.clone(),
-                    view: view.clone(),
-                },
-            )
-            .await
-            .map_err(|e| {
-                AgentError::Config(format!(
-                    "metrics_listen = {addr}: cannot listen ({e}); pick a free port or \"off\""
-                ))
-            })?,
-        ),
+        Some(addr) => {
+            let sources = crate::metrics::Sources {
+                backend: backend.clone(),
+                supervisor: supervisor.clone(),
+                view: view.clone(),
+            };
+            match crate::metrics::serve(addr, sources).await {
+                Ok(task) => Some(task),
+                Err(e) => {
+                    tracing::warn!(%addr, error = %e, "cannot serve /metrics (metrics_listen); running without it: pick a free port, or \"off\"");
+                    None
+                }
+            }
+        }
         None => None,
     };
     let sup = supervisor.clone();

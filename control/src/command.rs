@@ -21,6 +21,35 @@ use crate::registry::{Class, DesiredReplica, Model, ReplicaRecord, Tenant, Tenan
 /// at the first command it cannot understand.
 pub const COMMAND_FORMAT: u32 = 5;
 
+/// The cluster setting holding the highest command format every member can apply, written at
+/// `cluster init` and raised by `lanectl cluster finalize-upgrade` once every member runs a
+/// binary that knows it. Commands of a format above it are refused before they are proposed,
+/// so a controller left on an older binary during a rolling upgrade never meets one.
+pub const FORMAT_SETTING: &str = "cluster.command_format";
+/// Formats up to this one predate the gate: always allowed (a cluster without the setting was
+/// created before it).
+pub const UNGATED_FORMAT: u32 = 4;
+
+/// The highest command format the cluster may propose.
+pub fn allowed_format(setting: Option<&str>) -> u32 {
+    setting
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(UNGATED_FORMAT)
+        .max(UNGATED_FORMAT)
+}
+
+/// Refuses a command the cluster's members cannot all apply yet.
+pub fn check_allowed(sm: &crate::store::StateMachineStore, command: &Command) -> Result<(), String> {
+    let allowed = allowed_format(sm.get_setting(FORMAT_SETTING).0.as_deref());
+    let needs = command.format();
+    if needs <= allowed {
+        return Ok(());
+    }
+    Err(format!(
+        "this needs command format {needs} but the cluster is finalized at {allowed}: some controller may still run an older binary. Upgrade every controller, then run `lanectl cluster finalize-upgrade`"
+    ))
+}
+
 /// Longest setting key accepted, in bytes.
 pub const MAX_SETTING_KEY_BYTES: usize = 256;
 /// Largest setting value accepted, in bytes.

@@ -328,6 +328,15 @@ pub async fn start(args: DevArgs) -> Result<DevController, DevError> {
         .current_leader(1, "dev controller becomes leader")
         .await
         .map_err(|e| DevError::Other(format!("the dev controller did not become leader: {e}")))?;
+    // Dev mode's cluster has one member, this binary: every format it knows is allowed.
+    commit(
+        &controller,
+        crate::command::Command::PutSetting {
+            key: crate::command::FORMAT_SETTING.into(),
+            value: crate::command::COMMAND_FORMAT.to_string(),
+        },
+    )
+    .await?;
     let mut registry: DevRegistry =
         toml::from_str(DEV_REGISTRY).map_err(|e| DevError::Other(format!("dev registry: {e}")))?;
     let replicas_running = with_sim_runtime(&mut registry);

@@ -74,7 +74,7 @@ struct RunArgs {
     /// object-store URL (s3://bucket/prefix). Default: <data-dir>/results.
     #[arg(long, env = "LANEWAY_RESULTS_STORE")]
     results_store: Option<String>,
-    /// Prometheus `/metrics` address, `host:port` or "off" (default 0.0.0.0:9400).
+    /// Prometheus `/metrics` address, `host:port` or "off" (default 0.0.0.0:9419).
     #[arg(long, env = "LANEWAY_METRICS_LISTEN")]
     metrics_listen: Option<String>,
 }

@@ -17,6 +17,7 @@ use laneway_proto::admin::{
     LedgerRequest, ListRegistryRequest, LoadReport, LoadReportReply, NameRequest, PutDocumentRequest, SetPriceRequest,
     SetTenantLimitRequest, TenantKeyReply, UsageReportRequest,
 };
+use laneway_proto::admin::{FinalizeUpgradeReply, FinalizeUpgradeRequest, MemberFormat};
 use openraft::error::{ForwardToLeader, RaftError};
 use openraft::{ChangeMembers, ServerState};
 use tonic::{Request, Response, Status};
@@ -150,6 +151,7 @@ impl AdminGrpc {
             | crate::command::CommandError::InvalidNode(_)
             | crate::command::CommandError::Invalid(_) => AdminError::InvalidArgument(e.to_string()),
         })?;
+        crate::command::check_allowed(&self.sm, &command).map_err(AdminError::FailedPrecondition)?;
         let (log_index, resp) = self.proposer.propose(command).await.map_err(|e| self.raft_error(e))?;
         if let Some(reason) = resp.rejected {
             return Err(AdminError::FailedPrecondition(reason));
@@ -282,10 +284,25 @@ impl AdminService for AdminGrpc {
             },
         )]);
         match self.raft.initialize(nodes).await {
-            Ok(()) => Ok(Response::new(InitReply {
-                node_id: self.node_id,
-                cluster: self.cluster.clone(),
-            })),
+            Ok(()) => {
+                // A new cluster has one member, this binary: every format it knows is allowed.
+                self.raft
+                    .wait(Some(Duration::from_secs(10)))
+                    .current_leader(self.node_id, "the new cluster's first leader")
+                    .await
+                    .map_err(|e| AdminError::Unavailable(format!("initialized, but no leader yet: {e}")))?;
+                self.proposer
+                    .propose(Command::PutSetting {
+                        key: crate::command::FORMAT_SETTING.into(),
+                        value: crate::command::COMMAND_FORMAT.to_string(),
+                    })
+                    .await
+                    .map_err(|e| self.raft_error(e))?;
+                Ok(Response::new(InitReply {
+                    node_id: self.node_id,
+                    cluster: self.cluster.clone(),
+                }))
+            }
             Err(RaftError::APIError(e)) => Err(AdminError::FailedPrecondition(format!(
                 "cannot initialize: {e}; this controller already has cluster state (use `lanectl cluster add` to grow an existing cluster)"
             ))
@@ -319,6 +336,68 @@ impl AdminService for AdminGrpc {
             state_hash: view.state.state_hash(),
             initialized,
             retired_node_ids: view.state.retired_node_ids.iter().copied().collect(),
+            command_format: crate::command::COMMAND_FORMAT,
+        }))
+    }
+
+    async fn finalize_upgrade(
+        &self,
+        _req: Request<FinalizeUpgradeRequest>,
+    ) -> Result<Response<FinalizeUpgradeReply>, Status> {
+        self.leader_only()?;
+        let m = self.metrics();
+        let client = AdminClient::new(Vec::new()).with_call_timeout(Duration::from_secs(3));
+        let mut members = Vec::new();
+        for (id, node) in m.membership_config.membership().nodes() {
+            let format = if *id == self.node_id {
+                Ok(crate::command::COMMAND_FORMAT)
+            } else {
+                client
+                    .call_one(&node.addr, |mut c| async move { c.status(StatusRequest {}).await })
+                    .await
+                    .map(|s| s.command_format)
+                    .map_err(|e| e.to_string())
+            };
+            members.push((*id, node.addr.clone(), format));
+        }
+        let unreachable: Vec<String> = members
+            .iter()
+            .filter_map(|(id, addr, f)| f.as_ref().err().map(|e| format!("{id} at {addr}: {e}")))
+            .collect();
+        if !unreachable.is_empty() {
+            return Err(AdminError::FailedPrecondition(format!(
+                "every member must answer before the cluster's command format is raised; not answering: {}",
+                unreachable.join("; ")
+            ))
+            .into());
+        }
+        // A member too old to report its format reports 0.
+        let format = members
+            .iter()
+            .filter_map(|(_, _, f)| f.as_ref().ok().copied())
+            .min()
+            .unwrap_or(crate::command::UNGATED_FORMAT)
+            .max(crate::command::UNGATED_FORMAT);
+        let current = crate::command::allowed_format(self.sm.get_setting(crate::command::FORMAT_SETTING).0.as_deref());
+        if format > current {
+            self.proposer
+                .propose(Command::PutSetting {
+                    key: crate::command::FORMAT_SETTING.into(),
+                    value: format.to_string(),
+                })
+                .await
+                .map_err(|e| self.raft_error(e))?;
+        }
+        Ok(Response::new(FinalizeUpgradeReply {
+            command_format: format.max(current),
+            members: members
+                .into_iter()
+                .map(|(node_id, addr, f)| MemberFormat {
+                    node_id,
+                    addr,
+                    command_format: f.unwrap_or(0),
+                })
+                .collect(),
         }))
     }
 
@@ -407,6 +486,13 @@ impl AdminService for AdminGrpc {
 
     async fn put_setting(&self, req: Request<PutSettingRequest>) -> Result<Response<WriteReply>, Status> {
         let req = req.into_inner();
+        if req.key == crate::command::FORMAT_SETTING {
+            return Err(AdminError::InvalidArgument(format!(
+                "{} is raised only by `lanectl cluster finalize-upgrade`, which first checks that every controller can apply that format",
+                req.key
+            ))
+            .into());
+        }
         Ok(Response::new(
             self.write(Command::PutSetting {
                 key: req.key,
@@ -571,7 +657,10 @@ impl AdminService for AdminGrpc {
 
     async fn record_usage(&self, req: Request<UsageReportRequest>) -> Result<Response<WriteReply>, Status> {
         self.leader_only()?;
-        let report: crate::ledger::UsageReport = parse_document("usage report", &req.into_inner().json)?;
+        let mut report: crate::ledger::UsageReport = parse_document("usage report", &req.into_inner().json)?;
+        // Usage is filed by the leader's clock, as its own router's is: one clock drives the
+        // ledger's buckets, whatever the reporting controller's says.
+        report.at_ms = crate::jobs::unix_ms();
         Ok(Response::new(self.write(Command::RecordUsage(report)).await?))
     }
 

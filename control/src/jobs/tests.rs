@@ -653,3 +653,70 @@ fn a_finished_job_is_metered_at_the_price_of_its_card() {
     // 45 GPU-seconds at $3.60/h = $0.045.
     assert_eq!(r.counts.cost_nanos, 45_000_000);
 }
+
+/// A job on a static replica (not placed by the scheduler) is priced by the GPU it runs on.
+#[test]
+fn a_job_on_a_static_replica_is_priced_by_its_gpu() {
+    let mut s = AppState::default();
+    s.fleet
+        .register(&crate::fleet::NodeRegistration {
+            node_id: "n1".into(),
+            hostname: "h".into(),
+            pool: "p".into(),
+            labels: [("tier".to_string(), "spot".to_string())].into(),
+            gpus: vec![crate::fleet::GpuRecord {
+                uuid: "GPU-9".into(),
+                product: "L4".into(),
+                memory_bytes: 24 << 30,
+                mig_capable: false,
+            }],
+            replica_host: String::new(),
+        })
+        .unwrap();
+    s.apply(
+        &Command::SetPrice {
+            product: "L4".into(),
+            tier: crate::ledger::Tier::Spot,
+            micros_per_hour: Some(360_000),
+        },
+        1,
+    );
+    s.apply(
+        &Command::SetNodeReplicas {
+            node_id: "n1".into(),
+            replicas: vec![ReplicaRecord {
+                id: "static-0".into(),
+                model: "wan-video".into(),
+                device: "GPU-9".into(),
+                state: "ready".into(),
+                endpoint: "h:1".into(),
+            }],
+        },
+        2,
+    );
+    s.apply(&Command::SubmitJob(sub("a", "t", None, "1")), 3);
+    s.apply(
+        &Command::AssignJobs {
+            assignments: vec![Assignment {
+                job_id: "a".into(),
+                node_id: "n1".into(),
+                replica_id: "static-0".into(),
+            }],
+            at_ms: 5,
+        },
+        4,
+    );
+    s.apply(
+        &Command::FinishJob {
+            job_id: "a".into(),
+            token: 4,
+            completion: ok_result("a", 4),
+            at_ms: 6,
+        },
+        5,
+    );
+    let row = s.ledger.minutes.values().flatten().next().expect("metered");
+    assert_eq!((row.key.product.as_str(), row.key.tier.as_str()), ("L4", "spot"));
+    // 45 GPU-seconds at $0.36/h.
+    assert_eq!(row.counts.cost_nanos, 4_500_000);
+}

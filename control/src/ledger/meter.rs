@@ -15,6 +15,9 @@ use crate::router::RequestRecord;
 
 /// How often a router commits its usage.
 pub const REPORT_EVERY: Duration = Duration::from_secs(5);
+/// Rows in one report at most (about 300 bytes each, well under the admin API's 1 MiB): a
+/// larger backlog goes out over the next reports instead of in one that would be refused.
+pub const MAX_REPORT_ROWS: usize = 2_000;
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Key {
@@ -84,12 +87,17 @@ impl Meter {
             product: rec.product.clone(),
             mig_profile: rec.mig_profile.clone(),
         };
-        let gpu_us = rec.gpu_ms.map_or(0, |ms| (ms.max(0.0) * 1000.0).round() as u64);
+        // A replica cannot have used more GPU time on a request than the router waited for
+        // it: a broken or hostile header is clamped, never billed as years.
+        let gpu_us = rec
+            .gpu_ms
+            .filter(|ms| ms.is_finite())
+            .map_or(0, |ms| (ms.clamp(0.0, rec.service_ms.max(0.0)) * 1000.0).round() as u64);
         let mut s = self.lock();
         let sums = s.rows.entry(key).or_default();
         sums.requests += 1;
         sums.ok += u64::from((200..300).contains(&rec.status));
-        sums.gpu_us += gpu_us;
+        sums.gpu_us = sums.gpu_us.saturating_add(gpu_us);
     }
 
     /// The report to send now: the one still pending, else a new one of everything counted
@@ -102,9 +110,10 @@ impl Meter {
         if s.rows.is_empty() {
             return None;
         }
-        let rows: Vec<Usage> = s
-            .rows
-            .drain()
+        let keys: Vec<Key> = s.rows.keys().take(MAX_REPORT_ROWS).cloned().collect();
+        let rows: Vec<Usage> = keys
+            .into_iter()
+            .filter_map(|k| s.rows.remove_entry(&k))
             .map(|(k, v)| Usage {
                 class: k.class,
                 lane: k.lane,
@@ -131,7 +140,8 @@ impl Meter {
         Some(report)
     }
 
-    /// The pending report `seq` was committed (or found already applied).
+    /// The pending report `seq` was committed (or found already applied), or refused for
+    /// good: either way the next report is a new one.
     pub fn delivered(&self, seq: u64) {
         let mut s = self.lock();
         if s.pending.as_ref().is_some_and(|p| p.seq == seq) {
@@ -158,13 +168,24 @@ pub async fn run(ctx: crate::context::Context) {
             continue;
         };
         let seq = report.seq;
+        let requests: u64 = report.rows.iter().map(|r| r.requests).sum();
+        let command = crate::command::Command::RecordUsage(report);
+        if let Err(e) = crate::command::check_allowed(&ctx.sm, &command) {
+            // Not yet: the report stays pending (and usage keeps adding up in the meter)
+            // until the upgrade is finalized.
+            tracing::debug!(seq, error = %e, "usage report held back");
+            continue;
+        }
+        let crate::command::Command::RecordUsage(report) = command else {
+            unreachable!()
+        };
         let sent = match ctx.leader() {
             Some((id, _)) if id == ctx.node_id => ctx
                 .proposer
                 .propose(crate::command::Command::RecordUsage(report))
                 .await
                 .map(|_| ())
-                .map_err(|e| e.to_string()),
+                .map_err(|e| (e.to_string(), false)),
             Some((_, addr)) => {
                 let req = laneway_proto::admin::UsageReportRequest {
                     json: serde_json::to_string(&report).expect("usage reports serialize"),
@@ -176,13 +197,21 @@ pub async fn run(ctx: crate::context::Context) {
                     })
                     .await
                     .map(|_| ())
-                    .map_err(|e| e.to_string())
+                    .map_err(|e| {
+                        // Refused as such, not merely undelivered: sending it again cannot help.
+                        let refused = matches!(e.code(), Some(tonic::Code::InvalidArgument | tonic::Code::OutOfRange));
+                        (e.to_string(), refused)
+                    })
             }
-            None => Err("no leader".to_string()),
+            None => Err(("no leader".to_string(), false)),
         };
         match sent {
             Ok(()) => meter.delivered(seq),
-            Err(e) => {
+            Err((e, true)) => {
+                tracing::warn!(seq, requests, error = %e, "usage report refused by the leader; its requests are not in the ledger");
+                meter.delivered(seq);
+            }
+            Err((e, false)) => {
                 tracing::debug!(seq, error = %e, "usage report not committed yet; sending it again in {:?}", REPORT_EVERY)
             }
         }

@@ -37,6 +37,9 @@ pub const MIN_REQUESTS_TO_COMPARE: u64 = 100;
 /// cluster setting [`COST_REGRESSION_SETTING`] overrides it.
 pub const DEFAULT_COST_REGRESSION_PCT: u64 = 20;
 pub const COST_REGRESSION_SETTING: &str = "ledger.cost_regression_pct";
+/// How far one record may move the ledger's clock forward (after a cluster was down for a day
+/// it catches up in a few reports; a single wild timestamp moves it an hour at most).
+pub const MAX_CLOCK_STEP_MS: u64 = HOUR_MS;
 /// Node label that names a node's capacity tier.
 pub const TIER_LABEL: &str = "tier";
 
@@ -83,6 +86,19 @@ impl std::fmt::Display for Tier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
     }
+}
+
+/// A time in ms since the epoch as RFC 3339 (UTC, seconds); one outside what RFC 3339 can
+/// write (past year 9999) is shown as the raw number rather than failing.
+pub fn fmt_unix_ms(ms: u64) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    if let Some(t) = std::time::UNIX_EPOCH.checked_add(std::time::Duration::from_millis(ms)) {
+        if write!(out, "{}", humantime::format_rfc3339_seconds(t)).is_ok() {
+            return out;
+        }
+    }
+    format!("{ms} ms since the epoch")
 }
 
 /// Micro-dollars per GPU-hour, from a dollar figure as an operator writes it.
@@ -197,11 +213,11 @@ fn is_zero(v: &u64) -> bool {
 
 impl Counts {
     pub fn add(&mut self, o: &Counts) {
-        self.requests += o.requests;
-        self.ok += o.ok;
-        self.gpu_us += o.gpu_us;
+        self.requests = self.requests.saturating_add(o.requests);
+        self.ok = self.ok.saturating_add(o.ok);
+        self.gpu_us = self.gpu_us.saturating_add(o.gpu_us);
         self.cost_nanos = self.cost_nanos.saturating_add(o.cost_nanos);
-        self.unpriced_gpu_us += o.unpriced_gpu_us;
+        self.unpriced_gpu_us = self.unpriced_gpu_us.saturating_add(o.unpriced_gpu_us);
     }
 }
 
@@ -272,6 +288,11 @@ pub struct Ledger {
     /// Last report applied per controller.
     #[serde(default)]
     pub reporters: BTreeMap<u64, Reporter>,
+    /// The ledger's clock: the latest usage time applied (ms since the epoch). It never goes
+    /// back, and moves forward at most [`MAX_CLOCK_STEP_MS`] per record, so one report with a
+    /// wild timestamp can neither fold away recent buckets nor file usage in the past.
+    #[serde(default)]
+    pub clock_ms: u64,
     /// Persisted keys changed since the state machine last wrote them.
     #[serde(skip)]
     dirty: BTreeSet<String>,
@@ -285,6 +306,7 @@ impl PartialEq for Ledger {
             && self.versions == o.versions
             && self.events == o.events
             && self.reporters == o.reporters
+            && self.clock_ms == o.clock_ms
     }
 }
 
@@ -349,9 +371,24 @@ impl Ledger {
         true
     }
 
-    /// Prices and adds usage at `at_ms`, folds old buckets, and checks the models it touched
-    /// for a cost regression.
+    /// Advances the ledger's clock towards `at_ms` and returns the time to file usage at.
+    fn tick(&mut self, at_ms: u64) -> u64 {
+        let t = if self.clock_ms == 0 {
+            at_ms
+        } else {
+            at_ms.clamp(self.clock_ms, self.clock_ms.saturating_add(MAX_CLOCK_STEP_MS))
+        };
+        if t != self.clock_ms {
+            self.clock_ms = t;
+            self.dirty.insert(KEY_CLOCK.into());
+        }
+        t
+    }
+
+    /// Prices and adds usage at `at_ms` (by the ledger's clock), folds old buckets, and checks
+    /// the models it touched for a cost regression.
     pub fn record(&mut self, at_ms: u64, rows: &[Usage], nodes: &impl NodePlacement, regression_pct: u64) {
+        let at_ms = self.tick(at_ms);
         let start = at_ms - at_ms % MINUTE_MS;
         let mut models = BTreeSet::new();
         for u in rows {
@@ -366,7 +403,7 @@ impl Ledger {
                     first_ms: at_ms,
                     ..VersionCost::default()
                 });
-            v.requests += counts.requests;
+            v.requests = v.requests.saturating_add(counts.requests);
             v.cost_nanos = v.cost_nanos.saturating_add(counts.cost_nanos);
             models.insert(u.model.clone());
         }
@@ -510,7 +547,7 @@ impl Ledger {
 
     /// Every persisted key with its value.
     pub fn entries(&self) -> Vec<(String, Vec<u8>)> {
-        let keys = [KEY_PRICES, KEY_VERSIONS, KEY_EVENTS, KEY_REPORTERS]
+        let keys = [KEY_PRICES, KEY_VERSIONS, KEY_EVENTS, KEY_REPORTERS, KEY_CLOCK]
             .into_iter()
             .map(String::from)
             .chain(self.minutes.keys().map(|&s| minute_key(s)))
@@ -525,6 +562,7 @@ impl Ledger {
             KEY_VERSIONS => Some(json(&self.versions)),
             KEY_EVENTS => Some(json(&self.events)),
             KEY_REPORTERS => Some(json(&self.reporters)),
+            KEY_CLOCK => Some(json(&self.clock_ms)),
             _ => {
                 let (kind, start) = key.split_once('/')?;
                 let start: u64 = start.parse().ok()?;
@@ -545,6 +583,7 @@ impl Ledger {
             KEY_VERSIONS => self.versions = serde_json::from_slice(bytes).map_err(e)?,
             KEY_EVENTS => self.events = serde_json::from_slice(bytes).map_err(e)?,
             KEY_REPORTERS => self.reporters = serde_json::from_slice(bytes).map_err(e)?,
+            KEY_CLOCK => self.clock_ms = serde_json::from_slice(bytes).map_err(e)?,
             _ => {
                 let (kind, start) = key
                     .split_once('/')
@@ -570,6 +609,7 @@ const KEY_PRICES: &str = "prices";
 const KEY_VERSIONS: &str = "versions";
 const KEY_EVENTS: &str = "events";
 const KEY_REPORTERS: &str = "reporters";
+const KEY_CLOCK: &str = "clock";
 
 /// Zero-padded, so the stored keys sort by time.
 fn minute_key(start: u64) -> String {

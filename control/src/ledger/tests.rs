@@ -75,6 +75,49 @@ fn report_of(reporter: u64, seq: u64, at_ms: u64, rows: Vec<Usage>) -> UsageRepo
     }
 }
 
+/// Moves the ledger's clock to `to`, an hour (its largest step) at a time.
+fn advance(l: &mut Ledger, f: &Fleet, to: u64) {
+    while l.clock_ms < to {
+        l.record(to.min(l.clock_ms + MAX_CLOCK_STEP_MS), &[], f, 20);
+    }
+}
+
+#[test]
+fn a_wild_timestamp_moves_the_ledgers_clock_an_hour_at_most_and_never_back() {
+    let mut l = priced();
+    let f = fleet();
+    let u = || vec![usage("s", "m", "t", Some("l1"), "L4", 1, 1_000)];
+    l.record(T0, &u(), &f, 20);
+    // A router whose clock is a year ahead: filed an hour on, and nothing is folded away.
+    l.record(T0 + 365 * 24 * HOUR_MS, &u(), &f, 20);
+    assert_eq!(l.clock_ms, T0 + HOUR_MS);
+    assert!(l.hours.is_empty(), "{:?}", l.hours);
+    assert_eq!(l.minutes.len(), 2);
+    // One whose clock is behind: filed at the ledger's clock, not in a bucket about to go.
+    l.record(T0 - 10 * HOUR_MS, &u(), &f, 20);
+    assert_eq!(l.clock_ms, T0 + HOUR_MS);
+    assert_eq!(
+        l.minutes[&(T0 + HOUR_MS)]
+            .iter()
+            .map(|r| r.counts.requests)
+            .sum::<u64>(),
+        2
+    );
+    // A reply of u64::MAX GPU time cannot overflow the sums.
+    l.record(
+        T0 + HOUR_MS,
+        &[usage("s", "m", "t", Some("l1"), "L4", 1, u64::MAX)],
+        &f,
+        20,
+    );
+    l.record(
+        T0 + HOUR_MS,
+        &[usage("s", "m", "t", Some("l1"), "L4", 1, u64::MAX)],
+        &f,
+        20,
+    );
+}
+
 #[test]
 fn a_gpu_hour_costs_the_cards_hourly_price_and_a_mig_slice_its_fraction() {
     let hour_us = 3_600_000_000;
@@ -186,6 +229,7 @@ fn minutes_fold_into_hours_and_old_hours_are_dropped() {
     assert_eq!(l.minutes.len(), 2);
     // Three hours later both minutes are in one hour bucket, counted once each.
     let later = T0 + 3 * HOUR_MS;
+    advance(&mut l, &f, later);
     l.record(later, &u(), &f, 20);
     assert_eq!(l.minutes.len(), 1);
     let hour = T0 - T0 % HOUR_MS;
@@ -196,6 +240,7 @@ fn minutes_fold_into_hours_and_old_hours_are_dropped() {
     assert_eq!(report(&l, &f, By::Lane, later - HOUR_MS, later).total.requests, 1);
     assert_eq!(report(&l, &f, By::Lane, T0 - HOUR_MS, later).total.requests, 3);
     // Past the retention the hours go.
+    advance(&mut l, &f, later + HOURS_KEPT_MS);
     l.record(later + HOURS_KEPT_MS, &u(), &f, 20);
     let total: u64 = l
         .hours
@@ -259,6 +304,7 @@ fn the_ledger_survives_being_stored_and_loaded() {
         &f,
         20,
     );
+    advance(&mut l, &f, T0 + 3 * HOUR_MS);
     l.record(
         T0 + 3 * HOUR_MS,
         &[usage("s", "m", "t", Some("l1"), "L4", 1, 1)],
@@ -305,4 +351,11 @@ fn tiers_and_prices_are_checked() {
     assert_eq!(usd_to_micros(3.5).unwrap(), 3_500_000);
     assert!(usd_to_micros(-1.0).is_err());
     assert!(usd_to_micros(f64::NAN).is_err());
+}
+
+#[test]
+fn times_past_what_rfc3339_writes_are_shown_not_fatal() {
+    assert_eq!(fmt_unix_ms(0), "1970-01-01T00:00:00Z");
+    assert!(fmt_unix_ms(u64::MAX).contains("ms since the epoch"));
+    assert!(fmt_unix_ms(300_000_000_000_000).contains("ms since the epoch"));
 }

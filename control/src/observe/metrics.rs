@@ -15,7 +15,7 @@ use prometheus_client::registry::{Registry, Unit};
 use crate::context::Context;
 use crate::fleet::Liveness;
 use crate::ledger::Tier;
-use crate::router::metrics::{register_lanes, Labels};
+use crate::router::metrics::{labels, register_lanes, Labels};
 
 type F64Gauge = Gauge<f64, AtomicU64>;
 
@@ -48,7 +48,7 @@ pub fn render(ctx: &Context) -> Result<String, std::fmt::Error> {
     );
     for (class, u) in super::history::lane_gpu_utilisation(ctx) {
         if let Some(l) = lanes.iter().find(|l| l.class == class) {
-            util.get_or_create(&vec![("class", class), ("lane", l.lane.clone())])
+            util.get_or_create(&labels([("class", class), ("lane", l.lane.clone())]))
                 .set(u / 100.0);
         }
     }
@@ -117,7 +117,8 @@ fn raft(r: &mut Registry, ctx: &Context) {
     let last = m.last_log_index.unwrap_or(0);
     for (id, matched) in m.replication.iter().flatten() {
         let behind = last.saturating_sub(matched.map_or(0, |l| l.index));
-        lag.get_or_create(&vec![("member", id.to_string())]).set(behind as i64);
+        lag.get_or_create(&labels([("member", id.to_string())]))
+            .set(behind as i64);
     }
 }
 
@@ -153,18 +154,16 @@ fn fleet(root: &mut Registry, ctx: &Context) {
     for (id, n) in &nodes {
         let reg = &n.registration;
         let tier = Tier::of_labels(&reg.labels);
-        let labels = vec![
+        let ls = labels([
             ("node", id.clone()),
             ("pool", reg.pool.clone()),
             ("tier", tier.as_str().to_string()),
-        ];
-        node_up
-            .get_or_create(&labels)
-            .set(i64::from(n.liveness == Liveness::Up));
-        node_cordoned.get_or_create(&labels).set(i64::from(n.cordoned));
+        ]);
+        node_up.get_or_create(&ls).set(i64::from(n.liveness == Liveness::Up));
+        node_cordoned.get_or_create(&ls).set(i64::from(n.cordoned));
         let s = seen.get(id);
         if let Some(s) = s {
-            let node = vec![("node", id.clone())];
+            let node = labels([("node", id.clone())]);
             hb_age
                 .get_or_create(&node)
                 .set(now.saturating_duration_since(s.at).as_secs_f64());
@@ -173,11 +172,11 @@ fn fleet(root: &mut Registry, ctx: &Context) {
             }
         }
         for g in &reg.gpus {
-            let gl = vec![
+            let gl = labels([
                 ("node", id.clone()),
                 ("gpu", g.uuid.clone()),
                 ("product", g.product.clone()),
-            ];
+            ]);
             gpu_mem.get_or_create(&gl).set(g.memory_bytes as i64);
             if let Some(gs) = s.and_then(|s| s.gpus.iter().find(|x| x.uuid == g.uuid)) {
                 gpu_util.get_or_create(&gl).set(f64::from(gs.utilisation_pct) / 100.0);
@@ -194,7 +193,9 @@ fn fleet(root: &mut Registry, ctx: &Context) {
             *counts.entry((r.model.clone(), r.state.clone())).or_default() += 1;
         }
         for ((model, state), n) in counts {
-            replicas.get_or_create(&vec![("model", model), ("state", state)]).set(n);
+            replicas
+                .get_or_create(&labels([("model", model), ("state", state)]))
+                .set(n);
         }
         let mut by_state: std::collections::BTreeMap<(String, String), i64> = Default::default();
         // Every state of every durable class, zero included: a panel shows 0, not "no data".
@@ -211,7 +212,7 @@ fn fleet(root: &mut Registry, ctx: &Context) {
             *by_state.entry((j.class.clone(), j.state.to_string())).or_default() += 1;
         }
         for ((class, state), n) in by_state {
-            jobs.get_or_create(&vec![("class", class), ("state", state)]).set(n);
+            jobs.get_or_create(&labels([("class", class), ("state", state)])).set(n);
         }
     });
     let cost = gauge_f64(
@@ -227,9 +228,9 @@ fn fleet(root: &mut Registry, ctx: &Context) {
         "GPUs whose product has no price on their tier",
     );
     for p in pools {
-        let labels = vec![("pool", p.pool), ("tier", p.tier)];
-        cost.get_or_create(&labels).set(p.usd_per_hour);
-        pool_gpus.get_or_create(&labels).set(i64::from(p.gpus));
-        unpriced.get_or_create(&labels).set(i64::from(p.unpriced_gpus));
+        let ls = labels([("pool", p.pool), ("tier", p.tier)]);
+        cost.get_or_create(&ls).set(p.usd_per_hour);
+        pool_gpus.get_or_create(&ls).set(i64::from(p.gpus));
+        unpriced.get_or_create(&ls).set(i64::from(p.unpriced_gpus));
     }
 }

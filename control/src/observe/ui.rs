@@ -13,7 +13,7 @@ use crate::context::Context;
 use crate::fleet::heartbeats::GpuSeen;
 use crate::fleet::Liveness;
 use crate::ledger::query::{report, By, LedgerReport};
-use crate::ledger::{Tier, HOUR_MS};
+use crate::ledger::{fmt_unix_ms, Tier, HOUR_MS};
 use crate::router::lane::LaneStatus;
 
 use super::history::{Decision, Sample, KEPT};
@@ -95,7 +95,7 @@ pub fn render(ctx: &Context) -> String {
         term = m.current_term,
         leader = leader.map_or("none".to_string(), |l| l.to_string()),
         applied = m.last_applied.map_or(0, |l| l.index),
-        time = esc(&fmt_ms(now)),
+        time = esc(&fmt_unix_ms(now)),
     );
 
     h.push_str("<h2 id=\"overload\">Overload level</h2><div>");
@@ -182,7 +182,7 @@ pub fn render(ctx: &Context) -> String {
             let _ = write!(
                 h,
                 "<tr><td class=\"l\">{}</td><td class=\"l\">{}</td><td class=\"l\">{}</td></tr>",
-                esc(&fmt_ms(e.at_ms)),
+                esc(&fmt_unix_ms(e.at_ms)),
                 esc(&e.kind),
                 esc(&e.message)
             );
@@ -450,7 +450,7 @@ fn decisions_section(h: &mut String, decisions: &[Decision], role: &str) {
         let _ = write!(
             h,
             "<tr><td class=\"l\">{}</td><td class=\"l\">{}</td><td>{}</td><td>{}</td><td class=\"l\">{}</td></tr>",
-            esc(&fmt_ms(d.at_ms)),
+            esc(&fmt_unix_ms(d.at_ms)),
             esc(&d.model),
             d.from,
             d.to,
@@ -458,11 +458,6 @@ fn decisions_section(h: &mut String, decisions: &[Decision], role: &str) {
         );
     }
     h.push_str("</table>");
-}
-
-/// Unix ms as RFC 3339 UTC, to the second.
-pub fn fmt_ms(ms: u64) -> String {
-    humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms)).to_string()
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@ use prometheus_client::registry::{Registry, Unit};
 use super::lane::LaneStatus;
 use super::RequestRecord;
 
-pub type Labels = Vec<(&'static str, String)>;
+pub use laneway_agent::metrics::{labels, Labels};
 
 fn latency_histogram() -> Histogram {
     // 1 ms .. ~33 s.
@@ -42,13 +42,13 @@ impl Default for LaneHistograms {
 
 impl LaneHistograms {
     pub fn observe(&self, rec: &RequestRecord) {
-        let labels = vec![("class", rec.class.clone()), ("lane", rec.lane.clone())];
-        self.queue.get_or_create(&labels).observe(rec.queue_ms / 1000.0);
+        let ls = labels([("class", rec.class.clone()), ("lane", rec.lane.clone())]);
+        self.queue.get_or_create(&ls).observe(rec.queue_ms / 1000.0);
         // Only requests a replica worked on have a service time.
         if rec.replica.is_some() {
-            self.service.get_or_create(&labels).observe(rec.service_ms / 1000.0);
+            self.service.get_or_create(&ls).observe(rec.service_ms / 1000.0);
             self.request
-                .get_or_create(&labels)
+                .get_or_create(&ls)
                 .observe((rec.queue_ms + rec.service_ms) / 1000.0);
         }
     }
@@ -111,7 +111,7 @@ pub fn register_lanes(registry: &mut Registry, lanes: &[LaneStatus], histograms:
         slo.clone(),
     );
     for l in lanes {
-        let labels = vec![("class", l.class.clone()), ("lane", l.lane.clone())];
+        let ls = labels([("class", l.class.clone()), ("lane", l.lane.clone())]);
         let values = [
             i64::from(l.level != "normal"),
             l.queue_depth as i64,
@@ -120,20 +120,20 @@ pub fn register_lanes(registry: &mut Registry, lanes: &[LaneStatus], histograms:
             l.ready_replicas as i64,
         ];
         for (g, v) in gauges.iter().zip(values) {
-            g.get_or_create(&labels).set(v);
+            g.get_or_create(&ls).set(v);
         }
         if let Some(ms) = l.slo_p99_ms {
-            slo.get_or_create(&labels).set(ms / 1000.0);
+            slo.get_or_create(&ls).set(ms / 1000.0);
         }
         if let Some(rate) = l.drain_per_s.filter(|r| *r > 0.0) {
-            expected_wait.get_or_create(&labels).set(l.queue_depth as f64 / rate);
+            expected_wait.get_or_create(&ls).set(l.queue_depth as f64 / rate);
         } else if l.queue_depth == 0 {
-            expected_wait.get_or_create(&labels).set(0.0);
+            expected_wait.get_or_create(&ls).set(0.0);
         }
         if let Some(counters) = l.counters.as_object() {
             for (outcome, v) in counters {
-                let mut with_outcome = labels.clone();
-                with_outcome.push(("outcome", outcome.clone()));
+                let mut with_outcome = ls.clone();
+                with_outcome.push(("outcome", outcome.clone().into()));
                 requests.get_or_create(&with_outcome).inc_by(v.as_u64().unwrap_or(0));
             }
         }

@@ -224,14 +224,16 @@ impl AppState {
         }
         // A finished job keeps the placement of the attempt that ended it.
         let (node, replica) = (job.node.clone(), job.replica.clone());
+        // The product it was placed for, or, for a static replica, that of the GPU it runs on.
         let product = node.as_ref().and_then(|n| {
             let replica = replica.as_ref()?;
-            self.registry
-                .desired
-                .get(n)?
-                .iter()
-                .find(|d| &d.id == replica)
-                .map(|d| d.product.clone())
+            let placed = self.registry.desired.get(n).into_iter().flatten();
+            if let Some(d) = placed.into_iter().find(|d| &d.id == replica) {
+                return Some(d.product.clone());
+            }
+            let device = &self.registry.replicas.get(n)?.iter().find(|r| &r.id == replica)?.device;
+            let gpus = &self.fleet.nodes.get(n)?.registration.gpus;
+            gpus.iter().find(|g| &g.uuid == device).map(|g| g.product.clone())
         });
         let usage = crate::ledger::Usage {
             class: job.class.clone(),
@@ -1321,9 +1323,12 @@ mod tests {
                     },
                 ),
                 entry(2, report(1, t0)),
-                entry(3, report(2, t0 + 3 * crate::ledger::HOUR_MS)),
-                // A retry of seq 2 changes nothing.
-                entry(4, report(2, t0 + 3 * crate::ledger::HOUR_MS)),
+                // The ledger's clock moves an hour per report at most.
+                entry(3, report(2, t0 + crate::ledger::HOUR_MS)),
+                entry(4, report(3, t0 + 2 * crate::ledger::HOUR_MS)),
+                entry(5, report(4, t0 + 3 * crate::ledger::HOUR_MS)),
+                // A retry of seq 4 changes nothing.
+                entry(6, report(4, t0 + 3 * crate::ledger::HOUR_MS)),
             ])
             .await
             .unwrap();
@@ -1342,7 +1347,7 @@ mod tests {
             .flatten()
             .map(|r| r.counts.requests)
             .sum();
-        assert_eq!(requests, 20);
+        assert_eq!(requests, 40);
     }
 
     /// A format-1 state database (jobs keyed by id) opens with its jobs moved to `(seq, id)`.

@@ -303,3 +303,68 @@ fn invalid_config_exits_2_naming_the_field() {
         "nothing may be created before the config is valid"
     );
 }
+
+/// Commands of a new format wait until every member can apply them: a cluster created before
+/// the gate (no `cluster.command_format`) refuses them with what to do, and
+/// `lanectl cluster finalize-upgrade` checks every member and enables them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_command_formats_wait_for_finalize_upgrade() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes: Vec<Node> = (1..=3).map(|id| Node::new(root.path(), id)).collect();
+    super::agents::form_cluster(&mut nodes).await;
+    let addr = nodes[0].addr.clone();
+    let lanectl = |args: &[&str]| {
+        std::process::Command::new(lanectl_bin())
+            .args(["--addr", &addr])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let text = |o: &std::process::Output| {
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    };
+    // `cluster init` recorded the format of the binary that created the cluster.
+    let got = lanectl(&["settings", "get", "cluster.command_format", "--linearizable"]);
+    assert_eq!(text(&got).trim(), laneway_control::command::COMMAND_FORMAT.to_string());
+    // It is not an ordinary setting: raising it by hand is refused.
+    let set = lanectl(&["settings", "set", "cluster.command_format", "99"]);
+    assert!(
+        !set.status.success() && text(&set).contains("finalize-upgrade"),
+        "{}",
+        text(&set)
+    );
+    // A cluster from before the gate: new-format commands are refused, saying what to do.
+    assert!(lanectl(&["settings", "delete", "cluster.command_format"])
+        .status
+        .success());
+    let refused = lanectl(&["price", "set", "L4", "--tier", "spot", "0.30"]);
+    assert!(!refused.status.success(), "{}", text(&refused));
+    assert!(
+        text(&refused).contains("finalize-upgrade") && text(&refused).contains("format 5"),
+        "{}",
+        text(&refused)
+    );
+    let fin = lanectl(&["-o", "json", "cluster", "finalize-upgrade"]);
+    assert!(fin.status.success(), "{}", text(&fin));
+    let v: serde_json::Value = serde_json::from_slice(&fin.stdout).unwrap();
+    assert_eq!(v["command_format"], laneway_control::command::COMMAND_FORMAT);
+    assert_eq!(v["members"].as_array().unwrap().len(), 3, "{v}");
+    assert!(lanectl(&["price", "set", "L4", "--tier", "spot", "0.30"])
+        .status
+        .success());
+    // With a member down, the format is not raised: it could not be asked.
+    assert!(lanectl(&["settings", "delete", "cluster.command_format"])
+        .status
+        .success());
+    nodes[2].kill();
+    let fin = lanectl(&["cluster", "finalize-upgrade"]);
+    assert!(
+        !fin.status.success() && text(&fin).contains("not answering"),
+        "{}",
+        text(&fin)
+    );
+}

@@ -173,7 +173,13 @@ pub fn render(r: &LedgerReport, since: &str) -> String {
     if !r.events.is_empty() {
         let _ = writeln!(s, "\nevents:");
         for e in &r.events {
-            let _ = writeln!(s, "  {} {}: {}", fmt_ms(e.at_ms), e.kind, e.message);
+            let _ = writeln!(
+                s,
+                "  {} {}: {}",
+                laneway_control::ledger::fmt_unix_ms(e.at_ms),
+                e.kind,
+                e.message
+            );
         }
     }
     s.trim_end().to_string()
@@ -187,9 +193,4 @@ fn truncate(s: &str, n: usize) -> String {
         t.push('…');
         t
     }
-}
-
-/// A unix-ms time as RFC 3339 (UTC, seconds).
-pub fn fmt_ms(ms: u64) -> String {
-    humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_millis(ms)).to_string()
 }

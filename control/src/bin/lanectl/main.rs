@@ -11,9 +11,9 @@ use clap::{Parser, Subcommand, ValueEnum};
 use laneway_control::client::AdminClient;
 use laneway_control::planner;
 use laneway_proto::admin::{
-    AddLearnerRequest, DeleteSettingRequest, GetSettingRequest, InitRequest, ListNodesRequest, MembershipReply,
-    NodeInfo, NodeStatus, PromoteRequest, PutSettingRequest, RemoveRequest, SetNodeFlagsRequest, SnapshotRequest,
-    StatusRequest,
+    AddLearnerRequest, DeleteSettingRequest, FinalizeUpgradeRequest, GetSettingRequest, InitRequest, ListNodesRequest,
+    MembershipReply, NodeInfo, NodeStatus, PromoteRequest, PutSettingRequest, RemoveRequest, SetNodeFlagsRequest,
+    SnapshotRequest, StatusRequest,
 };
 use serde_json::json;
 
@@ -115,6 +115,9 @@ enum ClusterCmd {
     Promote { node_id: u64 },
     /// Remove a member. Its node id can never be used again.
     Remove { node_id: u64 },
+    /// After upgrading every controller's binary: check that each member answers and can apply
+    /// the new command format, then enable it (new commands are refused until then).
+    FinalizeUpgrade,
     /// Take a snapshot on the addressed controller and purge its log up to it.
     Snapshot {
         /// Keep the log (only snapshot).
@@ -201,6 +204,32 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             });
         }
         Cmd::Cluster(ClusterCmd::Status) => status(&client, out).await?,
+        Cmd::Cluster(ClusterCmd::FinalizeUpgrade) => {
+            let r = client
+                .call(|mut c| async move { c.finalize_upgrade(FinalizeUpgradeRequest {}).await })
+                .await?;
+            let members: Vec<_> = r
+                .members
+                .iter()
+                .map(|m| json!({"node_id": m.node_id, "addr": m.addr, "command_format": m.command_format}))
+                .collect();
+            print(
+                out,
+                json!({"command_format": r.command_format, "members": members}),
+                || {
+                    let each: Vec<String> = r
+                        .members
+                        .iter()
+                        .map(|m| format!("{} ({}): {}", m.node_id, m.addr, m.command_format))
+                        .collect();
+                    format!(
+                        "cluster command format is {}; members: {}",
+                        r.command_format,
+                        each.join(", ")
+                    )
+                },
+            );
+        }
         Cmd::Cluster(ClusterCmd::Add { node_id, node_addr }) => {
             if out == Output::Table {
                 eprintln!("adding node {node_id} at {node_addr} as a learner and waiting for it to catch up…");
