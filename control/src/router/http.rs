@@ -735,6 +735,12 @@ mod tests {
                     .with_target(crate::telemetry::TRACE_TARGET, tracing::Level::DEBUG),
             );
         let tracing_on = tracing::subscriber::set_default(tracing_subscriber::registry().with(otel));
+        // Tests run on parallel threads without a subscriber. With a single registered
+        // dispatcher, tracing caches a callsite's interest from whichever thread reaches it
+        // first, so another test's request could turn these spans off for good; a second live
+        // dispatcher makes it ask every dispatcher instead.
+        let _second = tracing::Dispatch::new(tracing_subscriber::registry());
+        tracing::callsite::rebuild_interest_cache();
 
         // A replica that remembers the traceparent it was sent.
         let seen = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
