@@ -2,6 +2,10 @@
 //! missing ones are started (after their weights are in the cache, pinned for as long as the
 //! replica is placed), and the ones no longer placed are drained. Static replicas (the agent's
 //! own config) are left alone.
+//!
+//! Each placed replica this agent starts is recorded in sled ([`PlacedStore`]), so an agent that
+//! restarts re-adopts the ones still running (and pins their weights again) instead of
+//! reaping them and cold-starting them from the next heartbeat reply.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -9,6 +13,8 @@ use std::time::Duration;
 
 use laneway_proto::agent::DesiredReplica;
 use tokio::time::Instant;
+
+use serde::{Deserialize, Serialize};
 
 use crate::supervisor::{ReplicaSpec, ReplicaState, RuntimeSpec, Supervisor};
 use crate::weight_cache::{Artifact, PinnedBlob, WeightCache};
@@ -28,11 +34,68 @@ struct State {
     pins: HashMap<String, Vec<PinnedBlob>>,
 }
 
+/// A placed replica as this agent started it: enough to re-adopt it after a restart.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlacedRecord {
+    pub spec: ReplicaSpec,
+    pub weights: Vec<Artifact>,
+}
+
+/// The placed replicas this agent started, by id, in sled (`<data_dir>/placed.sled`).
+///
+/// sled's flush is lazy (no fsync), which is acceptable for exactly this: a record lost with
+/// a power loss belongs to a replica the power loss stopped too, and one lost in a crash just
+/// after the start means that replica is reaped and started again from the next heartbeat
+/// reply — a cold start, never a wrong state. The controller's placement stays the truth.
+#[derive(Clone)]
+pub struct PlacedStore {
+    db: sled::Db,
+}
+
+impl PlacedStore {
+    pub fn open(data_dir: &std::path::Path) -> Result<Self, String> {
+        let path = data_dir.join("placed.sled");
+        let db =
+            sled::open(&path).map_err(|e| format!("opening the placed-replica records {}: {e}", path.display()))?;
+        Ok(PlacedStore { db })
+    }
+
+    /// Every record; one that cannot be read is skipped (its replica is reaped, then placed
+    /// again by the controllers).
+    pub fn load(&self) -> Vec<PlacedRecord> {
+        self.db
+            .iter()
+            .filter_map(|row| {
+                let (k, v) = row.ok()?;
+                match serde_json::from_slice(&v) {
+                    Ok(r) => Some(r),
+                    Err(e) => {
+                        tracing::warn!(replica = %String::from_utf8_lossy(&k), error = %e, "unreadable placed-replica record; the replica will be reaped and placed again");
+                        None
+                    }
+                }
+            })
+            .collect()
+    }
+
+    fn put(&self, r: &PlacedRecord) {
+        let v = serde_json::to_vec(r).expect("placed records serialize");
+        if let Err(e) = self.db.insert(r.spec.id.as_bytes(), v) {
+            tracing::warn!(replica = %r.spec.id, error = %e, "cannot record a placed replica; after an agent restart it is started again instead of re-adopted");
+        }
+    }
+
+    fn remove(&self, id: &str) {
+        let _ = self.db.remove(id.as_bytes());
+    }
+}
+
 /// Placed replicas of this agent.
 #[derive(Clone)]
 pub struct Placed {
     sup: Arc<Supervisor>,
     cache: WeightCache,
+    store: PlacedStore,
     state: Arc<Mutex<State>>,
 }
 
@@ -53,11 +116,39 @@ fn spec(d: &DesiredReplica, weights: Option<String>) -> ReplicaSpec {
 }
 
 impl Placed {
-    pub fn new(sup: Arc<Supervisor>, cache: WeightCache) -> Self {
+    pub fn new(sup: Arc<Supervisor>, cache: WeightCache, store: PlacedStore) -> Self {
         Placed {
             sup,
             cache,
+            store,
             state: Arc::default(),
+        }
+    }
+
+    /// After an agent restart: pins the weights of the placed replicas the supervisor
+    /// re-adopted, and forgets the records of those it did not (they were not running).
+    pub fn readopted(&self, records: Vec<PlacedRecord>, adopted: &[String]) {
+        for r in records {
+            if !adopted.contains(&r.spec.id) {
+                self.store.remove(&r.spec.id);
+                continue;
+            }
+            if r.weights.is_empty() {
+                continue;
+            }
+            let this = self.clone();
+            tokio::spawn(async move {
+                let mut pins = Vec::new();
+                for w in &r.weights {
+                    match this.cache.acquire(w).await {
+                        Ok(pin) => pins.push(pin),
+                        Err(e) => {
+                            tracing::warn!(replica = %r.spec.id, uri = %w.uri, error = %e, "cannot pin a re-adopted replica's weights")
+                        }
+                    }
+                }
+                this.lock().pins.insert(r.spec.id.clone(), pins);
+            });
         }
     }
 
@@ -69,10 +160,17 @@ impl Placed {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn start(&self, spec: ReplicaSpec) {
+    fn start(&self, spec: ReplicaSpec, weights: Vec<Artifact>) {
         let id = spec.id.clone();
         tracing::info!(replica = %id, model = %spec.model, device = %spec.device, "starting a placed replica");
+        // Recorded before it starts: a replica running without a record would be reaped by the
+        // next incarnation of this agent.
+        self.store.put(&PlacedRecord {
+            spec: spec.clone(),
+            weights,
+        });
         if let Err(e) = self.sup.start(spec) {
+            self.store.remove(&id);
             tracing::error!(replica = %id, error = %e, "cannot start a placed replica; fix the model's runtime in the registry (`lanectl model register`)");
             self.lock().refused.insert(id);
         }
@@ -96,7 +194,7 @@ impl Placed {
                 }
             }
             if d.weights.is_empty() {
-                self.start(spec(d, None));
+                self.start(spec(d, None), Vec::new());
                 continue;
             }
             self.lock().fetching.insert(d.id.clone());
@@ -104,13 +202,17 @@ impl Placed {
             let d = d.clone();
             tokio::spawn(async move {
                 let mut pins = Vec::new();
-                for w in &d.weights {
-                    let artifact = Artifact {
+                let artifacts: Vec<Artifact> = d
+                    .weights
+                    .iter()
+                    .map(|w| Artifact {
                         uri: w.uri.clone(),
                         sha256: w.sha256.clone(),
                         size: w.size_bytes,
-                    };
-                    match this.cache.acquire(&artifact).await {
+                    })
+                    .collect();
+                for (w, artifact) in d.weights.iter().zip(&artifacts) {
+                    match this.cache.acquire(artifact).await {
                         Ok(pin) => pins.push(pin),
                         Err(e) => {
                             tracing::error!(replica = %d.id, uri = %w.uri, error = %e, "cannot fetch the weights of a placed replica; retrying in {FETCH_RETRY:?}");
@@ -128,7 +230,7 @@ impl Placed {
                     st.retry_at.remove(&d.id);
                     st.pins.insert(d.id.clone(), pins);
                 }
-                this.start(spec(&d, path));
+                this.start(spec(&d, path), artifacts);
             });
         }
         for s in status {
@@ -136,8 +238,10 @@ impl Placed {
             if placed {
                 continue;
             }
-            // No longer placed: its weights may be evicted once it is gone.
+            // No longer placed: its weights may be evicted once it is gone, and a restarted
+            // agent must not re-adopt it.
             self.lock().pins.remove(&s.id);
+            self.store.remove(&s.id);
             if matches!(s.state, ReplicaState::Stopped | ReplicaState::Draining) {
                 continue;
             }

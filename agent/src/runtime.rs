@@ -16,7 +16,7 @@ use tonic::transport::Endpoint;
 use crate::config::AgentConfig;
 use crate::gpu::GpuBackend;
 use crate::jobs::JobRunner;
-use crate::placed::Placed;
+use crate::placed::{Placed, PlacedStore};
 use crate::results::ResultStore;
 use crate::supervisor::{ReplicaSpec, ReplicaState, Supervisor, SupervisorConfig};
 use crate::weight_cache::WeightCache;
@@ -69,6 +69,17 @@ impl Agent {
             m.abort();
         }
     }
+
+    /// Like [`Agent::stop`], and returns once the agent has let go of its local state (its
+    /// sled databases), so another agent can open the same data dir in this process.
+    pub async fn shutdown(self) {
+        self.task.abort();
+        let _ = self.task.await;
+        if let Some(m) = self.metrics {
+            m.abort();
+            let _ = m.await;
+        }
+    }
 }
 
 /// Starts an agent: resolves and starts (or re-adopts) its static replicas, then heartbeats.
@@ -92,7 +103,18 @@ pub async fn start(cfg: AgentConfig, backend: Arc<dyn GpuBackend>) -> Result<Age
     }
     let cache = WeightCache::open(&cfg.data_dir.join("cache"), DEFAULT_CACHE_BUDGET)?;
     let supervisor = Arc::new(Supervisor::new(SupervisorConfig::new(cfg.data_dir.join("replicas"))));
-    let recovered = supervisor.recover(&specs, Duration::from_secs(10)).await;
+    // Placed replicas started by an earlier incarnation are as wanted as the static ones until
+    // the controllers say otherwise (the next heartbeat reply): re-adopt, never reap, them.
+    let placed_store = PlacedStore::open(&cfg.data_dir).map_err(AgentError::Config)?;
+    let placed_records = placed_store.load();
+    let wanted: Vec<ReplicaSpec> = specs
+        .iter()
+        .cloned()
+        .chain(placed_records.iter().map(|r| r.spec.clone()))
+        .collect();
+    let recovered = supervisor.recover(&wanted, Duration::from_secs(10)).await;
+    let placed = Placed::new(supervisor.clone(), cache, placed_store);
+    placed.readopted(placed_records, &recovered.adopted);
     let statics = specs.clone();
     for spec in specs {
         if !recovered.adopted.contains(&spec.id) {
@@ -121,7 +143,7 @@ pub async fn start(cfg: AgentConfig, backend: Arc<dyn GpuBackend>) -> Result<Age
         None => None,
     };
     let sup = supervisor.clone();
-    let task = tokio::spawn(async move { heartbeat_loop(cfg, backend, sup, cache, statics, jobs, view_tx).await });
+    let task = tokio::spawn(async move { heartbeat_loop(cfg, backend, sup, placed, statics, jobs, view_tx).await });
     Ok(Agent {
         supervisor,
         view,
@@ -148,7 +170,7 @@ async fn heartbeat_loop(
     cfg: AgentConfig,
     backend: Arc<dyn GpuBackend>,
     sup: Arc<Supervisor>,
-    cache: WeightCache,
+    placed: Placed,
     statics: Vec<ReplicaSpec>,
     jobs: JobRunner,
     view: watch::Sender<AgentView>,
@@ -157,7 +179,6 @@ async fn heartbeat_loop(
     let mut redirect: Option<String> = None;
     let mut backoff = Duration::from_millis(100);
     let mut hops = 0u32;
-    let placed = Placed::new(sup.clone(), cache);
     loop {
         let addr = redirect
             .take()

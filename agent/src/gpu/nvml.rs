@@ -56,6 +56,29 @@ fn mig_devices(device: &Device<'_>, gpu: &str) -> Result<Vec<MigDevice>, GpuErro
     Ok(out)
 }
 
+/// Runs `nvidia-smi <args> -i <uuid>`; with `none_is_ok`, "no instance found" is success.
+fn nvidia_smi(uuid: &str, args: &[&str], none_is_ok: bool) -> Result<(), GpuError> {
+    let out = std::process::Command::new("nvidia-smi")
+        .args(args)
+        .args(["-i", uuid])
+        .output()
+        .map_err(|e| GpuError::Unsupported(format!("running nvidia-smi (needed to apply MIG geometry): {e}")))?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let nothing = text.to_ascii_lowercase().contains("no ") && text.to_ascii_lowercase().contains("found");
+    if out.status.success() || (none_is_ok && nothing) {
+        return Ok(());
+    }
+    Err(GpuError::Unsupported(format!(
+        "`nvidia-smi {} -i {uuid}` failed: {}",
+        args.join(" "),
+        text.trim()
+    )))
+}
+
 impl GpuBackend for NvmlBackend {
     fn name(&self) -> &'static str {
         "nvml"
@@ -92,8 +115,42 @@ impl GpuBackend for NvmlBackend {
         Ok(gpus)
     }
 
-    fn set_mig_devices(&self, uuid: &str, _profiles: &[String]) -> Result<(), GpuError> {
-        self.refuse_mig_apply(uuid)
+    /// Enables MIG mode through NVML, then replaces the GPU's instances with `profiles`
+    /// through `nvidia-smi mig` (nvml-wrapper has no safe wrapper for the GPU-instance and
+    /// compute-instance calls, and this workspace forbids `unsafe`), and checks the result
+    /// through NVML. The caller has validated the geometry and drained the GPU.
+    fn set_mig_devices(&self, uuid: &str, profiles: &[String]) -> Result<(), GpuError> {
+        let device = call("nvmlDeviceGetHandleByUUID", uuid, self.nvml.device_by_uuid(uuid))?;
+        let mode = call("nvmlDeviceGetMigMode", uuid, device.mig_mode())?;
+        if mode.current != 1 {
+            call("nvmlDeviceSetMigMode", uuid, device.set_mig_mode(true))?;
+            let mode = call("nvmlDeviceGetMigMode", uuid, device.mig_mode())?;
+            if mode.current != 1 {
+                return Err(GpuError::Unsupported(format!(
+                    "MIG mode on GPU {uuid} is pending until the GPU is reset; drain the node, run \
+                     `nvidia-smi -i {uuid} -r` (or reboot), and the agent applies the geometry then"
+                )));
+            }
+        }
+        // Compute instances first, then GPU instances; "no instance found" is not an error.
+        for args in [["mig", "-dci"], ["mig", "-dgi"]] {
+            nvidia_smi(uuid, &args, true)?;
+        }
+        if !profiles.is_empty() {
+            let list = profiles.join(",");
+            nvidia_smi(uuid, &["mig", "-cgi", &list, "-C"], false)?;
+        }
+        let device = call("nvmlDeviceGetHandleByUUID", uuid, self.nvml.device_by_uuid(uuid))?;
+        let mut have: Vec<String> = mig_devices(&device, uuid)?.into_iter().map(|d| d.profile).collect();
+        let mut want = profiles.to_vec();
+        have.sort();
+        want.sort();
+        if have != want {
+            return Err(GpuError::Unsupported(format!(
+                "GPU {uuid} has MIG devices {have:?} after applying {want:?}; check `nvidia-smi mig -lgi -i {uuid}`"
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -137,16 +194,6 @@ impl NvmlBackend {
             },
         })
     }
-
-    fn refuse_mig_apply(&self, uuid: &str) -> Result<(), GpuError> {
-        // nvml-wrapper 0.13 has no safe wrapper for nvmlDeviceCreateGpuInstance /
-        // nvmlGpuInstanceCreateComputeInstance; calling them needs the raw FFI, which this crate
-        // does not allow yet (see issue #3's note). Refuse clearly instead of half-applying.
-        Err(GpuError::Unsupported(format!(
-            "applying MIG geometry through NVML is not available in this build; on GPU {uuid} apply the \
-             validated geometry with `nvidia-smi mig -cgi <profiles> -C` (or mig-parted) while it is drained"
-        )))
-    }
 }
 
 #[cfg(test)]
@@ -157,6 +204,37 @@ mod tests {
     fn mig_profile_names_parse() {
         assert_eq!(mig_profile_from_name("NVIDIA H100 80GB HBM3 MIG 1g.10gb"), "1g.10gb");
         assert_eq!(mig_profile_from_name("NVIDIA A100-SXM4-40GB MIG 3g.20gb"), "3g.20gb");
+    }
+
+    /// Runs on a GPU host with a MIG-capable card that nothing uses:
+    /// `LANEWAY_MIG_TEST_GPU=GPU-… cargo test -p laneway-agent -- --ignored nvml_mig`.
+    /// Applies two half-card slices, checks them, then removes them.
+    #[test]
+    #[ignore = "needs an idle MIG-capable NVIDIA GPU (H100/H200/A100) and root"]
+    fn nvml_mig_geometry_applies_on_a_real_gpu() {
+        let b = NvmlBackend::new().expect("NVML loads on a GPU host");
+        let inv = b.inventory().expect("inventory");
+        let gpu = match std::env::var("LANEWAY_MIG_TEST_GPU") {
+            Ok(u) => inv
+                .into_iter()
+                .find(|g| g.uuid == u)
+                .expect("LANEWAY_MIG_TEST_GPU names a GPU here"),
+            Err(_) => inv.into_iter().find(|g| g.mig.capable).expect("a MIG-capable GPU"),
+        };
+        let half = crate::mig::profiles(&gpu.product)
+            .and_then(|t| t.iter().find(|p| p.compute_slices == 3))
+            .expect("a 3g profile")
+            .name
+            .to_string();
+        let geometry = vec![half.clone(), half];
+        b.set_mig_devices(&gpu.uuid, &geometry).expect("applied");
+        let now = b.inventory().unwrap().into_iter().find(|g| g.uuid == gpu.uuid).unwrap();
+        let mut have: Vec<String> = now.mig.devices.iter().map(|d| d.profile.clone()).collect();
+        have.sort();
+        assert_eq!(have, geometry);
+        // Applying the same geometry again is idempotent; an empty one clears it.
+        b.set_mig_devices(&gpu.uuid, &geometry).expect("idempotent");
+        b.set_mig_devices(&gpu.uuid, &[]).expect("cleared");
     }
 
     /// Runs on a GPU host: `cargo test -p laneway-agent -- --ignored nvml`.

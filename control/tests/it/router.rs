@@ -559,6 +559,79 @@ async fn warm_floor_replicas_are_placed_served_and_moved_off_a_dead_node() {
     b.stop();
 }
 
+/// A model document served by the simulated model server: `service_ms` on an L4.
+fn sim_model_doc(name: &str, class: &str, service_ms: u32) -> serde_json::Value {
+    serde_json::json!({
+        "name": name,
+        "class": class,
+        "profiles": {"L4": {"service_ms": service_ms, "max_batch": 4, "gpu_memory_gb": 6}},
+        "runtime": {"command": [
+            sim_model_bin().display().to_string(), "--listen", "127.0.0.1:{port}", "--model", "{model}",
+            "--product", "{product}", "--service-ms", format!("L4={service_ms}"), "--max-batch", "{max_batch}",
+            "--batch-window-ms", "1"
+        ]},
+    })
+}
+
+/// An agent that restarts re-adopts the replicas the controllers placed on it: same process,
+/// no cold start, still served (static stability).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_agent_re_adopts_its_placed_replicas() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = vec![Node::new(root.path(), 1)];
+    form_cluster(&mut nodes).await;
+    let addr = nodes[0].addr.clone();
+    lanectl(&addr, &["lane", "set", "speech", "--lane", "sync", "--warm-floor", "1"]);
+    let key = lanectl(&addr, &["tenant", "create", "t1"])["api_key"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let file = root.path().join("echo.json");
+    std::fs::write(&file, sim_model_doc("echo", "speech", 10).to_string()).unwrap();
+    let a = agent("gpu-a", "L4", vec![addr.clone()], root.path(), vec![]).await;
+    let _reaper = Reaper(a.supervisor.clone());
+    lanectl(&addr, &["model", "register", "--file", file.to_str().unwrap()]);
+    let client = AdminClient::new(vec![addr.clone()]);
+    wait_for("the placed replica ready", Duration::from_secs(30), || async {
+        ready_nodes(&client, "echo").await.filter(|n| n.len() == 1)
+    })
+    .await;
+    let before = a.supervisor.status();
+    let (id, pid) = (before[0].id.clone(), before[0].pid.unwrap());
+
+    // The agent restarts (its replica process lives on).
+    a.shutdown().await;
+    let a2 = agent("gpu-a", "L4", vec![addr.clone()], root.path(), vec![]).await;
+    let _reaper2 = Reaper(a2.supervisor.clone());
+    let adopted = a2.supervisor.status();
+    assert_eq!(adopted.len(), 1, "{adopted:?}");
+    assert_eq!(
+        (adopted[0].id.clone(), adopted[0].pid),
+        (id.clone(), Some(pid)),
+        "re-adopted, not reaped"
+    );
+    // Several heartbeat replies later it is the same process, ready and served.
+    let url = format!("http://{}/v2/models/echo/infer", nodes[0].router_addr);
+    let http = reqwest::Client::new();
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let s = a2.supervisor.status();
+        assert!(
+            matches!(&s[..], [r] if r.id == id && r.pid == Some(pid)),
+            "the controllers' reply replaced it: {s:?}"
+        );
+    }
+    let served = http.post(&url).bearer_auth(&key).body(BODY).send().await.unwrap();
+    assert_eq!(served.status(), 200);
+    for r in a2.supervisor.status() {
+        let _ = a2
+            .supervisor
+            .drain(&r.id, Arc::new(|| 0), Duration::from_secs(1), Duration::from_secs(2))
+            .await;
+    }
+    a2.stop();
+}
+
 /// The fast loop counts load at every controller's router, not only the leader's: requests
 /// held at a follower's router scale the model up.
 /// Also the meter end to end: the follower's router reports what it served to the leader,
@@ -587,15 +660,7 @@ async fn load_at_a_followers_router_scales_the_model_up() {
         .as_str()
         .unwrap()
         .to_string();
-    let model = serde_json::json!({
-        "name": "slow",
-        "class": "speech",
-        "profiles": {"L4": {"service_ms": 3000, "max_batch": 4, "gpu_memory_gb": 6}},
-        "runtime": {"command": [
-            sim_model_bin().display().to_string(), "--listen", "127.0.0.1:{port}", "--model", "{model}",
-            "--product", "{product}", "--service-ms", "L4=3000", "--max-batch", "{max_batch}", "--batch-window-ms", "1"
-        ]},
-    });
+    let model = sim_model_doc("slow", "speech", 3000);
     let file = root.path().join("slow.json");
     std::fs::write(&file, model.to_string()).unwrap();
     let controllers: Vec<String> = nodes.iter().map(|n| n.addr.clone()).collect();
