@@ -201,6 +201,80 @@ pub fn apply(
     Ok(Applied::Changed { devices: desired })
 }
 
+/// How long after a failed apply the agent tries a GPU's layout again.
+pub const RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Brings GPUs to the MIG layouts the controllers want, one heartbeat reply at a time.
+#[derive(Default)]
+pub struct Reconciler {
+    /// GPUs whose last apply failed, and when to try again.
+    retry_at: std::collections::HashMap<String, tokio::time::Instant>,
+    /// GPUs already reported as waiting for their replicas to leave (logged once).
+    waiting: std::collections::HashSet<String>,
+}
+
+impl Reconciler {
+    /// Applies each wanted layout whose GPU runs no replica (`running` counts the replicas on
+    /// a GPU or its MIG devices). Returns the GPUs whose layout is still to be applied: no
+    /// placed replica may start on them.
+    pub fn reconcile(
+        &mut self,
+        backend: &dyn GpuBackend,
+        wanted: &[(String, Vec<String>)],
+        running: impl Fn(&str, &[String]) -> usize,
+    ) -> std::collections::HashSet<String> {
+        let mut pending = std::collections::HashSet::new();
+        if wanted.is_empty() {
+            return pending;
+        }
+        let inventory = match backend.inventory() {
+            Ok(i) => i,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the GPUs to apply MIG layouts");
+                return wanted.iter().map(|(g, _)| g.clone()).collect();
+            }
+        };
+        let now = tokio::time::Instant::now();
+        for (uuid, profiles) in wanted {
+            let mut geometry = Geometry::new();
+            for p in profiles {
+                *geometry.entry(p.clone()).or_default() += 1;
+            }
+            let Some(gpu) = inventory.iter().find(|g| &g.uuid == uuid) else {
+                tracing::warn!(gpu = %uuid, "a MIG layout was set for a GPU this host does not have");
+                continue;
+            };
+            let devices: Vec<String> = gpu.mig.devices.iter().map(|d| d.uuid.clone()).collect();
+            let on_it = running(uuid, &devices);
+            if self.retry_at.get(uuid).is_some_and(|t| *t > now) {
+                pending.insert(uuid.clone());
+                continue;
+            }
+            match apply(backend, uuid, &geometry, on_it) {
+                Ok(Applied::Unchanged) => {
+                    self.waiting.remove(uuid);
+                }
+                Ok(Applied::Changed { devices }) => {
+                    self.waiting.remove(uuid);
+                    tracing::info!(gpu = %uuid, ?devices, "applied the MIG layout");
+                }
+                Err(MigError::ReplicasRunning { replicas, .. }) => {
+                    if self.waiting.insert(uuid.clone()) {
+                        tracing::info!(gpu = %uuid, replicas, "MIG layout waits until the replicas on this GPU have moved off");
+                    }
+                    pending.insert(uuid.clone());
+                }
+                Err(e) => {
+                    tracing::warn!(gpu = %uuid, error = %e, "cannot apply the MIG layout; trying again in {RETRY_AFTER:?}");
+                    self.retry_at.insert(uuid.clone(), now + RETRY_AFTER);
+                    pending.insert(uuid.clone());
+                }
+            }
+        }
+        pending
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

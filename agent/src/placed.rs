@@ -176,12 +176,16 @@ impl Placed {
         }
     }
 
-    /// Runs exactly the placed replicas (besides `statics`).
-    pub fn reconcile(&self, statics: &[ReplicaSpec], desired: &[DesiredReplica]) {
+    /// Runs exactly the placed replicas (besides `statics`); none is started on a GPU in
+    /// `held` (its MIG layout is still to be applied).
+    pub fn reconcile(&self, statics: &[ReplicaSpec], desired: &[DesiredReplica], held: &HashSet<String>) {
         let status = self.sup.status();
         let now = Instant::now();
         for d in desired {
             if status.iter().any(|s| s.id == d.id && s.state != ReplicaState::Stopped) {
+                continue;
+            }
+            if held.contains(&d.device) {
                 continue;
             }
             {

@@ -179,6 +179,7 @@ async fn heartbeat_loop(
     let mut redirect: Option<String> = None;
     let mut backoff = Duration::from_millis(100);
     let mut hops = 0u32;
+    let mut mig = crate::mig::Reconciler::default();
     loop {
         let addr = redirect
             .take()
@@ -190,6 +191,7 @@ async fn heartbeat_loop(
             &statics,
             &placed,
             &jobs,
+            &mut mig,
             &addr,
             &view,
             &mut backoff,
@@ -228,6 +230,7 @@ async fn session(
     statics: &[ReplicaSpec],
     placed: &Placed,
     jobs: &JobRunner,
+    mig: &mut crate::mig::Reconciler,
     addr: &str,
     view: &watch::Sender<AgentView>,
     backoff: &mut Duration,
@@ -337,8 +340,18 @@ async fn session(
                         // Reconciled on every reply (not only when the flag changes), so
                         // replicas still draining when the drain was lifted come back too.
                         restart_stopped(sup, statics);
+                        let wanted: Vec<(String, Vec<String>)> =
+                            ds.mig.iter().map(|m| (m.gpu.clone(), m.profiles.clone())).collect();
+                        let running = |gpu: &str, devices: &[String]| {
+                            sup.status()
+                                .iter()
+                                .filter(|r| r.state != ReplicaState::Stopped)
+                                .filter(|r| r.device == gpu || devices.contains(&r.device))
+                                .count()
+                        };
+                        let held = mig.reconcile(backend, &wanted, running);
                         if ds.replicas_managed {
-                            placed.reconcile(statics, &ds.replicas);
+                            placed.reconcile(statics, &ds.replicas, &held);
                         }
                     }
                     view.send_modify(|v| {

@@ -257,6 +257,7 @@ fn desired_state(ctx: &Context, hb: &Heartbeat, jobs: Vec<AssignedJob>, settled:
         replicas_managed: true,
         jobs,
         settled,
+        mig: ctx.sm.mig_for(&hb.node_id),
     }
 }
 

@@ -180,6 +180,14 @@ pub enum Command {
     },
     /// A router's metered usage since its previous report (priced when applied).
     RecordUsage(UsageReport),
+    /// The MIG layout of one GPU (mig-parted profile names; empty = the whole card). The
+    /// scheduler moves whole-card replicas off a GPU being split, and its agent applies the
+    /// layout once nothing runs on it.
+    SetMigLayout {
+        node_id: String,
+        gpu: String,
+        profiles: Vec<String>,
+    },
 }
 
 /// What applying one log entry produced.
@@ -245,7 +253,7 @@ impl Command {
             | Command::CancelJob { .. }
             | Command::CompactJobs { .. } => 3,
             Command::PreemptNode { .. } => 4,
-            Command::SetPrice { .. } | Command::RecordUsage(_) => 5,
+            Command::SetPrice { .. } | Command::RecordUsage(_) | Command::SetMigLayout { .. } => 5,
         }
     }
 
@@ -313,6 +321,9 @@ impl Command {
                 .iter()
                 .map(|u| 96 + u.class.len() + u.model.len() + u.version.len() + u.tenant.len())
                 .sum(),
+            Command::SetMigLayout { node_id, gpu, profiles } => {
+                node_id.len() + gpu.len() + profiles.iter().map(|p| p.len() + 4).sum::<usize>()
+            }
         }
     }
 
@@ -373,6 +384,16 @@ impl Command {
                 }
             }
             Command::RecordUsage(r) => r.validate().map_err(CommandError::Invalid),
+            Command::SetMigLayout { node_id, profiles, .. } => {
+                validate_node_id(node_id).map_err(CommandError::InvalidNode)?;
+                if profiles.len() > 7 {
+                    return Err(CommandError::Invalid(format!(
+                        "{} MIG devices: a GPU has 7 compute slices at most",
+                        profiles.len()
+                    )));
+                }
+                Ok(())
+            }
         }
     }
 }

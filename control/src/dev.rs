@@ -49,7 +49,8 @@ const DEV_NODES: &[(&str, &str, &str, u32, &str)] = &[
     ("sim-h100-1", "h100", "H100-80GB", 4, "on-demand"),
 ];
 
-/// MIG layouts of dev mode: the last GPU of these nodes is split into these profiles.
+/// MIG layouts of dev mode, set through the controller as an operator would (`lanectl mig
+/// set`): the last GPU of these nodes is split into these profiles.
 const DEV_MIG: &[(&str, &[&str])] = &[("sim-h100-1", &["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"])];
 
 /// Example prices, US dollars per GPU-hour (reserved, on-demand, spot), set when the dev
@@ -126,15 +127,6 @@ async fn start_agents(controller: &str, data_dir: &std::path::Path) -> Result<Ve
             "node = \"{node}\"\n[[gpu]]\nproduct = \"{product}\"\ncount = {count}\n"
         ))
         .map_err(|e| DevError::Other(e.to_string()))?;
-        if let Some(layout) = DEV_MIG.iter().find(|(n, _)| n == node).map(|(_, l)| l) {
-            // The node's last card is split into MIG slices, as a capacity plan would.
-            use laneway_agent::gpu::GpuBackend;
-            let uuid = format!("GPU-sim-{node}-{}", count - 1);
-            let profiles: Vec<String> = layout.iter().map(|p| p.to_string()).collect();
-            backend
-                .set_mig_devices(&uuid, &profiles)
-                .map_err(|e| DevError::Other(format!("simulated MIG layout on {uuid}: {e}")))?;
-        }
         let cfg = AgentConfig {
             node_id: node.to_string(),
             controllers: vec![controller.to_string()],
@@ -256,6 +248,34 @@ async fn register_examples(controller: &Controller, registry: &DevRegistry) -> R
     Ok(key)
 }
 
+/// Commits dev mode's MIG layouts once their nodes have registered.
+async fn set_mig_layouts(controller: &Controller) -> Result<(), DevError> {
+    for (node, profiles) in DEV_MIG {
+        let Some(&(_, _, _, count, _)) = DEV_NODES.iter().find(|n| n.0 == *node) else {
+            continue;
+        };
+        let registered = tokio::time::timeout(Duration::from_secs(10), async {
+            while controller.state.node_flags(node).is_none() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await;
+        if registered.is_err() {
+            return Err(DevError::Other(format!("simulated node {node} did not register")));
+        }
+        commit(
+            controller,
+            crate::command::Command::SetMigLayout {
+                node_id: node.to_string(),
+                gpu: format!("GPU-sim-{node}-{}", count - 1),
+                profiles: profiles.iter().map(|p| p.to_string()).collect(),
+            },
+        )
+        .await?;
+    }
+    Ok(())
+}
+
 /// Waits (up to 30 s) until the router can route `model`.
 pub async fn wait_routable(controller: &Controller, model: &str) -> bool {
     tokio::time::timeout(Duration::from_secs(30), async {
@@ -342,6 +362,7 @@ pub async fn start(args: DevArgs) -> Result<DevController, DevError> {
     let replicas_running = with_sim_runtime(&mut registry);
     let api_key = register_examples(&controller, &registry).await?;
     let agents = start_agents(&controller.advertise, &data_dir).await?;
+    set_mig_layouts(&controller).await?;
     if replicas_running {
         for m in ["whisper", "sdxl"] {
             if !wait_routable(&controller, m).await {

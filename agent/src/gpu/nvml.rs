@@ -136,10 +136,13 @@ impl GpuBackend for NvmlBackend {
         for args in [["mig", "-dci"], ["mig", "-dgi"]] {
             nvidia_smi(uuid, &args, true)?;
         }
-        if !profiles.is_empty() {
-            let list = profiles.join(",");
-            nvidia_smi(uuid, &["mig", "-cgi", &list, "-C"], false)?;
+        if profiles.is_empty() {
+            // The whole card: MIG off again (a card in MIG mode without instances runs nothing).
+            call("nvmlDeviceSetMigMode", uuid, device.set_mig_mode(false))?;
+            return Ok(());
         }
+        let list = profiles.join(",");
+        nvidia_smi(uuid, &["mig", "-cgi", &list, "-C"], false)?;
         let device = call("nvmlDeviceGetHandleByUUID", uuid, self.nvml.device_by_uuid(uuid))?;
         let mut have: Vec<String> = mig_devices(&device, uuid)?.into_iter().map(|d| d.profile).collect();
         let mut want = profiles.to_vec();

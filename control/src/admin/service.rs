@@ -17,7 +17,7 @@ use laneway_proto::admin::{
     LedgerRequest, ListRegistryRequest, LoadReport, LoadReportReply, NameRequest, PutDocumentRequest, SetPriceRequest,
     SetTenantLimitRequest, TenantKeyReply, UsageReportRequest,
 };
-use laneway_proto::admin::{FinalizeUpgradeReply, FinalizeUpgradeRequest, MemberFormat};
+use laneway_proto::admin::{FinalizeUpgradeReply, FinalizeUpgradeRequest, MemberFormat, SetMigLayoutRequest};
 use openraft::error::{ForwardToLeader, RaftError};
 use openraft::{ChangeMembers, ServerState};
 use tonic::{Request, Response, Status};
@@ -815,8 +815,21 @@ impl AdminService for AdminGrpc {
         }))
     }
 
+    async fn set_mig_layout(&self, req: Request<SetMigLayoutRequest>) -> Result<Response<WriteReply>, Status> {
+        let r = req.into_inner();
+        Ok(Response::new(
+            self.write(Command::SetMigLayout {
+                node_id: r.node_id,
+                gpu: r.gpu,
+                profiles: r.profiles,
+            })
+            .await?,
+        ))
+    }
+
     async fn list_nodes(&self, _req: Request<ListNodesRequest>) -> Result<Response<ListNodesReply>, Status> {
         let fleet = self.sm.fleet();
+        let layouts = self.sm.registry().mig;
         let leader = self.raft.metrics().borrow().current_leader == Some(self.node_id);
         let nodes = fleet
             .nodes
@@ -836,11 +849,21 @@ impl AdminService for AdminGrpc {
                     gpus: r
                         .gpus
                         .iter()
-                        .map(|g| PbGpu {
-                            uuid: g.uuid.clone(),
-                            product: g.product.clone(),
-                            memory_bytes: g.memory_bytes,
-                            mig_capable: g.mig_capable,
+                        .map(|g| {
+                            let layout = layouts.get(&r.node_id).and_then(|l| l.get(&g.uuid));
+                            PbGpu {
+                                uuid: g.uuid.clone(),
+                                product: g.product.clone(),
+                                memory_bytes: g.memory_bytes,
+                                mig_capable: g.mig_capable,
+                                mig_layout: layout.cloned().unwrap_or_default(),
+                                has_mig_layout: layout.is_some(),
+                                mig_devices: seen
+                                    .as_ref()
+                                    .and_then(|s| s.gpus.iter().find(|x| x.uuid == g.uuid))
+                                    .map(|x| x.mig_profiles.clone())
+                                    .unwrap_or_default(),
+                            }
                         })
                         .collect(),
                     liveness: match n.liveness {

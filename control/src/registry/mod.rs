@@ -266,6 +266,10 @@ pub struct Registry {
     /// Node id → the replicas placed there (intent).
     #[serde(default)]
     pub desired: BTreeMap<String, Vec<DesiredReplica>>,
+    /// Node id → GPU UUID → its MIG layout (mig-parted profile names; empty = the whole card,
+    /// MIG off). A GPU without an entry is left as it is.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub mig: BTreeMap<String, BTreeMap<String, Vec<String>>>,
 }
 
 /// Checks a class, model or tenant name.
@@ -505,6 +509,22 @@ impl Registry {
     }
 
     /// Replaces the replicas placed on a node (an empty list removes them all).
+    /// Whether a GPU is (to be) split into MIG slices: whole-card replicas do not go there.
+    pub fn mig_split(&self, node_id: &str, gpu: &str) -> bool {
+        self.mig
+            .get(node_id)
+            .and_then(|g| g.get(gpu))
+            .is_some_and(|profiles| !profiles.is_empty())
+    }
+
+    /// Sets a GPU's MIG layout (validated by the caller).
+    pub fn set_mig_layout(&mut self, node_id: &str, gpu: &str, profiles: &[String]) {
+        self.mig
+            .entry(node_id.to_string())
+            .or_default()
+            .insert(gpu.to_string(), profiles.to_vec());
+    }
+
     pub fn set_desired(&mut self, node_id: &str, replicas: &[DesiredReplica]) {
         if replicas.is_empty() {
             self.desired.remove(node_id);

@@ -67,9 +67,10 @@ pub fn plan(
         if n.liveness != Liveness::Up || n.draining {
             continue;
         }
+        // A GPU being split into MIG slices takes no whole-card replica: move them off first.
         let kept: Vec<DesiredReplica> = replicas
             .iter()
-            .filter(|r| registry.models.contains_key(&r.model))
+            .filter(|r| registry.models.contains_key(&r.model) && !registry.mig_split(node, &r.gpu))
             .cloned()
             .collect();
         if !kept.is_empty() {
@@ -132,7 +133,7 @@ pub fn plan(
             let gpus: Vec<GpuView> = reg
                 .gpus
                 .iter()
-                .filter(|g| g.product == product)
+                .filter(|g| g.product == product && !registry.mig_split(&reg.node_id, &g.uuid))
                 .map(|g| {
                     let mb = (g.memory_bytes / 1_000_000) as u32;
                     card_mb.entry(g.product.clone()).or_insert(mb);

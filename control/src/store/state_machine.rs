@@ -199,12 +199,36 @@ impl AppState {
                 tier,
                 micros_per_hour,
             } => refused(self.ledger.set_price(product, *tier, *micros_per_hour)),
+            Command::SetMigLayout { node_id, gpu, profiles } => refused(self.set_mig_layout(node_id, gpu, profiles)),
             Command::RecordUsage(report) => {
                 let pct = self.cost_regression_pct();
                 self.ledger.apply_report(report, &self.fleet, pct);
                 CommandResponse::default()
             }
         }
+    }
+
+    /// Checks a MIG layout against the GPU's product and records it.
+    fn set_mig_layout(&mut self, node_id: &str, gpu: &str, profiles: &[String]) -> Result<(), String> {
+        let node = self
+            .fleet
+            .nodes
+            .get(node_id)
+            .ok_or_else(|| format!("no node {node_id}; `lanectl node list` shows the registered nodes"))?;
+        let record =
+            node.registration.gpus.iter().find(|g| g.uuid == gpu).ok_or_else(|| {
+                format!("node {node_id} has no GPU {gpu}; `lanectl node show {node_id}` lists its GPUs")
+            })?;
+        if !profiles.is_empty() {
+            let mut geometry = laneway_agent::mig::Geometry::new();
+            for p in profiles {
+                *geometry.entry(p.clone()).or_default() += 1;
+            }
+            let product = laneway_agent::gpu::Product::from(record.product.clone());
+            laneway_agent::mig::validate(&product, gpu, &geometry).map_err(|e| e.to_string())?;
+        }
+        self.registry.set_mig_layout(node_id, gpu, profiles);
+        Ok(())
     }
 
     /// Threshold of the cost-regression event, from the cluster setting or the default.
@@ -274,6 +298,7 @@ impl AppState {
             "tenant" => r.tenants.get(name).map(json),
             "replicas" => r.replicas.get(name).map(json),
             "desired" => r.desired.get(name).map(json),
+            "mig" => r.mig.get(name).map(json),
             _ => None,
         }
     }
@@ -304,6 +329,10 @@ impl AppState {
                 .desired
                 .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
                 .map(|_| ()),
+            "mig" => r
+                .mig
+                .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
+                .map(|_| ()),
             _ => return Err(format!("unknown registry key {key:?}")),
         };
         Ok(())
@@ -319,7 +348,8 @@ impl AppState {
             .chain(r.models.keys().map(|k| format!("model/{k}")))
             .chain(r.tenants.keys().map(|k| format!("tenant/{k}")))
             .chain(r.replicas.keys().map(|k| format!("replicas/{k}")))
-            .chain(r.desired.keys().map(|k| format!("desired/{k}")));
+            .chain(r.desired.keys().map(|k| format!("desired/{k}")))
+            .chain(r.mig.keys().map(|k| format!("mig/{k}")));
         keys.filter_map(|k| self.registry_value(&k).map(|v| (k, v))).collect()
     }
 
@@ -689,6 +719,23 @@ impl StateMachineStore {
 
     /// The replicas placed on a node, with how to run them (the model's runtime, with
     /// `{product}` and `{max_batch}` filled in from the placement).
+    /// The MIG layouts wanted on a node's GPUs.
+    pub fn mig_for(&self, node_id: &str) -> Vec<laneway_proto::agent::MigLayout> {
+        let inner = self.read();
+        inner
+            .state
+            .registry
+            .mig
+            .get(node_id)
+            .into_iter()
+            .flatten()
+            .map(|(gpu, profiles)| laneway_proto::agent::MigLayout {
+                gpu: gpu.clone(),
+                profiles: profiles.clone(),
+            })
+            .collect()
+    }
+
     pub fn desired_for(&self, node_id: &str) -> Vec<laneway_proto::agent::DesiredReplica> {
         let inner = self.read();
         let r = &inner.state.registry;
@@ -996,6 +1043,7 @@ fn record_touched(command: &Command, t: &mut Touched) {
         }
         Command::SetNodeReplicas { node_id, .. } => key(format!("replicas/{node_id}")),
         Command::SetDesiredReplicas { node_id, .. } => key(format!("desired/{node_id}")),
+        Command::SetMigLayout { node_id, .. } => key(format!("mig/{node_id}")),
     }
 }
 

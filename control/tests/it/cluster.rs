@@ -313,20 +313,8 @@ async fn new_command_formats_wait_for_finalize_upgrade() {
     let mut nodes: Vec<Node> = (1..=3).map(|id| Node::new(root.path(), id)).collect();
     super::agents::form_cluster(&mut nodes).await;
     let addr = nodes[0].addr.clone();
-    let lanectl = |args: &[&str]| {
-        std::process::Command::new(lanectl_bin())
-            .args(["--addr", &addr])
-            .args(args)
-            .output()
-            .unwrap()
-    };
-    let text = |o: &std::process::Output| {
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        )
-    };
+    let lanectl = |args: &[&str]| super::router::lanectl_output(&addr, args);
+    let text = |o: &super::router::LanectlOutput| o.text.clone();
     // `cluster init` recorded the format of the binary that created the cluster.
     let got = lanectl(&["settings", "get", "cluster.command_format", "--linearizable"]);
     assert_eq!(text(&got).trim(), laneway_control::command::COMMAND_FORMAT.to_string());
@@ -350,7 +338,7 @@ async fn new_command_formats_wait_for_finalize_upgrade() {
     );
     let fin = lanectl(&["-o", "json", "cluster", "finalize-upgrade"]);
     assert!(fin.status.success(), "{}", text(&fin));
-    let v: serde_json::Value = serde_json::from_slice(&fin.stdout).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&fin.text).unwrap();
     assert_eq!(v["command_format"], laneway_control::command::COMMAND_FORMAT);
     assert_eq!(v["members"].as_array().unwrap().len(), 3, "{v}");
     assert!(lanectl(&["price", "set", "L4", "--tier", "spot", "0.30"])

@@ -559,18 +559,119 @@ async fn warm_floor_replicas_are_placed_served_and_moved_off_a_dead_node() {
     b.stop();
 }
 
-/// A model document served by the simulated model server: `service_ms` on an L4.
-fn sim_model_doc(name: &str, class: &str, service_ms: u32) -> serde_json::Value {
+/// A model document served by the simulated model server: `service_ms` on `product`.
+fn sim_model_doc(name: &str, class: &str, product: &str, service_ms: u32) -> serde_json::Value {
     serde_json::json!({
         "name": name,
         "class": class,
-        "profiles": {"L4": {"service_ms": service_ms, "max_batch": 4, "gpu_memory_gb": 6}},
+        "profiles": {product: {"service_ms": service_ms, "max_batch": 4, "gpu_memory_gb": 6}},
         "runtime": {"command": [
             sim_model_bin().display().to_string(), "--listen", "127.0.0.1:{port}", "--model", "{model}",
-            "--product", "{product}", "--service-ms", format!("L4={service_ms}"), "--max-batch", "{max_batch}",
+            "--product", "{product}", "--service-ms", format!("{product}={service_ms}"), "--max-batch", "{max_batch}",
             "--batch-window-ms", "1"
         ]},
     })
+}
+
+/// A GPU is split into MIG slices only after its whole-card replica has moved to another GPU;
+/// bad layouts are refused saying why; `whole` gives the card back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_is_split_into_mig_slices_after_its_replica_moves_off() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = vec![Node::new(root.path(), 1)];
+    form_cluster(&mut nodes).await;
+    let addr = nodes[0].addr.clone();
+    lanectl(&addr, &["lane", "set", "speech", "--lane", "sync", "--warm-floor", "1"]);
+    let file = root.path().join("echo.json");
+    std::fs::write(&file, sim_model_doc("echo", "speech", "H100-80GB", 10).to_string()).unwrap();
+    let a = agent("gpu-h", "H100-80GB", vec![addr.clone()], root.path(), vec![]).await;
+    let _reaper = Reaper(a.supervisor.clone());
+    lanectl(&addr, &["model", "register", "--file", file.to_str().unwrap()]);
+    let ready_on = |sup: &laneway_agent::supervisor::Supervisor| {
+        sup.status()
+            .into_iter()
+            .find(|r| r.state == laneway_agent::supervisor::ReplicaState::Ready)
+            .map(|r| r.device)
+    };
+    let first = wait_for("the replica ready", Duration::from_secs(30), || async {
+        ready_on(&a.supervisor)
+    })
+    .await;
+
+    // Bad layouts are refused before anything moves.
+    let bad = lanectl_output(&addr, &["mig", "set", "gpu-h", &first, "9g.99gb"]);
+    assert!(
+        !bad.status.success() && bad.text.contains("valid profiles"),
+        "{}",
+        bad.text
+    );
+    let bad = lanectl_output(&addr, &["mig", "set", "gpu-h", &first, "4g.40gb", "4g.40gb"]);
+    assert!(!bad.status.success() && bad.text.contains("4g.40gb"), "{}", bad.text);
+    let bad = lanectl_output(&addr, &["mig", "set", "gpu-h", "GPU-nope", "3g.40gb"]);
+    assert!(
+        !bad.status.success() && bad.text.contains("no GPU GPU-nope"),
+        "{}",
+        bad.text
+    );
+
+    lanectl(&addr, &["mig", "set", "gpu-h", &first, "3g.40gb", "3g.40gb"]);
+    let reported = |gpu: String| {
+        let addr = addr.clone();
+        async move {
+            let rows = lanectl(&addr, &["mig", "list"]);
+            rows.as_array()?
+                .iter()
+                .find(|r| r["gpu"] == gpu.as_str())
+                .map(|r| r["reported"].clone())
+        }
+    };
+    wait_for("the slices applied and reported", Duration::from_secs(30), || async {
+        reported(first.clone())
+            .await
+            .filter(|r| *r == serde_json::json!(["3g.40gb", "3g.40gb"]))
+    })
+    .await;
+    // The replica runs on the other card now; nothing ran on this one while it was split.
+    let now_on = wait_for("the replica ready elsewhere", Duration::from_secs(30), || async {
+        ready_on(&a.supervisor).filter(|d| *d != first)
+    })
+    .await;
+    assert_ne!(now_on, first);
+
+    lanectl(&addr, &["mig", "set", "gpu-h", &first, "whole"]);
+    wait_for("the whole card back", Duration::from_secs(30), || async {
+        reported(first.clone()).await.filter(|r| *r == serde_json::json!([]))
+    })
+    .await;
+    for r in a.supervisor.status() {
+        let _ = a
+            .supervisor
+            .drain(&r.id, Arc::new(|| 0), Duration::from_secs(1), Duration::from_secs(2))
+            .await;
+    }
+    a.stop();
+}
+
+pub(super) struct LanectlOutput {
+    pub(super) status: std::process::ExitStatus,
+    pub(super) text: String,
+}
+
+/// lanectl's exit status and everything it printed, success or not.
+pub(super) fn lanectl_output(addr: &str, args: &[&str]) -> LanectlOutput {
+    let out = std::process::Command::new(super::harness::lanectl_bin())
+        .args(["--addr", addr])
+        .args(args)
+        .output()
+        .unwrap();
+    LanectlOutput {
+        status: out.status,
+        text: format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    }
 }
 
 /// An agent that restarts re-adopts the replicas the controllers placed on it: same process,
@@ -587,7 +688,7 @@ async fn a_restarted_agent_re_adopts_its_placed_replicas() {
         .unwrap()
         .to_string();
     let file = root.path().join("echo.json");
-    std::fs::write(&file, sim_model_doc("echo", "speech", 10).to_string()).unwrap();
+    std::fs::write(&file, sim_model_doc("echo", "speech", "L4", 10).to_string()).unwrap();
     let a = agent("gpu-a", "L4", vec![addr.clone()], root.path(), vec![]).await;
     let _reaper = Reaper(a.supervisor.clone());
     lanectl(&addr, &["model", "register", "--file", file.to_str().unwrap()]);
@@ -660,7 +761,7 @@ async fn load_at_a_followers_router_scales_the_model_up() {
         .as_str()
         .unwrap()
         .to_string();
-    let model = sim_model_doc("slow", "speech", 3000);
+    let model = sim_model_doc("slow", "speech", "L4", 3000);
     let file = root.path().join("slow.json");
     std::fs::write(&file, model.to_string()).unwrap();
     let controllers: Vec<String> = nodes.iter().map(|n| n.addr.clone()).collect();

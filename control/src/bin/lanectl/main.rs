@@ -2,6 +2,7 @@
 
 mod job;
 mod ledger;
+mod mig;
 mod registry;
 
 use std::process::ExitCode;
@@ -67,6 +68,9 @@ enum Cmd {
     /// Tenants: API keys and per-class limits.
     #[command(subcommand)]
     Tenant(registry::TenantCmd),
+    /// MIG layouts of GPUs: set one, list what is wanted and what agents report.
+    #[command(subcommand)]
+    Mig(mig::MigCmd),
     /// What a card costs per GPU-hour, by product and tier (reserved, on-demand, spot).
     #[command(subcommand)]
     Price(ledger::PriceCmd),
@@ -301,6 +305,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Plan { .. } | Cmd::Job(_) => unreachable!("handled before connecting"),
         Cmd::Lane(c) => registry::lane(&client, out, c).await?,
         Cmd::Price(c) => ledger::price(&client, out, c).await?,
+        Cmd::Mig(c) => mig::mig(&client, out, c).await?,
         Cmd::Ledger { by, since } => ledger::ledger(&client, out, &by, &since).await?,
         Cmd::Model(c) => registry::model(&client, out, c).await?,
         Cmd::Tenant(c) => registry::tenant(&client, out, c).await?,
