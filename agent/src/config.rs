@@ -59,6 +59,8 @@ pub struct StaticReplicaFile {
     pub warmup_body: Option<String>,
     #[serde(default = "default_start_timeout")]
     pub start_timeout_ms: u64,
+    /// Where the replica reports requests in flight: `{ path = "/metrics", metric = "…" }`.
+    pub in_flight: Option<crate::supervisor::InFlightProbe>,
 }
 
 fn default_start_timeout() -> u64 {
@@ -191,6 +193,7 @@ impl AgentFile {
                         body: r.warmup_body.unwrap_or_else(|| "{\"inputs\":[]}".into()),
                     }),
                     start_timeout_ms: r.start_timeout_ms,
+                    in_flight: r.in_flight,
                 },
             };
             spec.validate().map_err(|e| bad(format!("replica[{i}]"), &spec.id, e))?;

@@ -98,6 +98,14 @@ pub fn render(s: &Sources, now_unix_ms: u64) -> Result<String, String> {
     }
     let replicas = gauge(&mut r, "replicas", "Replicas by model and state");
     let restarts = gauge(&mut r, "replica_restarts", "Restarts in a row of a crashing replica");
+    let in_flight = gauge(
+        &mut r,
+        "replica_in_flight",
+        "Requests in flight on a replica, as its in-flight probe last read them",
+    );
+    for (id, n) in s.supervisor.in_flight() {
+        in_flight.get_or_create(&labels([("replica", id)])).set(i64::from(n));
+    }
     let mut by_state: std::collections::BTreeMap<(String, &str), i64> = Default::default();
     for st in s.supervisor.status() {
         *by_state.entry((st.model.clone(), st.state.name())).or_default() += 1;

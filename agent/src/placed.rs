@@ -111,6 +111,10 @@ fn spec(d: &DesiredReplica, weights: Option<String>) -> ReplicaSpec {
             health_path: d.health_path.clone(),
             warmup: None,
             start_timeout_ms: d.start_timeout_ms,
+            in_flight: (!d.in_flight_metric.is_empty()).then(|| crate::supervisor::InFlightProbe {
+                path: d.in_flight_path.clone(),
+                metric: d.in_flight_metric.clone(),
+            }),
         },
     }
 }

@@ -59,12 +59,15 @@ pub struct Agent {
     task: tokio::task::JoinHandle<()>,
     /// The `/metrics` listener, when configured.
     metrics: Option<tokio::task::JoinHandle<()>>,
+    /// Reads the replicas' requests in flight.
+    poller: tokio::task::JoinHandle<()>,
 }
 
 impl Agent {
     /// Stops heartbeating; replicas keep running (as they do when an agent restarts).
     pub fn stop(self) {
         self.task.abort();
+        self.poller.abort();
         if let Some(m) = self.metrics {
             m.abort();
         }
@@ -74,6 +77,7 @@ impl Agent {
     /// sled databases), so another agent can open the same data dir in this process.
     pub async fn shutdown(self) {
         self.task.abort();
+        self.poller.abort();
         let _ = self.task.await;
         if let Some(m) = self.metrics {
             m.abort();
@@ -142,6 +146,18 @@ pub async fn start(cfg: AgentConfig, backend: Arc<dyn GpuBackend>) -> Result<Age
         }
         None => None,
     };
+    // Requests in flight on each replica that reports them, read once a heartbeat.
+    let poller = tokio::spawn({
+        let (sup, interval) = (supervisor.clone(), cfg.heartbeat);
+        async move {
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                sup.poll_in_flight(interval.min(Duration::from_millis(500))).await;
+            }
+        }
+    });
     let sup = supervisor.clone();
     let task = tokio::spawn(async move { heartbeat_loop(cfg, backend, sup, placed, statics, jobs, view_tx).await });
     Ok(Agent {
@@ -149,6 +165,7 @@ pub async fn start(cfg: AgentConfig, backend: Arc<dyn GpuBackend>) -> Result<Age
         view,
         task,
         metrics,
+        poller,
     })
 }
 
@@ -428,6 +445,7 @@ fn backend_snapshot(backend: &dyn GpuBackend) -> Vec<GpuStatus> {
 }
 
 fn sup_snapshot(sup: &Supervisor) -> Vec<ReplicaReport> {
+    let in_flight = sup.in_flight();
     sup.status()
         .into_iter()
         .map(|s| {
@@ -437,12 +455,12 @@ fn sup_snapshot(sup: &Supervisor) -> Vec<ReplicaReport> {
                 _ => String::new(),
             };
             ReplicaReport {
+                in_flight: in_flight.get(&s.id).copied().map_or(0, u64::from),
                 id: s.id,
                 model: s.model,
                 device: s.device,
                 state: state.to_string(),
                 port: s.port as u32,
-                in_flight: 0,
                 last_exit,
             }
         })

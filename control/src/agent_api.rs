@@ -221,6 +221,17 @@ fn handle(ctx: &Context, bound: &mut Option<String>, hb: &Heartbeat) -> Result<D
             replicas_ready,
             replicas_total: hb.replicas.len() as u32,
             lag_ms: crate::jobs::unix_ms().checked_sub(hb.sent_unix_ms),
+            in_flight: hb
+                .replicas
+                .iter()
+                .map(|r| {
+                    (
+                        r.id.clone(),
+                        r.model.clone(),
+                        u32::try_from(r.in_flight).unwrap_or(u32::MAX),
+                    )
+                })
+                .collect(),
             gpus: hb
                 .gpus
                 .iter()

@@ -237,6 +237,7 @@ impl Command {
             Command::Batch(commands) => commands.iter().map(Command::format).max().unwrap_or(1),
             // An older binary refuses a class with fields it does not know.
             Command::PutClass(c) if c.slo_p99_ms.is_some() => 5,
+            Command::PutModel(m) if m.runtime.in_flight.is_some() => 5,
             Command::PutClass(_)
             | Command::PutModel(_)
             | Command::RemoveModel { .. }

@@ -187,6 +187,10 @@ fn with_sim_runtime(registry: &mut DevRegistry) -> bool {
             "--max-batch".into(),
             "{max_batch}".into(),
         ];
+        m.runtime.in_flight = Some(laneway_agent::supervisor::InFlightProbe {
+            path: "/metrics".into(),
+            metric: laneway_agent::sim_model::IN_FLIGHT_METRIC.into(),
+        });
     }
     true
 }

@@ -107,7 +107,37 @@ struct AppState {
     batcher: Batcher,
     started: Instant,
     served: AtomicU64,
+    /// Requests taken and not yet answered.
+    in_flight: AtomicU64,
     rng: Mutex<StdRng>,
+}
+
+/// The gauge `/metrics` reports requests in flight under (what an agent's in-flight probe reads).
+pub const IN_FLIGHT_METRIC: &str = "laneway_sim_in_flight";
+
+/// Counts a request in flight for as long as it lives.
+struct InFlight<'a>(&'a AtomicU64);
+
+impl<'a> InFlight<'a> {
+    fn new(c: &'a AtomicU64) -> Self {
+        c.fetch_add(1, Ordering::SeqCst);
+        InFlight(c)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Prometheus text: requests in flight and served, as a real model server reports them.
+async fn metrics(State(s): State<Arc<AppState>>) -> String {
+    format!(
+        "# TYPE {IN_FLIGHT_METRIC} gauge\n{IN_FLIGHT_METRIC} {}\n# TYPE laneway_sim_requests counter\nlaneway_sim_requests_total {}\n",
+        s.in_flight.load(Ordering::SeqCst),
+        s.served.load(Ordering::SeqCst)
+    )
 }
 
 /// Builds the HTTP app. Validates the configuration first.
@@ -119,6 +149,7 @@ pub fn app(cfg: SimModelConfig) -> Result<Router, SimModelError> {
         cfg,
         started: Instant::now(),
         served: AtomicU64::new(0),
+        in_flight: AtomicU64::new(0),
     });
     Ok(Router::new()
         .route("/v2/health/live", get(|| async { StatusCode::OK }))
@@ -126,6 +157,7 @@ pub fn app(cfg: SimModelConfig) -> Result<Router, SimModelError> {
         .route("/v2/models/{model}", get(metadata))
         .route("/v2/models/{model}/ready", get(model_ready))
         .route("/v2/models/{model}/infer", post(infer))
+        .route("/metrics", get(metrics))
         .with_state(state))
 }
 
@@ -232,6 +264,7 @@ async fn infer(State(s): State<Arc<AppState>>, Path(model): Path<String>, body: 
         }
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("the body is not valid JSON: {e}")),
     };
+    let _in_flight = InFlight::new(&s.in_flight);
     let n = s.served.fetch_add(1, Ordering::SeqCst) + 1;
     if s.cfg.faults.crash_after.is_some_and(|c| n > c) {
         tracing::error!(

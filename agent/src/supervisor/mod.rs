@@ -18,7 +18,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use process::{find_orphans, spawn, Orphan, Proc};
-pub use spec::{ReplicaSpec, RuntimeSpec, Warmup};
+pub use spec::{InFlightProbe, ReplicaSpec, RuntimeSpec, Warmup};
 
 /// Supervisor settings.
 #[derive(Debug, Clone)]
@@ -126,6 +126,7 @@ struct Handle {
     status: watch::Receiver<ReplicaStatus>,
     drain: mpsc::Sender<Drain>,
     task: JoinHandle<()>,
+    in_flight: Option<InFlightProbe>,
 }
 
 /// Supervises the replicas of one agent.
@@ -133,6 +134,8 @@ pub struct Supervisor {
     cfg: SupervisorConfig,
     http: reqwest::Client,
     replicas: Mutex<HashMap<String, Handle>>,
+    /// Requests in flight per replica, as their probes last read them.
+    in_flight: Mutex<HashMap<String, u32>>,
 }
 
 impl Drop for Supervisor {
@@ -165,6 +168,7 @@ impl Supervisor {
                 .build()
                 .expect("http client"),
             replicas: Mutex::default(),
+            in_flight: Mutex::default(),
         }
     }
 
@@ -194,6 +198,7 @@ impl Supervisor {
             pid: adopted.as_ref().map(|o| o.pid),
             state: ReplicaState::Starting,
         };
+        let in_flight = spec.runtime.in_flight.clone();
         let (status_tx, status) = watch::channel(initial);
         let (drain, drain_rx) = mpsc::channel(1);
         let task = tokio::spawn(run(
@@ -204,7 +209,15 @@ impl Supervisor {
             status_tx,
             drain_rx,
         ));
-        map.insert(spec.id, Handle { status, drain, task });
+        map.insert(
+            spec.id,
+            Handle {
+                status,
+                drain,
+                task,
+                in_flight,
+            },
+        );
         Ok(())
     }
 
@@ -238,6 +251,49 @@ impl Supervisor {
         // In parallel: a few stubborn orphans must not delay heartbeats by their graces.
         futures::future::join_all(reaping).await;
         out
+    }
+
+    /// Records what the in-flight probes read (replicas not in `values` report none).
+    pub fn record_in_flight(&self, values: HashMap<String, u32>) {
+        *self.in_flight.lock().unwrap_or_else(|p| p.into_inner()) = values;
+    }
+
+    /// Requests in flight per replica, as last read.
+    pub fn in_flight(&self) -> HashMap<String, u32> {
+        self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Reads every probe once (each within `timeout`) and records the values.
+    pub async fn poll_in_flight(&self, timeout: Duration) {
+        let reads = self.in_flight_probes().into_iter().map(|(id, port, probe)| {
+            let http = self.http.clone();
+            async move {
+                let text = http
+                    .get(format!("http://127.0.0.1:{port}{}", probe.path))
+                    .timeout(timeout)
+                    .send()
+                    .await
+                    .ok()?
+                    .text()
+                    .await
+                    .ok()?;
+                Some((id, probe.read(&text)?))
+            }
+        });
+        let values = futures::future::join_all(reads).await.into_iter().flatten().collect();
+        self.record_in_flight(values);
+    }
+
+    /// Ready replicas that report their requests in flight: (id, port, probe).
+    pub fn in_flight_probes(&self) -> Vec<(String, u16, InFlightProbe)> {
+        self.lock()
+            .iter()
+            .filter_map(|(id, h)| {
+                let probe = h.in_flight.clone()?;
+                let s = h.status.borrow();
+                (s.state == ReplicaState::Ready).then(|| (id.clone(), s.port, probe))
+            })
+            .collect()
     }
 
     /// Current status of every replica.

@@ -18,6 +18,39 @@ pub struct RuntimeSpec {
     pub warmup: Option<Warmup>,
     /// How long start + health + warm-up may take, ms.
     pub start_timeout_ms: u64,
+    /// Where the replica reports its requests in flight, read with every heartbeat.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub in_flight: Option<InFlightProbe>,
+}
+
+/// A gauge of requests in flight on the replica's Prometheus endpoint: `GET path`, the value
+/// of `metric` (summed over its label sets), e.g. vLLM's `vllm:num_requests_running`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InFlightProbe {
+    pub path: String,
+    pub metric: String,
+}
+
+impl InFlightProbe {
+    /// The probe's value in a Prometheus text exposition, if the metric is there.
+    pub fn read(&self, text: &str) -> Option<u32> {
+        let mut found = None;
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let Some(rest) = line.strip_prefix(self.metric.as_str()) else {
+                continue;
+            };
+            // The exact name: followed by labels or the value, not by more of a longer name.
+            let rest = match rest.chars().next() {
+                Some('{') => rest.split_once('}').map(|(_, v)| v)?,
+                Some(' ') | Some('\t') => rest,
+                _ => continue,
+            };
+            let value: f64 = rest.split_whitespace().next()?.parse().ok()?;
+            *found.get_or_insert(0.0) += value;
+        }
+        found.map(|v| v.max(0.0).round() as u32)
+    }
 }
 
 /// A warm-up request: `POST path` with a JSON body.
@@ -83,5 +116,32 @@ impl ReplicaSpec {
             return Err(format!("replica {}: runtime.start_timeout_ms must be > 0", self.id));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod in_flight_tests {
+    use super::InFlightProbe;
+
+    #[test]
+    fn the_probe_reads_its_gauge_summed_over_label_sets_and_only_its_name() {
+        let p = InFlightProbe {
+            path: "/metrics".into(),
+            metric: "vllm:num_requests_running".into(),
+        };
+        let text = "# HELP vllm:num_requests_running running\n\
+                    # TYPE vllm:num_requests_running gauge\n\
+                    vllm:num_requests_running{model_name=\"a\"} 3.0\n\
+                    vllm:num_requests_running{model_name=\"b\"} 2\n\
+                    vllm:num_requests_running_total 99\n\
+                    vllm:num_requests_waiting 7\n";
+        assert_eq!(p.read(text), Some(5));
+        let plain = InFlightProbe {
+            path: "/metrics".into(),
+            metric: "laneway_sim_in_flight".into(),
+        };
+        assert_eq!(plain.read("laneway_sim_in_flight 4\n"), Some(4));
+        assert_eq!(plain.read("other 4\n"), None, "absent is not zero");
+        assert_eq!(plain.read("laneway_sim_in_flight NaNx\n"), None);
     }
 }

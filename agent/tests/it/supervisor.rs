@@ -41,6 +41,7 @@ fn spec(id: &str, extra: &[&str]) -> ReplicaSpec {
                 body: "{\"inputs\":[]}".into(),
             }),
             start_timeout_ms: 10_000,
+            in_flight: None,
         },
     }
 }

@@ -17,6 +17,8 @@ pub struct Seen {
     /// included; `None` when the agent's clock is ahead).
     pub lag_ms: Option<u64>,
     pub gpus: Vec<GpuSeen>,
+    /// (replica id, model, requests in flight) of each replica that reports them.
+    pub in_flight: Vec<(String, String, u32)>,
 }
 
 /// One GPU as its agent last reported it.

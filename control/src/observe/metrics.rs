@@ -185,6 +185,22 @@ fn fleet(root: &mut Registry, ctx: &Context) {
             }
         }
     }
+    let replica_in_flight = gauge(
+        root,
+        "replica_in_flight",
+        "Leader only: requests in flight on a replica, as its agent's probe read them",
+    );
+    for (node, s) in &seen {
+        for (replica, model, n) in &s.in_flight {
+            replica_in_flight
+                .get_or_create(&labels([
+                    ("node", node.clone()),
+                    ("replica", replica.clone()),
+                    ("model", model.clone()),
+                ]))
+                .set(i64::from(*n));
+        }
+    }
     let replicas = gauge(root, "replicas", "Replicas by model and state, as agents reported them");
     let jobs = gauge(root, "jobs", "Durable jobs by class and state");
     ctx.sm.with_jobs(|js, _, registry| {

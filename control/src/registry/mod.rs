@@ -165,6 +165,10 @@ pub struct Runtime {
     pub env: BTreeMap<String, String>,
     #[serde(default = "default_health")]
     pub health_path: String,
+    /// Where replicas report requests in flight (`{ path = "/metrics", metric = "…" }`);
+    /// agents read it with every heartbeat.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub in_flight: Option<laneway_agent::supervisor::InFlightProbe>,
 }
 
 fn default_health() -> String {
@@ -177,6 +181,7 @@ impl Default for Runtime {
             command: Vec::new(),
             env: BTreeMap::new(),
             health_path: default_health(),
+            in_flight: None,
         }
     }
 }

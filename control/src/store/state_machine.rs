@@ -759,6 +759,16 @@ impl StateMachineStore {
                     env: m.runtime.env.clone().into_iter().collect(),
                     health_path: m.runtime.health_path.clone(),
                     start_timeout_ms: 60_000,
+                    in_flight_path: m
+                        .runtime
+                        .in_flight
+                        .as_ref()
+                        .map_or_else(String::new, |p| p.path.clone()),
+                    in_flight_metric: m
+                        .runtime
+                        .in_flight
+                        .as_ref()
+                        .map_or_else(String::new, |p| p.metric.clone()),
                     weights: m
                         .weights
                         .iter()

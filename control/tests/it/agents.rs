@@ -97,6 +97,7 @@ fn http_replica() -> StaticReplica {
                 health_path: "/".into(),
                 warmup: None,
                 start_timeout_ms: 20_000,
+                in_flight: None,
             },
         },
     }

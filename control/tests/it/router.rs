@@ -63,6 +63,7 @@ fn sim_replica(id: &str, model: &str, service_ms: u32, max_batch: u32, gpu: u32,
                 health_path: "/v2/health/ready".into(),
                 warmup: None,
                 start_timeout_ms: 20_000,
+                in_flight: None,
             },
         },
     }
@@ -569,7 +570,7 @@ fn sim_model_doc(name: &str, class: &str, product: &str, service_ms: u32) -> ser
             sim_model_bin().display().to_string(), "--listen", "127.0.0.1:{port}", "--model", "{model}",
             "--product", "{product}", "--service-ms", format!("{product}={service_ms}"), "--max-batch", "{max_batch}",
             "--batch-window-ms", "1"
-        ]},
+        ], "in_flight": {"path": "/metrics", "metric": laneway_agent::sim_model::IN_FLIGHT_METRIC}},
     })
 }
 
@@ -806,6 +807,26 @@ async fn load_at_a_followers_router_scales_the_model_up() {
             })
         })
         .collect();
+    // The replica's own count of requests in flight reaches the leader with the heartbeats.
+    let leader_router = nodes.iter().find(|n| n.id == leader).unwrap().router_addr.clone();
+    wait_for(
+        "the replica's in-flight count at the leader",
+        Duration::from_secs(3),
+        || async {
+            let text = reqwest::get(format!("http://{leader_router}/metrics"))
+                .await
+                .ok()?
+                .text()
+                .await
+                .ok()?;
+            text.lines()
+                .filter(|l| l.starts_with("laneway_replica_in_flight{") && l.contains("model=\"slow\""))
+                .filter_map(|l| l.rsplit_once(' ')?.1.parse::<u32>().ok())
+                .any(|n| n >= 1)
+                .then_some(())
+        },
+    )
+    .await;
     wait_for("a second replica placed and ready", Duration::from_secs(30), || async {
         ready_nodes(&client, "slow").await.filter(|n| n.len() == 2)
     })
