@@ -17,7 +17,9 @@ use laneway_proto::admin::{
     LedgerRequest, ListRegistryRequest, LoadReport, LoadReportReply, NameRequest, PutDocumentRequest, SetPriceRequest,
     SetTenantLimitRequest, TenantKeyReply, UsageReportRequest,
 };
-use laneway_proto::admin::{FinalizeUpgradeReply, FinalizeUpgradeRequest, MemberFormat, SetMigLayoutRequest};
+use laneway_proto::admin::{
+    EventsRequest, FinalizeUpgradeReply, FinalizeUpgradeRequest, MemberFormat, SetMigLayoutRequest,
+};
 use openraft::error::{ForwardToLeader, RaftError};
 use openraft::{ChangeMembers, ServerState};
 use tonic::{Request, Response, Status};
@@ -72,6 +74,8 @@ pub struct AdminGrpc {
     router: Arc<crate::router::Router>,
     load: Arc<crate::scheduler::load_board::LoadBoard>,
     jobs: Arc<crate::jobs::gateway::JobGateway>,
+    /// The leader's recent decisions (`Events`).
+    history: Arc<crate::observe::history::History>,
     /// Connections to other controllers (a follower asks the leader for read indexes).
     peers: AdminClient,
     /// One membership change at a time from this controller, so a concurrent `remove` and
@@ -93,12 +97,13 @@ impl AdminGrpc {
             router,
             load,
             jobs,
-            history: _,
+            history,
         } = ctx;
         AdminGrpc {
             router,
             load,
             jobs,
+            history,
             proposer,
             heartbeats,
             peers: AdminClient::new(Vec::new()).with_call_timeout(READ_INDEX_TIMEOUT),
@@ -538,6 +543,14 @@ impl AdminService for AdminGrpc {
                 .values()
                 .map(|t| to_json(&serde_json::json!({"name": t.name, "limits": t.limits})))
                 .collect(),
+            "desired" => r
+                .desired
+                .iter()
+                .flat_map(|(node, rs)| {
+                    rs.iter()
+                        .map(move |x| to_json(&serde_json::json!({"node": node, "replica": x})))
+                })
+                .collect(),
             "replicas" => r
                 .replicas
                 .iter()
@@ -575,7 +588,7 @@ impl AdminService for AdminGrpc {
             }),
             other => {
                 return Err(AdminError::InvalidArgument(format!(
-                    "unknown registry kind {other:?}; use classes, models, tenants, replicas, jobs or prices"
+                    "unknown registry kind {other:?}; use classes, models, tenants, replicas, desired, jobs or prices"
                 ))
                 .into())
             }
@@ -812,6 +825,30 @@ impl AdminService for AdminGrpc {
         let (read_log_id, _applied) = self.raft.get_read_log_id().await.map_err(|e| self.raft_error(e))?;
         Ok(Response::new(ReadIndexReply {
             read_index: read_log_id.map_or(0, |l| l.index),
+        }))
+    }
+
+    async fn events(&self, req: Request<EventsRequest>) -> Result<Response<DocumentsReply>, Status> {
+        self.leader_only()?;
+        let since = req.into_inner().since_ms;
+        let mut events = self.history.events_since(since);
+        self.sm.with_ledger(|l, _| {
+            events.extend(
+                l.events
+                    .iter()
+                    .filter(|e| e.at_ms >= since)
+                    .map(|e| crate::observe::history::OpsEvent {
+                        at_ms: e.at_ms,
+                        kind: e.kind.clone(),
+                        subject: e.subject.clone(),
+                        message: e.message.clone(),
+                    }),
+            )
+        });
+        events.sort_by_key(|e| e.at_ms);
+        Ok(Response::new(DocumentsReply {
+            json: events.iter().map(to_json).collect(),
+            applied_index: self.sm.applied_index(),
         }))
     }
 

@@ -16,6 +16,8 @@ pub const KEPT: usize = 300;
 const LATENCY_WINDOW_MS: u64 = 5_000;
 /// Scaling decisions kept.
 const DECISIONS_KEPT: usize = 50;
+/// Operational events kept (scaling, placement, replicas that cannot be placed).
+const EVENTS_KEPT: usize = 1_000;
 
 /// One second of one lane.
 #[derive(Debug, Clone, Serialize)]
@@ -43,12 +45,26 @@ pub struct Decision {
     pub reason: String,
 }
 
+/// What the leader's loops decided, with why: for `lanectl events` and `lanectl lane show`.
+/// Kept in the leader's memory (a new leader starts a new list); the decisions themselves are
+/// committed through Raft.
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+pub struct OpsEvent {
+    pub at_ms: u64,
+    /// `scale`, `placement`, `unplaced`, `cost-regression`.
+    pub kind: String,
+    /// The model or node it is about.
+    pub subject: String,
+    pub message: String,
+}
+
 #[derive(Default)]
 pub struct History {
     lanes: Mutex<BTreeMap<String, VecDeque<Sample>>>,
     /// Last counter totals per lane (admitted, shed), for the rates.
     last: Mutex<HashMap<String, (u64, u64)>>,
     decisions: Mutex<VecDeque<Decision>>,
+    events: Mutex<VecDeque<OpsEvent>>,
 }
 
 impl History {
@@ -61,8 +77,33 @@ impl History {
             .collect()
     }
 
+    /// Records an operational event.
+    pub fn event(&self, kind: &str, subject: &str, message: String) {
+        let mut es = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        if es.len() == EVENTS_KEPT {
+            es.pop_front();
+        }
+        es.push_back(OpsEvent {
+            at_ms: crate::jobs::unix_ms(),
+            kind: kind.to_string(),
+            subject: subject.to_string(),
+            message,
+        });
+    }
+
+    /// Events at or after `since_ms`, oldest first.
+    pub fn events_since(&self, since_ms: u64) -> Vec<OpsEvent> {
+        let es = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        es.iter().filter(|e| e.at_ms >= since_ms).cloned().collect()
+    }
+
     /// Records a scaling decision (the leader's fast loop).
     pub fn decided(&self, d: Decision) {
+        self.event(
+            "scale",
+            &d.model,
+            format!("{} → {} replicas: {}", d.from, d.to, d.reason),
+        );
         let mut ds = self.decisions.lock().unwrap_or_else(|p| p.into_inner());
         if ds.len() == DECISIONS_KEPT {
             ds.pop_front();

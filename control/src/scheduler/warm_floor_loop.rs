@@ -43,17 +43,26 @@ pub async fn run(ctx: Context) {
             .map(|u| format!("{}: {}", u.model, u.reason))
             .collect();
         if unplaced != last_unplaced {
-            for u in &unplaced {
-                tracing::warn!(replica = %u, "cannot place a replica the warm floor needs");
+            for u in &plan.unplaced {
+                tracing::warn!(model = %u.model, reason = %u.reason, "cannot place a replica the warm floor needs");
+                ctx.history
+                    .event("unplaced", &u.model, format!("cannot place a replica: {}", u.reason));
             }
             last_unplaced = unplaced;
         }
         for cmd in plan.commands {
             let what = format!("{cmd:?}");
+            let summary = placement_summary(&cmd);
             match ctx.proposer.propose(cmd).await {
                 Ok((index, r)) => match r.rejected {
                     Some(why) => tracing::warn!(%why, "placement refused"),
-                    None => tracing::info!(index, placement = %what, "placement committed"),
+                    None => {
+                        tracing::info!(index, placement = %what, "placement committed");
+                        if let Some((node, text)) = &summary {
+                            ctx.history
+                                .event("placement", node, format!("{text} (log index {index})"));
+                        }
+                    }
                 },
                 Err(e) => {
                     tracing::warn!(error = %e, "placement not committed; planning again next tick");
@@ -116,6 +125,24 @@ fn fast_loop(ctx: &Context, registry: &Registry, scale: &mut ScaleState, now: In
         targets.insert(m.name.clone(), d.desired);
     }
     targets
+}
+
+/// A placement command as a line an operator reads: the node and what it runs now.
+fn placement_summary(cmd: &crate::command::Command) -> Option<(String, String)> {
+    let crate::command::Command::SetDesiredReplicas { node_id, replicas } = cmd else {
+        return None;
+    };
+    let mut per_model: std::collections::BTreeMap<&str, usize> = Default::default();
+    for r in replicas {
+        *per_model.entry(r.model.as_str()).or_default() += 1;
+    }
+    let runs: Vec<String> = per_model.iter().map(|(m, n)| format!("{m} ×{n}")).collect();
+    let text = if runs.is_empty() {
+        "runs no placed replica now".to_string()
+    } else {
+        format!("runs {} now", runs.join(", "))
+    };
+    Some((node_id.clone(), text))
 }
 
 /// Reports this controller's router load to the leader once a second, for the fast loop.

@@ -831,6 +831,20 @@ async fn load_at_a_followers_router_scales_the_model_up() {
         ready_nodes(&client, "slow").await.filter(|n| n.len() == 2)
     })
     .await;
+    // The decision and its reason are in the leader's events and in `lane show`.
+    let out = lanectl_output(&addr, &["-o", "json", "events", "--since", "10m"]);
+    assert!(out.status.success(), "{}", out.text);
+    let scale = out
+        .text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|e| e["kind"] == "scale" && e["subject"] == "slow")
+        .unwrap_or_else(|| panic!("no scale event for slow in:\n{}", out.text));
+    assert!(scale["message"].as_str().unwrap().contains("1 → 2"), "{scale}");
+    let show = lanectl(&addr, &["lane", "show", "speech"]);
+    assert_eq!(show["models"][0]["model"], "slow", "{show}");
+    assert_eq!(show["models"][0]["desired"], 2, "{show}");
+    assert!(show["decisions"].as_array().is_some_and(|d| !d.is_empty()), "{show}");
     for h in held {
         assert_eq!(h.await.unwrap().unwrap(), 200);
     }

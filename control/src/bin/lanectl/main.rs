@@ -68,6 +68,16 @@ enum Cmd {
     /// Tenants: API keys and per-class limits.
     #[command(subcommand)]
     Tenant(registry::TenantCmd),
+    /// What the leader decided and why (scaling, placement, replicas it cannot place) and cost
+    /// events, oldest first.
+    Events {
+        /// Window: the last 15m, 1h, 24h, ...
+        #[arg(long, default_value = "1h")]
+        since: String,
+        /// Keep printing new events as they happen (Ctrl-C stops).
+        #[arg(long)]
+        follow: bool,
+    },
     /// MIG layouts of GPUs: set one, list what is wanted and what agents report.
     #[command(subcommand)]
     Mig(mig::MigCmd),
@@ -306,6 +316,31 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Lane(c) => registry::lane(&client, out, c).await?,
         Cmd::Price(c) => ledger::price(&client, out, c).await?,
         Cmd::Mig(c) => mig::mig(&client, out, c).await?,
+        Cmd::Events { since, follow } => {
+            let window = humantime::parse_duration(&since)
+                .map_err(|e| anyhow::anyhow!("--since {since:?}: {e}; give a duration such as 15m or 1h"))?;
+            let mut from = laneway_control::jobs::unix_ms().saturating_sub(window.as_millis() as u64);
+            loop {
+                let evs = events(&client, from).await?;
+                for e in &evs {
+                    match out {
+                        Output::Json => println!("{e}"),
+                        Output::Table => println!(
+                            "{} {:<16} {:<20} {}",
+                            laneway_control::ledger::fmt_unix_ms(e["at_ms"].as_u64().unwrap_or(0)),
+                            e["kind"].as_str().unwrap_or(""),
+                            e["subject"].as_str().unwrap_or(""),
+                            e["message"].as_str().unwrap_or("")
+                        ),
+                    }
+                    from = from.max(e["at_ms"].as_u64().unwrap_or(0) + 1);
+                }
+                if !follow {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
         Cmd::Ledger { by, since } => ledger::ledger(&client, out, &by, &since).await?,
         Cmd::Model(c) => registry::model(&client, out, c).await?,
         Cmd::Tenant(c) => registry::tenant(&client, out, c).await?,
@@ -338,6 +373,17 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The leader's events at or after `since_ms`, oldest first.
+pub(crate) async fn events(client: &AdminClient, since_ms: u64) -> anyhow::Result<Vec<serde_json::Value>> {
+    let r = client
+        .call(|mut c| async move { c.events(laneway_proto::admin::EventsRequest { since_ms }).await })
+        .await?;
+    r.json
+        .iter()
+        .map(|j| serde_json::from_str(j).map_err(Into::into))
+        .collect()
 }
 
 /// Lists nodes from the leader (only it knows when each node last heartbeated).

@@ -203,6 +203,34 @@ pub async fn cluster_inputs(client: &AdminClient) -> anyhow::Result<laneway_cont
     })
 }
 
+/// Per model of `class`: replicas placed (desired), ready (reported), and on which nodes.
+async fn model_placement(client: &AdminClient, class: &str) -> anyhow::Result<Vec<Value>> {
+    let models: Vec<Value> = list(client, "models")
+        .await?
+        .into_iter()
+        .filter(|m| m["class"] == class)
+        .collect();
+    let desired = list(client, "desired").await?;
+    let reported = list(client, "replicas").await?;
+    Ok(models
+        .iter()
+        .map(|m| {
+            let name = m["name"].as_str().unwrap_or("");
+            let placed: Vec<&Value> = desired.iter().filter(|d| d["replica"]["model"] == name).collect();
+            let ready = reported
+                .iter()
+                .filter(|r| r["replica"]["model"] == name && r["replica"]["state"] == "ready")
+                .count();
+            let mut per_node: std::collections::BTreeMap<&str, usize> = Default::default();
+            for d in &placed {
+                *per_node.entry(d["node"].as_str().unwrap_or("?")).or_default() += 1;
+            }
+            let where_: Vec<String> = per_node.iter().map(|(n, c)| format!("{n} ×{c}")).collect();
+            json!({"model": name, "desired": placed.len(), "ready": ready, "where": where_.join(", ")})
+        })
+        .collect())
+}
+
 async fn lane_status(client: &AdminClient, recent: u32) -> anyhow::Result<Vec<(LaneStatus, Vec<RequestRecord>)>> {
     let r = client
         .call(|mut c| async move { c.lane_status(LaneStatusRequest { recent }).await })
@@ -277,29 +305,43 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
                 .into_iter()
                 .find(|(s, _)| s.class == class)
                 .map_or((None, Vec::new()), |(s, r)| (Some(s), r));
-            print(out, json!({"class": c, "status": s, "recent": records}), || {
-                let mut t = format!(
-                    "class {}  lane {}  target {}%  budget {} ms  warm floor {}  rank {}  timeout {} ms",
-                    c.name,
-                    c.lane,
-                    c.utilisation_target_pct,
-                    c.budget_ms.as_ms(),
-                    c.warm_floor,
-                    c.protection_rank,
-                    c.request_timeout_ms.as_ms()
-                );
-                if let Some(slo) = c.slo_p99_ms {
-                    t.push_str(&format!("  objective p99 {} ms", slo.as_ms()));
-                }
-                if let Some(d) = &c.degraded {
-                    t.push_str(&format!(
-                        "\ndegraded: budget {} ms, parameters {:?}",
-                        d.budget_ms.as_ms(),
-                        d.parameters
-                    ));
-                }
-                if let Some(s) = &s {
-                    t.push_str(&format!(
+            let models = model_placement(client, &class).await?;
+            // The leader's recent decisions about this class's models (best effort: a cluster
+            // without a leader still shows the rest).
+            let since = laneway_control::jobs::unix_ms().saturating_sub(3_600_000);
+            let decisions: Vec<Value> = super::events(client, since)
+                .await
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|e| models.iter().any(|m| e["subject"] == m["model"]))
+                .collect();
+            let decisions: Vec<Value> = decisions.into_iter().rev().take(5).collect();
+            print(
+                out,
+                json!({"class": c, "status": s, "models": models, "decisions": decisions, "recent": records}),
+                || {
+                    let mut t = format!(
+                        "class {}  lane {}  target {}%  budget {} ms  warm floor {}  rank {}  timeout {} ms",
+                        c.name,
+                        c.lane,
+                        c.utilisation_target_pct,
+                        c.budget_ms.as_ms(),
+                        c.warm_floor,
+                        c.protection_rank,
+                        c.request_timeout_ms.as_ms()
+                    );
+                    if let Some(slo) = c.slo_p99_ms {
+                        t.push_str(&format!("  objective p99 {} ms", slo.as_ms()));
+                    }
+                    if let Some(d) = &c.degraded {
+                        t.push_str(&format!(
+                            "\ndegraded: budget {} ms, parameters {:?}",
+                            d.budget_ms.as_ms(),
+                            d.parameters
+                        ));
+                    }
+                    if let Some(s) = &s {
+                        t.push_str(&format!(
                         "\nlive on this router: level {} (for {:.0} s)  queue {}  drain {}  pressure {:.2}  in flight {}/{}  ready replicas {}\ncounters: {}",
                         s.level,
                         s.level_for_s,
@@ -311,40 +353,73 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
                         s.ready_replicas,
                         s.counters
                     ));
-                    if let Some(j) = &s.jobs {
+                        if let Some(j) = &s.jobs {
+                            t.push_str(&format!(
+                                "\njobs (cluster-wide): queued {}  assigned {}  running {}  queue drains in {}",
+                                j["queued"],
+                                j["assigned"],
+                                j["running"],
+                                j["drain_s"]
+                                    .as_f64()
+                                    .map_or("- (no ready replica)".into(), |d| format!("~{d:.0} s"))
+                            ));
+                        }
+                    }
+                    for m in &models {
                         t.push_str(&format!(
-                            "\njobs (cluster-wide): queued {}  assigned {}  running {}  queue drains in {}",
-                            j["queued"],
-                            j["assigned"],
-                            j["running"],
-                            j["drain_s"]
-                                .as_f64()
-                                .map_or("- (no ready replica)".into(), |d| format!("~{d:.0} s"))
+                            "\nmodel {}: {} placed, {} ready{}",
+                            m["model"].as_str().unwrap_or(""),
+                            m["desired"],
+                            m["ready"],
+                            m["where"]
+                                .as_str()
+                                .filter(|w| !w.is_empty())
+                                .map_or(String::new(), |w| format!(" — {w}"))
                         ));
                     }
-                }
-                if !records.is_empty() {
-                    t.push_str(&format!(
-                        "\n{:<34} {:<12} {:<10} {:>6} {:<22} {:<10} {:>9} {:>10} {:>8}",
-                        "REQUEST", "MODEL", "TENANT", "STATUS", "REPLICA", "GPU", "QUEUE_MS", "SERVICE_MS", "GPU_MS"
-                    ));
-                    for r in &records {
-                        t.push_str(&format!(
-                            "\n{:<34} {:<12} {:<10} {:>6} {:<22} {:<10} {:>9.2} {:>10.2} {:>8}",
-                            r.request_id,
-                            r.model,
-                            r.tenant,
-                            r.status,
-                            r.replica.as_deref().unwrap_or("-"),
-                            r.product.as_deref().unwrap_or("-"),
-                            r.queue_ms,
-                            r.service_ms,
-                            r.gpu_ms.map_or("-".into(), |g| format!("{g:.1}")),
-                        ));
+                    if !decisions.is_empty() {
+                        t.push_str("\nlast decisions (leader):");
+                        for e in &decisions {
+                            t.push_str(&format!(
+                                "\n  {} {} {}: {}",
+                                laneway_control::ledger::fmt_unix_ms(e["at_ms"].as_u64().unwrap_or(0)),
+                                e["kind"].as_str().unwrap_or(""),
+                                e["subject"].as_str().unwrap_or(""),
+                                e["message"].as_str().unwrap_or("")
+                            ));
+                        }
                     }
-                }
-                t
-            });
+                    if !records.is_empty() {
+                        t.push_str(&format!(
+                            "\n{:<34} {:<12} {:<10} {:>6} {:<22} {:<10} {:>9} {:>10} {:>8}",
+                            "REQUEST",
+                            "MODEL",
+                            "TENANT",
+                            "STATUS",
+                            "REPLICA",
+                            "GPU",
+                            "QUEUE_MS",
+                            "SERVICE_MS",
+                            "GPU_MS"
+                        ));
+                        for r in &records {
+                            t.push_str(&format!(
+                                "\n{:<34} {:<12} {:<10} {:>6} {:<22} {:<10} {:>9.2} {:>10.2} {:>8}",
+                                r.request_id,
+                                r.model,
+                                r.tenant,
+                                r.status,
+                                r.replica.as_deref().unwrap_or("-"),
+                                r.product.as_deref().unwrap_or("-"),
+                                r.queue_ms,
+                                r.service_ms,
+                                r.gpu_ms.map_or("-".into(), |g| format!("{g:.1}")),
+                            ));
+                        }
+                    }
+                    t
+                },
+            );
         }
         LaneCmd::Set(a) => {
             let existing: Option<Class> = list(client, "classes")
