@@ -51,6 +51,7 @@ fn requests(n: usize) -> Vec<Request> {
                 model: format!("model-{m}"),
                 products,
                 tolerations: if m % 2 == 0 { vec!["dedicated".into()] } else { vec![] },
+                prefer_tier: None,
             }
         })
         .collect()

@@ -46,6 +46,8 @@ pub struct NodeView {
     pub replicas: HashMap<String, u32>,
     /// Up and not cordoned.
     pub schedulable: bool,
+    /// How the node's cards are paid for.
+    pub tier: crate::ledger::Tier,
 }
 
 /// One product a model may run on, and what one replica needs there.
@@ -63,6 +65,8 @@ pub struct Request {
     pub products: Vec<ProductFit>,
     /// Taints the model's lane tolerates.
     pub tolerations: Vec<String>,
+    /// Capacity tier to try first (then any the taints allow): reserved for warm floors.
+    pub prefer_tier: Option<crate::ledger::Tier>,
 }
 
 /// Where a replica goes.
@@ -138,14 +142,24 @@ impl FleetIndex {
         node.taints.iter().all(|t| tolerations.contains(t))
     }
 
+    /// Whether a node may take the request in this pass (its tier, when the pass has one).
+    fn in_pass(node: &NodeView, tier: Option<crate::ledger::Tier>) -> bool {
+        tier.is_none_or(|t| node.tier == t)
+    }
+
     /// The best GPU on a node holding the model's weights: best fit among cached nodes,
     /// preferring one without a replica of the model. Returns whether that node is crowded.
-    fn cached_candidate(&self, req: &Request, fit: &ProductFit) -> Option<(bool, (u32, u16))> {
+    fn cached_candidate(
+        &self,
+        req: &Request,
+        fit: &ProductFit,
+        tier: Option<crate::ledger::Tier>,
+    ) -> Option<(bool, (u32, u16))> {
         let nodes = self.cached.get(&req.model)?;
         let mut best: Option<(Rank, At)> = None;
         for &i in nodes {
             let n = &self.nodes[i as usize];
-            if n.product != fit.product || !Self::tolerated(n, &req.tolerations) {
+            if n.product != fit.product || !Self::tolerated(n, &req.tolerations) || !Self::in_pass(n, tier) {
                 continue;
             }
             let crowded = n.replicas.get(&req.model).copied().unwrap_or(0) > 0;
@@ -163,7 +177,12 @@ impl FleetIndex {
 
     /// Best fit on free memory across the product's tolerated pools, preferring a node not yet
     /// running the model among the first [`SPREAD_PROBE`] fits of each pool.
-    fn indexed_candidate(&self, req: &Request, fit: &ProductFit) -> Option<(bool, (u32, u16))> {
+    fn indexed_candidate(
+        &self,
+        req: &Request,
+        fit: &ProductFit,
+        tier: Option<crate::ledger::Tier>,
+    ) -> Option<(bool, (u32, u16))> {
         let pools = self.pools.get(&fit.product)?;
         let mut best: Option<(Rank, At)> = None;
         for pool in pools {
@@ -178,6 +197,9 @@ impl FleetIndex {
                 if !Self::tolerated(n, &req.tolerations) {
                     // Taints are per pool: nothing in this pool is tolerated.
                     break;
+                }
+                if !Self::in_pass(n, tier) {
+                    continue;
                 }
                 first_fit.get_or_insert((free, i, g));
                 if n.replicas.get(&req.model).copied().unwrap_or(0) == 0 {
@@ -217,11 +239,16 @@ impl FleetIndex {
 
     /// Places one replica, updating the index.
     pub fn place(&mut self, req: &Request) -> Result<Placement, Unplaced> {
-        for fit in &req.products {
-            let cached = self.cached_candidate(req, fit);
+        // The preferred tier first (on every listed product), then any tier.
+        let passes: Vec<Option<crate::ledger::Tier>> = match req.prefer_tier {
+            Some(t) => vec![Some(t), None],
+            None => vec![None],
+        };
+        for (fit, tier) in passes.iter().flat_map(|t| req.products.iter().map(move |f| (f, *t))) {
+            let cached = self.cached_candidate(req, fit, tier);
             let at = match cached {
                 Some((false, at)) => Some(at),
-                _ => match self.indexed_candidate(req, fit) {
+                _ => match self.indexed_candidate(req, fit, tier) {
                     Some((false, at)) => Some(at),
                     indexed => cached.or(indexed).map(|(_, at)| at),
                 },
@@ -331,6 +358,7 @@ pub fn synthetic_fleet(nodes: usize, gpus: usize, products: &[(&str, u32)]) -> V
                 cached_models: HashSet::new(),
                 replicas: HashMap::new(),
                 schedulable: true,
+                tier: crate::ledger::Tier::OnDemand,
             }
         })
         .collect()
@@ -353,6 +381,7 @@ mod tests {
             model: model.into(),
             products: products.iter().map(|(p, m)| fit(p, *m)).collect(),
             tolerations: vec![],
+            prefer_tier: None,
         }
     }
 
@@ -373,6 +402,7 @@ mod tests {
             cached_models: HashSet::new(),
             replicas: HashMap::new(),
             schedulable: true,
+            tier: crate::ledger::Tier::OnDemand,
         }
     }
 
@@ -461,6 +491,7 @@ mod tests {
                         model: format!("m{m}"),
                         products: vec![fit(products[p], gb * 1000), fit(products[(p + 1) % 3], gb * 1000)],
                         tolerations: if tolerate { vec!["dedicated".into()] } else { vec![] },
+                        prefer_tier: None,
                     })
                     .collect();
                 (nodes, reqs)

@@ -9,6 +9,10 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use super::placement::{FleetIndex, GpuView, NodeView, ProductFit, Request, Unplaced};
+use crate::ledger::Tier;
+
+/// Taint of spot nodes; only durable lanes tolerate it.
+pub const SPOT_TAINT: &str = "laneway.io/spot";
 use crate::command::Command;
 use crate::fleet::{Fleet, Liveness, NodeRecord};
 use crate::registry::{DesiredReplica, Model, Registry};
@@ -68,9 +72,18 @@ pub fn plan(
             continue;
         }
         // A GPU being split into MIG slices takes no whole-card replica: move them off first.
+        // Spot capacity serves durable lanes only: another lane's replica there moves too.
+        let spot = Tier::of_labels(&n.registration.labels) == Tier::Spot;
         let kept: Vec<DesiredReplica> = replicas
             .iter()
-            .filter(|r| registry.models.contains_key(&r.model) && !registry.mig_split(node, &r.gpu))
+            .filter(|r| {
+                let durable = registry
+                    .models
+                    .get(&r.model)
+                    .and_then(|m| registry.classes.get(&m.class))
+                    .is_some_and(|c| c.lane == crate::registry::LaneKind::Durable);
+                registry.models.contains_key(&r.model) && !registry.mig_split(node, &r.gpu) && (durable || !spot)
+            })
             .cloned()
             .collect();
         if !kept.is_empty() {
@@ -92,10 +105,23 @@ pub fn plan(
         let have = count.get(&m.name).copied().unwrap_or(0);
         let mut extra = have.saturating_sub(target(m));
         while extra > 0 {
+            // Spot first, then on-demand, reserved last; then the most crowded node.
+            let tier_of = |id: &str| {
+                fleet
+                    .nodes
+                    .get(id)
+                    .map_or(Tier::OnDemand, |n| Tier::of_labels(&n.registration.labels))
+            };
             let Some(node) = desired
                 .iter()
                 .filter(|(_, rs)| rs.iter().any(|r| r.model == m.name))
-                .max_by_key(|(id, rs)| (rs.iter().filter(|r| r.model == m.name).count(), std::cmp::Reverse(*id)))
+                .max_by_key(|(id, rs)| {
+                    (
+                        tier_of(id),
+                        rs.iter().filter(|r| r.model == m.name).count(),
+                        std::cmp::Reverse(*id),
+                    )
+                })
                 .map(|(id, _)| id.clone())
             else {
                 break;
@@ -129,6 +155,7 @@ pub fn plan(
         .filter(|n| schedulable(n) && !n.registration.gpus.is_empty())
         .map(|n| {
             let reg = &n.registration;
+            let tier = Tier::of_labels(&reg.labels);
             let product = reg.gpus[0].product.clone();
             let gpus: Vec<GpuView> = reg
                 .gpus
@@ -157,13 +184,22 @@ pub fn plan(
             }
             NodeView {
                 id: reg.node_id.clone(),
-                pool: reg.pool.clone(),
+                // Placement takes taints to be uniform per pool; spot-ness comes from each
+                // node's tier label, so the tier is part of the pool placement indexes.
+                pool: format!("{}#{}", reg.pool, tier),
                 product,
                 gpus,
-                taints: vec![],
+                // Spot capacity can vanish at a notice: only durable lanes, whose jobs are
+                // requeued, tolerate it.
+                taints: if tier == Tier::Spot {
+                    vec![SPOT_TAINT.to_string()]
+                } else {
+                    vec![]
+                },
                 cached_models: HashSet::new(),
                 replicas,
                 schedulable: true,
+                tier,
             }
         })
         .collect();
@@ -187,12 +223,28 @@ pub fn plan(
             });
             continue;
         }
-        let req = Request {
-            model: m.name.clone(),
-            products,
-            tolerations: vec![],
-        };
-        for _ in 0..missing {
+        let durable = registry
+            .classes
+            .get(&m.class)
+            .is_some_and(|c| c.lane == crate::registry::LaneKind::Durable);
+        let floor = registry.classes.get(&m.class).map_or(0, |c| c.warm_floor as usize);
+        let have_now = count.get(&m.name).copied().unwrap_or(0);
+        for have in have_now..have_now + missing {
+            // The warm floor on reserved cards first; the working range on on-demand, or, for
+            // a durable lane, on spot.
+            let prefer_tier = Some(if have < floor {
+                Tier::Reserved
+            } else if durable {
+                Tier::Spot
+            } else {
+                Tier::OnDemand
+            });
+            let req = Request {
+                model: m.name.clone(),
+                products: products.clone(),
+                tolerations: if durable { vec![SPOT_TAINT.to_string()] } else { vec![] },
+                prefer_tier,
+            };
             match index.place(&req) {
                 Ok(p) => desired.entry(p.node.clone()).or_default().push(DesiredReplica {
                     id: new_id(&m.name),
@@ -339,6 +391,109 @@ mod tests {
         let p = plan(&f, &r, &HashMap::new(), &mut ids());
         apply(&mut r, &p);
         assert_eq!(r.desired["b"].len(), 1);
+    }
+
+    fn tiered(nodes: &[(&str, usize, &str)]) -> Fleet {
+        let mut f = fleet(&nodes.iter().map(|(id, gpus, _)| (*id, "L4", *gpus)).collect::<Vec<_>>());
+        for (id, _, tier) in nodes {
+            let mut reg = f.nodes[*id].registration.clone();
+            reg.labels.insert(crate::ledger::TIER_LABEL.into(), tier.to_string());
+            f.register(&reg).unwrap();
+        }
+        f
+    }
+
+    fn durable(r: &mut Registry, floor: u32) {
+        r.put_class(&Class {
+            name: "video".into(),
+            lane: LaneKind::Durable,
+            utilisation_target_pct: 90,
+            budget_ms: Millis::from_ms(60_000.0),
+            warm_floor: floor,
+            protection_rank: 2,
+            request_timeout_ms: Millis::from_ms(60_000.0),
+            degraded: None,
+            slo_p99_ms: None,
+        })
+        .unwrap();
+        let mut m = r.models["whisper"].clone();
+        m.name = "wan".into();
+        m.class = "video".into();
+        r.put_model(&m).unwrap();
+    }
+
+    fn on(r: &Registry, node: &str, model: &str) -> usize {
+        r.desired
+            .get(node)
+            .map_or(0, |rs| rs.iter().filter(|x| x.model == model).count())
+    }
+
+    #[test]
+    fn spot_capacity_serves_only_durable_lanes() {
+        let f = tiered(&[("s", 2, "spot")]);
+        let mut r = registry(1);
+        let p = plan(&f, &r, &HashMap::new(), &mut ids());
+        assert!(p.commands.is_empty(), "a sync lane never lands on spot");
+        assert_eq!(p.unplaced.len(), 1);
+        durable(&mut r, 1);
+        r.classes.get_mut("speech").unwrap().warm_floor = 0;
+        let p = plan(&f, &r, &HashMap::new(), &mut ids());
+        apply(&mut r, &p);
+        assert_eq!(on(&r, "s", "wan"), 1, "a durable lane may use spot");
+        // A sync replica found on a node that became spot is moved off it.
+        r.set_desired(
+            "s",
+            &[DesiredReplica {
+                id: "w-1".into(),
+                model: "whisper".into(),
+                gpu: "s-0".into(),
+                product: "L4".into(),
+            }],
+        );
+        let p = plan(&f, &r, &HashMap::new(), &mut ids());
+        apply(&mut r, &p);
+        assert_eq!(on(&r, "s", "whisper"), 0);
+    }
+
+    #[test]
+    fn the_floor_goes_to_reserved_cards_the_working_range_to_on_demand_and_spot_for_durable() {
+        let f = tiered(&[("o", 2, "on-demand"), ("r", 1, "reserved"), ("s", 2, "spot")]);
+        let mut r = registry(1);
+        durable(&mut r, 0);
+        let targets: HashMap<String, usize> = [("whisper".to_string(), 3), ("wan".to_string(), 2)].into();
+        let p = plan(&f, &r, &targets, &mut ids());
+        apply(&mut r, &p);
+        assert_eq!(on(&r, "r", "whisper"), 1, "the floor on reserved: {:?}", r.desired);
+        assert_eq!(
+            on(&r, "o", "whisper"),
+            2,
+            "above the floor on on-demand: {:?}",
+            r.desired
+        );
+        assert_eq!(
+            on(&r, "s", "wan"),
+            2,
+            "a durable lane's working range on spot: {:?}",
+            r.desired
+        );
+        assert_eq!(on(&r, "s", "whisper"), 0);
+    }
+
+    #[test]
+    fn scaling_down_gives_back_spot_then_on_demand_and_keeps_reserved() {
+        let f = tiered(&[("o", 2, "on-demand"), ("r", 1, "reserved"), ("s", 2, "spot")]);
+        let mut r = registry(1);
+        durable(&mut r, 1);
+        let up: HashMap<String, usize> = [("whisper".to_string(), 3), ("wan".to_string(), 3)].into();
+        let p = plan(&f, &r, &up, &mut ids());
+        apply(&mut r, &p);
+        let down: HashMap<String, usize> = [("whisper".to_string(), 1), ("wan".to_string(), 1)].into();
+        for _ in 0..3 {
+            let p = plan(&f, &r, &down, &mut ids());
+            apply(&mut r, &p);
+        }
+        assert_eq!(on(&r, "o", "whisper") + on(&r, "s", "wan"), 0, "{:?}", r.desired);
+        assert_eq!(on(&r, "r", "whisper") + on(&r, "r", "wan"), 2, "{:?}", r.desired);
     }
 
     #[test]
