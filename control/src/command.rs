@@ -188,6 +188,12 @@ pub enum Command {
         gpu: String,
         profiles: Vec<String>,
     },
+    /// Taints of a pool (empty = none): only lanes tolerating all of them place replicas
+    /// there.
+    SetPoolTaints {
+        pool: String,
+        taints: Vec<String>,
+    },
 }
 
 /// What applying one log entry produced.
@@ -236,7 +242,7 @@ impl Command {
             | Command::SetNodeFlags { .. } => 1,
             Command::Batch(commands) => commands.iter().map(Command::format).max().unwrap_or(1),
             // An older binary refuses a class with fields it does not know.
-            Command::PutClass(c) if c.slo_p99_ms.is_some() => 5,
+            Command::PutClass(c) if c.slo_p99_ms.is_some() || !c.tolerations.is_empty() => 5,
             Command::PutModel(m) if m.runtime.in_flight.is_some() => 5,
             Command::PutClass(_)
             | Command::PutModel(_)
@@ -254,7 +260,10 @@ impl Command {
             | Command::CancelJob { .. }
             | Command::CompactJobs { .. } => 3,
             Command::PreemptNode { .. } => 4,
-            Command::SetPrice { .. } | Command::RecordUsage(_) | Command::SetMigLayout { .. } => 5,
+            Command::SetPrice { .. }
+            | Command::RecordUsage(_)
+            | Command::SetMigLayout { .. }
+            | Command::SetPoolTaints { .. } => 5,
         }
     }
 
@@ -325,6 +334,7 @@ impl Command {
             Command::SetMigLayout { node_id, gpu, profiles } => {
                 node_id.len() + gpu.len() + profiles.iter().map(|p| p.len() + 4).sum::<usize>()
             }
+            Command::SetPoolTaints { pool, taints } => pool.len() + taints.iter().map(|t| t.len() + 4).sum::<usize>(),
         }
     }
 
@@ -385,6 +395,17 @@ impl Command {
                 }
             }
             Command::RecordUsage(r) => r.validate().map_err(CommandError::Invalid),
+            Command::SetPoolTaints { pool, taints } => {
+                if pool.is_empty() || pool.len() > 63 {
+                    return Err(CommandError::Invalid(format!(
+                        "pool {pool:?}: give the pool name agents register with (1-63 characters)"
+                    )));
+                }
+                taints
+                    .iter()
+                    .try_for_each(|t| crate::registry::validate_taint(t))
+                    .map_err(CommandError::Invalid)
+            }
             Command::SetMigLayout { node_id, profiles, .. } => {
                 validate_node_id(node_id).map_err(CommandError::InvalidNode)?;
                 if profiles.len() > 7 {

@@ -19,6 +19,7 @@ use laneway_proto::admin::{
 };
 use laneway_proto::admin::{
     EventsRequest, FinalizeUpgradeReply, FinalizeUpgradeRequest, MemberFormat, SetMigLayoutRequest,
+    SetPoolTaintsRequest,
 };
 use openraft::error::{ForwardToLeader, RaftError};
 use openraft::{ChangeMembers, ServerState};
@@ -543,6 +544,11 @@ impl AdminService for AdminGrpc {
                 .values()
                 .map(|t| to_json(&serde_json::json!({"name": t.name, "limits": t.limits})))
                 .collect(),
+            "pools" => r
+                .pool_taints
+                .iter()
+                .map(|(pool, taints)| to_json(&serde_json::json!({"pool": pool, "taints": taints})))
+                .collect(),
             "desired" => r
                 .desired
                 .iter()
@@ -588,7 +594,7 @@ impl AdminService for AdminGrpc {
             }),
             other => {
                 return Err(AdminError::InvalidArgument(format!(
-                    "unknown registry kind {other:?}; use classes, models, tenants, replicas, desired, jobs or prices"
+                    "unknown registry kind {other:?}; use classes, models, tenants, replicas, desired, pools, jobs or prices"
                 ))
                 .into())
             }
@@ -826,6 +832,17 @@ impl AdminService for AdminGrpc {
         Ok(Response::new(ReadIndexReply {
             read_index: read_log_id.map_or(0, |l| l.index),
         }))
+    }
+
+    async fn set_pool_taints(&self, req: Request<SetPoolTaintsRequest>) -> Result<Response<WriteReply>, Status> {
+        let r = req.into_inner();
+        Ok(Response::new(
+            self.write(Command::SetPoolTaints {
+                pool: r.pool,
+                taints: r.taints,
+            })
+            .await?,
+        ))
     }
 
     async fn events(&self, req: Request<EventsRequest>) -> Result<Response<DocumentsReply>, Status> {

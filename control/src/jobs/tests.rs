@@ -398,6 +398,7 @@ fn durable_fleet(nodes: usize) -> AppState {
             request_timeout_ms: Millis::from_ms(120_000.0),
             degraded: None,
             slo_p99_ms: None,
+            tolerations: vec![],
         })
         .unwrap();
     s.registry

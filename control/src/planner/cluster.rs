@@ -204,6 +204,7 @@ mod tests {
             request_timeout_ms: Millis::from_ms(1000.0),
             degraded: None,
             slo_p99_ms: None,
+            tolerations: vec![],
         }
     }
 

@@ -117,6 +117,10 @@ pub struct Class {
     /// on it. Durable lanes have none (their jobs are measured in GPU-seconds, not latency).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slo_p99_ms: Option<Millis>,
+    /// Pool taints this lane's replicas accept (`lanectl pool taint`): a pool with a taint the
+    /// lane does not tolerate gets none of its replicas.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tolerations: Vec<String>,
 }
 
 fn default_target() -> u32 {
@@ -271,10 +275,28 @@ pub struct Registry {
     /// Node id → the replicas placed there (intent).
     #[serde(default)]
     pub desired: BTreeMap<String, Vec<DesiredReplica>>,
+    /// Pool → its taints: only lanes that tolerate all of them place replicas there.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub pool_taints: BTreeMap<String, Vec<String>>,
     /// Node id → GPU UUID → its MIG layout (mig-parted profile names; empty = the whole card,
     /// MIG off). A GPU without an entry is left as it is.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub mig: BTreeMap<String, BTreeMap<String, Vec<String>>>,
+}
+
+/// Checks a taint (or toleration): 1-63 characters of a-z, 0-9, '.', '/', '-', '_'.
+pub fn validate_taint(t: &str) -> Result<(), String> {
+    let ok = !t.is_empty()
+        && t.len() <= 63
+        && t.chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '.' | '/' | '-' | '_'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "taint {t:?}: use 1-63 characters of a-z, 0-9, '.', '/', '-' and '_', e.g. dedicated or team/research"
+        ))
+    }
 }
 
 /// Checks a class, model or tenant name.
@@ -322,6 +344,7 @@ impl Class {
         if self.request_timeout_ms.0 == 0 {
             return Err(format!("class {n}: request_timeout_ms must be > 0"));
         }
+        self.tolerations.iter().try_for_each(|t| validate_taint(t))?;
         if let Some(slo) = self.slo_p99_ms {
             if self.lane == LaneKind::Durable {
                 return Err(format!(
@@ -577,6 +600,7 @@ mod tests {
             request_timeout_ms: Millis::from_ms(1000.0),
             degraded: None,
             slo_p99_ms: None,
+            tolerations: vec![],
         }
     }
 
@@ -602,6 +626,26 @@ mod tests {
             crate::command::Command::PutClass(class("c", LaneKind::Sync, 0.0)).format(),
             2
         );
+    }
+
+    #[test]
+    fn taints_and_tolerations_are_checked() {
+        let bad = Class {
+            tolerations: vec!["Not OK".into()],
+            ..class("c", LaneKind::Sync, 0.0)
+        };
+        assert!(bad.validate().unwrap_err().contains("taint \"Not OK\""));
+        let put = crate::command::Command::SetPoolTaints {
+            pool: "h100".into(),
+            taints: vec!["dedicated".into(), "".into()],
+        };
+        assert!(put.validate().is_err());
+        let ok = Class {
+            tolerations: vec!["team/research".into()],
+            ..class("c", LaneKind::Sync, 0.0)
+        };
+        assert!(ok.validate().is_ok());
+        assert_eq!(crate::command::Command::PutClass(ok).format(), 5);
     }
 
     fn model(name: &str, class: &str) -> Model {

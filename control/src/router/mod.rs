@@ -711,6 +711,7 @@ mod tests {
             })
             .filter(|_| lane == LaneKind::Bounded),
             slo_p99_ms: None,
+            tolerations: vec![],
         })
     }
 

@@ -278,6 +278,7 @@ pub fn test_fixture() -> (Fleet, Registry) {
         request_timeout_ms: Millis::from_ms(1000.0),
         degraded: None,
         slo_p99_ms: None,
+        tolerations: vec![],
     })
     .unwrap();
     reg.put_model(&Model {

@@ -55,6 +55,32 @@ fn products_by_size(model: &Model, card_mb: &HashMap<String, u32>) -> Vec<Produc
     fits
 }
 
+/// A node's taints: its pool's, and spot's when it is spot capacity (which can vanish at a
+/// notice: only durable lanes, whose jobs are requeued, tolerate it).
+fn node_taints(registry: &Registry, n: &NodeRecord) -> Vec<String> {
+    let spot = Tier::of_labels(&n.registration.labels) == Tier::Spot;
+    registry
+        .pool_taints
+        .get(&n.registration.pool)
+        .cloned()
+        .unwrap_or_default()
+        .into_iter()
+        .chain(spot.then(|| SPOT_TAINT.to_string()))
+        .collect()
+}
+
+/// The taints a model's lane tolerates: its class's, and spot's for a durable lane.
+fn lane_tolerations(registry: &Registry, m: &Model) -> Vec<String> {
+    let class = registry.classes.get(&m.class);
+    let durable = class.is_some_and(|c| c.lane == crate::registry::LaneKind::Durable);
+    class
+        .map(|c| c.tolerations.clone())
+        .unwrap_or_default()
+        .into_iter()
+        .chain(durable.then(|| SPOT_TAINT.to_string()))
+        .collect()
+}
+
 /// Plans the placed replicas. `targets` are the fast loop's replica counts per model (the warm
 /// floor when absent or lower); `new_id` names a new replica of a model.
 pub fn plan(
@@ -71,18 +97,16 @@ pub fn plan(
         if n.liveness != Liveness::Up || n.draining {
             continue;
         }
-        // A GPU being split into MIG slices takes no whole-card replica: move them off first.
-        // Spot capacity serves durable lanes only: another lane's replica there moves too.
-        let spot = Tier::of_labels(&n.registration.labels) == Tier::Spot;
+        // A GPU being split into MIG slices takes no whole-card replica, and a node whose
+        // taints (its pool's, and spot's) the lane does not tolerate keeps none of its
+        // replicas: move them off.
+        let taints = node_taints(registry, n);
         let kept: Vec<DesiredReplica> = replicas
             .iter()
             .filter(|r| {
-                let durable = registry
-                    .models
-                    .get(&r.model)
-                    .and_then(|m| registry.classes.get(&m.class))
-                    .is_some_and(|c| c.lane == crate::registry::LaneKind::Durable);
-                registry.models.contains_key(&r.model) && !registry.mig_split(node, &r.gpu) && (durable || !spot)
+                let Some(m) = registry.models.get(&r.model) else { return false };
+                let tolerations = lane_tolerations(registry, m);
+                !registry.mig_split(node, &r.gpu) && taints.iter().all(|t| tolerations.contains(t))
             })
             .cloned()
             .collect();
@@ -191,11 +215,7 @@ pub fn plan(
                 gpus,
                 // Spot capacity can vanish at a notice: only durable lanes, whose jobs are
                 // requeued, tolerate it.
-                taints: if tier == Tier::Spot {
-                    vec![SPOT_TAINT.to_string()]
-                } else {
-                    vec![]
-                },
+                taints: node_taints(registry, n),
                 cached_models: HashSet::new(),
                 replicas,
                 schedulable: true,
@@ -242,7 +262,7 @@ pub fn plan(
             let req = Request {
                 model: m.name.clone(),
                 products: products.clone(),
-                tolerations: if durable { vec![SPOT_TAINT.to_string()] } else { vec![] },
+                tolerations: lane_tolerations(registry, m),
                 prefer_tier,
             };
             match index.place(&req) {
@@ -320,6 +340,7 @@ mod tests {
             request_timeout_ms: Millis::from_ms(1000.0),
             degraded: None,
             slo_p99_ms: None,
+            tolerations: vec![],
         })
         .unwrap();
         let profile = |gb| Profile {
@@ -414,6 +435,7 @@ mod tests {
             request_timeout_ms: Millis::from_ms(60_000.0),
             degraded: None,
             slo_p99_ms: None,
+            tolerations: vec![],
         })
         .unwrap();
         let mut m = r.models["whisper"].clone();
@@ -494,6 +516,42 @@ mod tests {
         }
         assert_eq!(on(&r, "o", "whisper") + on(&r, "s", "wan"), 0, "{:?}", r.desired);
         assert_eq!(on(&r, "r", "whisper") + on(&r, "r", "wan"), 2, "{:?}", r.desired);
+    }
+
+    #[test]
+    fn a_tainted_pool_takes_only_lanes_that_tolerate_it() {
+        // Both nodes are L4; "d" is in the pool `l4-dedicated`.
+        let mut f = fleet(&[("a", "L4", 1), ("d", "L4", 2)]);
+        let mut reg = f.nodes["d"].registration.clone();
+        reg.pool = "l4-dedicated".into();
+        f.register(&reg).unwrap();
+        let mut r = registry(3);
+        r.pool_taints
+            .insert("l4-dedicated".into(), vec!["team/research".into()]);
+        let p = plan(&f, &r, &HashMap::new(), &mut ids());
+        apply(&mut r, &p);
+        assert_eq!(
+            (on(&r, "a", "whisper"), on(&r, "d", "whisper")),
+            (2, 0),
+            "{:?}",
+            r.desired
+        );
+        assert_eq!(
+            p.unplaced.len(),
+            1,
+            "the third replica waits rather than break the taint"
+        );
+        r.classes.get_mut("speech").unwrap().tolerations = vec!["team/research".into()];
+        let p = plan(&f, &r, &HashMap::new(), &mut ids());
+        apply(&mut r, &p);
+        assert_eq!(on(&r, "a", "whisper") + on(&r, "d", "whisper"), 3, "{:?}", r.desired);
+        assert!(on(&r, "d", "whisper") >= 1);
+        // The lane stops tolerating it: its replicas there move off (the one that no longer
+        // fits anywhere waits).
+        r.classes.get_mut("speech").unwrap().tolerations.clear();
+        let p = plan(&f, &r, &HashMap::new(), &mut ids());
+        apply(&mut r, &p);
+        assert_eq!(on(&r, "d", "whisper"), 0, "{:?}", r.desired);
     }
 
     #[test]

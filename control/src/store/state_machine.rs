@@ -200,6 +200,14 @@ impl AppState {
                 micros_per_hour,
             } => refused(self.ledger.set_price(product, *tier, *micros_per_hour)),
             Command::SetMigLayout { node_id, gpu, profiles } => refused(self.set_mig_layout(node_id, gpu, profiles)),
+            Command::SetPoolTaints { pool, taints } => {
+                if taints.is_empty() {
+                    self.registry.pool_taints.remove(pool);
+                } else {
+                    self.registry.pool_taints.insert(pool.clone(), taints.clone());
+                }
+                CommandResponse::default()
+            }
             Command::RecordUsage(report) => {
                 let pct = self.cost_regression_pct();
                 self.ledger.apply_report(report, &self.fleet, pct);
@@ -299,6 +307,7 @@ impl AppState {
             "replicas" => r.replicas.get(name).map(json),
             "desired" => r.desired.get(name).map(json),
             "mig" => r.mig.get(name).map(json),
+            "pool" => r.pool_taints.get(name).map(json),
             _ => None,
         }
     }
@@ -333,6 +342,10 @@ impl AppState {
                 .mig
                 .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
                 .map(|_| ()),
+            "pool" => r
+                .pool_taints
+                .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
+                .map(|_| ()),
             _ => return Err(format!("unknown registry key {key:?}")),
         };
         Ok(())
@@ -349,7 +362,8 @@ impl AppState {
             .chain(r.tenants.keys().map(|k| format!("tenant/{k}")))
             .chain(r.replicas.keys().map(|k| format!("replicas/{k}")))
             .chain(r.desired.keys().map(|k| format!("desired/{k}")))
-            .chain(r.mig.keys().map(|k| format!("mig/{k}")));
+            .chain(r.mig.keys().map(|k| format!("mig/{k}")))
+            .chain(r.pool_taints.keys().map(|k| format!("pool/{k}")));
         keys.filter_map(|k| self.registry_value(&k).map(|v| (k, v))).collect()
     }
 
@@ -1054,6 +1068,7 @@ fn record_touched(command: &Command, t: &mut Touched) {
         Command::SetNodeReplicas { node_id, .. } => key(format!("replicas/{node_id}")),
         Command::SetDesiredReplicas { node_id, .. } => key(format!("desired/{node_id}")),
         Command::SetMigLayout { node_id, .. } => key(format!("mig/{node_id}")),
+        Command::SetPoolTaints { pool, .. } => key(format!("pool/{pool}")),
     }
 }
 

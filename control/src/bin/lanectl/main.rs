@@ -3,6 +3,7 @@
 mod job;
 mod ledger;
 mod mig;
+mod pool;
 mod registry;
 
 use std::process::ExitCode;
@@ -78,6 +79,9 @@ enum Cmd {
         #[arg(long)]
         follow: bool,
     },
+    /// Pool taints: pools only the lanes that tolerate them use.
+    #[command(subcommand)]
+    Pool(pool::PoolCmd),
     /// MIG layouts of GPUs: set one, list what is wanted and what agents report.
     #[command(subcommand)]
     Mig(mig::MigCmd),
@@ -316,6 +320,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Lane(c) => registry::lane(&client, out, c).await?,
         Cmd::Price(c) => ledger::price(&client, out, c).await?,
         Cmd::Mig(c) => mig::mig(&client, out, c).await?,
+        Cmd::Pool(c) => pool::pool(&client, out, c).await?,
         Cmd::Events { since, follow } => {
             let window = humantime::parse_duration(&since)
                 .map_err(|e| anyhow::anyhow!("--since {since:?}: {e}; give a duration such as 15m or 1h"))?;

@@ -62,6 +62,10 @@ pub struct LaneSetArgs {
     /// it. The alert rules in deploy/prometheus page when it burns.
     #[arg(long)]
     slo_p99_ms: Option<f64>,
+    /// Pool taints the lane accepts, comma-separated (`none` clears them): replicas go to a
+    /// tainted pool only if the lane tolerates every taint (`lanectl pool taint`).
+    #[arg(long, value_delimiter = ',')]
+    tolerate: Option<Vec<String>>,
 }
 
 #[derive(Subcommand)]
@@ -333,6 +337,9 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
                     if let Some(slo) = c.slo_p99_ms {
                         t.push_str(&format!("  objective p99 {} ms", slo.as_ms()));
                     }
+                    if !c.tolerations.is_empty() {
+                        t.push_str(&format!("  tolerates {}", c.tolerations.join(",")));
+                    }
                     if let Some(d) = &c.degraded {
                         t.push_str(&format!(
                             "\ndegraded: budget {} ms, parameters {:?}",
@@ -447,6 +454,7 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
                     request_timeout_ms: Millis::from_ms(30_000.0),
                     degraded: None,
                     slo_p99_ms: None,
+                    tolerations: vec![],
                 },
                 (None, None) => anyhow::bail!("class {} is new: give --lane sync|bounded|durable", a.class),
             };
@@ -464,6 +472,9 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
             }
             if let Some(v) = a.slo_p99_ms {
                 c.slo_p99_ms = (v > 0.0).then(|| Millis::from_ms(v));
+            }
+            if let Some(t) = a.tolerate {
+                c.tolerations = t.into_iter().filter(|t| t != "none" && !t.is_empty()).collect();
             }
             if let Some(v) = a.rank {
                 c.protection_rank = v;
