@@ -104,7 +104,9 @@ pub fn plan(
         let kept: Vec<DesiredReplica> = replicas
             .iter()
             .filter(|r| {
-                let Some(m) = registry.models.get(&r.model) else { return false };
+                let Some(m) = registry.models.get(&r.model) else {
+                    return false;
+                };
                 let tolerations = lane_tolerations(registry, m);
                 !registry.mig_split(node, &r.gpu) && taints.iter().all(|t| tolerations.contains(t))
             })
