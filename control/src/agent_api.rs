@@ -221,6 +221,7 @@ fn handle(ctx: &Context, bound: &mut Option<String>, hb: &Heartbeat) -> Result<D
             replicas_ready,
             replicas_total: hb.replicas.len() as u32,
             lag_ms: crate::jobs::unix_ms().checked_sub(hb.sent_unix_ms),
+            cached_blobs: hb.cached_blobs.clone(),
             in_flight: hb
                 .replicas
                 .iter()

@@ -19,6 +19,8 @@ pub struct Seen {
     pub gpus: Vec<GpuSeen>,
     /// (replica id, model, requests in flight) of each replica that reports them.
     pub in_flight: Vec<(String, String, u32)>,
+    /// sha256 of every blob in the node's weight cache.
+    pub cached_blobs: Vec<String>,
 }
 
 /// One GPU as its agent last reported it.

@@ -81,12 +81,25 @@ fn lane_tolerations(registry: &Registry, m: &Model) -> Vec<String> {
         .collect()
 }
 
-/// Plans the placed replicas. `targets` are the fast loop's replica counts per model (the warm
-/// floor when absent or lower); `new_id` names a new replica of a model.
+/// Plans the placed replicas with no knowledge of weight caches (see [`plan_cached`]).
 pub fn plan(
     fleet: &Fleet,
     registry: &Registry,
     targets: &HashMap<String, usize>,
+    new_id: &mut dyn FnMut(&str) -> String,
+) -> ReplicaPlan {
+    plan_cached(fleet, registry, targets, &HashMap::new(), new_id)
+}
+
+/// Plans the placed replicas. `targets` are the fast loop's replica counts per model (the warm
+/// floor when absent or lower); `cached` is, per node, the models whose weights its cache
+/// holds (a new replica prefers such a node: no download before it starts); `new_id` names a
+/// new replica of a model.
+pub fn plan_cached(
+    fleet: &Fleet,
+    registry: &Registry,
+    targets: &HashMap<String, usize>,
+    cached: &HashMap<String, HashSet<String>>,
     new_id: &mut dyn FnMut(&str) -> String,
 ) -> ReplicaPlan {
     // Keep what still stands: schedulable or cordoned (cordon stops new work only) live nodes,
@@ -218,7 +231,7 @@ pub fn plan(
                 // Spot capacity can vanish at a notice: only durable lanes, whose jobs are
                 // requeued, tolerate it.
                 taints: node_taints(registry, n),
-                cached_models: HashSet::new(),
+                cached_models: cached.get(&reg.node_id).cloned().unwrap_or_default(),
                 replicas,
                 schedulable: true,
                 tier,
@@ -554,6 +567,21 @@ mod tests {
         let p = plan(&f, &r, &HashMap::new(), &mut ids());
         apply(&mut r, &p);
         assert_eq!(on(&r, "d", "whisper"), 0, "{:?}", r.desired);
+    }
+
+    #[test]
+    fn a_node_with_the_weights_cached_is_preferred() {
+        let f = fleet(&[("a", "L4", 2), ("b", "L4", 2)]);
+        let r = registry(1);
+        let p = plan(&f, &r, &HashMap::new(), &mut ids());
+        let first = |p: &ReplicaPlan| match &p.commands[..] {
+            [Command::SetDesiredReplicas { node_id, .. }] => node_id.clone(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(first(&p), "a", "without caches: the first best fit");
+        let cached: HashMap<String, HashSet<String>> = [("b".to_string(), ["whisper".to_string()].into())].into();
+        let p = plan_cached(&f, &r, &HashMap::new(), &cached, &mut ids());
+        assert_eq!(first(&p), "b", "the node that already holds the weights");
     }
 
     #[test]

@@ -36,7 +36,8 @@ pub async fn run(ctx: Context) {
         let (fleet, registry) = ctx.sm.routing_inputs();
         let mut new_id = |model: &str| format!("{model}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
         let targets = fast_loop(&ctx, &registry, &mut scale, Instant::now());
-        let plan = replicas::plan(&fleet, &registry, &targets, &mut new_id);
+        let cached = cached_models(&ctx, &registry);
+        let plan = replicas::plan_cached(&fleet, &registry, &targets, &cached, &mut new_id);
         let unplaced: Vec<String> = plan
             .unplaced
             .iter()
@@ -125,6 +126,27 @@ fn fast_loop(ctx: &Context, registry: &Registry, scale: &mut ScaleState, now: In
         targets.insert(m.name.clone(), d.desired);
     }
     targets
+}
+
+/// Per node, the models whose every weight artifact is in its cache (from the heartbeats).
+fn cached_models(ctx: &Context, registry: &Registry) -> HashMap<String, std::collections::HashSet<String>> {
+    let with_weights: Vec<_> = registry.models.values().filter(|m| !m.weights.is_empty()).collect();
+    if with_weights.is_empty() {
+        return HashMap::new();
+    }
+    ctx.heartbeats
+        .all()
+        .into_iter()
+        .map(|(node, seen)| {
+            let blobs: std::collections::HashSet<&str> = seen.cached_blobs.iter().map(String::as_str).collect();
+            let models = with_weights
+                .iter()
+                .filter(|m| m.weights.iter().all(|w| blobs.contains(w.sha256.as_str())))
+                .map(|m| m.name.clone())
+                .collect();
+            (node, models)
+        })
+        .collect()
 }
 
 /// A placement command as a line an operator reads: the node and what it runs now.
