@@ -76,6 +76,8 @@ pub struct Controller {
     router_server: Option<RouterServer>,
     router_task: JoinHandle<()>,
     placement: JoinHandle<()>,
+    /// For the last usage report at shutdown.
+    ctx: Context,
 }
 
 /// Opens the data dir, starts Raft and serves the Raft and admin gRPC services.
@@ -190,7 +192,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
             );
         }
     });
-    let monitor = tokio::spawn(monitor::run(ctx, cfg.node_dead_after));
+    let monitor = tokio::spawn(monitor::run(ctx.clone(), cfg.node_dead_after));
 
     let (tx, rx) = oneshot::channel::<()>();
     let server = tokio::spawn(
@@ -218,6 +220,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         router_server,
         router_task,
         placement,
+        ctx,
     })
 }
 
@@ -230,6 +233,9 @@ impl Controller {
         if let Some(r) = self.router_server.take() {
             r.stop().await;
         }
+        // No request arrives any more: what the router served goes to the ledger before Raft
+        // stops (a stop must not lose what a client was already answered).
+        crate::ledger::meter::flush(&self.ctx, Duration::from_secs(3)).await;
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }

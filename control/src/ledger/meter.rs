@@ -155,64 +155,106 @@ impl Meter {
     }
 }
 
-/// Commits this router's usage every [`REPORT_EVERY`]: through its own proposer when this
-/// controller leads, else to the leader over the admin API.
+/// What one attempt to commit usage did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sent {
+    /// Nothing was waiting.
+    Nothing,
+    /// A report was committed (or refused for good: it will not be sent again).
+    Delivered,
+    /// A report is still pending (no leader, not delivered, or held back by the upgrade gate).
+    Pending,
+}
+
+/// Commits the pending report, or a new one of what was counted since: through this
+/// controller's proposer when it leads, else to the leader over the admin API.
+pub async fn send_once(ctx: &crate::context::Context, leaders: &crate::client::AdminClient) -> Sent {
+    let meter = ctx.router.meter();
+    let Some(report) = meter.next_report(ctx.node_id, crate::jobs::unix_ms()) else {
+        return Sent::Nothing;
+    };
+    let seq = report.seq;
+    let requests: u64 = report.rows.iter().map(|r| r.requests).sum();
+    let command = crate::command::Command::RecordUsage(report);
+    if let Err(e) = crate::command::check_allowed(&ctx.sm, &command) {
+        // Not yet: the report stays pending (and usage keeps adding up in the meter) until
+        // the upgrade is finalized.
+        tracing::debug!(seq, error = %e, "usage report held back");
+        return Sent::Pending;
+    }
+    let sent = match ctx.leader() {
+        Some((id, _)) if id == ctx.node_id => ctx
+            .proposer
+            .propose(command)
+            .await
+            .map(|_| ())
+            .map_err(|e| (e.to_string(), false)),
+        Some((_, addr)) => {
+            let crate::command::Command::RecordUsage(report) = command else {
+                unreachable!("built above")
+            };
+            let req = laneway_proto::admin::UsageReportRequest {
+                json: serde_json::to_string(&report).expect("usage reports serialize"),
+            };
+            leaders
+                .call_one(&addr, |mut c| {
+                    let req = req.clone();
+                    async move { c.record_usage(req).await }
+                })
+                .await
+                .map(|_| ())
+                .map_err(|e| {
+                    // Refused as such, not merely undelivered: sending it again cannot help.
+                    let refused = matches!(e.code(), Some(tonic::Code::InvalidArgument | tonic::Code::OutOfRange));
+                    (e.to_string(), refused)
+                })
+        }
+        None => Err(("no leader".to_string(), false)),
+    };
+    match sent {
+        Ok(()) => {
+            meter.delivered(seq);
+            Sent::Delivered
+        }
+        Err((e, true)) => {
+            tracing::warn!(seq, requests, error = %e, "usage report refused by the leader; its requests are not in the ledger");
+            meter.delivered(seq);
+            Sent::Delivered
+        }
+        Err((e, false)) => {
+            tracing::debug!(seq, error = %e, "usage report not committed yet; sending it again in {:?}", REPORT_EVERY);
+            Sent::Pending
+        }
+    }
+}
+
+/// Commits this router's usage every [`REPORT_EVERY`].
 pub async fn run(ctx: crate::context::Context) {
     let mut tick = tokio::time::interval(REPORT_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let leaders = crate::client::AdminClient::new(Vec::new()).with_call_timeout(Duration::from_secs(2));
     loop {
         tick.tick().await;
-        let meter = ctx.router.meter();
-        let Some(report) = meter.next_report(ctx.node_id, crate::jobs::unix_ms()) else {
-            continue;
-        };
-        let seq = report.seq;
-        let requests: u64 = report.rows.iter().map(|r| r.requests).sum();
-        let command = crate::command::Command::RecordUsage(report);
-        if let Err(e) = crate::command::check_allowed(&ctx.sm, &command) {
-            // Not yet: the report stays pending (and usage keeps adding up in the meter)
-            // until the upgrade is finalized.
-            tracing::debug!(seq, error = %e, "usage report held back");
-            continue;
-        }
-        let crate::command::Command::RecordUsage(report) = command else {
-            unreachable!()
-        };
-        let sent = match ctx.leader() {
-            Some((id, _)) if id == ctx.node_id => ctx
-                .proposer
-                .propose(crate::command::Command::RecordUsage(report))
-                .await
-                .map(|_| ())
-                .map_err(|e| (e.to_string(), false)),
-            Some((_, addr)) => {
-                let req = laneway_proto::admin::UsageReportRequest {
-                    json: serde_json::to_string(&report).expect("usage reports serialize"),
-                };
-                leaders
-                    .call_one(&addr, |mut c| {
-                        let req = req.clone();
-                        async move { c.record_usage(req).await }
-                    })
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| {
-                        // Refused as such, not merely undelivered: sending it again cannot help.
-                        let refused = matches!(e.code(), Some(tonic::Code::InvalidArgument | tonic::Code::OutOfRange));
-                        (e.to_string(), refused)
-                    })
+        send_once(&ctx, &leaders).await;
+    }
+}
+
+/// At shutdown, after the router stopped taking requests: commits what it served and has
+/// not reported, for up to `within`.
+pub async fn flush(ctx: &crate::context::Context, within: Duration) {
+    let leaders = crate::client::AdminClient::new(Vec::new()).with_call_timeout(Duration::from_millis(500));
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match send_once(ctx, &leaders).await {
+            Sent::Nothing => return,
+            Sent::Delivered => continue,
+            Sent::Pending if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await
             }
-            None => Err(("no leader".to_string(), false)),
-        };
-        match sent {
-            Ok(()) => meter.delivered(seq),
-            Err((e, true)) => {
-                tracing::warn!(seq, requests, error = %e, "usage report refused by the leader; its requests are not in the ledger");
-                meter.delivered(seq);
-            }
-            Err((e, false)) => {
-                tracing::debug!(seq, error = %e, "usage report not committed yet; sending it again in {:?}", REPORT_EVERY)
+            Sent::Pending => {
+                let left = ctx.router.meter().unreported_requests();
+                tracing::warn!(unreported = left, "stopping with usage the ledger did not receive");
+                return;
             }
         }
     }

@@ -104,6 +104,21 @@ impl Node {
         self.child = Some(child);
     }
 
+    /// SIGTERM, as systemd stops it, and waits (up to 20 s) for it to exit.
+    pub fn terminate(&mut self) -> Option<std::process::ExitStatus> {
+        let mut c = self.child.take()?;
+        let pid = nix::unistd::Pid::from_raw(c.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        for _ in 0..200 {
+            if let Ok(Some(status)) = c.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = c.kill();
+        c.wait().ok()
+    }
+
     /// `kill -9`.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {

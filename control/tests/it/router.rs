@@ -560,6 +560,51 @@ async fn warm_floor_replicas_are_placed_served_and_moved_off_a_dead_node() {
     b.stop();
 }
 
+/// A controller stopped with SIGTERM reports what its router served before it exits: nothing
+/// a client was answered is missing from the ledger (usage is otherwise reported every 5 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_stop_loses_no_metered_usage() {
+    let mut e = env(vec![sim_replica("echo-a", "echo", 5, 4, 0, &[])]).await;
+    e.wait_replicas("echo", 1).await;
+    lanectl(
+        e.addr(),
+        &[
+            "model",
+            "register",
+            "--name",
+            "echo",
+            "--class",
+            "speech",
+            "--profile",
+            "L4=5:4",
+        ],
+    );
+    let mut counted = 0u64;
+    let mut ok = 0u64;
+    while ok < 25 {
+        let r = e.infer("echo").await;
+        if r.status() != 404 {
+            counted += 1;
+        }
+        ok += u64::from(r.status() == 200);
+    }
+    let status = e.nodes[0].terminate().expect("the controller was running");
+    assert!(status.success(), "stopped cleanly: {status:?}");
+    e.nodes[0].start();
+    let addr = e.addr().to_string();
+    let row = wait_for("the ledger after the restart", Duration::from_secs(20), || async {
+        let out = lanectl_output(&addr, &["-o", "json", "ledger", "--by", "model", "--since", "10m"]);
+        let v: Value = serde_json::from_str(&out.text).ok()?;
+        v["rows"].as_array()?.iter().find(|r| r["name"] == "echo@1").cloned()
+    })
+    .await;
+    assert_eq!(
+        row["requests"], counted,
+        "every request the router answered is in the ledger: {row}"
+    );
+    e.stop().await;
+}
+
 /// A model document served by the simulated model server: `service_ms` on `product`.
 fn sim_model_doc(name: &str, class: &str, product: &str, service_ms: u32) -> serde_json::Value {
     serde_json::json!({
