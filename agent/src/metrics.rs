@@ -68,7 +68,8 @@ pub struct Sources {
     pub view: watch::Receiver<AgentView>,
 }
 
-fn gauge(r: &mut Registry, name: &str, help: &str) -> Family<Labels, Gauge> {
+/// Registers an integer gauge family.
+pub fn gauge(r: &mut Registry, name: &str, help: &str) -> Family<Labels, Gauge> {
     let f = Family::<Labels, Gauge>::default();
     r.register(name, help, f.clone());
     f

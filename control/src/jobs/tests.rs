@@ -176,22 +176,27 @@ fn state_with_node(node_id: &str) -> AppState {
     s
 }
 
+/// Commits job `job`'s assignment to `node`/`replica` at log `index` (its fencing token).
+fn assign(s: &mut AppState, job: &str, node: &str, replica: &str, index: u64) {
+    s.apply(
+        &Command::AssignJobs {
+            assignments: vec![Assignment {
+                job_id: job.into(),
+                node_id: node.into(),
+                replica_id: replica.into(),
+            }],
+            at_ms: 5,
+        },
+        index,
+    );
+}
+
 #[test]
 fn node_down_requeues_its_jobs_and_fences_the_old_token() {
     let mut s = state_with_node("n1");
     s.apply(&Command::SubmitJob(sub("a", "t", None, "1")), 1);
     s.apply(&Command::SubmitJob(sub("b", "t", None, "2")), 2);
-    s.apply(
-        &Command::AssignJobs {
-            assignments: vec![Assignment {
-                job_id: "a".into(),
-                node_id: "n1".into(),
-                replica_id: "r1".into(),
-            }],
-            at_ms: 5,
-        },
-        3,
-    );
+    assign(&mut s, "a", "n1", "r1", 3);
     assert_eq!(s.jobs.get("a").unwrap().token, Some(3));
     s.apply(
         &Command::NodeDown {
@@ -593,20 +598,7 @@ fn a_finished_job_is_metered_at_the_price_of_its_card() {
         2,
     );
     s.apply(&Command::SubmitJob(sub("a", "t", None, "1")), 3);
-    let assign = |s: &mut AppState, index: u64| {
-        s.apply(
-            &Command::AssignJobs {
-                assignments: vec![Assignment {
-                    job_id: "a".into(),
-                    node_id: "n1".into(),
-                    replica_id: "r1".into(),
-                }],
-                at_ms: 5,
-            },
-            index,
-        );
-    };
-    assign(&mut s, 4);
+    assign(&mut s, "a", "n1", "r1", 4);
     s.apply(
         &Command::FinishJob {
             job_id: "a".into(),
@@ -620,7 +612,7 @@ fn a_finished_job_is_metered_at_the_price_of_its_card() {
         s.ledger.minutes.is_empty(),
         "a retried attempt is not a finished request"
     );
-    assign(&mut s, 6);
+    assign(&mut s, "a", "n1", "r1", 6);
     // A stale completion is refused and meters nothing.
     let stale = s.apply(
         &Command::FinishJob {
@@ -696,17 +688,7 @@ fn a_job_on_a_static_replica_is_priced_by_its_gpu() {
         2,
     );
     s.apply(&Command::SubmitJob(sub("a", "t", None, "1")), 3);
-    s.apply(
-        &Command::AssignJobs {
-            assignments: vec![Assignment {
-                job_id: "a".into(),
-                node_id: "n1".into(),
-                replica_id: "static-0".into(),
-            }],
-            at_ms: 5,
-        },
-        4,
-    );
+    assign(&mut s, "a", "n1", "static-0", 4);
     s.apply(
         &Command::FinishJob {
             job_id: "a".into(),

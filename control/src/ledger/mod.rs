@@ -21,6 +21,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
+use crate::fleet::Fleet;
+
 pub const MINUTE_MS: u64 = 60_000;
 pub const HOUR_MS: u64 = 60 * MINUTE_MS;
 /// Minute buckets are kept this long, then folded into hour buckets.
@@ -313,15 +315,9 @@ impl PartialEq for Ledger {
 impl Eq for Ledger {}
 
 /// Where a node sits: pool and tier (from the fleet at the time the usage is applied).
-pub trait NodePlacement {
-    fn pool_and_tier(&self, node: &str) -> Option<(String, Tier)>;
-}
-
-impl NodePlacement for crate::fleet::Fleet {
-    fn pool_and_tier(&self, node: &str) -> Option<(String, Tier)> {
-        let n = self.nodes.get(node)?;
-        Some((n.registration.pool.clone(), Tier::of_labels(&n.registration.labels)))
-    }
+fn pool_and_tier(fleet: &Fleet, node: &str) -> Option<(String, Tier)> {
+    let n = fleet.nodes.get(node)?;
+    Some((n.registration.pool.clone(), Tier::of_labels(&n.registration.labels)))
 }
 
 impl Ledger {
@@ -353,7 +349,7 @@ impl Ledger {
 
     /// Applies a router's usage report; a report already applied (same reporter, incarnation
     /// and a sequence not above the last) is skipped. Returns whether it was applied.
-    pub fn apply_report(&mut self, report: &UsageReport, nodes: &impl NodePlacement, regression_pct: u64) -> bool {
+    pub fn apply_report(&mut self, report: &UsageReport, nodes: &Fleet, regression_pct: u64) -> bool {
         if let Some(last) = self.reporters.get(&report.reporter) {
             if last.incarnation == report.incarnation && report.seq <= last.seq {
                 return false;
@@ -387,7 +383,7 @@ impl Ledger {
 
     /// Prices and adds usage at `at_ms` (by the ledger's clock), folds old buckets, and checks
     /// the models it touched for a cost regression.
-    pub fn record(&mut self, at_ms: u64, rows: &[Usage], nodes: &impl NodePlacement, regression_pct: u64) {
+    pub fn record(&mut self, at_ms: u64, rows: &[Usage], nodes: &Fleet, regression_pct: u64) {
         let at_ms = self.tick(at_ms);
         let start = at_ms - at_ms % MINUTE_MS;
         let mut models = BTreeSet::new();
@@ -418,8 +414,8 @@ impl Ledger {
         self.fold(at_ms);
     }
 
-    fn price_row(&self, u: &Usage, nodes: &impl NodePlacement) -> (RowKey, Counts) {
-        let placed = u.node.as_deref().and_then(|n| nodes.pool_and_tier(n));
+    fn price_row(&self, u: &Usage, nodes: &Fleet) -> (RowKey, Counts) {
+        let placed = u.node.as_deref().and_then(|n| pool_and_tier(nodes, n));
         let product = u.product.clone().unwrap_or_default();
         let mut counts = Counts {
             requests: u.requests,

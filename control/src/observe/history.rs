@@ -14,8 +14,6 @@ use crate::context::Context;
 pub const KEPT: usize = 300;
 /// Latency percentiles are taken over the requests that finished in this window.
 const LATENCY_WINDOW_MS: u64 = 5_000;
-/// Scaling decisions kept.
-const DECISIONS_KEPT: usize = 50;
 /// Operational events kept (scaling, placement, replicas that cannot be placed).
 const EVENTS_KEPT: usize = 1_000;
 
@@ -33,16 +31,6 @@ pub struct Sample {
     pub admitted_per_s: f64,
     /// Refused, throttled and expired per second.
     pub shed_per_s: f64,
-}
-
-/// A scaling decision of the fast loop, with its reason.
-#[derive(Debug, Clone, Serialize)]
-pub struct Decision {
-    pub at_ms: u64,
-    pub model: String,
-    pub from: usize,
-    pub to: usize,
-    pub reason: String,
 }
 
 /// What the leader's loops decided, with why: for `lanectl events` and `lanectl lane show`.
@@ -63,7 +51,6 @@ pub struct History {
     lanes: Mutex<BTreeMap<String, VecDeque<Sample>>>,
     /// Last counter totals per lane (admitted, shed), for the rates.
     last: Mutex<HashMap<String, (u64, u64)>>,
-    decisions: Mutex<VecDeque<Decision>>,
     events: Mutex<VecDeque<OpsEvent>>,
 }
 
@@ -97,24 +84,10 @@ impl History {
         es.iter().filter(|e| e.at_ms >= since_ms).cloned().collect()
     }
 
-    /// Records a scaling decision (the leader's fast loop).
-    pub fn decided(&self, d: Decision) {
-        self.event(
-            "scale",
-            &d.model,
-            format!("{} → {} replicas: {}", d.from, d.to, d.reason),
-        );
-        let mut ds = self.decisions.lock().unwrap_or_else(|p| p.into_inner());
-        if ds.len() == DECISIONS_KEPT {
-            ds.pop_front();
-        }
-        ds.push_back(d);
-    }
-
-    /// Scaling decisions, newest first.
-    pub fn decisions(&self) -> Vec<Decision> {
-        let ds = self.decisions.lock().unwrap_or_else(|p| p.into_inner());
-        ds.iter().rev().cloned().collect()
+    /// The last `n` scaling decisions, newest first.
+    pub fn decisions(&self, n: usize) -> Vec<OpsEvent> {
+        let es = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        es.iter().rev().filter(|e| e.kind == "scale").take(n).cloned().collect()
     }
 
     /// Takes one sample of every lane.

@@ -16,14 +16,9 @@ use crate::context::Context;
 use crate::fleet::Liveness;
 use crate::ledger::Tier;
 use crate::router::metrics::{labels, register_lanes, Labels};
+use laneway_agent::metrics::gauge;
 
 type F64Gauge = Gauge<f64, AtomicU64>;
-
-fn gauge(registry: &mut Registry, name: &str, help: &str) -> Family<Labels, Gauge> {
-    let f = Family::<Labels, Gauge>::default();
-    registry.register(name, help, f.clone());
-    f
-}
 
 fn gauge_f64(registry: &mut Registry, name: &str, help: &str, unit: Option<Unit>) -> Family<Labels, F64Gauge> {
     let f = Family::<Labels, F64Gauge>::default();

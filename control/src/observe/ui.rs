@@ -16,7 +16,7 @@ use crate::ledger::query::{report, By, LedgerReport};
 use crate::ledger::{fmt_unix_ms, Tier, HOUR_MS};
 use crate::router::lane::LaneStatus;
 
-use super::history::{Decision, Sample, KEPT};
+use super::history::{OpsEvent, Sample, KEPT};
 
 /// Escapes text for HTML element content and attribute values.
 pub fn esc(s: &str) -> String {
@@ -172,7 +172,7 @@ pub fn render(ctx: &Context) -> String {
         h.push_str("</table>");
     }
 
-    decisions_section(&mut h, &ctx.history.decisions(), role);
+    decisions_section(&mut h, &ctx.history.decisions(10), role);
     h.push_str("<h2 id=\"events\">Events</h2>");
     if events.is_empty() {
         h.push_str("<span class=\"muted\">none</span>");
@@ -434,7 +434,7 @@ fn gpu_svg(
     h.push_str("</svg></div>");
 }
 
-fn decisions_section(h: &mut String, decisions: &[Decision], role: &str) {
+fn decisions_section(h: &mut String, decisions: &[OpsEvent], role: &str) {
     h.push_str("<h2 id=\"decisions\">Last scaling decisions</h2>");
     if decisions.is_empty() {
         let why = if role == "leader" {
@@ -445,16 +445,16 @@ fn decisions_section(h: &mut String, decisions: &[Decision], role: &str) {
         let _ = write!(h, "<span class=\"muted\">{why}</span>");
         return;
     }
-    h.push_str("<table><tr><th class=\"l\">when</th><th class=\"l\">model</th><th>from</th><th>to</th><th class=\"l\">reason</th></tr>");
-    for d in decisions.iter().take(10) {
+    h.push_str(
+        "<table><tr><th class=\"l\">when</th><th class=\"l\">model</th><th class=\"l\">decision and why</th></tr>",
+    );
+    for d in decisions {
         let _ = write!(
             h,
-            "<tr><td class=\"l\">{}</td><td class=\"l\">{}</td><td>{}</td><td>{}</td><td class=\"l\">{}</td></tr>",
+            "<tr><td class=\"l\">{}</td><td class=\"l\">{}</td><td class=\"l\">{}</td></tr>",
             esc(&fmt_unix_ms(d.at_ms)),
-            esc(&d.model),
-            d.from,
-            d.to,
-            esc(&d.reason)
+            esc(&d.subject),
+            esc(&d.message)
         );
     }
     h.push_str("</table>");

@@ -115,13 +115,11 @@ fn fast_loop(ctx: &Context, registry: &Registry, scale: &mut ScaleState, now: In
         let d = scale.decide(&m.name, &inputs, now);
         if d.desired != inputs.current {
             tracing::info!(model = %m.name, from = inputs.current, to = d.desired, reason = %d.reason, "scaling");
-            ctx.history.decided(crate::observe::history::Decision {
-                at_ms: crate::jobs::unix_ms(),
-                model: m.name.clone(),
-                from: inputs.current,
-                to: d.desired,
-                reason: d.reason.clone(),
-            });
+            ctx.history.event(
+                "scale",
+                &m.name,
+                format!("{} → {} replicas: {}", inputs.current, d.desired, d.reason),
+            );
         }
         targets.insert(m.name.clone(), d.desired);
     }
