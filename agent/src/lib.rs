@@ -7,6 +7,7 @@
 pub mod config;
 pub mod gpu;
 pub mod jobs;
+pub mod llm;
 pub mod logging;
 pub mod metrics;
 pub mod mig;

@@ -16,10 +16,10 @@ use crate::registry::{Class, DesiredReplica, Model, ReplicaRecord, Tenant, Tenan
 
 /// Highest command format this binary can apply. Format 2 added the registry commands, format 3
 /// the durable job queue, format 4 spot preemption notices, format 5 the ledger (prices and
-/// usage reports); a command is written with the lowest format that can express it
+/// usage reports), format 6 language-model lanes (token policies, specs, limits and usage); a command is written with the lowest format that can express it
 /// ([`Command::format`]), so an older controller keeps applying what it knows and stops only
 /// at the first command it cannot understand.
-pub const COMMAND_FORMAT: u32 = 5;
+pub const COMMAND_FORMAT: u32 = 6;
 
 /// The cluster setting holding the highest command format every member can apply, written at
 /// `cluster init` and raised by `lanectl cluster finalize-upgrade` once every member runs a
@@ -242,6 +242,9 @@ impl Command {
             | Command::SetNodeFlags { .. } => 1,
             Command::Batch(commands) => commands.iter().map(Command::format).max().unwrap_or(1),
             // An older binary refuses a class with fields it does not know.
+            Command::PutClass(c) if c.llm.is_some() => 6,
+            Command::PutModel(m) if m.llm.is_some() || m.profiles.values().any(|p| p.tokens_per_s.is_some()) => 6,
+            Command::SetTenantLimit { limit: Some(l), .. } if l.tokens_per_min.is_some() => 6,
             Command::PutClass(c) if c.slo_p99_ms.is_some() || !c.tolerations.is_empty() => 5,
             Command::PutModel(m) if m.runtime.in_flight.is_some() => 5,
             Command::PutClass(_)

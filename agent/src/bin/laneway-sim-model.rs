@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
+use laneway_agent::sim_model::llm::{self, LlmSimConfig};
 use laneway_agent::sim_model::{app, noop_app, Faults, SimModelConfig};
 
 #[derive(Parser)]
@@ -44,6 +45,32 @@ struct Cli {
     /// Seed of the failure RNG.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Serve an LLM (OpenAI-compatible `/v1/chat/completions` and `/v1/completions`, streamed
+    /// or not) with continuous batching instead of the KServe v2 batcher; needs --tokens-per-s.
+    #[arg(long)]
+    llm: bool,
+    /// LLM: decode throughput of one replica by product, tokens/s shared by its running
+    /// sequences, e.g. `L4=800,H100-80GB=4000`.
+    #[arg(long, value_delimiter = ',', value_parser = parse_pair)]
+    tokens_per_s: Vec<(String, f64)>,
+    /// LLM: KV-cache capacity by product, tokens, e.g. `L4=60000,H100-80GB=400000`.
+    #[arg(long, value_delimiter = ',', value_parser = parse_pair)]
+    kv_cache_tokens: Vec<(String, f64)>,
+    /// LLM: prefill throughput as a multiple of the decode throughput.
+    #[arg(long, default_value_t = 20.0)]
+    prefill_factor: f64,
+    /// LLM: one sequence's top decode speed, tokens/s.
+    #[arg(long, default_value_t = 100.0)]
+    max_seq_tokens_per_s: f64,
+    /// LLM: longest input + output, tokens.
+    #[arg(long, default_value_t = 8192)]
+    context_tokens: u32,
+    /// LLM: output tokens when a request gives no max_tokens.
+    #[arg(long, default_value_t = 64)]
+    default_max_tokens: u32,
+    /// LLM: break the connection after this many tokens of a stream (a crash mid-stream).
+    #[arg(long)]
+    abort_stream_after_tokens: Option<u32>,
     /// Answer at once with a fixed result (no batching, no service time): a no-op replica for
     /// router benchmarks. Service-time flags are ignored.
     #[arg(long)]
@@ -79,7 +106,27 @@ fn main() -> ExitCode {
     };
     let rt = tokio::runtime::Runtime::new().expect("tokio runtime");
     rt.block_on(async move {
-        let router = if cli.noop {
+        let router = if cli.llm {
+            let llm = LlmSimConfig {
+                model: cfg.model,
+                product: cfg.product,
+                tokens_per_s: cli.tokens_per_s.into_iter().collect(),
+                kv_cache_tokens: cli.kv_cache_tokens.into_iter().map(|(k, v)| (k, v as u64)).collect(),
+                prefill_factor: cli.prefill_factor,
+                max_seq_tokens_per_s: cli.max_seq_tokens_per_s,
+                max_running: cli.max_batch,
+                context_tokens: cli.context_tokens,
+                default_max_tokens: cli.default_max_tokens,
+                abort_stream_after_tokens: cli.abort_stream_after_tokens,
+            };
+            match llm::app(llm) {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("laneway-sim-model: {e}");
+                    return ExitCode::from(2);
+                }
+            }
+        } else if cli.noop {
             noop_app(cfg.model)
         } else {
             match app(cfg) {

@@ -4,6 +4,7 @@
 //! benchmarks run against it instead of real model servers.
 
 pub mod batcher;
+pub mod llm;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -59,6 +60,8 @@ pub struct SimModelConfig {
 pub enum SimModelError {
     #[error("no service time for product {product:?}; give --service-ms {product}=<ms> (known: {known})")]
     NoServiceTime { product: String, known: String },
+    #[error("no decode throughput for product {product:?}; give --tokens-per-s {product}=<tokens/s> (known: {known})")]
+    NoThroughput { product: String, known: String },
     #[error("{field} = {value}: {expected}")]
     Invalid {
         field: &'static str,

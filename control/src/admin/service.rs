@@ -643,6 +643,7 @@ impl AdminService for AdminGrpc {
             concurrency: r.concurrency,
             rate_per_s: r.rate_per_s,
             burst: r.burst,
+            tokens_per_min: (r.tokens_per_min > 0).then_some(r.tokens_per_min),
         });
         Ok(Response::new(
             self.write(Command::SetTenantLimit {

@@ -109,6 +109,7 @@ fn ceiling_comes_from_the_tenant_limit_in_the_state_machine() {
             concurrency: 1,
             rate_per_s: 10,
             burst: 10,
+            tokens_per_min: None,
         },
     );
     s.registry.tenants.insert(
@@ -404,6 +405,7 @@ fn durable_fleet(nodes: usize) -> AppState {
             degraded: None,
             slo_p99_ms: None,
             tolerations: vec![],
+            llm: None,
         })
         .unwrap();
     s.registry
@@ -418,11 +420,13 @@ fn durable_fleet(nodes: usize) -> AppState {
                     max_batch: 2,
                     gpu_memory_gb: 40,
                     mig_profiles: vec![],
+                    tokens_per_s: None,
                 },
             )]
             .into(),
             runtime: Default::default(),
             weights: vec![],
+            llm: None,
         })
         .unwrap();
     for n in 0..nodes {

@@ -205,6 +205,7 @@ mod tests {
             degraded: None,
             slo_p99_ms: None,
             tolerations: vec![],
+            llm: None,
         }
     }
 
@@ -220,11 +221,13 @@ mod tests {
                     max_batch: 8,
                     gpu_memory_gb: 12,
                     mig_profiles: vec![],
+                    tokens_per_s: None,
                 },
             )]
             .into(),
             runtime: Default::default(),
             weights: vec![],
+            llm: None,
         }
     }
 

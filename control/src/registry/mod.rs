@@ -121,6 +121,60 @@ pub struct Class {
     /// lane does not tolerate gets none of its replicas.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tolerations: Vec<String>,
+    /// Language-model lane policy: token latency objectives and the scaling signal.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub llm: Option<LlmPolicy>,
+}
+
+/// What a lane of language models scales on. GPU utilisation is never a signal: a decoding GPU
+/// is busy whether it serves one sequence or sixty.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScaleSignal {
+    /// Requests in flight and queued against the replicas' slots at the utilisation target
+    /// (every lane's default).
+    #[default]
+    InFlight,
+    /// Requests waiting: in the router's queue and in the engines' own queues
+    /// (`vllm:num_requests_waiting`); any waiting adds replicas.
+    Waiting,
+    /// KV-cache usage the replicas report, against `kv_cache_target_pct`.
+    KvCache,
+    /// Time to first token p99 measured by the routers, against `ttft_slo_p99_ms`.
+    Ttft,
+}
+
+impl ScaleSignal {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ScaleSignal::InFlight => "in_flight",
+            ScaleSignal::Waiting => "waiting",
+            ScaleSignal::KvCache => "kv_cache",
+            ScaleSignal::Ttft => "ttft",
+        }
+    }
+}
+
+/// A language-model lane's policy.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LlmPolicy {
+    /// Objective on time to first token, p99 (queue + prefill + first decode step).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_slo_p99_ms: Option<Millis>,
+    /// Objective on inter-token latency, p99 (gap between streamed chunks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub itl_slo_p99_ms: Option<Millis>,
+    /// The fast loop's signal for this lane.
+    #[serde(default)]
+    pub scale_on: ScaleSignal,
+    /// KV-cache usage the `kv_cache` signal aims for, percent.
+    #[serde(default = "default_kv_target")]
+    pub kv_cache_target_pct: u32,
+}
+
+fn default_kv_target() -> u32 {
+    75
 }
 
 fn default_target() -> u32 {
@@ -145,6 +199,10 @@ pub struct Profile {
     /// MIG profiles a replica fits in (e.g. `3g.40gb`); empty = whole cards only.
     #[serde(default)]
     pub mig_profiles: Vec<String>,
+    /// Language models: decode throughput of one replica on this product, output tokens/s
+    /// over all its sequences (the planner turns tokens/s of demand into cards with it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_s: Option<u32>,
 }
 
 /// A weight artifact, content-addressed.
@@ -204,6 +262,33 @@ pub struct Model {
     pub runtime: Runtime,
     #[serde(default)]
     pub weights: Vec<Artifact>,
+    /// A language model: served on the OpenAI-compatible paths, admitted by tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub llm: Option<LlmSpec>,
+}
+
+/// What the router needs to know of a language model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LlmSpec {
+    /// Longest input + output, tokens: longer requests are refused before they queue.
+    pub context_tokens: u32,
+    /// Output tokens a request without `max_tokens` is counted for (set it to the server's
+    /// own default).
+    #[serde(default = "default_max_tokens")]
+    pub default_max_tokens: u32,
+    /// Leading prompt tokens that route requests to the same replica (prefix affinity);
+    /// 0 turns affinity off.
+    #[serde(default = "default_prefix_tokens")]
+    pub prefix_affinity_tokens: u32,
+}
+
+fn default_max_tokens() -> u32 {
+    256
+}
+
+fn default_prefix_tokens() -> u32 {
+    256
 }
 
 fn default_version() -> String {
@@ -220,6 +305,9 @@ pub struct TenantLimit {
     pub rate_per_s: u32,
     /// Bucket size: requests that may arrive at once above the rate.
     pub burst: u32,
+    /// Language-model lanes: input + output tokens per minute (a bucket a minute deep).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_min: Option<u32>,
 }
 
 /// A tenant: its API key (only the sha256 is stored) and its limits per class.
@@ -359,6 +447,35 @@ impl Class {
                 ));
             }
         }
+        if let Some(l) = &self.llm {
+            if self.lane == LaneKind::Durable {
+                return Err(format!(
+                    "class {n}: durable lanes take jobs, not streams; token objectives and signals are for sync and bounded lanes"
+                ));
+            }
+            for (what, slo) in [
+                ("ttft_slo_p99_ms", l.ttft_slo_p99_ms),
+                ("itl_slo_p99_ms", l.itl_slo_p99_ms),
+            ] {
+                if slo.is_some_and(|s| s.0 == 0 || s > self.request_timeout_ms) {
+                    return Err(format!(
+                        "class {n}: {what} must be more than 0 and at most request_timeout_ms ({})",
+                        self.request_timeout_ms.as_ms()
+                    ));
+                }
+            }
+            if l.scale_on == ScaleSignal::Ttft && l.ttft_slo_p99_ms.is_none() {
+                return Err(format!(
+                    "class {n}: scale_on = \"ttft\" needs ttft_slo_p99_ms (the objective it scales against)"
+                ));
+            }
+            if !(1..=100).contains(&l.kv_cache_target_pct) {
+                return Err(format!(
+                    "class {n}: kv_cache_target_pct = {}: give 1-100",
+                    l.kv_cache_target_pct
+                ));
+            }
+        }
         if let Some(d) = &self.degraded {
             if self.lane != LaneKind::Bounded {
                 return Err(format!(
@@ -423,15 +540,28 @@ impl Model {
         if self.version.is_empty() || self.version.len() > 64 {
             return Err(format!("model {n}: version must be 1-64 characters"));
         }
+        if let Some(l) = &self.llm {
+            if l.context_tokens == 0 {
+                return Err(format!(
+                    "model {n}: llm.context_tokens must be > 0 (the model's context window)"
+                ));
+            }
+            if l.default_max_tokens == 0 || l.default_max_tokens > l.context_tokens {
+                return Err(format!(
+                    "model {n}: llm.default_max_tokens = {}: give 1 to context_tokens ({})",
+                    l.default_max_tokens, l.context_tokens
+                ));
+            }
+        }
         Ok(())
     }
 }
 
 impl TenantLimit {
     pub fn validate(&self) -> Result<(), String> {
-        if self.concurrency == 0 || self.rate_per_s == 0 || self.burst == 0 {
+        if self.concurrency == 0 || self.rate_per_s == 0 || self.burst == 0 || self.tokens_per_min == Some(0) {
             return Err(format!(
-                "limit {self:?}: concurrency, rate_per_s and burst must all be > 0 (to stop a tenant, rotate its key)"
+                "limit {self:?}: concurrency, rate_per_s, burst and tokens_per_min must all be > 0 (to stop a tenant, rotate its key)"
             ));
         }
         Ok(())
@@ -601,6 +731,7 @@ mod tests {
             degraded: None,
             slo_p99_ms: None,
             tolerations: vec![],
+            llm: None,
         }
     }
 
@@ -660,11 +791,13 @@ mod tests {
                     max_batch: 4,
                     gpu_memory_gb: 8,
                     mig_profiles: vec![],
+                    tokens_per_s: None,
                 },
             )]
             .into(),
             runtime: Runtime::default(),
             weights: vec![],
+            llm: None,
         }
     }
 
@@ -725,6 +858,7 @@ mod tests {
             concurrency: 2,
             rate_per_s: 10,
             burst: 5,
+            tokens_per_min: None,
         };
         r.set_tenant_limit("acme", "*", Some(l)).unwrap();
         assert!(r.set_tenant_limit("acme", "nope", Some(l)).is_err());

@@ -46,12 +46,24 @@ impl TokenBucket {
 
     /// Takes a token, or says how long until one is available.
     pub fn take(&mut self, now: Instant) -> Result<(), Duration> {
+        self.take_n(1, now)
+    }
+
+    /// Puts back `n` tokens taken for work that was then not done.
+    pub fn give_back(&mut self, n: u32) {
+        self.tokens = (self.tokens + f64::from(n)).min(self.burst);
+    }
+
+    /// Takes `n` tokens at once, or says how long until `n` are available. `n` above the
+    /// burst can never be taken: callers refuse such a request outright.
+    pub fn take_n(&mut self, n: u32, now: Instant) -> Result<(), Duration> {
         self.refill(now);
-        if self.tokens >= 1.0 {
-            self.tokens -= 1.0;
+        let n = f64::from(n);
+        if self.tokens >= n {
+            self.tokens -= n;
             Ok(())
         } else {
-            Err(Duration::from_secs_f64((1.0 - self.tokens) / self.rate_per_s))
+            Err(Duration::from_secs_f64((n - self.tokens) / self.rate_per_s))
         }
     }
 }

@@ -67,6 +67,8 @@ pub fn app(router: Arc<Router>, max_body_bytes: usize) -> axum::Router {
         .route("/v2/models/{model}", get(metadata))
         .route("/v2/models/{model}/ready", get(model_ready))
         .route("/v2/models/{model}/infer", post(infer))
+        .route("/v1/chat/completions", post(super::llm::chat_completions))
+        .route("/v1/completions", post(super::llm::completions))
         .route("/v1/jobs", post(super::jobs::post_job).get(super::jobs::list_jobs))
         .route(
             "/v1/jobs/{id}",
@@ -76,7 +78,7 @@ pub fn app(router: Arc<Router>, max_body_bytes: usize) -> axum::Router {
         .fallback(|| async {
             error(
                 StatusCode::NOT_FOUND,
-                "no such path; the router serves POST /v2/models/{model}/infer, GET /v2/models/{model}, GET /v2/health/live|ready, jobs at POST|GET /v1/jobs, GET|DELETE /v1/jobs/{id}, GET /v1/jobs/{id}/result, and GET /metrics and /ui".into(),
+                "no such path; the router serves POST /v2/models/{model}/infer, GET /v2/models/{model}, GET /v2/health/live|ready, language models at POST /v1/chat/completions and /v1/completions, jobs at POST|GET /v1/jobs, GET|DELETE /v1/jobs/{id}, GET /v1/jobs/{id}/result, and GET /metrics and /ui".into(),
                 &Meta::default(),
             )
         })
@@ -466,6 +468,9 @@ async fn serve_infer(
         service_ms: 0.0,
         gpu_ms: None,
         degraded: false,
+        input_tokens: 0,
+        output_tokens: 0,
+        ttft_ms: None,
     };
     let retry_hint = route.min_service().unwrap_or(Duration::from_secs(1));
     let _tenant_hold = match router.admit_tenant(&tenant, &class, retry_hint, arrived) {
@@ -490,7 +495,7 @@ async fn serve_infer(
     dispatch(&router, &route, admitted, body, &headers, arrived, meta, record).await
 }
 
-fn refusal_response(refusal: &Refusal, route: &ModelRoute, meta: &Meta) -> Response {
+pub(super) fn refusal_response(refusal: &Refusal, route: &ModelRoute, meta: &Meta) -> Response {
     match refusal {
         Refusal::NoSlot { retry_after } => with_retry_after(
             error(

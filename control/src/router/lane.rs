@@ -217,6 +217,14 @@ pub struct LaneStatus {
     /// The class's latency objective (p99, ms), if it has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slo_p99_ms: Option<f64>,
+    /// Language-model lanes: objectives on time to first token and inter-token latency, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_slo_p99_ms: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub itl_slo_p99_ms: Option<f64>,
+    /// Language models of the lane this router streamed for lately: TTFT, ITL and tokens.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub llm: Vec<super::llm::LlmSummary>,
 }
 
 impl LaneState {

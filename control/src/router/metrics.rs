@@ -28,6 +28,16 @@ pub struct LaneHistograms {
     service: Family<Labels, Histogram, fn() -> Histogram>,
     /// Queue + service of answered requests: what the latency objective is about.
     request: Family<Labels, Histogram, fn() -> Histogram>,
+    /// Language models: time to first token and inter-token gaps, by lane and model.
+    ttft: Family<Labels, Histogram, fn() -> Histogram>,
+    itl: Family<Labels, Histogram, fn() -> Histogram>,
+    /// Language models: tokens by direction (input, output), lane and model.
+    tokens: Family<Labels, Counter>,
+}
+
+fn token_latency_histogram() -> Histogram {
+    // 0.25 ms .. ~8 s: inter-token gaps are milliseconds, first tokens up to seconds.
+    Histogram::new(exponential_buckets(0.000_25, 2.0, 16))
 }
 
 impl Default for LaneHistograms {
@@ -36,12 +46,37 @@ impl Default for LaneHistograms {
             queue: Family::new_with_constructor(latency_histogram),
             service: Family::new_with_constructor(latency_histogram),
             request: Family::new_with_constructor(latency_histogram),
+            ttft: Family::new_with_constructor(token_latency_histogram),
+            itl: Family::new_with_constructor(token_latency_histogram),
+            tokens: Family::default(),
         }
     }
 }
 
 impl LaneHistograms {
+    /// Labels of a language model's series.
+    pub fn llm_labels(class: &str, lane: &str, model: &str) -> Labels {
+        labels([
+            ("class", class.to_string()),
+            ("lane", lane.to_string()),
+            ("model", model.to_string()),
+        ])
+    }
+
+    pub fn observe_itl(&self, ls: &Labels, seconds: f64) {
+        self.itl.get_or_create(ls).observe(seconds);
+    }
+
     pub fn observe(&self, rec: &RequestRecord) {
+        if let Some(ttft) = rec.ttft_ms {
+            let ls = Self::llm_labels(&rec.class, &rec.lane, &rec.model);
+            self.ttft.get_or_create(&ls).observe(ttft / 1000.0);
+            for (direction, n) in [("input", rec.input_tokens), ("output", rec.output_tokens)] {
+                let mut ls = ls.clone();
+                ls.push(("direction", direction.into()));
+                self.tokens.get_or_create(&ls).inc_by(u64::from(n));
+            }
+        }
         let ls = labels([("class", rec.class.clone()), ("lane", rec.lane.clone())]);
         self.queue.get_or_create(&ls).observe(rec.queue_ms / 1000.0);
         // Only requests a replica worked on have a service time.
@@ -103,6 +138,21 @@ pub fn register_lanes(registry: &mut Registry, lanes: &[LaneStatus], histograms:
         "Queue + service time of requests a replica answered (the latency objective's measure)",
         histograms.request.clone(),
     );
+    registry.register(
+        "ttft_seconds",
+        "Language models: time from the request's arrival to its first streamed token",
+        histograms.ttft.clone(),
+    );
+    registry.register(
+        "itl_seconds",
+        "Language models: gap between consecutive streamed chunks of tokens (inter-token latency)",
+        histograms.itl.clone(),
+    );
+    registry.register(
+        "tokens",
+        "Language models: input and output tokens (as the replica reported them, else estimated)",
+        histograms.tokens.clone(),
+    );
     let slo = Family::<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
     registry.register_with_unit(
         "slo_p99",
@@ -110,8 +160,22 @@ pub fn register_lanes(registry: &mut Registry, lanes: &[LaneStatus], histograms:
         Unit::Seconds,
         slo.clone(),
     );
+    let token_slo = Family::<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+    registry.register_with_unit(
+        "token_slo_p99",
+        "Language-model lanes' objectives on ttft_seconds and itl_seconds (label objective)",
+        Unit::Seconds,
+        token_slo.clone(),
+    );
     for l in lanes {
         let ls = labels([("class", l.class.clone()), ("lane", l.lane.clone())]);
+        for (objective, ms) in [("ttft", l.ttft_slo_p99_ms), ("itl", l.itl_slo_p99_ms)] {
+            if let Some(ms) = ms {
+                let mut ls = ls.clone();
+                ls.push(("objective", objective.into()));
+                token_slo.get_or_create(&ls).set(ms / 1000.0);
+            }
+        }
         let values = [
             i64::from(l.level != "normal"),
             l.queue_depth as i64,
@@ -169,6 +233,9 @@ mod tests {
             level_for_s: 1.0,
             jobs: None,
             slo_p99_ms: Some(2000.0),
+            ttft_slo_p99_ms: None,
+            itl_slo_p99_ms: None,
+            llm: vec![],
         };
         let text = render(&[status], &LaneHistograms::default()).unwrap();
         assert!(

@@ -11,6 +11,7 @@ pub mod admission;
 pub mod http;
 pub mod jobs;
 pub mod lane;
+pub mod llm;
 pub mod metrics;
 pub mod table;
 
@@ -115,6 +116,14 @@ pub struct RequestRecord {
     pub service_ms: f64,
     pub gpu_ms: Option<f64>,
     pub degraded: bool,
+    /// Language models: tokens in and out (as the replica reported them, else estimated) and
+    /// the time to the first token (streamed) or to the whole answer.
+    #[serde(default)]
+    pub input_tokens: u32,
+    #[serde(default)]
+    pub output_tokens: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_ms: Option<f64>,
 }
 
 struct TenantState {
@@ -147,6 +156,10 @@ pub struct Router {
     /// Usage served and not yet committed to the ledger.
     meter: crate::ledger::meter::Meter,
     histograms: metrics::LaneHistograms,
+    /// Language models: recent TTFT and ITL samples and token counts.
+    llm_stats: llm::LlmStats,
+    /// Tenants' tokens-per-minute buckets, by (tenant, class).
+    token_buckets: Mutex<HashMap<(String, String), TokenBucket>>,
     epoch: Instant,
     /// When a sync lane last refused work, and its protection rank.
     sync_refusal: Mutex<Option<(Instant, u32)>>,
@@ -174,6 +187,8 @@ impl Router {
             records: Mutex::new(VecDeque::with_capacity(RECORDS_KEPT)),
             meter: crate::ledger::meter::Meter::new(),
             histograms: metrics::LaneHistograms::default(),
+            llm_stats: llm::LlmStats::default(),
+            token_buckets: Mutex::default(),
             epoch: Instant::now(),
             sync_refusal: Mutex::new(None),
             built: AtomicBool::new(false),
@@ -291,7 +306,36 @@ impl Router {
         by_load.into_iter().find(|s| s.try_acquire()).cloned()
     }
 
-    /// Whether a sync lane more protected than `rank` refused work within the last second.
+    /// Prefix affinity with bounded load: the replicas in the order the prefix hash ranks them
+    /// (rendezvous hashing, so adding or losing a replica moves only its own share), the first
+    /// whose load is under the bound — 1.25 × the mean load after this request, at least 1 —
+    /// takes the request; if none, power of two choices. One hot prefix therefore fills its
+    /// replica only up to the bound, then spreads.
+    pub fn pick_near(&self, route: &ModelRoute, affinity: Option<u64>, now: Instant) -> Option<Arc<ReplicaSlot>> {
+        let Some(key) = affinity else {
+            return self.pick(route, None, now);
+        };
+        let now_ms = self.now_ms(now);
+        let mut usable: Vec<(u64, &Arc<ReplicaSlot>)> = route
+            .replicas
+            .iter()
+            .filter(|s| !s.is_ejected(now_ms))
+            .map(|s| (llm::rendezvous(key, &s.name), s))
+            .collect();
+        if usable.is_empty() {
+            return None;
+        }
+        usable.sort_unstable_by_key(|(score, _)| std::cmp::Reverse(*score));
+        let total: u32 = usable.iter().map(|(_, s)| s.load()).sum();
+        let bound = (1.25 * f64::from(total + 1) / usable.len() as f64).ceil().max(1.0) as u32;
+        for (_, s) in &usable {
+            if s.load() < bound && s.try_acquire() {
+                return Some((*s).clone());
+            }
+        }
+        self.pick(route, None, now)
+    }
+
     /// The protection rank of the sync lane that refused work within the last second, if any.
     fn recent_sync_refusal(&self, now: Instant) -> Option<u32> {
         let r = self.sync_refusal.lock().unwrap_or_else(|p| p.into_inner());
@@ -320,6 +364,7 @@ impl Router {
             concurrency,
             rate_per_s,
             burst,
+            ..
         }) = tenant.limit_for(&class.name)
         else {
             return Ok(None);
@@ -361,12 +406,22 @@ impl Router {
     /// Admits a request to its lane and gets it a replica slot, waiting in the bounded queue
     /// when the lane's rule allows.
     pub async fn acquire(&self, route: &ModelRoute, now: Instant) -> Result<Admitted, Refusal> {
+        self.acquire_near(route, now, None).await
+    }
+
+    /// [`Router::acquire`], preferring the replicas `affinity` (a prompt-prefix hash) maps to.
+    pub async fn acquire_near(
+        &self,
+        route: &ModelRoute,
+        now: Instant,
+        affinity: Option<u64>,
+    ) -> Result<Admitted, Refusal> {
         let class = &route.class;
         let lane = route.lane.clone();
         match class.lane {
             LaneKind::Durable => Err(Refusal::Durable),
             LaneKind::Sync => {
-                if let Some(slot) = self.pick(route, None, now) {
+                if let Some(slot) = self.pick_near(route, affinity, now) {
                     lane.lock().counters.admitted += 1;
                     return Ok(Admitted {
                         guard: SlotGuard::new(slot, lane),
@@ -383,11 +438,17 @@ impl Router {
                     retry_after: sync_retry_after(route.min_service()),
                 })
             }
-            LaneKind::Bounded => self.acquire_bounded(route, lane, now).await,
+            LaneKind::Bounded => self.acquire_bounded(route, lane, now, affinity).await,
         }
     }
 
-    async fn acquire_bounded(&self, route: &ModelRoute, lane: Arc<Lane>, now: Instant) -> Result<Admitted, Refusal> {
+    async fn acquire_bounded(
+        &self,
+        route: &ModelRoute,
+        lane: Arc<Lane>,
+        now: Instant,
+        affinity: Option<u64>,
+    ) -> Result<Admitted, Refusal> {
         let class = &route.class;
         let short = self.fleet_short_for(class.protection_rank, now);
         let (rx, budget, degraded) = {
@@ -399,7 +460,7 @@ impl Router {
             let budget = degraded.map_or(class.budget_ms, |d| d.budget_ms).as_duration();
             let params = degraded.map(|d| d.parameters.clone());
             if s.waiting_for(&route.name) == 0 {
-                if let Some(slot) = self.pick(route, None, now) {
+                if let Some(slot) = self.pick_near(route, affinity, now) {
                     s.counters.admitted += 1;
                     s.pressure = 0.0;
                     s.overload.observe(now, 0.0, short);
@@ -678,6 +739,9 @@ impl Router {
                     counters: serde_json::to_value(s.counters).unwrap_or_default(),
                     level_for_s: now.saturating_duration_since(s.overload.changed_at).as_secs_f64(),
                     slo_p99_ms: class.slo_p99_ms.map(|m| m.as_ms()),
+                    ttft_slo_p99_ms: class.llm.as_ref().and_then(|l| l.ttft_slo_p99_ms).map(|m| m.as_ms()),
+                    itl_slo_p99_ms: class.llm.as_ref().and_then(|l| l.itl_slo_p99_ms).map(|m| m.as_ms()),
+                    llm: self.llm_stats.summary(&class.name, now),
                 })
             })
             .collect();
@@ -712,6 +776,7 @@ mod tests {
             .filter(|_| lane == LaneKind::Bounded),
             slo_p99_ms: None,
             tolerations: vec![],
+            llm: None,
         })
     }
 
@@ -723,6 +788,7 @@ mod tests {
             class_header: HeaderValue::from_static("c"),
             class,
             replicas: vec![table::test_slot("m", slots)],
+            llm: None,
         }
     }
 

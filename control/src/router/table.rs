@@ -76,6 +76,8 @@ pub struct ModelRoute {
     /// The class name as a response header value, made once.
     pub class_header: HeaderValue,
     pub replicas: Vec<Arc<ReplicaSlot>>,
+    /// A language model's spec: served on the OpenAI-compatible paths.
+    pub llm: Option<crate::registry::LlmSpec>,
 }
 
 impl ModelRoute {
@@ -214,6 +216,7 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &Table) -> Table {
                     class_header: HeaderValue::from_str(&class.name).unwrap_or(HeaderValue::from_static("invalid")),
                     class,
                     replicas: by_model.remove(m.name.as_str()).unwrap_or_default(),
+                    llm: m.llm.clone(),
                 }),
             ))
         })
@@ -279,6 +282,7 @@ pub fn test_fixture() -> (Fleet, Registry) {
         degraded: None,
         slo_p99_ms: None,
         tolerations: vec![],
+        llm: None,
     })
     .unwrap();
     reg.put_model(&Model {
@@ -292,14 +296,51 @@ pub fn test_fixture() -> (Fleet, Registry) {
                 max_batch: 4,
                 gpu_memory_gb: 1,
                 mig_profiles: vec![],
+                tokens_per_s: None,
             },
         )]
         .into(),
         runtime: Default::default(),
         weights: vec![],
+        llm: None,
     })
     .unwrap();
     (fleet, reg)
+}
+
+/// A free slot named `name` for unit tests.
+#[cfg(test)]
+pub fn test_slot_named(name: &str, max_in_flight: u32) -> Arc<ReplicaSlot> {
+    let s = test_slot("m", max_in_flight);
+    Arc::new(ReplicaSlot {
+        name: name.into(),
+        name_header: HeaderValue::from_str(name).unwrap(),
+        model: s.model.clone(),
+        endpoint: s.endpoint.clone(),
+        product: s.product.clone(),
+        mig_profile: None,
+        max_in_flight,
+        service: s.service,
+        infer_uri: s.infer_uri.clone(),
+        in_flight: AtomicU32::new(0),
+        ejected_until_ms: AtomicU64::new(0),
+    })
+}
+
+#[cfg(test)]
+impl ModelRoute {
+    /// A copy to change in a test (slots shared).
+    pub fn clone_for_test(&self) -> ModelRoute {
+        ModelRoute {
+            name: self.name.clone(),
+            version: self.version.clone(),
+            class: self.class.clone(),
+            lane: self.lane.clone(),
+            class_header: self.class_header.clone(),
+            replicas: self.replicas.clone(),
+            llm: self.llm.clone(),
+        }
+    }
 }
 
 /// A free slot for unit tests.

@@ -356,6 +356,7 @@ mod tests {
             degraded: None,
             slo_p99_ms: None,
             tolerations: vec![],
+            llm: None,
         })
         .unwrap();
         let profile = |gb| Profile {
@@ -363,6 +364,7 @@ mod tests {
             max_batch: 4,
             gpu_memory_gb: gb,
             mig_profiles: vec![],
+            tokens_per_s: None,
         };
         r.put_model(&Model {
             name: "whisper".into(),
@@ -371,6 +373,7 @@ mod tests {
             profiles: [("L4".to_string(), profile(10)), ("H100-80GB".to_string(), profile(10))].into(),
             runtime: Default::default(),
             weights: vec![],
+            llm: None,
         })
         .unwrap();
         r
@@ -451,6 +454,7 @@ mod tests {
             degraded: None,
             slo_p99_ms: None,
             tolerations: vec![],
+            llm: None,
         })
         .unwrap();
         let mut m = r.models["whisper"].clone();

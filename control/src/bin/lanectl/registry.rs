@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use clap::Subcommand;
 use laneway_control::client::AdminClient;
-use laneway_control::registry::{Class, Degraded, LaneKind, Millis, Model, Profile};
+use laneway_control::registry::{Class, Degraded, LaneKind, LlmPolicy, Millis, Model, Profile};
 use laneway_control::router::lane::LaneStatus;
 use laneway_control::router::RequestRecord;
 use laneway_proto::admin::{
@@ -28,7 +28,7 @@ pub enum LaneCmd {
         recent: u32,
     },
     /// Create a class or change its lane's numbers (flags not given keep their value).
-    Set(LaneSetArgs),
+    Set(Box<LaneSetArgs>),
 }
 
 #[derive(clap::Args)]
@@ -66,6 +66,18 @@ pub struct LaneSetArgs {
     /// tainted pool only if the lane tolerates every taint (`lanectl pool taint`).
     #[arg(long, value_delimiter = ',')]
     tolerate: Option<Vec<String>>,
+    /// Language-model lanes: objective on time to first token, p99, ms (0 removes it).
+    #[arg(long)]
+    ttft_slo_ms: Option<f64>,
+    /// Language-model lanes: objective on inter-token latency, p99, ms (0 removes it).
+    #[arg(long)]
+    itl_slo_ms: Option<f64>,
+    /// The fast loop's signal: in_flight (default), waiting, kv_cache or ttft.
+    #[arg(long)]
+    scale_on: Option<String>,
+    /// KV-cache usage the kv_cache signal aims for, percent.
+    #[arg(long)]
+    kv_target_pct: Option<u32>,
 }
 
 #[derive(Subcommand)]
@@ -121,6 +133,9 @@ pub enum TenantCmd {
         /// Requests that may arrive at once above the rate. Default: the rate.
         #[arg(long)]
         burst: Option<u32>,
+        /// Language-model lanes: input + output tokens per minute (estimated at admission).
+        #[arg(long)]
+        tokens_per_min: Option<u32>,
         /// Remove the limit on this class instead.
         #[arg(long)]
         remove: bool,
@@ -150,6 +165,7 @@ fn profile_flag(s: &str) -> Result<(String, Profile), String> {
             max_batch,
             gpu_memory_gb: 0,
             mig_profiles: vec![],
+            tokens_per_s: None,
         },
     ))
 }
@@ -455,6 +471,7 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
                     degraded: None,
                     slo_p99_ms: None,
                     tolerations: vec![],
+                    llm: None,
                 },
                 (None, None) => anyhow::bail!("class {} is new: give --lane sync|bounded|durable", a.class),
             };
@@ -472,6 +489,26 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
             }
             if let Some(v) = a.slo_p99_ms {
                 c.slo_p99_ms = (v > 0.0).then(|| Millis::from_ms(v));
+            }
+            if a.ttft_slo_ms.is_some() || a.itl_slo_ms.is_some() || a.scale_on.is_some() || a.kv_target_pct.is_some() {
+                let l = c.llm.get_or_insert_with(|| LlmPolicy {
+                    kv_cache_target_pct: 75,
+                    ..LlmPolicy::default()
+                });
+                let slo = |v: f64| (v > 0.0).then(|| Millis::from_ms(v));
+                if let Some(v) = a.ttft_slo_ms {
+                    l.ttft_slo_p99_ms = slo(v);
+                }
+                if let Some(v) = a.itl_slo_ms {
+                    l.itl_slo_p99_ms = slo(v);
+                }
+                if let Some(s) = &a.scale_on {
+                    l.scale_on = serde_json::from_value(json!(s))
+                        .map_err(|_| anyhow::anyhow!("--scale-on {s:?}: use in_flight, waiting, kv_cache or ttft"))?;
+                }
+                if let Some(v) = a.kv_target_pct {
+                    l.kv_cache_target_pct = v;
+                }
             }
             if let Some(t) = a.tolerate {
                 c.tolerations = t.into_iter().filter(|t| t != "none" && !t.is_empty()).collect();
@@ -537,6 +574,7 @@ pub async fn model(client: &AdminClient, out: Output, cmd: ModelCmd) -> anyhow::
                     profiles: BTreeMap::new(),
                     runtime: Default::default(),
                     weights: vec![],
+                    llm: None,
                 },
             };
             if let Some(n) = a.name {
@@ -675,7 +713,13 @@ pub async fn tenant(client: &AdminClient, out: Output, cmd: TenantCmd) -> anyhow
                         .map(|l| {
                             l.iter()
                                 .map(|(k, v)| {
-                                    format!("{k}: {}, {}/s, {}", v["concurrency"], v["rate_per_s"], v["burst"])
+                                    let tokens = v["tokens_per_min"]
+                                        .as_u64()
+                                        .map_or(String::new(), |t| format!(", {t} tok/min"));
+                                    format!(
+                                        "{k}: {}, {}/s, {}{tokens}",
+                                        v["concurrency"], v["rate_per_s"], v["burst"]
+                                    )
                                 })
                                 .collect()
                         })
@@ -696,6 +740,7 @@ pub async fn tenant(client: &AdminClient, out: Output, cmd: TenantCmd) -> anyhow
             concurrency,
             rate,
             burst,
+            tokens_per_min,
             remove,
         } => {
             let req = SetTenantLimitRequest {
@@ -705,6 +750,7 @@ pub async fn tenant(client: &AdminClient, out: Output, cmd: TenantCmd) -> anyhow
                 concurrency: concurrency.unwrap_or(0),
                 rate_per_s: rate.unwrap_or(0),
                 burst: burst.or(rate).unwrap_or(0),
+                tokens_per_min: tokens_per_min.unwrap_or(0),
             };
             let r = client
                 .call(|mut c| {
@@ -715,8 +761,12 @@ pub async fn tenant(client: &AdminClient, out: Output, cmd: TenantCmd) -> anyhow
             let what = if remove {
                 format!("tenant {name}: limit on {class} removed")
             } else {
+                let tokens = match tokens_per_min {
+                    Some(t) => format!(", {t} tokens/min"),
+                    None => String::new(),
+                };
                 format!(
-                    "tenant {name}: {} in flight, {}/s (burst {}) on {class}",
+                    "tenant {name}: {} in flight, {}/s (burst {}){tokens} on {class}",
                     req.concurrency, req.rate_per_s, req.burst
                 )
             };

@@ -1,0 +1,1173 @@
+//! Language-model lanes on the router: the OpenAI-compatible paths LLM servers (vLLM, TGI,
+//! SGLang) expose, `POST /v1/chat/completions` and `POST /v1/completions`, streamed (server-sent
+//! events) or not.
+//!
+//! Everything that can refuse a request happens before its first byte goes anywhere: the
+//! tenant's key, a body that names a registered language model, input + `max_tokens` within the
+//! model's context, the tenant's tokens per minute, its request ceilings, and the lane's own
+//! admission (a free slot, or the bounded queue's budget). Then the replica is chosen by prompt
+//! prefix (bounded-load rendezvous hashing, [`Router::pick_near`]) and its answer is passed
+//! through frame by frame: nothing is buffered, so a slow client slows the replica's stream
+//! (backpressure) and a client that goes away closes the connection to the replica, which
+//! stops generating. A replica that fails mid-stream ends the stream with an `error` event;
+//! the lane's request timeout bounds the whole stream, so nothing hangs.
+//!
+//! Per request the router measures time to first token (arrival → first chunk with a token),
+//! the gaps between chunks (inter-token latency) and the tokens (from the replica's `usage`
+//! when it reports one, else counted), which feed `/metrics`, `/ui`, `lanectl lane show`, the
+//! ledger and the fast loop's `ttft` signal.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use laneway_agent::llm::{prefix_hash, CompletionRequest, Endpoint, CHARS_PER_TOKEN};
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+use super::admission::TokenBucket;
+use super::http::{authenticate, error, lookup, read_body, request_id, stamp, with_retry_after, Meta};
+use super::lane::SlotGuard;
+use super::metrics::{Labels, LaneHistograms};
+use super::table::{ModelRoute, TenantRoute};
+use super::{Admitted, ForwardError, RequestRecord, Router, TenantGuard};
+use crate::registry::{Class, LaneKind};
+
+/// Samples older than this leave the recent statistics.
+pub const RECENT: Duration = Duration::from_secs(60);
+const MAX_TTFT_SAMPLES: usize = 4096;
+const MAX_ITL_SAMPLES: usize = 16384;
+
+/// `POST /v1/chat/completions`.
+pub(super) async fn chat_completions(
+    State(router): State<Arc<Router>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    serve(router, Endpoint::Chat, headers, body).await
+}
+
+/// `POST /v1/completions`.
+pub(super) async fn completions(
+    State(router): State<Arc<Router>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    serve(router, Endpoint::Completion, headers, body).await
+}
+
+async fn serve(
+    router: Arc<Router>,
+    endpoint: Endpoint,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let arrived = Instant::now();
+    let mut meta = Meta {
+        request_id: request_id(&headers),
+        ..Meta::default()
+    };
+    let table = router.table();
+    let tenant = match authenticate(&table, &headers, &meta) {
+        Ok(t) => t,
+        Err(r) => return r,
+    };
+    let body = match read_body(body, "send a shorter prompt", &meta) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let req = match CompletionRequest::parse(endpoint, &body) {
+        Ok(r) => r,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("invalid completion request: {e}"),
+                &meta,
+            )
+        }
+    };
+    let route = match lookup(&table, &req.model, &mut meta) {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    let Some(spec) = route.llm.clone() else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "model {} is not registered as a language model (its entry has no [llm] section with context_tokens); send KServe v2 requests to /v2/models/{}/infer, or re-register it with [llm]",
+                route.name, route.name
+            ),
+            &meta,
+        );
+    };
+    let class = route.class.clone();
+    if class.lane == LaneKind::Durable {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "model {} is in the durable class {}: durable lanes take jobs (POST /v1/jobs), not completions",
+                route.name, class.name
+            ),
+            &meta,
+        );
+    }
+    let input = req.input_tokens();
+    let max_tokens = req.max_tokens.unwrap_or(spec.default_max_tokens);
+    let needed = u64::from(input) + u64::from(max_tokens);
+    if needed > u64::from(spec.context_tokens) {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "model {} has a context of {} tokens; this request needs about {needed} ({input} input, estimated at {CHARS_PER_TOKEN} characters a token, + max_tokens {max_tokens}); shorten the prompt or lower max_tokens",
+                route.name, spec.context_tokens
+            ),
+            &meta,
+        );
+    }
+    let needed = u32::try_from(needed).unwrap_or(u32::MAX);
+    let mut record = RequestRecord {
+        request_id: meta.request_id.clone(),
+        unix_ms: crate::jobs::unix_ms(),
+        lane: class.lane.to_string(),
+        class: class.name.clone(),
+        model: route.name.clone(),
+        version: route.version.clone(),
+        tenant: tenant.name.clone(),
+        status: 0,
+        replica: None,
+        product: None,
+        mig_profile: None,
+        queue_ms: 0.0,
+        service_ms: 0.0,
+        gpu_ms: None,
+        degraded: false,
+        input_tokens: input,
+        output_tokens: 0,
+        ttft_ms: None,
+    };
+    let retry_hint = route.min_service().unwrap_or(Duration::from_secs(1));
+    let tenant_hold = match router.admit_tenant(&tenant, &class, retry_hint, arrived) {
+        Ok(g) => g,
+        Err((wait, why)) => return throttled(&router, &route, record, &meta, wait, why),
+    };
+    match router.admit_tokens(&tenant, &class, needed, arrived) {
+        Ok(()) => {}
+        Err(TokenRefusal::Never(why)) => return error(StatusCode::BAD_REQUEST, why, &meta),
+        Err(TokenRefusal::Wait(wait, why)) => return throttled(&router, &route, record, &meta, wait, why),
+    }
+    let affinity = (spec.prefix_affinity_tokens > 0).then(|| prefix_hash(&req.prompt, spec.prefix_affinity_tokens));
+    let admitted = match router.acquire_near(&route, arrived, affinity).await {
+        Ok(a) => a,
+        Err(refusal) => {
+            // Not served: the tokens go back to the tenant's minute.
+            router.refund_tokens(&tenant, &class, needed);
+            let r = super::http::refusal_response(&refusal, &route, &meta);
+            record.status = r.status().as_u16();
+            record.queue_ms = arrived.elapsed().as_secs_f64() * 1000.0;
+            router.record(record);
+            return r;
+        }
+    };
+    let call = Call {
+        router,
+        route,
+        endpoint,
+        stream: req.stream,
+        arrived,
+        meta,
+        record,
+        tenant_hold,
+    };
+    call.dispatch(admitted, body, headers.get("traceparent").cloned()).await
+}
+
+fn throttled(
+    router: &Router,
+    route: &ModelRoute,
+    mut record: RequestRecord,
+    meta: &Meta,
+    wait: Duration,
+    why: String,
+) -> Response {
+    route.lane.lock().counters.throttled += 1;
+    record.status = 429;
+    router.record(record);
+    with_retry_after(error(StatusCode::TOO_MANY_REQUESTS, why, meta), wait)
+}
+
+/// Why a tenant's tokens per minute refused a request.
+pub enum TokenRefusal {
+    /// It fits the minute later: 429 with this wait.
+    Wait(Duration, String),
+    /// It is larger than the tenant's whole minute: it never fits.
+    Never(String),
+}
+
+impl Router {
+    /// Takes `tokens` from the tenant's tokens-per-minute bucket on `class`, if it has one.
+    pub fn admit_tokens(
+        &self,
+        tenant: &TenantRoute,
+        class: &Class,
+        tokens: u32,
+        now: Instant,
+    ) -> Result<(), TokenRefusal> {
+        let Some(per_min) = tenant.limit_for(&class.name).and_then(|l| l.tokens_per_min) else {
+            return Ok(());
+        };
+        if tokens > per_min {
+            return Err(TokenRefusal::Never(format!(
+                "this request counts about {tokens} tokens (input + max_tokens), more than tenant {}'s whole minute on class {} ({per_min} tokens/min); lower max_tokens or split the prompt",
+                tenant.name, class.name
+            )));
+        }
+        let rate = per_min.div_ceil(60).max(1);
+        let mut buckets = self.token_buckets.lock().unwrap_or_else(|p| p.into_inner());
+        let bucket = buckets
+            .entry((tenant.name.clone(), class.name.clone()))
+            .or_insert_with(|| TokenBucket::new(rate, per_min, now));
+        if !bucket.has_limits(rate, per_min) {
+            *bucket = TokenBucket::new(rate, per_min, now);
+        }
+        bucket.take_n(tokens, now).map_err(|wait| {
+            TokenRefusal::Wait(
+                wait,
+                format!(
+                    "tenant {} is over its {per_min} tokens/min on class {} (this request counts about {tokens}: input + max_tokens); retry after the Retry-After",
+                    tenant.name, class.name
+                ),
+            )
+        })
+    }
+
+    /// Gives back tokens of a request that was admitted by tokens and then not served.
+    pub fn refund_tokens(&self, tenant: &TenantRoute, class: &Class, tokens: u32) {
+        let mut buckets = self.token_buckets.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(b) = buckets.get_mut(&(tenant.name.clone(), class.name.clone())) {
+            b.give_back(tokens);
+        }
+    }
+
+    /// Recent TTFT, ITL and tokens of language models.
+    pub fn llm_stats(&self) -> &LlmStats {
+        &self.llm_stats
+    }
+}
+
+/// Rendezvous (highest random weight) score of a replica for a prefix hash.
+pub fn rendezvous(key: u64, replica: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    key.hash(&mut h);
+    replica.hash(&mut h);
+    h.finish()
+}
+
+/// One admitted completion on its way to a replica.
+struct Call {
+    router: Arc<Router>,
+    route: Arc<ModelRoute>,
+    endpoint: Endpoint,
+    stream: bool,
+    arrived: Instant,
+    meta: Meta,
+    record: RequestRecord,
+    tenant_hold: Option<TenantGuard>,
+}
+
+impl Call {
+    async fn dispatch(mut self, admitted: Admitted, body: Bytes, traceparent: Option<HeaderValue>) -> Response {
+        let Admitted { mut guard, queued, .. } = admitted;
+        self.record.queue_ms = queued.as_secs_f64() * 1000.0;
+        let class = self.route.class.clone();
+        let timeout = class.request_timeout_ms.as_duration();
+        let deadline = self.arrived + timeout;
+        let started = Instant::now();
+        let mut retried = false;
+        let outcome = loop {
+            let r = self.send(&guard, body.clone(), traceparent.as_ref(), deadline).await;
+            match r {
+                Err(ForwardError::NotDelivered(why)) if !retried => {
+                    // Never reached the replica: safe to send once more, elsewhere.
+                    self.router.eject(&guard.slot, &why);
+                    match self.router.pick(&self.route, Some(&guard.slot.name), Instant::now()) {
+                        Some(other) => {
+                            guard = SlotGuard::new(other, self.route.lane.clone());
+                            retried = true;
+                            self.route.lane.lock().counters.retried += 1;
+                        }
+                        None => break Err(ForwardError::NotDelivered(why)),
+                    }
+                }
+                other => break other,
+            }
+        };
+        self.record.replica = Some(guard.slot.name.clone());
+        self.record.product = Some(guard.slot.product.clone());
+        let resp = match outcome {
+            Ok(resp) => resp,
+            Err(e) => {
+                self.route.lane.lock().counters.failed += 1;
+                let (status, msg) = match &e {
+                    ForwardError::NotDelivered(why) => (
+                        StatusCode::BAD_GATEWAY,
+                        format!("no replica of {} could be reached ({why})", self.route.name),
+                    ),
+                    ForwardError::Timeout => (
+                        StatusCode::GATEWAY_TIMEOUT,
+                        format!(
+                            "replica {} did not start answering within the {} lane's request timeout ({} ms)",
+                            guard.slot.name,
+                            class.name,
+                            timeout.as_millis()
+                        ),
+                    ),
+                    ForwardError::Failed(why) => (
+                        StatusCode::BAD_GATEWAY,
+                        format!(
+                            "replica {} failed ({why}); not retried, it may have run",
+                            guard.slot.name
+                        ),
+                    ),
+                };
+                if !matches!(e, ForwardError::NotDelivered(_)) {
+                    self.router.eject(&guard.slot, &msg);
+                }
+                self.record.service_ms = started.elapsed().as_secs_f64() * 1000.0;
+                let mut r = error(status, msg, &self.meta);
+                self.finish_headers(r.headers_mut(), &guard);
+                self.record.status = status.as_u16();
+                self.router.record(self.record);
+                return r;
+            }
+        };
+        let (parts, upstream) = resp.into_parts();
+        if self.stream && parts.status.is_success() {
+            return self.relay(parts, upstream, guard, started, deadline);
+        }
+        // Whole answers (and errors) are read within the deadline and measured at once.
+        let collected = tokio::time::timeout_at(deadline, upstream.collect()).await;
+        let bytes = match collected {
+            Ok(Ok(b)) => b.to_bytes(),
+            Ok(Err(e)) => {
+                let msg = format!("replica {} broke off its answer: {e}", guard.slot.name);
+                self.router.eject(&guard.slot, &msg);
+                return self.failed(StatusCode::BAD_GATEWAY, msg, &guard, started);
+            }
+            Err(_) => {
+                let msg = format!(
+                    "replica {} did not finish within the {} lane's request timeout ({} ms)",
+                    guard.slot.name,
+                    class.name,
+                    timeout.as_millis()
+                );
+                self.router.eject(&guard.slot, &msg);
+                return self.failed(StatusCode::GATEWAY_TIMEOUT, msg, &guard, started);
+            }
+        };
+        let elapsed = started.elapsed();
+        if parts.status.is_server_error() {
+            self.router.eject(&guard.slot, &format!("answered {}", parts.status));
+        }
+        {
+            let mut lane = self.route.lane.lock();
+            if parts.status.is_success() {
+                lane.counters.completed += 1;
+            } else {
+                lane.counters.failed += 1;
+            }
+        }
+        if parts.status.is_success() {
+            let usage = serde_json::from_slice::<Chunk>(&bytes).ok().and_then(|c| c.usage);
+            self.record.ttft_ms = Some(self.arrived.elapsed().as_secs_f64() * 1000.0);
+            if let Some(u) = usage {
+                self.record.input_tokens = u.prompt_tokens;
+                self.record.output_tokens = u.completion_tokens;
+                self.record.gpu_ms = u.laneway_gpu_ms;
+            }
+        }
+        self.record.service_ms = elapsed.as_secs_f64() * 1000.0;
+        self.record.status = parts.status.as_u16();
+        let mut r = (parts.status, bytes).into_response();
+        if let Some(ct) = parts.headers.get(axum::http::header::CONTENT_TYPE) {
+            r.headers_mut().insert(axum::http::header::CONTENT_TYPE, ct.clone());
+        }
+        self.finish_headers(r.headers_mut(), &guard);
+        self.router.llm_stats.finished(&self.record, Instant::now());
+        self.router.record(self.record);
+        r
+    }
+
+    fn failed(mut self, status: StatusCode, msg: String, guard: &SlotGuard, started: Instant) -> Response {
+        self.route.lane.lock().counters.failed += 1;
+        self.record.service_ms = started.elapsed().as_secs_f64() * 1000.0;
+        self.record.status = status.as_u16();
+        let mut r = error(status, msg, &self.meta);
+        self.finish_headers(r.headers_mut(), guard);
+        self.router.record(self.record);
+        r
+    }
+
+    fn finish_headers(&self, h: &mut HeaderMap, guard: &SlotGuard) {
+        stamp(h, &self.meta);
+        h.insert(super::http::REPLICA, guard.slot.name_header.clone());
+        if let Ok(v) = HeaderValue::from_str(&format!("{:.3}", self.record.queue_ms)) {
+            h.insert(super::http::QUEUE_MS, v);
+        }
+    }
+
+    /// Sends the request; the answer's head must come before `deadline`.
+    async fn send(
+        &self,
+        guard: &SlotGuard,
+        body: Bytes,
+        traceparent: Option<&HeaderValue>,
+        deadline: Instant,
+    ) -> Result<hyper::Response<hyper::body::Incoming>, ForwardError> {
+        let uri: hyper::Uri = format!("http://{}{}", guard.slot.endpoint, self.endpoint.path())
+            .parse()
+            .map_err(|e| ForwardError::NotDelivered(format!("endpoint {:?}: {e}", guard.slot.endpoint)))?;
+        let mut req = hyper::Request::post(uri)
+            .header(axum::http::header::CONTENT_TYPE, "application/json")
+            .header("x-request-id", self.meta.request_id.as_str());
+        if let Some(tp) = traceparent {
+            req = req.header("traceparent", tp);
+        }
+        let req = req
+            .body(Full::new(body))
+            .map_err(|e| ForwardError::NotDelivered(e.to_string()))?;
+        match tokio::time::timeout_at(deadline, self.router.client.request(req)).await {
+            Err(_) => Err(ForwardError::Timeout),
+            Ok(Err(e)) if e.is_connect() => Err(ForwardError::NotDelivered(e.to_string())),
+            Ok(Err(e)) => Err(ForwardError::Failed(e.to_string())),
+            Ok(Ok(r)) => Ok(r),
+        }
+    }
+
+    /// Streams the replica's answer to the client as it comes.
+    fn relay(
+        self,
+        parts: hyper::http::response::Parts,
+        upstream: hyper::body::Incoming,
+        guard: SlotGuard,
+        started: Instant,
+        deadline: Instant,
+    ) -> Response {
+        let mut head = HeaderMap::new();
+        self.finish_headers(&mut head, &guard);
+        let labels = LaneHistograms::llm_labels(&self.record.class, &self.record.lane, &self.record.model);
+        let relay = Relay {
+            upstream,
+            deadline,
+            started,
+            last_token_at: None,
+            sse: SseScanner::default(),
+            token_events: 0,
+            usage: None,
+            labels,
+            guard: Some(guard),
+            done: false,
+            call: Some(self),
+        };
+        let stream = futures::stream::unfold(relay, |mut r| async move {
+            if r.done {
+                return None;
+            }
+            let next = tokio::select! {
+                f = r.upstream.frame() => Some(f),
+                _ = tokio::time::sleep_until(r.deadline) => None,
+            };
+            match next {
+                None => {
+                    let msg = r.fail(
+                        StatusCode::GATEWAY_TIMEOUT,
+                        "the stream ran past the lane's request timeout; the replica was cut off",
+                    );
+                    Some((Ok::<Bytes, std::io::Error>(error_event(&msg)), r))
+                }
+                Some(None) => {
+                    r.finish(StatusCode::OK);
+                    None
+                }
+                Some(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(data) => {
+                        r.scan(&data, Instant::now());
+                        Some((Ok(data), r))
+                    }
+                    Err(_) => Some((Ok(Bytes::new()), r)),
+                },
+                Some(Some(Err(e))) => {
+                    let msg = r.fail(
+                        StatusCode::BAD_GATEWAY,
+                        &format!("the replica broke off the stream: {e}"),
+                    );
+                    Some((Ok(error_event(&msg)), r))
+                }
+            }
+        });
+        let mut resp = Response::new(Body::from_stream(stream));
+        *resp.status_mut() = parts.status;
+        let h = resp.headers_mut();
+        h.insert(
+            axum::http::header::CONTENT_TYPE,
+            parts
+                .headers
+                .get(axum::http::header::CONTENT_TYPE)
+                .cloned()
+                .unwrap_or(HeaderValue::from_static("text/event-stream")),
+        );
+        h.insert(axum::http::header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        // Proxies in front of the router must not buffer the stream either.
+        h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+        h.extend(head);
+        resp
+    }
+}
+
+/// An SSE `error` event, as OpenAI-compatible clients read it.
+fn error_event(message: &str) -> Bytes {
+    let v = serde_json::json!({"error": {"message": message, "type": "laneway_stream_error"}});
+    Bytes::from(format!("event: error\ndata: {v}\n\n"))
+}
+
+/// The part of a completion (or a streamed chunk) the router reads.
+#[derive(Deserialize)]
+struct Chunk {
+    #[serde(default)]
+    choices: Vec<ChunkChoice>,
+    #[serde(default)]
+    usage: Option<ReportedUsage>,
+}
+
+#[derive(Deserialize)]
+struct ChunkChoice {
+    #[serde(default)]
+    delta: Option<Delta>,
+    #[serde(default)]
+    text: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Delta {
+    #[serde(default)]
+    content: Option<String>,
+}
+
+#[derive(Deserialize, Clone, Copy)]
+struct ReportedUsage {
+    prompt_tokens: u32,
+    completion_tokens: u32,
+    /// The simulated server's GPU time for the request; real servers do not report it.
+    #[serde(default)]
+    laneway_gpu_ms: Option<f64>,
+}
+
+impl Chunk {
+    fn has_token(&self) -> bool {
+        self.choices.iter().any(|c| {
+            c.text.as_deref().is_some_and(|t| !t.is_empty())
+                || c.delta
+                    .as_ref()
+                    .and_then(|d| d.content.as_deref())
+                    .is_some_and(|t| !t.is_empty())
+        })
+    }
+}
+
+/// Reads server-sent events as they pass, across frame boundaries.
+#[derive(Default)]
+struct SseScanner {
+    /// An event line split across frames.
+    carry: Vec<u8>,
+}
+
+impl SseScanner {
+    /// Events in `data` that carry a token, and the usage if one reported it.
+    fn scan(&mut self, data: &[u8]) -> (u32, Option<ReportedUsage>) {
+        let (mut tokens, mut usage) = (0, None);
+        let mut rest = data;
+        while let Some(i) = rest.iter().position(|b| *b == b'\n') {
+            let line = if self.carry.is_empty() {
+                &rest[..i]
+            } else {
+                self.carry.extend_from_slice(&rest[..i]);
+                self.carry.as_slice()
+            };
+            if let Some(payload) = line.strip_prefix(b"data:") {
+                let payload = payload.trim_ascii();
+                if payload != b"[DONE]" {
+                    if let Ok(c) = serde_json::from_slice::<Chunk>(payload) {
+                        tokens += u32::from(c.has_token());
+                        usage = c.usage.or(usage);
+                    }
+                }
+            }
+            self.carry.clear();
+            rest = &rest[i + 1..];
+        }
+        self.carry.extend_from_slice(rest);
+        (tokens, usage)
+    }
+}
+
+/// A stream being passed through, and what it has shown so far.
+struct Relay {
+    upstream: hyper::body::Incoming,
+    deadline: Instant,
+    started: Instant,
+    last_token_at: Option<Instant>,
+    sse: SseScanner,
+    token_events: u32,
+    usage: Option<ReportedUsage>,
+    labels: Labels,
+    guard: Option<SlotGuard>,
+    done: bool,
+    /// Taken when the request is recorded (once).
+    call: Option<Call>,
+}
+
+impl Relay {
+    /// Reads the events in `data` (without changing it): tokens, and the usage if reported.
+    fn scan(&mut self, data: &[u8], now: Instant) {
+        let (tokens, usage) = self.sse.scan(data);
+        self.usage = usage.or(self.usage);
+        if tokens == 0 {
+            return;
+        }
+        self.token_events += tokens;
+        let Some(call) = &mut self.call else { return };
+        match self.last_token_at {
+            None => call.record.ttft_ms = Some(now.saturating_duration_since(call.arrived).as_secs_f64() * 1000.0),
+            Some(last) => {
+                let gap = now.saturating_duration_since(last);
+                call.router.histograms.observe_itl(&self.labels, gap.as_secs_f64());
+                call.router.llm_stats.observe_itl(
+                    &call.record.class,
+                    &call.record.model,
+                    gap.as_secs_f64() * 1000.0,
+                    now,
+                );
+            }
+        }
+        self.last_token_at = Some(now);
+    }
+
+    /// Ends the stream as failed; returns the message for the error event.
+    fn fail(&mut self, status: StatusCode, why: &str) -> String {
+        let replica = self.guard.as_ref().map(|g| g.slot.name.clone()).unwrap_or_default();
+        let msg = format!("replica {replica}: {why}");
+        if let (Some(call), Some(g)) = (&self.call, &self.guard) {
+            call.router.eject(&g.slot, &msg);
+        }
+        self.done = true;
+        self.finish(status);
+        msg
+    }
+
+    /// Records the request (once) and frees its slot and tenant hold.
+    fn finish(&mut self, status: StatusCode) {
+        let Some(mut call) = self.call.take() else { return };
+        {
+            let mut lane = call.route.lane.lock();
+            if status.is_success() {
+                lane.counters.completed += 1;
+            } else {
+                lane.counters.failed += 1;
+            }
+        }
+        let rec = &mut call.record;
+        rec.status = status.as_u16();
+        rec.service_ms = self.started.elapsed().as_secs_f64() * 1000.0;
+        rec.output_tokens = self.token_events;
+        if let Some(u) = self.usage {
+            rec.input_tokens = u.prompt_tokens;
+            rec.output_tokens = u.completion_tokens;
+            rec.gpu_ms = u.laneway_gpu_ms;
+        }
+        call.router.llm_stats.finished(rec, Instant::now());
+        drop(self.guard.take());
+        drop(call.tenant_hold.take());
+        call.router.record(call.record);
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        // Dropped before the end: the client went away (nginx's 499). Dropping `upstream`
+        // closes the connection to the replica, which stops generating.
+        if self.call.is_some() {
+            self.finish(StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST));
+        }
+    }
+}
+
+/// One language model's recent figures on this router (the last [`RECENT`]).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LlmSummary {
+    pub model: String,
+    pub requests: u64,
+    pub ttft_p50_ms: Option<f64>,
+    pub ttft_p99_ms: Option<f64>,
+    pub itl_p50_ms: Option<f64>,
+    pub itl_p99_ms: Option<f64>,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    /// Output tokens per second of GPU time the replicas reported.
+    pub output_tokens_per_gpu_s: Option<f64>,
+}
+
+/// Recent samples of one (class, model).
+#[derive(Default)]
+struct Recent {
+    ttft: VecDeque<(Instant, f64)>,
+    itl: VecDeque<(Instant, f64)>,
+    /// (finished at, input tokens, output tokens, GPU ms).
+    done: VecDeque<(Instant, u32, u32, f64)>,
+}
+
+impl Recent {
+    fn trim(&mut self, now: Instant) {
+        let old = |at: &Instant| now.saturating_duration_since(*at) > RECENT;
+        while self.ttft.front().is_some_and(|(at, _)| old(at)) || self.ttft.len() > MAX_TTFT_SAMPLES {
+            self.ttft.pop_front();
+        }
+        while self.itl.front().is_some_and(|(at, _)| old(at)) || self.itl.len() > MAX_ITL_SAMPLES {
+            self.itl.pop_front();
+        }
+        while self.done.front().is_some_and(|(at, ..)| old(at)) || self.done.len() > MAX_TTFT_SAMPLES {
+            self.done.pop_front();
+        }
+    }
+}
+
+/// Quantile `q` (0–1) of `values` by nearest rank.
+pub fn quantile(mut values: Vec<f64>, q: f64) -> Option<f64> {
+    if values.is_empty() {
+        return None;
+    }
+    values.sort_by(f64::total_cmp);
+    let rank = ((q * values.len() as f64).ceil() as usize).clamp(1, values.len());
+    Some(values[rank - 1])
+}
+
+/// TTFT, ITL and tokens of the language models this router served lately.
+#[derive(Default)]
+pub struct LlmStats {
+    models: Mutex<HashMap<(String, String), Recent>>,
+}
+
+impl LlmStats {
+    fn with<R>(&self, class: &str, model: &str, f: impl FnOnce(&mut Recent) -> R) -> R {
+        let mut m = self.models.lock().unwrap_or_else(|p| p.into_inner());
+        f(m.entry((class.to_string(), model.to_string())).or_default())
+    }
+
+    pub fn observe_itl(&self, class: &str, model: &str, ms: f64, now: Instant) {
+        self.with(class, model, |r| {
+            r.itl.push_back((now, ms));
+            r.trim(now);
+        });
+    }
+
+    /// Counts a finished request (one that reached a replica and measured a first token).
+    pub fn finished(&self, rec: &RequestRecord, now: Instant) {
+        let Some(ttft) = rec.ttft_ms else { return };
+        self.with(&rec.class, &rec.model, |r| {
+            r.ttft.push_back((now, ttft));
+            r.done
+                .push_back((now, rec.input_tokens, rec.output_tokens, rec.gpu_ms.unwrap_or(0.0)));
+            r.trim(now);
+        });
+    }
+
+    /// The models of `class`, summarised.
+    pub fn summary(&self, class: &str, now: Instant) -> Vec<LlmSummary> {
+        let mut m = self.models.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out: Vec<LlmSummary> = m
+            .iter_mut()
+            .filter(|((c, _), _)| c == class)
+            .map(|((_, model), r)| {
+                r.trim(now);
+                let ttft: Vec<f64> = r.ttft.iter().map(|(_, v)| *v).collect();
+                let itl: Vec<f64> = r.itl.iter().map(|(_, v)| *v).collect();
+                let gpu_ms: f64 = r.done.iter().map(|d| d.3).sum();
+                let output: u64 = r.done.iter().map(|d| u64::from(d.2)).sum();
+                LlmSummary {
+                    model: model.clone(),
+                    requests: r.done.len() as u64,
+                    ttft_p50_ms: quantile(ttft.clone(), 0.5),
+                    ttft_p99_ms: quantile(ttft, 0.99),
+                    itl_p50_ms: quantile(itl.clone(), 0.5),
+                    itl_p99_ms: quantile(itl, 0.99),
+                    input_tokens: r.done.iter().map(|d| u64::from(d.1)).sum(),
+                    output_tokens: output,
+                    output_tokens_per_gpu_s: (gpu_ms > 0.0).then(|| output as f64 / (gpu_ms / 1000.0)),
+                }
+            })
+            .filter(|s| s.requests > 0 || s.itl_p99_ms.is_some())
+            .collect();
+        out.sort_by(|a, b| a.model.cmp(&b.model));
+        out
+    }
+
+    /// TTFT p99 (ms) of `model` over the last `window`, and how many samples it rests on.
+    pub fn ttft_p99(&self, model: &str, window: Duration, now: Instant) -> Option<(f64, usize)> {
+        let m = self.models.lock().unwrap_or_else(|p| p.into_inner());
+        let values: Vec<f64> = m
+            .iter()
+            .filter(|((_, name), _)| name == model)
+            .flat_map(|(_, r)| r.ttft.iter())
+            .filter(|(at, _)| now.saturating_duration_since(*at) <= window)
+            .map(|(_, v)| *v)
+            .collect();
+        let n = values.len();
+        quantile(values, 0.99).map(|p| (p, n))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_by_nearest_rank() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(quantile(v.clone(), 0.99), Some(99.0));
+        assert_eq!(quantile(v.clone(), 0.5), Some(50.0));
+        assert_eq!(quantile(vec![7.0], 0.99), Some(7.0));
+        assert_eq!(quantile(vec![], 0.5), None);
+    }
+
+    #[test]
+    fn events_split_across_frames_are_read_once() {
+        let mut s = SseScanner::default();
+        let events = b"data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\ndata: {\"choices\":[{\"delta\":{\"content\":\"t1 \"}}]}\n\ndata: {\"choices\":[{\"text\":\"t2\"}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":2}}\n\ndata: [DONE]\n\n";
+        // Cut everywhere: the counts do not depend on where frames end.
+        for cut in 1..events.len() {
+            let mut s2 = SseScanner::default();
+            let (a, u1) = s2.scan(&events[..cut]);
+            let (b, u2) = s2.scan(&events[cut..]);
+            assert_eq!(a + b, 2, "cut at {cut}");
+            let u = u2.or(u1).expect("usage read");
+            assert_eq!((u.prompt_tokens, u.completion_tokens), (7, 2));
+        }
+        let (n, _) = s.scan(b"event: error\ndata: {\"error\":{\"message\":\"x\"}}\n\n");
+        assert_eq!(n, 0, "an error event is not a token");
+    }
+
+    use std::net::SocketAddr;
+
+    use laneway_agent::sim_model::llm::{self as sim, LlmSimConfig};
+
+    use super::super::http::{serve as serve_http, RouterServer, RouterSettings};
+    use crate::registry::{hash_key, LlmSpec, ReplicaRecord, Tenant, TenantLimit};
+
+    /// A simulated LLM replica of `chat` on 127.0.0.1: 20 tokens/s per sequence.
+    async fn replica(abort_after: Option<u32>) -> SocketAddr {
+        let app = sim::app(LlmSimConfig {
+            model: "chat".into(),
+            product: "L4".into(),
+            tokens_per_s: [("L4".to_string(), 1000.0)].into(),
+            kv_cache_tokens: [("L4".to_string(), 100_000)].into(),
+            prefill_factor: 20.0,
+            max_seq_tokens_per_s: 20.0,
+            max_running: 4,
+            context_tokens: 4096,
+            default_max_tokens: 8,
+            abort_stream_after_tokens: abort_after,
+        })
+        .unwrap();
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(l, app).await });
+        addr
+    }
+
+    /// A router with the language model `chat` (class `speech`, sync, context 4096) on
+    /// `replicas`, tenant key `k` with `limit` on every class.
+    async fn router(
+        replicas: &[SocketAddr],
+        limit: Option<TenantLimit>,
+    ) -> (Arc<Router>, RouterServer, tempfile::TempDir) {
+        let (fleet, mut reg) = super::super::table::test_fixture();
+        let mut m = reg.models["whisper"].clone();
+        m.name = "chat".into();
+        m.llm = Some(LlmSpec {
+            context_tokens: 4096,
+            default_max_tokens: 8,
+            prefix_affinity_tokens: 64,
+        });
+        reg.put_model(&m).unwrap();
+        reg.create_tenant(&Tenant {
+            name: "t".into(),
+            key_sha256: hash_key("k"),
+            limits: limit.map(|l| [("*".to_string(), l)].into()).unwrap_or_default(),
+        })
+        .unwrap();
+        let records: Vec<ReplicaRecord> = replicas
+            .iter()
+            .enumerate()
+            .map(|(i, addr)| ReplicaRecord {
+                id: format!("r{i}"),
+                model: "chat".into(),
+                device: "GPU-1".into(),
+                state: "ready".into(),
+                endpoint: addr.to_string(),
+            })
+            .collect();
+        reg.set_node_replicas("n1", &records);
+        let dir = tempfile::tempdir().unwrap();
+        let router = Router::new(crate::store::StateMachineStore::open(dir.path()).unwrap());
+        router.install(super::super::table::build(&fleet, &reg, &Default::default()));
+        let server = serve_http(
+            router.clone(),
+            axum::Router::new(),
+            tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
+            &RouterSettings::default(),
+        )
+        .unwrap();
+        (router, server, dir)
+    }
+
+    fn chat(server: &RouterServer, body: serde_json::Value) -> reqwest::RequestBuilder {
+        reqwest::Client::new()
+            .post(format!("http://{}/v1/chat/completions", server.addr))
+            .bearer_auth("k")
+            .json(&body)
+    }
+
+    fn ask(prompt: &str, max_tokens: u32, stream: bool) -> serde_json::Value {
+        serde_json::json!({"model": "chat", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": stream})
+    }
+
+    /// A gauge or counter from the replica's /metrics.
+    async fn replica_metric(addr: SocketAddr, name: &str) -> f64 {
+        let text = reqwest::get(format!("http://{addr}/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {text}"))
+    }
+
+    /// The first chunk reaches the client while the replica is still generating; the whole
+    /// stream passes through unchanged and is measured.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stream_passes_through_chunk_by_chunk() {
+        let addr = replica(None).await;
+        let (router, server, _dir) = router(&[addr], None).await;
+        let mut resp = chat(&server, ask("hello", 10, true)).send().await.unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.headers()["content-type"], "text/event-stream");
+        assert_eq!(resp.headers()["x-laneway-lane"], "sync");
+        let mut text = String::new();
+        while !text.contains("t1 ") {
+            let chunk = resp.chunk().await.unwrap().expect("more chunks");
+            text.push_str(std::str::from_utf8(&chunk).unwrap());
+        }
+        let generated = replica_metric(addr, "vllm:generation_tokens_total").await;
+        assert!(
+            generated < 10.0,
+            "the first token arrived after {generated} of 10 were generated: the router buffered"
+        );
+        while let Some(chunk) = resp.chunk().await.unwrap() {
+            text.push_str(std::str::from_utf8(&chunk).unwrap());
+        }
+        for i in 1..=10 {
+            assert!(text.contains(&format!("\"t{i} \"")), "token {i} missing from {text}");
+        }
+        assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+        let rec = router.recent(None, 1).pop().unwrap();
+        assert_eq!((rec.status, rec.output_tokens), (200, 10));
+        assert!(rec.ttft_ms.is_some_and(|t| t < rec.service_ms), "{rec:?}");
+        let s = router.llm_stats().summary("speech", Instant::now());
+        assert_eq!(s[0].requests, 1);
+        assert!(
+            s[0].itl_p99_ms.is_some_and(|ms| ms >= 25.0),
+            "20 tokens/s means ~50 ms gaps: {s:?}"
+        );
+        assert_eq!(
+            router.table().models["chat"].replicas[0].load(),
+            0,
+            "the slot is free again"
+        );
+        server.stop().await;
+    }
+
+    /// A client that goes away mid-stream stops the replica's work for it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_that_disconnects_cancels_the_generation() {
+        let addr = replica(None).await;
+        let (router, server, _dir) = router(&[addr], None).await;
+        let mut resp = chat(&server, ask("hello", 1000, true)).send().await.unwrap();
+        assert_eq!(resp.status(), 200);
+        resp.chunk().await.unwrap().expect("a first chunk");
+        drop(resp);
+        let mut cancelled = 0.0;
+        for _ in 0..100 {
+            cancelled = replica_metric(addr, "laneway_sim_llm_cancelled_total").await;
+            if cancelled >= 1.0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(cancelled, 1.0, "the replica never noticed the client left");
+        assert_eq!(replica_metric(addr, "vllm:num_requests_running").await, 0.0);
+        let generated = replica_metric(addr, "vllm:generation_tokens_total").await;
+        assert!(generated < 1000.0, "{generated}");
+        let rec = router.recent(None, 1).pop().unwrap();
+        assert_eq!(rec.status, 499, "recorded as abandoned by the client: {rec:?}");
+        assert_eq!(router.table().models["chat"].replicas[0].load(), 0);
+        server.stop().await;
+    }
+
+    /// A replica that dies mid-stream ends the client's stream with an error event, at once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replica_crash_mid_stream_ends_it_with_an_error_event() {
+        let addr = replica(Some(3)).await;
+        let (router, server, _dir) = router(&[addr], None).await;
+        let resp = chat(&server, ask("hello", 50, true)).send().await.unwrap();
+        assert_eq!(resp.status(), 200);
+        let text = tokio::time::timeout(Duration::from_secs(10), resp.text())
+            .await
+            .expect("the stream ended instead of hanging")
+            .unwrap_or_default();
+        assert!(text.contains("\"t3 \""), "{text}");
+        assert!(!text.contains("\"t4 \"") && !text.contains("[DONE]"), "{text}");
+        assert!(text.contains("event: error") && text.contains("broke off"), "{text}");
+        let rec = router.recent(None, 1).pop().unwrap();
+        assert_eq!((rec.status, rec.output_tokens), (502, 3));
+        let slot = &router.table().models["chat"].replicas[0];
+        assert_eq!(slot.load(), 0);
+        assert!(
+            slot.is_ejected(router.now_ms(Instant::now())),
+            "the failed replica is skipped"
+        );
+        server.stop().await;
+    }
+
+    /// Whole answers are measured too; tokens come from the replica's usage.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unstreamed_completion_is_metered_from_its_usage() {
+        let addr = replica(None).await;
+        let (router, server, _dir) = router(&[addr], None).await;
+        let resp = chat(&server, ask(&"x".repeat(400), 3, false)).send().await.unwrap();
+        assert_eq!(resp.status(), 200);
+        let v: serde_json::Value = resp.json().await.unwrap();
+        assert_eq!(v["choices"][0]["message"]["content"], "t1 t2 t3 ");
+        let rec = router.recent(None, 1).pop().unwrap();
+        assert_eq!(
+            (rec.input_tokens, rec.output_tokens),
+            (v["usage"]["prompt_tokens"].as_u64().unwrap() as u32, 3)
+        );
+        assert!(rec.gpu_ms.is_some_and(|g| g > 0.0), "{rec:?}");
+        server.stop().await;
+    }
+
+    /// Bad requests are refused before any replica sees them, saying what to change.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn requests_over_the_context_or_the_token_rate_are_refused_up_front() {
+        let addr = replica(None).await;
+        let limit = TenantLimit {
+            concurrency: 100,
+            rate_per_s: 100,
+            burst: 100,
+            tokens_per_min: Some(40),
+        };
+        let (router, server, _dir) = router(&[addr], Some(limit)).await;
+        let r = chat(&server, ask("hi", 5000, false)).send().await.unwrap();
+        assert_eq!(r.status(), 400);
+        let e = r.text().await.unwrap();
+        assert!(e.contains("context of 4096 tokens") && e.contains("max_tokens"), "{e}");
+        let r = chat(&server, ask("hi", 100, false)).send().await.unwrap();
+        assert_eq!(r.status(), 400, "larger than the whole minute: never fits");
+        assert!(r.text().await.unwrap().contains("40 tokens/min"));
+        let r = chat(&server, serde_json::json!({"model": "chat", "messages": "hi"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400);
+        assert!(r.text().await.unwrap().contains("messages"));
+        // 40 tokens a minute: three requests of 13 (3 input + 10 output) fit, the fourth waits
+        // for the refill.
+        for _ in 0..3 {
+            assert_eq!(chat(&server, ask("hi", 10, false)).send().await.unwrap().status(), 200);
+        }
+        let r = chat(&server, ask("hi", 10, false)).send().await.unwrap();
+        assert_eq!(r.status(), 429);
+        let wait: u64 = r.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+        assert!((1..=60).contains(&wait), "{wait}");
+        assert!(r.text().await.unwrap().contains("tokens/min"));
+        assert_eq!(replica_metric(addr, "laneway_sim_llm_finished_total").await, 3.0);
+        let v2 = reqwest::Client::new()
+            .post(format!("http://{}/v1/chat/completions", server.addr))
+            .bearer_auth("k")
+            .json(&serde_json::json!({"model": "whisper", "messages": [{"role": "user", "content": "x"}]}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(v2.status(), 400, "a model without [llm] is not served here");
+        assert!(v2.text().await.unwrap().contains("/v2/models/whisper/infer"));
+        drop(router);
+        server.stop().await;
+    }
+
+    /// Requests sharing a prefix go to one replica until its load bound, then spread; other
+    /// prefixes spread over the replicas.
+    #[tokio::test(flavor = "current_thread")]
+    async fn prefix_affinity_keeps_a_prefix_on_one_replica_up_to_its_load_bound() {
+        use super::super::table::test_slot_named;
+        let dir = tempfile::tempdir().unwrap();
+        let router = Router::new(crate::store::StateMachineStore::open(dir.path()).unwrap());
+        let (fleet, reg) = super::super::table::test_fixture();
+        let table = super::super::table::build(&fleet, &reg, &Default::default());
+        let mut route = (*table.models["whisper"]).clone_for_test();
+        route.replicas = (0..4).map(|i| test_slot_named(&format!("n{i}/r"), 8)).collect();
+        let now = Instant::now();
+        let key = prefix_hash(&format!("{}question", "system prompt ".repeat(40)), 64);
+        // Idle replicas: the same prefix always lands on the same one.
+        let first = router.pick_near(&route, Some(key), now).unwrap();
+        first.release();
+        for _ in 0..10 {
+            let s = router.pick_near(&route, Some(key), now).unwrap();
+            assert_eq!(s.name, first.name);
+            s.release();
+        }
+        // Held requests: the bound is 1.25 × the mean load after the request, so the favourite
+        // takes the first ones and then the prefix spreads.
+        let held: Vec<_> = (0..12)
+            .map(|_| router.pick_near(&route, Some(key), now).unwrap())
+            .collect();
+        let on_first = held.iter().filter(|s| s.name == first.name).count();
+        assert!((2..=5).contains(&on_first), "{on_first} of 12 on the favourite");
+        let loads: Vec<u32> = route.replicas.iter().map(|s| s.load()).collect();
+        assert!(
+            loads.iter().all(|l| *l <= 5),
+            "no replica overloaded by one prefix: {loads:?}"
+        );
+        for s in held {
+            s.release();
+        }
+        // Different prefixes prefer different replicas.
+        let favourites: std::collections::HashSet<String> = (0..40)
+            .map(|i| {
+                let s = router
+                    .pick_near(&route, Some(prefix_hash(&format!("tenant {i} system prompt"), 64)), now)
+                    .unwrap();
+                s.release();
+                s.name.clone()
+            })
+            .collect();
+        assert!(favourites.len() >= 3, "{favourites:?}");
+    }
+}
