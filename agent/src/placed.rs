@@ -114,6 +114,8 @@ fn spec(d: &DesiredReplica, weights: Option<String>) -> ReplicaSpec {
             in_flight: (!d.in_flight_metric.is_empty()).then(|| crate::supervisor::InFlightProbe {
                 path: d.in_flight_path.clone(),
                 metric: d.in_flight_metric.clone(),
+                waiting: (!d.waiting_metric.is_empty()).then(|| d.waiting_metric.clone()),
+                kv_cache: (!d.kv_cache_metric.is_empty()).then(|| d.kv_cache_metric.clone()),
             }),
         },
     }

@@ -446,6 +446,7 @@ fn backend_snapshot(backend: &dyn GpuBackend) -> Vec<GpuStatus> {
 
 fn sup_snapshot(sup: &Supervisor) -> Vec<ReplicaReport> {
     let in_flight = sup.in_flight();
+    let engine = sup.engine_readings();
     sup.status()
         .into_iter()
         .map(|s| {
@@ -454,8 +455,11 @@ fn sup_snapshot(sup: &Supervisor) -> Vec<ReplicaReport> {
                 ReplicaState::Backoff { last_exit, .. } | ReplicaState::CrashLoop { last_exit, .. } => last_exit,
                 _ => String::new(),
             };
+            let reading = engine.get(&s.id).copied().unwrap_or_default();
             ReplicaReport {
                 in_flight: in_flight.get(&s.id).copied().map_or(0, u64::from),
+                waiting: reading.waiting.map_or(0, u64::from),
+                kv_cache_usage: reading.kv_cache.unwrap_or(-1.0),
                 id: s.id,
                 model: s.model,
                 device: s.device,

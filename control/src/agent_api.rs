@@ -233,6 +233,18 @@ fn handle(ctx: &Context, bound: &mut Option<String>, hb: &Heartbeat) -> Result<D
                     )
                 })
                 .collect(),
+            engine: hb
+                .replicas
+                .iter()
+                .filter(|r| r.state == "ready")
+                .map(|r| {
+                    (
+                        r.model.clone(),
+                        u32::try_from(r.waiting).unwrap_or(u32::MAX),
+                        (r.kv_cache_usage >= 0.0 && r.kv_cache_usage.is_finite()).then_some(r.kv_cache_usage.min(1.0)),
+                    )
+                })
+                .collect(),
             gpus: hb
                 .gpus
                 .iter()

@@ -243,8 +243,18 @@ impl Command {
             Command::Batch(commands) => commands.iter().map(Command::format).max().unwrap_or(1),
             // An older binary refuses a class with fields it does not know.
             Command::PutClass(c) if c.llm.is_some() => 6,
-            Command::PutModel(m) if m.llm.is_some() || m.profiles.values().any(|p| p.tokens_per_s.is_some()) => 6,
+            Command::PutModel(m)
+                if m.llm.is_some()
+                    || m.profiles.values().any(|p| p.tokens_per_s.is_some())
+                    || m.runtime
+                        .in_flight
+                        .as_ref()
+                        .is_some_and(|p| p.waiting.is_some() || p.kv_cache.is_some()) =>
+            {
+                6
+            }
             Command::SetTenantLimit { limit: Some(l), .. } if l.tokens_per_min.is_some() => 6,
+            Command::RecordUsage(r) if r.rows.iter().any(|u| u.input_tokens > 0 || u.output_tokens > 0) => 6,
             Command::PutClass(c) if c.slo_p99_ms.is_some() || !c.tolerations.is_empty() => 5,
             Command::PutModel(m) if m.runtime.in_flight.is_some() => 5,
             Command::PutClass(_)

@@ -85,6 +85,16 @@ slo_p99_ms = 8000
 degraded = { budget_ms = 4000, parameters = { resolution = "512" } }
 
 [[class]]
+name = "chat"
+lane = "bounded"
+utilisation_target_pct = 80
+budget_ms = 1000
+warm_floor = 1
+protection_rank = 1
+request_timeout_ms = 60000
+llm = { ttft_slo_p99_ms = 800, itl_slo_p99_ms = 100, scale_on = "ttft" }
+
+[[class]]
 name = "video"
 lane = "durable"
 utilisation_target_pct = 90
@@ -105,6 +115,14 @@ name = "sdxl"
 class = "image"
 profiles.L40S = { service_ms = 900, max_batch = 2, gpu_memory_gb = 16 }
 profiles.H100-80GB = { service_ms = 450, max_batch = 4, gpu_memory_gb = 16 }
+
+[[model]]
+name = "llama-3-8b"
+class = "chat"
+# service_ms: a typical whole answer (Retry-After and queue estimates before any is measured).
+profiles.L40S = { service_ms = 3000, max_batch = 32, gpu_memory_gb = 20, tokens_per_s = 1500 }
+profiles.H100-80GB = { service_ms = 1500, max_batch = 64, gpu_memory_gb = 20, tokens_per_s = 4000 }
+llm = { context_tokens = 8192, default_max_tokens = 64 }
 
 [[model]]
 name = "wan-video"
@@ -169,6 +187,19 @@ fn with_sim_runtime(registry: &mut DevRegistry) -> bool {
         return false;
     };
     for m in &mut registry.model {
+        if let Some(llm) = &m.llm {
+            m.runtime.command = sim_llm_command(&bin, m, llm);
+            m.runtime.health_path = "/health".into();
+            m.runtime.in_flight = Some(laneway_agent::supervisor::InFlightProbe {
+                waiting: Some("vllm:num_requests_waiting".into()),
+                kv_cache: Some("vllm:gpu_cache_usage_perc".into()),
+                ..laneway_agent::supervisor::InFlightProbe::in_flight(
+                    "/metrics",
+                    laneway_agent::sim_model::IN_FLIGHT_METRIC,
+                )
+            });
+            continue;
+        }
         let service: Vec<String> = m
             .profiles
             .iter()
@@ -187,12 +218,58 @@ fn with_sim_runtime(registry: &mut DevRegistry) -> bool {
             "--max-batch".into(),
             "{max_batch}".into(),
         ];
-        m.runtime.in_flight = Some(laneway_agent::supervisor::InFlightProbe {
-            path: "/metrics".into(),
-            metric: laneway_agent::sim_model::IN_FLIGHT_METRIC.into(),
-        });
+        m.runtime.in_flight = Some(laneway_agent::supervisor::InFlightProbe::in_flight(
+            "/metrics",
+            laneway_agent::sim_model::IN_FLIGHT_METRIC,
+        ));
     }
     true
+}
+
+/// The simulated LLM server's command for a language model: decode throughput from the
+/// profiles, a KV cache of what the card's memory holds beside the weights (an 8B model with
+/// grouped-query attention keeps about 8,192 tokens per GB).
+fn sim_llm_command(bin: &std::path::Path, m: &crate::registry::Model, llm: &crate::registry::LlmSpec) -> Vec<String> {
+    let card_gb = |product: &str| -> u32 {
+        match product {
+            "L4" => 24,
+            "L40S" => 48,
+            "H200" => 141,
+            _ => 80,
+        }
+    };
+    let tps: Vec<String> = m
+        .profiles
+        .iter()
+        .filter_map(|(p, prof)| Some(format!("{p}={}", prof.tokens_per_s?)))
+        .collect();
+    let kv: Vec<String> = m
+        .profiles
+        .iter()
+        .map(|(p, prof)| format!("{p}={}", card_gb(p).saturating_sub(prof.gpu_memory_gb).max(1) * 8192))
+        .collect();
+    [
+        bin.display().to_string().as_str(),
+        "--llm",
+        "--listen",
+        "127.0.0.1:{port}",
+        "--model",
+        "{model}",
+        "--product",
+        "{product}",
+        "--tokens-per-s",
+        &tps.join(","),
+        "--kv-cache-tokens",
+        &kv.join(","),
+        "--max-batch",
+        "{max_batch}",
+        "--context-tokens",
+        &llm.context_tokens.to_string(),
+        "--default-max-tokens",
+        &llm.default_max_tokens.to_string(),
+    ]
+    .map(String::from)
+    .to_vec()
 }
 
 /// Commits a registry command on the dev controller.
@@ -368,7 +445,7 @@ pub async fn start(args: DevArgs) -> Result<DevController, DevError> {
     let agents = start_agents(&controller.advertise, &data_dir).await?;
     set_mig_layouts(&controller).await?;
     if replicas_running {
-        for m in ["whisper", "sdxl"] {
+        for m in ["whisper", "sdxl", "llama-3-8b"] {
             if !wait_routable(&controller, m).await {
                 tracing::warn!(model = m, "no routable replica after 30 s");
             }

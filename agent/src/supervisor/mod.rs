@@ -18,7 +18,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use process::{find_orphans, spawn, Orphan, Proc};
-pub use spec::{InFlightProbe, ReplicaSpec, RuntimeSpec, Warmup};
+pub use spec::{InFlightProbe, ProbeReading, ReplicaSpec, RuntimeSpec, Warmup};
 
 /// Supervisor settings.
 #[derive(Debug, Clone)]
@@ -136,6 +136,8 @@ pub struct Supervisor {
     replicas: Mutex<HashMap<String, Handle>>,
     /// Requests in flight per replica, as their probes last read them.
     in_flight: Mutex<HashMap<String, u32>>,
+    /// Language models: engine-side waiting and KV-cache usage per replica, when probed.
+    engine: Mutex<HashMap<String, ProbeReading>>,
 }
 
 impl Drop for Supervisor {
@@ -169,6 +171,7 @@ impl Supervisor {
                 .expect("http client"),
             replicas: Mutex::default(),
             in_flight: Mutex::default(),
+            engine: Mutex::default(),
         }
     }
 
@@ -277,11 +280,18 @@ impl Supervisor {
                     .text()
                     .await
                     .ok()?;
-                Some((id, probe.read(&text)?))
+                Some((id, probe.read_all(&text)?))
             }
         });
-        let values = futures::future::join_all(reads).await.into_iter().flatten().collect();
-        self.record_in_flight(values);
+        let readings: HashMap<String, ProbeReading> =
+            futures::future::join_all(reads).await.into_iter().flatten().collect();
+        self.record_in_flight(readings.iter().map(|(id, r)| (id.clone(), r.in_flight)).collect());
+        *self.engine.lock().unwrap_or_else(|p| p.into_inner()) = readings;
+    }
+
+    /// Engine-side readings (waiting, KV cache) per replica, as last probed.
+    pub fn engine_readings(&self) -> HashMap<String, ProbeReading> {
+        self.engine.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Ready replicas that report their requests in flight: (id, port, probe).

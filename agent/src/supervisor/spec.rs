@@ -30,14 +30,66 @@ pub struct RuntimeSpec {
 pub struct InFlightProbe {
     pub path: String,
     pub metric: String,
+    /// Language models: the gauge of requests waiting inside the engine, e.g.
+    /// `vllm:num_requests_waiting` (the fast loop's `waiting` signal).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<String>,
+    /// Language models: the gauge of KV-cache usage, 0–1, e.g. `vllm:gpu_cache_usage_perc`
+    /// (the fast loop's `kv_cache` signal).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_cache: Option<String>,
+}
+
+/// What one read of a replica's metrics found.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ProbeReading {
+    pub in_flight: u32,
+    /// Requests waiting in the engine, when the probe names that gauge.
+    pub waiting: Option<u32>,
+    /// KV-cache usage 0–1, when the probe names that gauge.
+    pub kv_cache: Option<f64>,
 }
 
 impl InFlightProbe {
+    /// A probe of requests in flight only.
+    pub fn in_flight(path: &str, metric: &str) -> Self {
+        InFlightProbe {
+            path: path.into(),
+            metric: metric.into(),
+            waiting: None,
+            kv_cache: None,
+        }
+    }
+
     /// The probe's value in a Prometheus text exposition, if the metric is there.
     pub fn read(&self, text: &str) -> Option<u32> {
+        read_gauge(text, &self.metric).map(|v| v.max(0.0).round() as u32)
+    }
+
+    /// Every gauge the probe names; `None` when the in-flight gauge is absent.
+    pub fn read_all(&self, text: &str) -> Option<ProbeReading> {
+        Some(ProbeReading {
+            in_flight: self.read(text)?,
+            waiting: self
+                .waiting
+                .as_deref()
+                .and_then(|m| read_gauge(text, m))
+                .map(|v| v.max(0.0).round() as u32),
+            kv_cache: self
+                .kv_cache
+                .as_deref()
+                .and_then(|m| read_gauge(text, m))
+                .map(|v| v.clamp(0.0, 1.0)),
+        })
+    }
+}
+
+/// The value of `metric` (summed over its label sets) in a Prometheus text exposition.
+pub fn read_gauge(text: &str, metric: &str) -> Option<f64> {
+    {
         let mut found = None;
         for line in text.lines().filter(|l| !l.starts_with('#')) {
-            let Some(rest) = line.strip_prefix(self.metric.as_str()) else {
+            let Some(rest) = line.strip_prefix(metric) else {
                 continue;
             };
             // The exact name: followed by labels or the value, not by more of a longer name.
@@ -47,9 +99,12 @@ impl InFlightProbe {
                 _ => continue,
             };
             let value: f64 = rest.split_whitespace().next()?.parse().ok()?;
+            if !value.is_finite() {
+                return None;
+            }
             *found.get_or_insert(0.0) += value;
         }
-        found.map(|v| v.max(0.0).round() as u32)
+        found
     }
 }
 
@@ -125,10 +180,7 @@ mod in_flight_tests {
 
     #[test]
     fn the_probe_reads_its_gauge_summed_over_label_sets_and_only_its_name() {
-        let p = InFlightProbe {
-            path: "/metrics".into(),
-            metric: "vllm:num_requests_running".into(),
-        };
+        let p = InFlightProbe::in_flight("/metrics", "vllm:num_requests_running");
         let text = "# HELP vllm:num_requests_running running\n\
                     # TYPE vllm:num_requests_running gauge\n\
                     vllm:num_requests_running{model_name=\"a\"} 3.0\n\
@@ -136,10 +188,7 @@ mod in_flight_tests {
                     vllm:num_requests_running_total 99\n\
                     vllm:num_requests_waiting 7\n";
         assert_eq!(p.read(text), Some(5));
-        let plain = InFlightProbe {
-            path: "/metrics".into(),
-            metric: "laneway_sim_in_flight".into(),
-        };
+        let plain = InFlightProbe::in_flight("/metrics", "laneway_sim_in_flight");
         assert_eq!(plain.read("laneway_sim_in_flight 4\n"), Some(4));
         assert_eq!(plain.read("other 4\n"), None, "absent is not zero");
         assert_eq!(plain.read("laneway_sim_in_flight NaNx\n"), None);

@@ -667,6 +667,8 @@ impl AdminService for AdminGrpc {
                     crate::scheduler::autoscale::ModelLoad {
                         in_flight: l.in_flight,
                         waiting: l.waiting,
+                        ttft_p99_ms: (l.ttft_p99_ms > 0.0).then_some(l.ttft_p99_ms),
+                        ..Default::default()
                     },
                 )
             })

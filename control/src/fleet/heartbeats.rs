@@ -19,6 +19,9 @@ pub struct Seen {
     pub gpus: Vec<GpuSeen>,
     /// (replica id, model, requests in flight) of each replica that reports them.
     pub in_flight: Vec<(String, String, u32)>,
+    /// Language models: (model, requests waiting in the engine, KV-cache usage 0–1) of each
+    /// ready replica.
+    pub engine: Vec<(String, u32, Option<f64>)>,
     /// sha256 of every blob in the node's weight cache.
     pub cached_blobs: Vec<String>,
 }

@@ -36,6 +36,8 @@ struct Sums {
     requests: u64,
     ok: u64,
     gpu_us: u64,
+    input_tokens: u64,
+    output_tokens: u64,
 }
 
 /// Usage this router served and has not yet reported.
@@ -98,6 +100,12 @@ impl Meter {
         sums.requests += 1;
         sums.ok += u64::from((200..300).contains(&rec.status));
         sums.gpu_us = sums.gpu_us.saturating_add(gpu_us);
+        // Tokens count only for requests a replica worked on (a refused request's estimate is
+        // not usage).
+        if rec.replica.is_some() {
+            sums.input_tokens += u64::from(rec.input_tokens);
+            sums.output_tokens += u64::from(rec.output_tokens);
+        }
     }
 
     /// The report to send now: the one still pending, else a new one of everything counted
@@ -126,6 +134,8 @@ impl Meter {
                 requests: v.requests,
                 ok: v.ok,
                 gpu_us: v.gpu_us,
+                input_tokens: v.input_tokens,
+                output_tokens: v.output_tokens,
             })
             .collect();
         s.seq += 1;

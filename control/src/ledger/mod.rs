@@ -154,6 +154,11 @@ pub struct Usage {
     /// Requests answered 2xx (jobs: succeeded).
     pub ok: u64,
     pub gpu_us: u64,
+    /// Language models: tokens in and out.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub input_tokens: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub output_tokens: u64,
 }
 
 /// A router's usage since its previous report. `(reporter, incarnation, seq)` makes applying
@@ -207,6 +212,11 @@ pub struct Counts {
     /// GPU time on cards without a price for their tier (not in `cost_nanos`).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub unpriced_gpu_us: u64,
+    /// Language models: tokens in and out.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub input_tokens: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub output_tokens: u64,
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -220,6 +230,8 @@ impl Counts {
         self.gpu_us = self.gpu_us.saturating_add(o.gpu_us);
         self.cost_nanos = self.cost_nanos.saturating_add(o.cost_nanos);
         self.unpriced_gpu_us = self.unpriced_gpu_us.saturating_add(o.unpriced_gpu_us);
+        self.input_tokens = self.input_tokens.saturating_add(o.input_tokens);
+        self.output_tokens = self.output_tokens.saturating_add(o.output_tokens);
     }
 }
 
@@ -421,6 +433,8 @@ impl Ledger {
             requests: u.requests,
             ok: u.ok,
             gpu_us: u.gpu_us,
+            input_tokens: u.input_tokens,
+            output_tokens: u.output_tokens,
             ..Counts::default()
         };
         let (pool, tier) = match &placed {

@@ -46,6 +46,25 @@ pub struct LedgerRow {
     pub cost_per_1k_requests_usd: f64,
     /// GPU time on cards with no price for their tier: not in `cost_usd`.
     pub unpriced_gpu_seconds: f64,
+    /// Language models: tokens in and out, and the GPU cost per million of them (input +
+    /// output) and per million output tokens. GPU-seconds are not split between prefill and
+    /// decode, so both figures carry the whole cost.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub input_tokens: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub output_tokens: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost_per_1m_tokens_usd: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost_per_1m_output_tokens_usd: Option<f64>,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
+fn per_million(cost_nanos: u64, tokens: u64) -> Option<f64> {
+    (tokens > 0).then(|| cost_nanos as f64 / 1e9 / tokens as f64 * 1e6)
 }
 
 /// What the fleet's cards cost per hour in one pool and tier, whatever they are doing.
@@ -116,6 +135,10 @@ pub fn report(ledger: &Ledger, fleet: &Fleet, by: By, since_ms: u64, now_ms: u64
             c.cost_nanos as f64 / 1e9 / c.requests as f64 * 1000.0
         },
         unpriced_gpu_seconds: c.unpriced_gpu_us as f64 / 1e6,
+        input_tokens: c.input_tokens,
+        output_tokens: c.output_tokens,
+        cost_per_1m_tokens_usd: per_million(c.cost_nanos, c.input_tokens + c.output_tokens),
+        cost_per_1m_output_tokens_usd: per_million(c.cost_nanos, c.output_tokens),
     };
     let mut rows: Vec<LedgerRow> = groups
         .iter()

@@ -62,6 +62,8 @@ fn usage(
         requests,
         ok: requests,
         gpu_us,
+        input_tokens: 0,
+        output_tokens: 0,
     }
 }
 
@@ -358,4 +360,36 @@ fn times_past_what_rfc3339_writes_are_shown_not_fatal() {
     assert_eq!(fmt_unix_ms(0), "1970-01-01T00:00:00Z");
     assert!(fmt_unix_ms(u64::MAX).contains("ms since the epoch"));
     assert!(fmt_unix_ms(300_000_000_000_000).contains("ms since the epoch"));
+}
+
+/// Language models' tokens are summed per model and tenant beside their GPU-seconds, and
+/// priced per million.
+#[test]
+fn tokens_are_metered_with_their_cost_per_million() {
+    let mut l = priced();
+    let f = fleet();
+    let chat = |tenant: &str, input: u64, output: u64| Usage {
+        input_tokens: input,
+        output_tokens: output,
+        ..usage("chat", "llama", tenant, Some("h1"), "H100-80GB", 100, 3_600_000_000)
+    };
+    l.record(T0, &[chat("acme", 400_000, 600_000), chat("globex", 0, 0)], &f, 20);
+    let r = report(&l, &f, By::Tenant, T0 - HOUR_MS, T0 + 1);
+    let acme = r.rows.iter().find(|x| x.name == "acme").unwrap();
+    assert_eq!((acme.input_tokens, acme.output_tokens), (400_000, 600_000));
+    // One reserved H100-hour ($2.10) over a million tokens, of which 600k output.
+    assert!((acme.cost_per_1m_tokens_usd.unwrap() - 2.1).abs() < 1e-9, "{acme:?}");
+    assert!(
+        (acme.cost_per_1m_output_tokens_usd.unwrap() - 3.5).abs() < 1e-9,
+        "{acme:?}"
+    );
+    let globex = r.rows.iter().find(|x| x.name == "globex").unwrap();
+    assert_eq!(globex.cost_per_1m_tokens_usd, None, "no tokens, no per-token price");
+    assert_eq!(r.total.output_tokens, 600_000);
+    // Old reports (no token fields) still read.
+    let old: Usage = serde_json::from_str(
+        r#"{"class":"c","lane":"sync","model":"m","version":"1","tenant":"t","requests":1,"ok":1,"gpu_us":5}"#,
+    )
+    .unwrap();
+    assert_eq!((old.input_tokens, old.output_tokens), (0, 0));
 }

@@ -31,6 +31,12 @@ pub struct Sample {
     pub admitted_per_s: f64,
     /// Refused, throttled and expired per second.
     pub shed_per_s: f64,
+    /// Language-model lanes: p99 of time to first token and of inter-token gaps over the last
+    /// few seconds.
+    #[serde(default)]
+    pub ttft_p99_ms: Option<f64>,
+    #[serde(default)]
+    pub itl_p99_ms: Option<f64>,
 }
 
 /// What the leader's loops decided, with why: for `lanectl events` and `lanectl lane show`.
@@ -95,6 +101,18 @@ impl History {
         let lanes = ctx.router.lane_status();
         let latencies = ctx.router.latencies_since(now_ms.saturating_sub(LATENCY_WINDOW_MS));
         let util = lane_gpu_utilisation(ctx);
+        let window = std::time::Duration::from_millis(LATENCY_WINDOW_MS);
+        let token_p99: std::collections::HashMap<String, (Option<f64>, Option<f64>)> = lanes
+            .iter()
+            .map(|l| {
+                (
+                    l.class.clone(),
+                    ctx.router
+                        .llm_stats()
+                        .lane_p99(&l.class, window, tokio::time::Instant::now()),
+                )
+            })
+            .collect();
         let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
         let mut kept = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
         for l in &lanes {
@@ -112,6 +130,8 @@ impl History {
                 p99_ms: latencies.get(&l.class).and_then(|v| percentile(v, 0.99)),
                 admitted_per_s: admitted.saturating_sub(prev_admitted) as f64,
                 shed_per_s: shed.saturating_sub(prev_shed) as f64,
+                ttft_p99_ms: token_p99.get(&l.class).and_then(|p| p.0),
+                itl_p99_ms: token_p99.get(&l.class).and_then(|p| p.1),
             };
             let q = kept.entry(l.class.clone()).or_default();
             if q.len() == KEPT {

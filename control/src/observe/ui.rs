@@ -243,7 +243,42 @@ fn lane_section(h: &mut String, l: &LaneStatus, samples: &[Sample], role: &str) 
         None,
         "",
     );
-    h.push_str("</div></div>");
+    let is_llm = l.ttft_slo_p99_ms.is_some() || l.itl_slo_p99_ms.is_some() || !l.llm.is_empty();
+    if is_llm {
+        let objective = match (l.ttft_slo_p99_ms, l.itl_slo_p99_ms) {
+            (None, None) => "no token streamed".to_string(),
+            (t, i) => format!(
+                "objectives: TTFT {} · ITL {}",
+                t.map_or("–".into(), |v| format!("{v:.0} ms")),
+                i.map_or("–".into(), |v| format!("{v:.0} ms"))
+            ),
+        };
+        chart(
+            h,
+            "TTFT p99 ms",
+            &[("#0f8b8d", col(|s| s.ttft_p99_ms))],
+            None,
+            &objective,
+        );
+        chart(h, "ITL p99 ms", &[("#b5446e", col(|s| s.itl_p99_ms))], None, &objective);
+    }
+    h.push_str("</div>");
+    for m in &l.llm {
+        let ms = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.1} ms"));
+        let _ = write!(
+            h,
+            "<div class=\"sub\" data-llm=\"{model}\">{model}: TTFT p50 {t50} · p99 {t99} · ITL p50 {i50} · p99 {i99} · {inp} tokens in · {out} out · {tps} output tokens per GPU-second (last minute)</div>",
+            model = esc(&m.model),
+            t50 = ms(m.ttft_p50_ms),
+            t99 = ms(m.ttft_p99_ms),
+            i50 = ms(m.itl_p50_ms),
+            i99 = ms(m.itl_p99_ms),
+            inp = m.input_tokens,
+            out = m.output_tokens,
+            tps = m.output_tokens_per_gpu_s.map_or("–".to_string(), |v| format!("{v:.0}")),
+        );
+    }
+    h.push_str("</div>");
 }
 
 /// A line chart of the last [`KEPT`] seconds; gaps where a value is missing.

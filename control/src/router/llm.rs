@@ -40,6 +40,8 @@ use super::table::{ModelRoute, TenantRoute};
 use super::{Admitted, ForwardError, RequestRecord, Router, TenantGuard};
 use crate::registry::{Class, LaneKind};
 
+/// The window of the TTFT the fast loop scales on.
+pub const SIGNAL_WINDOW: Duration = Duration::from_secs(10);
 /// Samples older than this leave the recent statistics.
 pub const RECENT: Duration = Duration::from_secs(60);
 const MAX_TTFT_SAMPLES: usize = 4096;
@@ -815,6 +817,26 @@ impl LlmStats {
             .collect();
         out.sort_by(|a, b| a.model.cmp(&b.model));
         out
+    }
+
+    /// TTFT and ITL p99 (ms) of every model of `class` over the last `window`.
+    pub fn lane_p99(&self, class: &str, window: Duration, now: Instant) -> (Option<f64>, Option<f64>) {
+        let m = self.models.lock().unwrap_or_else(|p| p.into_inner());
+        let recent = |samples: &VecDeque<(Instant, f64)>| -> Vec<f64> {
+            samples
+                .iter()
+                .filter(|(at, _)| now.saturating_duration_since(*at) <= window)
+                .map(|(_, v)| *v)
+                .collect()
+        };
+        let (mut ttft, mut itl) = (Vec::new(), Vec::new());
+        for ((c, _), r) in m.iter() {
+            if c == class {
+                ttft.extend(recent(&r.ttft));
+                itl.extend(recent(&r.itl));
+            }
+        }
+        (quantile(ttft, 0.99), quantile(itl, 0.99))
     }
 
     /// TTFT p99 (ms) of `model` over the last `window`, and how many samples it rests on.

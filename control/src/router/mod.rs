@@ -684,6 +684,7 @@ impl Router {
     /// Load per model on this router: requests on its replicas and waiting in its lane.
     pub fn model_load(&self) -> HashMap<String, crate::scheduler::autoscale::ModelLoad> {
         let table = self.table();
+        let now = Instant::now();
         table
             .models
             .values()
@@ -691,6 +692,12 @@ impl Router {
                 let load = crate::scheduler::autoscale::ModelLoad {
                     in_flight: m.replicas.iter().map(|s| s.load()).sum(),
                     waiting: m.lane.lock().waiting_for(&m.name) as u32,
+                    ttft_p99_ms: m
+                        .llm
+                        .as_ref()
+                        .and_then(|_| self.llm_stats.ttft_p99(&m.name, llm::SIGNAL_WINDOW, now))
+                        .map(|(p99, _)| p99),
+                    ..Default::default()
                 };
                 (m.name.clone(), load)
             })

@@ -17,6 +17,39 @@ pub struct ModelLoad {
     pub in_flight: u32,
     /// Requests waiting in its lane's queue for it.
     pub waiting: u32,
+    /// Language models: time to first token p99 over the last seconds, the worst router's.
+    pub ttft_p99_ms: Option<f64>,
+    /// Language models: requests waiting inside the replicas' engines (heartbeats).
+    pub engine_waiting: u32,
+    /// Language models: mean KV-cache usage of the replicas, 0–1 (heartbeats).
+    pub kv_cache: Option<f64>,
+}
+
+/// What the lane scales on (its class's `llm.scale_on`; in-flight for every other lane).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Signal {
+    InFlight,
+    Waiting,
+    KvCache { target: f64 },
+    Ttft { slo_ms: f64 },
+}
+
+impl Signal {
+    pub fn of(class: &crate::registry::Class) -> Signal {
+        use crate::registry::ScaleSignal;
+        let Some(l) = &class.llm else { return Signal::InFlight };
+        match l.scale_on {
+            ScaleSignal::InFlight => Signal::InFlight,
+            ScaleSignal::Waiting => Signal::Waiting,
+            ScaleSignal::KvCache => Signal::KvCache {
+                target: f64::from(l.kv_cache_target_pct) / 100.0,
+            },
+            ScaleSignal::Ttft => match l.ttft_slo_p99_ms {
+                Some(slo) => Signal::Ttft { slo_ms: slo.as_ms() },
+                None => Signal::InFlight,
+            },
+        }
+    }
 }
 
 /// One model's inputs for a decision.
@@ -30,6 +63,7 @@ pub struct Inputs {
     /// Utilisation the lane aims for, 0–1 (1 − headroom).
     pub target: f64,
     pub floor: usize,
+    pub signal: Signal,
 }
 
 /// Why a decision came out as it did (for `lanectl lane show` and the log).
@@ -53,22 +87,88 @@ pub fn needed(i: &Inputs) -> usize {
     (demand / per_replica).ceil() as usize
 }
 
+/// Replicas the lane's signal asks for, and the reading it rests on. A signal without a
+/// reading (no traffic, no replica reporting) falls back to in-flight.
+pub fn needed_by_signal(i: &Inputs) -> (usize, String) {
+    let by_in_flight = || {
+        (
+            needed(i),
+            format!(
+                "{} in flight + {} waiting need {} replicas of {} slots at {:.0}%",
+                i.load.in_flight,
+                i.load.waiting,
+                needed(i),
+                i.slots_per_replica,
+                i.target * 100.0
+            ),
+        )
+    };
+    let current = i.current.max(1) as f64;
+    match i.signal {
+        Signal::InFlight => by_in_flight(),
+        Signal::Waiting => {
+            let waiting = i.load.waiting + i.load.engine_waiting;
+            if waiting == 0 {
+                // Nothing waits: keep what carries the running requests.
+                let running = Inputs {
+                    load: ModelLoad { waiting: 0, ..i.load },
+                    ..*i
+                };
+                let n = needed(&running);
+                return (n, format!("nothing waiting; {} running need {n}", i.load.in_flight));
+            }
+            let more = waiting.div_ceil(i.slots_per_replica.max(1)) as usize;
+            let n = i.current + more;
+            (
+                n,
+                format!(
+                    "{waiting} waiting ({} at the router, {} in the engines) need {more} more",
+                    i.load.waiting, i.load.engine_waiting
+                ),
+            )
+        }
+        Signal::KvCache { target } => match i.load.kv_cache {
+            Some(kv) => {
+                let n = (current * kv / target.max(0.01)).ceil() as usize;
+                (
+                    n,
+                    format!("KV cache {:.0}% against a {:.0}% target", kv * 100.0, target * 100.0),
+                )
+            }
+            None => by_in_flight(),
+        },
+        Signal::Ttft { slo_ms } => match i.load.ttft_p99_ms {
+            Some(p99) if p99 > slo_ms => {
+                let n = ((current * p99 / slo_ms).ceil() as usize).max(i.current + 1);
+                (n, format!("TTFT p99 {p99:.0} ms over its {slo_ms:.0} ms objective"))
+            }
+            // Between half the objective and the objective: hold.
+            Some(p99) if p99 * 2.0 > slo_ms => (
+                i.current,
+                format!("TTFT p99 {p99:.0} ms within its {slo_ms:.0} ms objective"),
+            ),
+            Some(p99) => {
+                let n = (current * p99 * 2.0 / slo_ms).ceil() as usize;
+                (
+                    n,
+                    format!("TTFT p99 {p99:.0} ms, under half its {slo_ms:.0} ms objective"),
+                )
+            }
+            None => by_in_flight(),
+        },
+    }
+}
+
 impl ScaleState {
     /// Decides one model's replica count at `now`.
     pub fn decide(&mut self, model: &str, i: &Inputs, now: Instant) -> Decision {
-        let need = needed(i).max(i.floor);
+        let (by_signal, why) = needed_by_signal(i);
+        let need = by_signal.max(i.floor);
         if need > i.current {
             self.low_since.remove(model);
             return Decision {
                 desired: need,
-                reason: format!(
-                    "up: {} in flight + {} waiting need {need} replicas of {} slots at {:.0}% (have {})",
-                    i.load.in_flight,
-                    i.load.waiting,
-                    i.slots_per_replica,
-                    i.target * 100.0,
-                    i.current
-                ),
+                reason: format!("up to {need}: {why} (have {})", i.current),
             };
         }
         if need < i.current {
@@ -79,7 +179,7 @@ impl ScaleState {
                 return Decision {
                     desired: i.current - 1,
                     reason: format!(
-                        "down: load has needed {need} replicas or fewer for {} s (have {})",
+                        "down: load has needed {need} replicas or fewer for {} s (have {}; now {why})",
                         STABLE_WINDOW.as_secs(),
                         i.current
                     ),
@@ -105,12 +205,58 @@ mod tests {
 
     fn inputs(in_flight: u32, current: usize) -> Inputs {
         Inputs {
-            load: ModelLoad { in_flight, waiting: 0 },
+            load: ModelLoad {
+                in_flight,
+                ..ModelLoad::default()
+            },
             current,
             slots_per_replica: 8,
             target: 0.5,
             floor: 2,
+            signal: Signal::InFlight,
         }
+    }
+
+    /// Language-model signals: a TTFT breach adds replicas in proportion, engine-side waiting
+    /// and KV-cache pressure add them too, and a signal without a reading falls back to
+    /// in-flight.
+    #[test]
+    fn language_model_lanes_scale_on_their_own_signal() {
+        let now = Instant::now();
+        let mut s = ScaleState::default();
+        let mut i = inputs(4, 2);
+        i.signal = Signal::Ttft { slo_ms: 500.0 };
+        i.load.ttft_p99_ms = Some(1500.0);
+        let d = s.decide("m", &i, now);
+        assert_eq!(d.desired, 6, "3x over the objective: 3x the replicas ({})", d.reason);
+        assert!(d.reason.contains("TTFT p99 1500 ms"), "{}", d.reason);
+        i.load.ttft_p99_ms = Some(510.0);
+        assert_eq!(s.decide("m", &i, now).desired, 3, "just over: at least one more");
+        i.load.ttft_p99_ms = Some(400.0);
+        assert_eq!(s.decide("m", &i, now).desired, 2, "within the objective: hold");
+        i.load.ttft_p99_ms = None;
+        i.load.in_flight = 40;
+        assert_eq!(s.decide("m", &i, now).desired, 10, "no TTFT reading: in-flight decides");
+
+        let mut i = inputs(8, 2);
+        i.signal = Signal::Waiting;
+        i.load.engine_waiting = 9;
+        let d = s.decide("w", &i, now);
+        assert_eq!(
+            d.desired, 4,
+            "9 waiting in the engines need 2 more replicas of 8 ({})",
+            d.reason
+        );
+
+        let mut i = inputs(1, 4);
+        i.signal = Signal::KvCache { target: 0.75 };
+        i.load.kv_cache = Some(0.9);
+        assert_eq!(s.decide("k", &i, now).desired, 5, "90% KV at a 75% target: 4 × 1.2");
+        i.load.kv_cache = Some(0.3);
+        let held = s.decide("k", &i, now);
+        assert_eq!(held.desired, 4, "down waits for the stable window");
+        let later = s.decide("k", &i, now + STABLE_WINDOW);
+        assert_eq!(later.desired, 3, "{}", later.reason);
     }
 
     #[test]

@@ -43,6 +43,11 @@ impl LoadBoard {
                 let e = out.entry(model.clone()).or_default();
                 e.in_flight += l.in_flight;
                 e.waiting += l.waiting;
+                // The worst router's TTFT: a lane is as late as its slowest entry point.
+                e.ttft_p99_ms = match (e.ttft_p99_ms, l.ttft_p99_ms) {
+                    (Some(a), Some(b)) => Some(a.max(b)),
+                    (a, b) => a.or(b),
+                };
             }
         }
         out
@@ -63,6 +68,7 @@ mod tests {
                 ModelLoad {
                     in_flight: f,
                     waiting: w,
+                    ..Default::default()
                 },
             )])
         };
@@ -72,7 +78,8 @@ mod tests {
             b.total(t0 + Duration::from_secs(2))["m"],
             ModelLoad {
                 in_flight: 10,
-                waiting: 1
+                waiting: 1,
+                ..Default::default()
             }
         );
         // Controller 1 stopped reporting.
@@ -80,7 +87,8 @@ mod tests {
             b.total(t0 + Duration::from_secs(4))["m"],
             ModelLoad {
                 in_flight: 6,
-                waiting: 0
+                waiting: 0,
+                ..Default::default()
             }
         );
         // A newer report replaces the older one of the same controller.

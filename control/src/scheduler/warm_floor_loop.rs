@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 use crate::context::Context;
 use crate::registry::{LaneKind, Registry};
-use crate::scheduler::autoscale::{Inputs, ModelLoad, ScaleState};
+use crate::scheduler::autoscale::{Inputs, ModelLoad, ScaleState, Signal};
 use crate::scheduler::replicas;
 
 /// How often the leader plans.
@@ -82,9 +82,19 @@ fn fast_loop(ctx: &Context, registry: &Registry, scale: &mut ScaleState, now: In
     let job_load: HashMap<String, ModelLoad> = ctx.sm.with_jobs(|jobs, _, _| {
         jobs.load_by_model()
             .into_iter()
-            .map(|(m, (in_flight, waiting))| (m, ModelLoad { in_flight, waiting }))
+            .map(|(m, (in_flight, waiting))| {
+                (
+                    m,
+                    ModelLoad {
+                        in_flight,
+                        waiting,
+                        ..Default::default()
+                    },
+                )
+            })
             .collect()
     });
+    let engine = engine_load(ctx);
     let mut targets = HashMap::new();
     for m in registry.models.values() {
         let Some(class) = registry.classes.get(&m.class) else {
@@ -105,8 +115,14 @@ fn fast_loop(ctx: &Context, registry: &Registry, scale: &mut ScaleState, now: In
         if placed.is_empty() {
             continue;
         }
+        let mut model_load = load.get(&m.name).copied().unwrap_or_default();
+        if let Some((waiting, kv)) = engine.get(&m.name) {
+            model_load.engine_waiting = *waiting;
+            model_load.kv_cache = *kv;
+        }
         let inputs = Inputs {
-            load: load.get(&m.name).copied().unwrap_or_default(),
+            signal: Signal::of(class),
+            load: model_load,
             current: placed.len(),
             slots_per_replica: placed.iter().sum::<u32>() / placed.len() as u32,
             target: f64::from(class.utilisation_target_pct) / 100.0,
@@ -124,6 +140,25 @@ fn fast_loop(ctx: &Context, registry: &Registry, scale: &mut ScaleState, now: In
         targets.insert(m.name.clone(), d.desired);
     }
     targets
+}
+
+/// Per model, from the heartbeats: requests waiting in the replicas' engines, and their mean
+/// KV-cache usage (for replicas that report them).
+fn engine_load(ctx: &Context) -> HashMap<String, (u32, Option<f64>)> {
+    let mut sums: HashMap<String, (u32, f64, u32)> = HashMap::new();
+    for (_, seen) in ctx.heartbeats.all() {
+        for (model, waiting, kv) in &seen.engine {
+            let e = sums.entry(model.clone()).or_default();
+            e.0 += waiting;
+            if let Some(kv) = kv {
+                e.1 += kv;
+                e.2 += 1;
+            }
+        }
+    }
+    sums.into_iter()
+        .map(|(m, (w, kv, n))| (m, (w, (n > 0).then(|| kv / f64::from(n)))))
+        .collect()
 }
 
 /// Per node, the models whose every weight artifact is in its cache (from the heartbeats).
@@ -184,6 +219,7 @@ pub async fn report(ctx: Context) {
                             model,
                             in_flight: l.in_flight,
                             waiting: l.waiting,
+                            ttft_p99_ms: l.ttft_p99_ms.unwrap_or(0.0),
                         })
                         .collect(),
                 };

@@ -290,6 +290,8 @@ impl AppState {
                 Completion::Succeeded(r) => r.gpu_us,
                 Completion::Failed { .. } => 0,
             },
+            input_tokens: 0,
+            output_tokens: 0,
         };
         let pct = self.cost_regression_pct();
         self.ledger.record(at_ms, &[usage], &self.fleet, pct);
@@ -783,6 +785,18 @@ impl StateMachineStore {
                         .in_flight
                         .as_ref()
                         .map_or_else(String::new, |p| p.metric.clone()),
+                    waiting_metric: m
+                        .runtime
+                        .in_flight
+                        .as_ref()
+                        .and_then(|p| p.waiting.clone())
+                        .unwrap_or_default(),
+                    kv_cache_metric: m
+                        .runtime
+                        .in_flight
+                        .as_ref()
+                        .and_then(|p| p.kv_cache.clone())
+                        .unwrap_or_default(),
                     weights: m
                         .weights
                         .iter()
@@ -1381,6 +1395,8 @@ mod tests {
                     requests: 10,
                     ok: 9,
                     gpu_us: 0,
+                    input_tokens: 0,
+                    output_tokens: 0,
                 }],
             })
         };

@@ -149,6 +149,30 @@ pub fn render(r: &LedgerReport, since: &str) -> String {
         line(&mut s, x);
     }
     line(&mut s, &r.total);
+    if r.total.input_tokens + r.total.output_tokens > 0 {
+        let _ = writeln!(
+            s,
+            "\n{:<28} {:>14} {:>14} {:>12} {:>14}",
+            "LANGUAGE MODELS", "INPUT TOK", "OUTPUT TOK", "$/1M TOK", "$/1M OUT TOK"
+        );
+        let money = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.4}"));
+        for x in r
+            .rows
+            .iter()
+            .chain([&r.total])
+            .filter(|x| x.input_tokens + x.output_tokens > 0)
+        {
+            let _ = writeln!(
+                s,
+                "{:<28} {:>14} {:>14} {:>12} {:>14}",
+                truncate(&x.name, 28),
+                x.input_tokens,
+                x.output_tokens,
+                money(x.cost_per_1m_tokens_usd),
+                money(x.cost_per_1m_output_tokens_usd)
+            );
+        }
+    }
     if r.total.unpriced_gpu_seconds > 0.0 {
         let _ = writeln!(
             s,

@@ -356,6 +356,20 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
                     if !c.tolerations.is_empty() {
                         t.push_str(&format!("  tolerates {}", c.tolerations.join(",")));
                     }
+                    if let Some(l) = &c.llm {
+                        let ms = |v: Option<Millis>| v.map_or("-".to_string(), |v| format!("{} ms", v.as_ms()));
+                        t.push_str(&format!(
+                            "\nlanguage models: TTFT objective {}  ITL objective {}  scales on {}{}",
+                            ms(l.ttft_slo_p99_ms),
+                            ms(l.itl_slo_p99_ms),
+                            l.scale_on.as_str(),
+                            if l.scale_on == laneway_control::registry::ScaleSignal::KvCache {
+                                format!(" (target {}%)", l.kv_cache_target_pct)
+                            } else {
+                                String::new()
+                            }
+                        ));
+                    }
                     if let Some(d) = &c.degraded {
                         t.push_str(&format!(
                             "\ndegraded: budget {} ms, parameters {:?}",
@@ -387,6 +401,21 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
                                     .map_or("- (no ready replica)".into(), |d| format!("~{d:.0} s"))
                             ));
                         }
+                    }
+                    for m in s.iter().flat_map(|s| &s.llm) {
+                        let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1}"));
+                        t.push_str(&format!(
+                            "\n{} (last minute, this router): {} requests  TTFT p50/p99 {}/{} ms  ITL p50/p99 {}/{} ms  tokens {} in / {} out  {} out-tokens per GPU-s",
+                            m.model,
+                            m.requests,
+                            ms(m.ttft_p50_ms),
+                            ms(m.ttft_p99_ms),
+                            ms(m.itl_p50_ms),
+                            ms(m.itl_p99_ms),
+                            m.input_tokens,
+                            m.output_tokens,
+                            m.output_tokens_per_gpu_s.map_or("-".into(), |v| format!("{v:.0}"))
+                        ));
                     }
                     for m in &models {
                         t.push_str(&format!(
