@@ -7,6 +7,7 @@ mod bench;
 mod faults;
 mod heartbeat_bench;
 mod jobs_bench;
+mod llm_bench;
 mod placement_bench;
 mod process_cluster;
 mod router_bench;
@@ -41,6 +42,9 @@ enum Cmd {
     /// Durable job submissions: acknowledged/s and submit p99 on a 3-controller cluster,
     /// against a 3-member etcd cluster's puts in the same run.
     Jobs(jobs_bench::JobsBenchArgs),
+    /// Streaming overhead of the router for language models: TTFT and inter-token latency
+    /// through the router vs direct to a simulated LLM replica, at a fixed open-loop rate.
+    Llm(llm_bench::LlmBenchArgs),
 }
 
 /// Default path of a sibling binary (the one Cargo built next to this one).
@@ -60,6 +64,7 @@ fn main() -> ExitCode {
             Cmd::Router(args) => router_bench::run(args).await,
             Cmd::Placement(args) => placement_bench::run(args),
             Cmd::Jobs(args) => jobs_bench::run(args).await,
+            Cmd::Llm(args) => llm_bench::run(args).await,
         }
     });
     match res {

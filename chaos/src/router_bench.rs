@@ -210,8 +210,9 @@ impl Drop for KillOnDrop {
     }
 }
 
-/// Registers a node with one ready replica and keeps it alive with heartbeats.
-async fn play_agent(leader: &str, port: u16) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+/// Registers a node with one ready replica of `model` and keeps it alive with heartbeats.
+pub(crate) async fn play_agent(leader: &str, port: u16, model: &str) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    let model = model.to_string();
     let mut agent = AgentServiceClient::connect(format!("http://{leader}")).await?;
     agent
         .register(RegisterRequest {
@@ -241,13 +242,15 @@ async fn play_agent(leader: &str, port: u16) -> anyhow::Result<tokio::task::Join
                 sent_unix_ms: 0,
                 gpus: vec![],
                 replicas: vec![ReplicaReport {
-                    id: "noop-0".into(),
-                    model: "noop".into(),
+                    id: format!("{model}-0"),
+                    model: model.clone(),
                     device: "GPU-bench-0".into(),
                     state: "ready".into(),
                     port: u32::from(port),
                     in_flight: 0,
                     last_exit: String::new(),
+                    waiting: 0,
+                    kv_cache_usage: -1.0,
                 }],
                 cached_blobs: vec![],
                 jobs: vec![],
@@ -289,7 +292,7 @@ pub async fn run(args: RouterBenchArgs) -> anyhow::Result<()> {
     let class = json!({"name": "bench", "lane": "sync", "utilisation_target_pct": 100, "request_timeout_ms": 5000});
     let model = json!({"name": "noop", "class": "bench", "profiles": {"L4": {"service_ms": 0.05, "max_batch": 4096}}});
     let key = register(&cluster.client(), class, model).await?;
-    let _agent = play_agent(&cluster.members[0].addr, port).await?;
+    let _agent = play_agent(&cluster.members[0].addr, port, "noop").await?;
 
     let direct = Target {
         name: "direct",
