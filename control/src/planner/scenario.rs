@@ -58,6 +58,9 @@ struct LaneFile {
 struct ModelFile {
     class: String,
     share: Option<f64>,
+    /// Language models: mean output tokens of a request (with a profile's `tokens_per_s`,
+    /// the planner sizes cards by tokens).
+    output_tokens: Option<f64>,
     profiles: Vec<ProfileFile>,
 }
 
@@ -66,11 +69,17 @@ struct ModelFile {
 struct ProfileFile {
     product: String,
     mig_profile: Option<String>,
+    /// Service time of a full batch; for a language model with `tokens_per_s` and the
+    /// model's `output_tokens`, derived from them instead.
+    #[serde(default)]
     service_ms: f64,
     max_batch: u32,
     #[serde(default)]
     batch_window_ms: f64,
     memory_gb: f64,
+    /// Language models: decode throughput of one card (or slice), output tokens/s over all
+    /// its sequences.
+    tokens_per_s: Option<f64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -342,7 +351,26 @@ impl Scenario {
             let mut profiles = Vec::new();
             for (i, p) in m.profiles.into_iter().enumerate() {
                 let pf = |k: &str| format!("models.{name}.profiles[{i}].{k}");
-                positive(pf("service_ms"), p.service_ms)?;
+                if let Some(out) = m.output_tokens {
+                    positive(field("output_tokens"), out)?;
+                }
+                // A language model's card drains tokens_per_s / output_tokens requests a second:
+                // as a batch of max_batch, one batch takes max_batch × output_tokens / tokens_per_s.
+                let service_ms = match (p.tokens_per_s, m.output_tokens) {
+                    (Some(tps), Some(out)) => {
+                        positive(pf("tokens_per_s"), tps)?;
+                        f64::from(p.max_batch.max(1)) * out / tps * 1000.0
+                    }
+                    (Some(_), None) => {
+                        return Err(bad(
+                            field("output_tokens"),
+                            "<missing>",
+                            "the mean output tokens of a request, to size a profile with tokens_per_s",
+                        ))
+                    }
+                    _ => p.service_ms,
+                };
+                positive(pf("service_ms"), service_ms)?;
                 positive(pf("memory_gb"), p.memory_gb)?;
                 if p.max_batch == 0 {
                     return Err(bad(pf("max_batch"), 0, "at least 1"));
@@ -377,7 +405,7 @@ impl Scenario {
                 profiles.push(Profile {
                     product: p.product,
                     mig_profile: p.mig_profile,
-                    service_ms: p.service_ms,
+                    service_ms,
                     max_batch: p.max_batch,
                     batch_window_ms: p.batch_window_ms,
                     memory_gb: p.memory_gb,

@@ -243,3 +243,28 @@ fn bad_input_names_the_field() {
         assert!(!e.expected.is_empty(), "{e}");
     }
 }
+
+/// A language model is sized by tokens: a card decoding 2,000 tokens/s serves 10 requests of
+/// 200 output tokens a second, the same card count as the request-sized lane.
+#[test]
+fn language_models_are_sized_by_tokens_per_second() {
+    let by_tokens = simple(36.0, 1000.0, 0)
+        .replace(
+            "[models.m]\nclass = \"speech\"",
+            "[models.m]\nclass = \"speech\"\noutput_tokens = 200",
+        )
+        .replace("service_ms = 100\nmax_batch = 1", "tokens_per_s = 2000\nmax_batch = 1");
+    assert!(by_tokens.contains("tokens_per_s"), "{by_tokens}");
+    let tokens = plan(&scenario(&by_tokens), &[]).unwrap();
+    let requests = plan(&scenario(&simple(36.0, 1000.0, 0)), &[]).unwrap();
+    assert_eq!(tokens.lanes[0].cards["L4"], requests.lanes[0].cards["L4"]);
+    // Twice the output per request: about twice the cards.
+    let longer = plan(
+        &scenario(&by_tokens.replace("output_tokens = 200", "output_tokens = 400")),
+        &[],
+    )
+    .unwrap();
+    assert!(longer.lanes[0].cards["L4"] >= 2 * requests.lanes[0].cards["L4"] - 1);
+    let e = Scenario::from_toml(&by_tokens.replace("output_tokens = 200\n", "")).expect_err("needs output_tokens");
+    assert!(e.to_string().contains("output_tokens"), "{e}");
+}
