@@ -452,26 +452,7 @@ async fn serve_infer(
     if class.lane == crate::registry::LaneKind::Durable {
         return super::jobs::submit_infer(&router, &tenant, &route, body, &headers, &meta).await;
     }
-    let mut record = RequestRecord {
-        request_id: meta.request_id.clone(),
-        unix_ms: crate::jobs::unix_ms(),
-        lane: class.lane.to_string(),
-        class: class.name.clone(),
-        model: route.name.clone(),
-        version: route.version.clone(),
-        tenant: tenant.name.clone(),
-        status: 0,
-        replica: None,
-        product: None,
-        mig_profile: None,
-        queue_ms: 0.0,
-        service_ms: 0.0,
-        gpu_ms: None,
-        degraded: false,
-        input_tokens: 0,
-        output_tokens: 0,
-        ttft_ms: None,
-    };
+    let mut record = RequestRecord::new(&meta.request_id, &route, &tenant.name);
     let retry_hint = route.min_service().unwrap_or(Duration::from_secs(1));
     let _tenant_hold = match router.admit_tenant(&tenant, &class, retry_hint, arrived) {
         Ok(g) => g,

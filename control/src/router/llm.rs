@@ -134,26 +134,8 @@ async fn serve(
         );
     }
     let needed = u32::try_from(needed).unwrap_or(u32::MAX);
-    let mut record = RequestRecord {
-        request_id: meta.request_id.clone(),
-        unix_ms: crate::jobs::unix_ms(),
-        lane: class.lane.to_string(),
-        class: class.name.clone(),
-        model: route.name.clone(),
-        version: route.version.clone(),
-        tenant: tenant.name.clone(),
-        status: 0,
-        replica: None,
-        product: None,
-        mig_profile: None,
-        queue_ms: 0.0,
-        service_ms: 0.0,
-        gpu_ms: None,
-        degraded: false,
-        input_tokens: input,
-        output_tokens: 0,
-        ttft_ms: None,
-    };
+    let mut record = RequestRecord::new(&meta.request_id, &route, &tenant.name);
+    record.input_tokens = input;
     let retry_hint = route.min_service().unwrap_or(Duration::from_secs(1));
     let tenant_hold = match router.admit_tenant(&tenant, &class, retry_hint, arrived) {
         Ok(g) => g,

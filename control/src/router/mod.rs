@@ -126,6 +126,32 @@ pub struct RequestRecord {
     pub ttft_ms: Option<f64>,
 }
 
+impl RequestRecord {
+    /// The record of a request to `route` from `tenant`, before anything happened to it.
+    pub fn new(request_id: &str, route: &ModelRoute, tenant: &str) -> Self {
+        RequestRecord {
+            request_id: request_id.to_string(),
+            unix_ms: crate::jobs::unix_ms(),
+            lane: route.class.lane.to_string(),
+            class: route.class.name.clone(),
+            model: route.name.clone(),
+            version: route.version.clone(),
+            tenant: tenant.to_string(),
+            status: 0,
+            replica: None,
+            product: None,
+            mig_profile: None,
+            queue_ms: 0.0,
+            service_ms: 0.0,
+            gpu_ms: None,
+            degraded: false,
+            input_tokens: 0,
+            output_tokens: 0,
+            ttft_ms: None,
+        }
+    }
+}
+
 struct TenantState {
     bucket: TokenBucket,
     in_flight: u32,
