@@ -99,6 +99,10 @@ async fn serve(
         Ok(r) => r,
         Err(r) => return r,
     };
+    // A stream is metered from the usage its replica reports last: ask for it, and keep that
+    // chunk from a client that did not.
+    let strip_usage = req.stream && !req.include_usage;
+    let body = if strip_usage { asking_for_usage(&body) } else { body };
     let Some(spec) = route.llm.clone() else {
         return error(
             StatusCode::BAD_REQUEST,
@@ -164,6 +168,7 @@ async fn serve(
         route,
         endpoint,
         stream: req.stream,
+        strip_usage,
         arrived,
         meta,
         record,
@@ -260,6 +265,8 @@ struct Call {
     route: Arc<ModelRoute>,
     endpoint: Endpoint,
     stream: bool,
+    /// The client did not ask for the usage chunk the router asked the replica for.
+    strip_usage: bool,
     arrived: Instant,
     meta: Meta,
     record: RequestRecord,
@@ -452,7 +459,7 @@ impl Call {
             deadline,
             started,
             last_token_at: None,
-            sse: SseScanner::default(),
+            sse: SseScanner::new(self.strip_usage),
             token_events: 0,
             usage: None,
             labels,
@@ -478,11 +485,15 @@ impl Call {
                 }
                 Some(None) => {
                     r.finish(StatusCode::OK);
-                    None
+                    // An unfinished last event (no blank line after it) still goes out.
+                    r.done = true;
+                    let rest = r.sse.rest();
+                    (!rest.is_empty()).then_some((Ok(rest), r))
                 }
                 Some(Some(Ok(frame))) => match frame.into_data() {
                     Ok(data) => {
                         r.scan(&data, Instant::now());
+                        let data = if r.sse.strips() { r.sse.take_out() } else { data };
                         Some((Ok(data), r))
                     }
                     Err(_) => Some((Ok(Bytes::new()), r)),
@@ -565,14 +576,34 @@ impl Chunk {
     }
 }
 
-/// Reads server-sent events as they pass, across frame boundaries.
+/// Reads server-sent events as they pass, across frame boundaries. When it strips the usage
+/// chunk (the router asked for it, the client did not), it also rebuilds what passes on: whole
+/// events only, without that one; otherwise frames pass on untouched.
 #[derive(Default)]
 struct SseScanner {
     /// An event line split across frames.
     carry: Vec<u8>,
+    strip_usage: bool,
+    /// Stripping: the lines read of the event not yet ended.
+    event: Vec<u8>,
+    /// Stripping: that event is the usage chunk.
+    event_is_usage: bool,
+    /// Stripping: whole events to pass on.
+    out: Vec<u8>,
 }
 
 impl SseScanner {
+    fn new(strip_usage: bool) -> Self {
+        SseScanner {
+            strip_usage,
+            ..SseScanner::default()
+        }
+    }
+
+    fn strips(&self) -> bool {
+        self.strip_usage
+    }
+
     /// Events in `data` that carry a token, and the usage if one reported it.
     fn scan(&mut self, data: &[u8]) -> (u32, Option<ReportedUsage>) {
         let (mut tokens, mut usage) = (0, None);
@@ -589,9 +620,24 @@ impl SseScanner {
                 if payload != b"[DONE]" {
                     if let Ok(c) = serde_json::from_slice::<Chunk>(payload) {
                         tokens += u32::from(c.has_token());
+                        // The usage chunk has no choices (OpenAI's `include_usage`).
+                        self.event_is_usage |= c.usage.is_some() && c.choices.is_empty();
                         usage = c.usage.or(usage);
                     }
                 }
+            }
+            if self.strip_usage {
+                self.event.extend_from_slice(line);
+                self.event.push(b'\n');
+                if line.trim_ascii().is_empty() {
+                    if !self.event_is_usage {
+                        self.out.extend_from_slice(&self.event);
+                    }
+                    self.event.clear();
+                }
+            }
+            if line.trim_ascii().is_empty() {
+                self.event_is_usage = false;
             }
             self.carry.clear();
             rest = &rest[i + 1..];
@@ -599,6 +645,41 @@ impl SseScanner {
         self.carry.extend_from_slice(rest);
         (tokens, usage)
     }
+
+    /// Stripping: the whole events read so far, to pass on.
+    fn take_out(&mut self) -> Bytes {
+        Bytes::from(std::mem::take(&mut self.out))
+    }
+
+    /// Stripping, at the end of the stream: whatever was held back of an unfinished event.
+    fn rest(&mut self) -> Bytes {
+        if !self.strip_usage {
+            return Bytes::new();
+        }
+        let mut rest = std::mem::take(&mut self.out);
+        if !self.event_is_usage {
+            rest.append(&mut self.event);
+            rest.append(&mut self.carry);
+        }
+        Bytes::from(rest)
+    }
+}
+
+/// The request's body with `stream_options.include_usage` set, so the replica reports the
+/// stream's tokens (and, simulated, its GPU time) at the end. The body parsed as a completion
+/// request already; were it somehow not a JSON object, it goes on unchanged.
+fn asking_for_usage(body: &Bytes) -> Bytes {
+    let Ok(serde_json::Value::Object(mut obj)) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return body.clone();
+    };
+    let options = obj.entry("stream_options").or_insert_with(|| serde_json::json!({}));
+    if !options.is_object() {
+        *options = serde_json::json!({});
+    }
+    options["include_usage"] = serde_json::Value::Bool(true);
+    serde_json::to_vec(&obj)
+        .map(Bytes::from)
+        .unwrap_or_else(|_| body.clone())
 }
 
 /// A stream being passed through, and what it has shown so far.
@@ -864,6 +945,42 @@ mod tests {
         }
         let (n, _) = s.scan(b"event: error\ndata: {\"error\":{\"message\":\"x\"}}\n\n");
         assert_eq!(n, 0, "an error event is not a token");
+
+        // Stripping the usage chunk the client did not ask for: the rest passes on byte for
+        // byte, wherever the frames were cut.
+        let expected = String::from_utf8_lossy(events).replace(
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":2}}\n\n",
+            "",
+        );
+        for cut in 1..events.len() {
+            let mut s = SseScanner::new(true);
+            let (a, u1) = s.scan(&events[..cut]);
+            let mut out = s.take_out().to_vec();
+            let (b, u2) = s.scan(&events[cut..]);
+            out.extend_from_slice(&s.take_out());
+            out.extend_from_slice(&s.rest());
+            assert_eq!((a + b, u2.or(u1).is_some()), (2, true), "cut at {cut}");
+            assert_eq!(String::from_utf8_lossy(&out), expected, "cut at {cut}");
+        }
+        // A last event without its blank line is not lost.
+        let mut s = SseScanner::new(true);
+        s.scan(b"data: {\"choices\":[{\"text\":\"t1\"}]}\n\ndata: [DONE]");
+        assert_eq!(&s.take_out()[..], b"data: {\"choices\":[{\"text\":\"t1\"}]}\n\n");
+        assert_eq!(&s.rest()[..], b"data: [DONE]");
+    }
+
+    #[test]
+    fn the_router_asks_for_usage_and_keeps_the_clients_other_options() {
+        let v = |b: Bytes| serde_json::from_slice::<serde_json::Value>(&b).unwrap();
+        let asked = asking_for_usage(&Bytes::from_static(br#"{"model":"m","prompt":"p","stream":true}"#));
+        assert_eq!(v(asked)["stream_options"], serde_json::json!({"include_usage": true}));
+        let asked = asking_for_usage(&Bytes::from_static(
+            br#"{"model":"m","prompt":"p","stream":true,"stream_options":{"include_usage":false,"continuous_usage_stats":false}}"#,
+        ));
+        assert_eq!(
+            v(asked)["stream_options"],
+            serde_json::json!({"include_usage": true, "continuous_usage_stats": false})
+        );
     }
 
     use std::net::SocketAddr;
@@ -991,9 +1108,18 @@ mod tests {
             assert!(text.contains(&format!("\"t{i} \"")), "token {i} missing from {text}");
         }
         assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+        assert!(
+            !text.contains("\"usage\""),
+            "the usage chunk the router asked for is kept from a client that did not: {text}"
+        );
         let rec = router.recent(None, 1).pop().unwrap();
         assert_eq!((rec.status, rec.output_tokens), (200, 10));
         assert!(rec.ttft_ms.is_some_and(|t| t < rec.service_ms), "{rec:?}");
+        assert!(
+            rec.gpu_ms.is_some_and(|g| g > 0.0),
+            "metered from the replica's usage: {rec:?}"
+        );
+
         let s = router.llm_stats().summary("speech", Instant::now());
         assert_eq!(s[0].requests, 1);
         assert!(
@@ -1005,6 +1131,13 @@ mod tests {
             0,
             "the slot is free again"
         );
+
+        // A client that asks for the usage gets it, once.
+        let mut body = ask("hello", 3, true);
+        body["stream_options"] = serde_json::json!({"include_usage": true});
+        let text = chat(&server, body).send().await.unwrap().text().await.unwrap();
+        assert_eq!(text.matches("\"usage\"").count(), 1, "{text}");
+        assert!(text.contains("\"completion_tokens\":3"), "{text}");
         server.stop().await;
     }
 
