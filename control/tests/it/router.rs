@@ -925,3 +925,121 @@ async fn load_at_a_followers_router_scales_the_model_up() {
     }
     a.stop();
 }
+
+/// A simulated language model on H100s: 20 tokens/s per sequence, a KV cache of `kv_tokens`.
+fn sim_llm_doc(name: &str, class: &str, kv_tokens: u32) -> serde_json::Value {
+    let product = "H100-80GB";
+    serde_json::json!({
+        "name": name,
+        "class": class,
+        "profiles": {product: {"service_ms": 2000, "max_batch": 8, "gpu_memory_gb": 20, "tokens_per_s": 400}},
+        "llm": {"context_tokens": 4096, "default_max_tokens": 64},
+        "runtime": {
+            "command": [
+                sim_model_bin().display().to_string(), "--llm", "--listen", "127.0.0.1:{port}",
+                "--model", "{model}", "--product", "{product}",
+                "--tokens-per-s", format!("{product}=400"), "--max-seq-tokens-per-s", "20",
+                "--kv-cache-tokens", format!("{product}={kv_tokens}"),
+                "--max-batch", "{max_batch}", "--context-tokens", "4096",
+            ],
+            "health_path": "/health",
+            "in_flight": {
+                "path": "/metrics",
+                "metric": laneway_agent::sim_model::IN_FLIGHT_METRIC,
+                "waiting": "vllm:num_requests_waiting",
+                "kv_cache": "vllm:gpu_cache_usage_perc",
+            },
+        },
+    })
+}
+
+/// An LLM lane scaling on `signal`, end to end: the engine's gauge, read by the agent's probe,
+/// reaches the leader in heartbeats and the fast loop adds a replica, saying why. `streams`
+/// long generations of `max_tokens` each are held open against one replica whose KV cache
+/// holds `kv_tokens`.
+async fn an_llm_lane_scales_on(signal: &str, kv_tokens: u32, streams: usize, max_tokens: u32, reason: &str) {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = vec![Node::new(root.path(), 1)];
+    let client = form_cluster(&mut nodes).await;
+    let addr = nodes[0].addr.clone();
+    lanectl(
+        &addr,
+        &[
+            "lane",
+            "set",
+            "chat",
+            "--lane",
+            "bounded",
+            "--budget-ms",
+            "5000",
+            "--timeout-ms",
+            "120000",
+            "--warm-floor",
+            "1",
+            "--scale-on",
+            signal,
+            "--kv-target-pct",
+            "50",
+        ],
+    );
+    let key = lanectl(&addr, &["tenant", "create", "t1"])["api_key"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let file = root.path().join("llm.json");
+    std::fs::write(&file, sim_llm_doc("llm", "chat", kv_tokens).to_string()).unwrap();
+    let a = agent("gpu-h", "H100-80GB", vec![addr.clone()], root.path(), vec![]).await;
+    let _reaper = Reaper(a.supervisor.clone());
+    lanectl(&addr, &["model", "register", "--file", file.to_str().unwrap()]);
+    wait_for("the floor's replica ready", Duration::from_secs(30), || async {
+        ready_nodes(&client, "llm").await.filter(|n| n.len() == 1)
+    })
+    .await;
+    let url = format!("http://{}/v1/completions", nodes[0].router_addr);
+    let http = reqwest::Client::new();
+    let mut held = Vec::new();
+    for i in 0..streams {
+        // Different prompts: no prefix is shared, every sequence reserves its own KV blocks.
+        let body = serde_json::json!({"model": "llm", "prompt": format!("request {i}"), "max_tokens": max_tokens, "stream": true});
+        let resp = wait_for("the lane to take the stream", Duration::from_secs(10), || async {
+            let r = http.post(&url).bearer_auth(&key).json(&body).send().await.ok()?;
+            (r.status() == 200).then_some(r)
+        })
+        .await;
+        held.push(resp);
+    }
+    wait_for("a second replica placed and ready", Duration::from_secs(30), || async {
+        ready_nodes(&client, "llm").await.filter(|n| n.len() == 2)
+    })
+    .await;
+    let show = lanectl(&addr, &["lane", "show", "chat"]);
+    let why = show["decisions"]
+        .as_array()
+        .and_then(|d| {
+            d.iter()
+                .filter_map(|d| d["message"].as_str())
+                .find(|r| r.contains(reason))
+        })
+        .unwrap_or_else(|| panic!("no decision on {signal} ({reason:?}) in {show}"))
+        .to_string();
+    assert!(
+        why.contains("1 → 2") || show["models"][0]["desired"] == 2,
+        "{why} / {show}"
+    );
+    drop(held);
+}
+
+/// KV-cache usage over the lane's target adds a replica before anything has to wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_llm_lane_scales_on_kv_cache_usage_reported_by_the_engines() {
+    // Three sequences reserving ~1,000 tokens each fill ~75% of a 4,096-token cache.
+    an_llm_lane_scales_on("kv_cache", 4096, 3, 1000, "against a 50% target").await;
+}
+
+/// Requests waiting inside the engine (its KV cache is full) add a replica, though the
+/// router itself queues nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_llm_lane_scales_on_requests_waiting_in_the_engines() {
+    // One 1,500-token sequence fills a 2,048-token cache; the second waits in the engine.
+    an_llm_lane_scales_on("waiting", 2048, 2, 1500, "1 in the engines").await;
+}
