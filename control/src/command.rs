@@ -16,10 +16,11 @@ use crate::registry::{Class, DesiredReplica, Model, ReplicaRecord, Tenant, Tenan
 
 /// Highest command format this binary can apply. Format 2 added the registry commands, format 3
 /// the durable job queue, format 4 spot preemption notices, format 5 the ledger (prices and
-/// usage reports), format 6 language-model lanes (token policies, specs, limits and usage); a command is written with the lowest format that can express it
+/// usage reports), format 6 language-model lanes (token policies, specs, limits and usage), format 7 the slow
+/// loop's node requests and capacity marks; a command is written with the lowest format that can express it
 /// ([`Command::format`]), so an older controller keeps applying what it knows and stops only
 /// at the first command it cannot understand.
-pub const COMMAND_FORMAT: u32 = 6;
+pub const COMMAND_FORMAT: u32 = 7;
 
 /// The cluster setting holding the highest command format every member can apply, written at
 /// `cluster init` and raised by `lanectl cluster finalize-upgrade` once every member runs a
@@ -194,6 +195,17 @@ pub enum Command {
         pool: String,
         taints: Vec<String>,
     },
+    /// The slow loop's record of a node it asked a provider for (created or replaced whole).
+    PutNodeRequest(crate::provision::NodeRequest),
+    /// A node request is over: it failed, or its node was given back.
+    RemoveNodeRequest {
+        id: String,
+    },
+    /// Set (or, with `None`, clear) the insufficient-capacity mark of `product@region`.
+    SetCapacityMark {
+        key: String,
+        mark: Option<crate::provision::CapacityMark>,
+    },
 }
 
 /// What applying one log entry produced.
@@ -273,6 +285,7 @@ impl Command {
             | Command::CancelJob { .. }
             | Command::CompactJobs { .. } => 3,
             Command::PreemptNode { .. } => 4,
+            Command::PutNodeRequest(_) | Command::RemoveNodeRequest { .. } | Command::SetCapacityMark { .. } => 7,
             Command::SetPrice { .. }
             | Command::RecordUsage(_)
             | Command::SetMigLayout { .. }
@@ -348,6 +361,9 @@ impl Command {
                 node_id.len() + gpu.len() + profiles.iter().map(|p| p.len() + 4).sum::<usize>()
             }
             Command::SetPoolTaints { pool, taints } => pool.len() + taints.iter().map(|t| t.len() + 4).sum::<usize>(),
+            Command::PutNodeRequest(r) => 256 + r.id.len() + r.models.iter().map(|m| m.len() + 4).sum::<usize>(),
+            Command::RemoveNodeRequest { id } => id.len(),
+            Command::SetCapacityMark { key, mark } => key.len() + mark.as_ref().map_or(0, |m| 64 + m.why.len()),
         }
     }
 
@@ -418,6 +434,15 @@ impl Command {
                     .iter()
                     .try_for_each(|t| crate::registry::validate_taint(t))
                     .map_err(CommandError::Invalid)
+            }
+            Command::PutNodeRequest(r) => validate_node_id(&r.id).map_err(CommandError::InvalidNode),
+            Command::RemoveNodeRequest { id } => validate_node_id(id).map_err(CommandError::InvalidNode),
+            Command::SetCapacityMark { key, .. } => {
+                if key.is_empty() || key.len() > 256 || !key.contains('@') {
+                    Err(CommandError::Invalid(format!("capacity key {key:?}: product@region")))
+                } else {
+                    Ok(())
+                }
             }
             Command::SetMigLayout { node_id, profiles, .. } => {
                 validate_node_id(node_id).map_err(CommandError::InvalidNode)?;

@@ -25,6 +25,8 @@ pub struct FileConfig {
     pub router: FileRouterConfig,
     #[serde(default)]
     pub jobs: FileJobsConfig,
+    /// The slow loop's pools and node provider (see deploy/examples/provision.toml).
+    pub provision: Option<PathBuf>,
 }
 
 /// `[jobs]` table of the TOML file.
@@ -98,6 +100,10 @@ pub struct RunArgs {
     /// object-store URL (s3://bucket/prefix). Default `<data-dir>/results`.
     #[arg(long, env = "LANEWAY_RESULTS_STORE")]
     pub results_store: Option<String>,
+    /// The slow loop's pools and node provider (TOML; see deploy/examples/provision.toml).
+    /// Without it, replicas that do not fit the fleet wait, reported as unplaced.
+    #[arg(long, env = "LANEWAY_PROVISION")]
+    pub provision: Option<PathBuf>,
 }
 
 /// Raft timing and compaction settings, validated.
@@ -150,6 +156,8 @@ pub struct ControllerConfig {
     pub router: crate::router::http::RouterSettings,
     /// Results store of the durable lanes (directory or object-store URL).
     pub results_store: String,
+    /// The slow loop's configuration; `None`: no provisioner.
+    pub provision: Option<crate::provision::ProvisionConfig>,
 }
 
 /// An invalid configuration value.
@@ -327,7 +335,15 @@ impl RunArgs {
             .clone()
             .or_else(|| file.jobs.results_store.clone())
             .unwrap_or_else(|| data_dir.join("results").display().to_string());
+        let provision = self
+            .provision
+            .clone()
+            .or_else(|| file.provision.clone())
+            .map(|p| crate::provision::ProvisionConfig::load(&p))
+            .transpose()
+            .map_err(|e| bad("provision", e.path.clone(), e.message))?;
         Ok(ControllerConfig {
+            provision,
             results_store,
             node_id,
             cluster_name,

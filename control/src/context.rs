@@ -27,6 +27,8 @@ pub struct Context {
     pub jobs: Arc<crate::jobs::gateway::JobGateway>,
     /// The last minutes of each lane and the latest scaling decisions, for the dashboard.
     pub history: Arc<crate::observe::history::History>,
+    /// Replicas the leader's last placement pass could not place (the slow loop's demand).
+    pub unplaced: Arc<std::sync::Mutex<Vec<crate::scheduler::placement::Unplaced>>>,
 }
 
 impl Context {

@@ -26,6 +26,10 @@ pub struct DevArgs {
     /// Inference router listen address (HTTP).
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub router_listen: std::net::SocketAddr,
+    /// Run the slow loop with these pools and provider (e.g. deploy/examples/provision.toml,
+    /// whose simulated provider boots `laneway-agent` processes).
+    #[arg(long)]
+    pub provision: Option<PathBuf>,
 }
 
 /// A running dev controller, its simulated agents, and the temp dir it owns.
@@ -399,6 +403,12 @@ pub async fn start(args: DevArgs) -> Result<DevController, DevError> {
         max_admin_request_bytes: 1024 * 1024,
         node_dead_after: Duration::from_secs(3),
         results_store: data_dir.join("results").display().to_string(),
+        provision: args
+            .provision
+            .as_deref()
+            .map(crate::provision::ProvisionConfig::load)
+            .transpose()
+            .map_err(|e| DevError::Other(e.to_string()))?,
         router: crate::router::http::RouterSettings {
             listen: Some(args.router_listen),
             ..Default::default()

@@ -19,6 +19,7 @@ pub mod node;
 pub mod observe;
 pub mod planner;
 pub mod proposer;
+pub mod provision;
 pub mod registry;
 pub mod router;
 pub mod scheduler;

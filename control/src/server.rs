@@ -157,6 +157,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         load: Arc::default(),
         jobs: jobs.clone(),
         history: Arc::default(),
+        unplaced: Arc::default(),
     };
     let router = ctx.router.clone();
     router.enable_jobs(jobs, results);
@@ -193,6 +194,10 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         }
     });
     let monitor = tokio::spawn(monitor::run(ctx.clone(), cfg.node_dead_after));
+    if let Some(p) = cfg.provision.clone() {
+        let (ctx, dir) = (ctx.clone(), cfg.data_dir.clone());
+        tokio::spawn(async move { crate::provision::slow_loop::run(ctx, p, &dir).await });
+    }
 
     let (tx, rx) = oneshot::channel::<()>();
     let server = tokio::spawn(

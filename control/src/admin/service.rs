@@ -99,6 +99,7 @@ impl AdminGrpc {
             load,
             jobs,
             history,
+            unplaced: _,
         } = ctx;
         AdminGrpc {
             router,
@@ -549,6 +550,8 @@ impl AdminService for AdminGrpc {
                 .iter()
                 .map(|(pool, taints)| to_json(&serde_json::json!({"pool": pool, "taints": taints})))
                 .collect(),
+            "node-requests" => r.node_requests.values().map(to_json).collect(),
+            "capacity" => r.capacity_marks.values().map(to_json).collect(),
             "desired" => r
                 .desired
                 .iter()
@@ -594,7 +597,7 @@ impl AdminService for AdminGrpc {
             }),
             other => {
                 return Err(AdminError::InvalidArgument(format!(
-                    "unknown registry kind {other:?}; use classes, models, tenants, replicas, desired, pools, jobs or prices"
+                    "unknown registry kind {other:?}; use classes, models, tenants, replicas, desired, pools, node-requests, capacity, jobs or prices"
                 ))
                 .into())
             }

@@ -370,6 +370,12 @@ pub struct Registry {
     /// MIG off). A GPU without an entry is left as it is.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub mig: BTreeMap<String, BTreeMap<String, Vec<String>>>,
+    /// Nodes the slow loop asked for, by request id (= the node id), until given back.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_requests: BTreeMap<String, crate::provision::NodeRequest>,
+    /// `product@region` → a recent capacity failure there (launches wait until it expires).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub capacity_marks: BTreeMap<String, crate::provision::CapacityMark>,
 }
 
 /// Checks a taint (or toleration): 1-63 characters of a-z, 0-9, '.', '/', '-', '_'.

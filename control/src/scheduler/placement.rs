@@ -83,6 +83,8 @@ pub struct Placement {
 pub struct Unplaced {
     pub model: String,
     pub reason: String,
+    /// Replicas of the model still missing (this one and the ones after it).
+    pub missing: usize,
 }
 
 /// How good a candidate GPU is, lower first: (node already runs the model, card already runs
@@ -275,6 +277,7 @@ impl FleetIndex {
                     products.join(", ")
                 )
             },
+            missing: 1,
         })
     }
 

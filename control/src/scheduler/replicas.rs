@@ -255,6 +255,7 @@ pub fn plan_cached(
                     "no schedulable node has a GPU product the model lists ({})",
                     listed.join(", ")
                 ),
+                missing,
             });
             continue;
         }
@@ -288,7 +289,10 @@ pub fn plan_cached(
                     product: p.product,
                 }),
                 Err(u) => {
-                    unplaced.push(u);
+                    unplaced.push(Unplaced {
+                        missing: have_now + missing - have,
+                        ..u
+                    });
                     break;
                 }
             }

@@ -38,6 +38,7 @@ pub async fn run(ctx: Context) {
         let targets = fast_loop(&ctx, &registry, &mut scale, Instant::now());
         let cached = cached_models(&ctx, &registry);
         let plan = replicas::plan_cached(&fleet, &registry, &targets, &cached, &mut new_id);
+        *ctx.unplaced.lock().unwrap_or_else(|p| p.into_inner()) = plan.unplaced.clone();
         let unplaced: Vec<String> = plan
             .unplaced
             .iter()

@@ -208,6 +208,20 @@ impl AppState {
                 }
                 CommandResponse::default()
             }
+            Command::PutNodeRequest(r) => refused(crate::fleet::validate_node_id(&r.id).map(|()| {
+                self.registry.node_requests.insert(r.id.clone(), r.clone());
+            })),
+            Command::RemoveNodeRequest { id } => {
+                self.registry.node_requests.remove(id);
+                CommandResponse::default()
+            }
+            Command::SetCapacityMark { key, mark } => {
+                match mark {
+                    Some(m) => self.registry.capacity_marks.insert(key.clone(), m.clone()),
+                    None => self.registry.capacity_marks.remove(key),
+                };
+                CommandResponse::default()
+            }
             Command::RecordUsage(report) => {
                 let pct = self.cost_regression_pct();
                 self.ledger.apply_report(report, &self.fleet, pct);
@@ -310,6 +324,8 @@ impl AppState {
             "desired" => r.desired.get(name).map(json),
             "mig" => r.mig.get(name).map(json),
             "pool" => r.pool_taints.get(name).map(json),
+            "noderequest" => r.node_requests.get(name).map(json),
+            "capacity" => r.capacity_marks.get(name).map(json),
             _ => None,
         }
     }
@@ -348,6 +364,14 @@ impl AppState {
                 .pool_taints
                 .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
                 .map(|_| ()),
+            "noderequest" => r
+                .node_requests
+                .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
+                .map(|_| ()),
+            "capacity" => r
+                .capacity_marks
+                .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
+                .map(|_| ()),
             _ => return Err(format!("unknown registry key {key:?}")),
         };
         Ok(())
@@ -365,7 +389,9 @@ impl AppState {
             .chain(r.replicas.keys().map(|k| format!("replicas/{k}")))
             .chain(r.desired.keys().map(|k| format!("desired/{k}")))
             .chain(r.mig.keys().map(|k| format!("mig/{k}")))
-            .chain(r.pool_taints.keys().map(|k| format!("pool/{k}")));
+            .chain(r.pool_taints.keys().map(|k| format!("pool/{k}")))
+            .chain(r.node_requests.keys().map(|k| format!("noderequest/{k}")))
+            .chain(r.capacity_marks.keys().map(|k| format!("capacity/{k}")));
         keys.filter_map(|k| self.registry_value(&k).map(|v| (k, v))).collect()
     }
 
@@ -1083,6 +1109,9 @@ fn record_touched(command: &Command, t: &mut Touched) {
         Command::SetDesiredReplicas { node_id, .. } => key(format!("desired/{node_id}")),
         Command::SetMigLayout { node_id, .. } => key(format!("mig/{node_id}")),
         Command::SetPoolTaints { pool, .. } => key(format!("pool/{pool}")),
+        Command::PutNodeRequest(r) => key(format!("noderequest/{}", r.id)),
+        Command::RemoveNodeRequest { id } => key(format!("noderequest/{id}")),
+        Command::SetCapacityMark { key: k, .. } => key(format!("capacity/{k}")),
     }
 }
 

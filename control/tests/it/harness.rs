@@ -52,6 +52,8 @@ pub struct Node {
     pub dir: PathBuf,
     /// The durable lanes' results store, shared by every controller and agent of a test.
     pub results: PathBuf,
+    /// More flags for `laneway-control run`.
+    pub extra_args: Vec<String>,
     child: Option<Child>,
 }
 
@@ -63,6 +65,7 @@ impl Node {
             router_addr: format!("127.0.0.1:{}", free_port()),
             dir: root.join(format!("node-{id}")),
             results: root.join("results"),
+            extra_args: Vec::new(),
             child: None,
         }
     }
@@ -86,6 +89,9 @@ impl Node {
             "--results-store".into(),
             self.results.display().to_string(),
         ]
+        .into_iter()
+        .chain(self.extra_args.iter().cloned())
+        .collect()
     }
 
     /// Starts (or restarts) the process, logging to `dir/log-N.txt`.

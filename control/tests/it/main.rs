@@ -7,5 +7,6 @@ mod jobs;
 mod observe;
 mod plan_cli;
 mod power_loss;
+mod provision;
 mod router;
 mod store_suite;

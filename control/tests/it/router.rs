@@ -442,7 +442,7 @@ async fn a_replica_crash_mid_load_retries_only_undelivered_requests_and_nothing_
 }
 
 /// The nodes of the committed ready replicas of `model`, sorted.
-async fn ready_nodes(client: &AdminClient, model: &str) -> Option<Vec<String>> {
+pub(super) async fn ready_nodes(client: &AdminClient, model: &str) -> Option<Vec<String>> {
     let r = client
         .call(|mut c| async move {
             c.list_registry(ListRegistryRequest {
@@ -606,7 +606,7 @@ async fn a_graceful_stop_loses_no_metered_usage() {
 }
 
 /// A model document served by the simulated model server: `service_ms` on `product`.
-fn sim_model_doc(name: &str, class: &str, product: &str, service_ms: u32) -> serde_json::Value {
+pub(super) fn sim_model_doc(name: &str, class: &str, product: &str, service_ms: u32) -> serde_json::Value {
     serde_json::json!({
         "name": name,
         "class": class,
