@@ -11,6 +11,7 @@ mod llm_bench;
 mod placement_bench;
 mod process_cluster;
 mod router_bench;
+mod scaling_bench;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -45,6 +46,10 @@ enum Cmd {
     /// Streaming overhead of the router for language models: TTFT and inter-token latency
     /// through the router vs direct to a simulated LLM replica, at a fixed open-loop rate.
     Llm(llm_bench::LlmBenchArgs),
+    /// Placement and fast loops end to end on a 3-controller cluster: replicas placed and
+    /// committed per second, step load → scale decision committed and new replica Ready, host
+    /// kill → replicas Ready elsewhere.
+    Scaling(scaling_bench::ScalingArgs),
 }
 
 /// Default path of a sibling binary (the one Cargo built next to this one).
@@ -65,6 +70,7 @@ fn main() -> ExitCode {
             Cmd::Placement(args) => placement_bench::run(args),
             Cmd::Jobs(args) => jobs_bench::run(args).await,
             Cmd::Llm(args) => llm_bench::run(args).await,
+            Cmd::Scaling(args) => scaling_bench::run(args).await,
         }
     });
     match res {

@@ -212,46 +212,60 @@ impl Drop for KillOnDrop {
 
 /// Registers a node with one ready replica of `model` and keeps it alive with heartbeats.
 pub(crate) async fn play_agent(leader: &str, port: u16, model: &str) -> anyhow::Result<tokio::task::JoinHandle<()>> {
-    let model = model.to_string();
+    let gpus = vec![GpuInfo {
+        product: "L4".into(),
+        uuid: "GPU-bench-0".into(),
+        memory_bytes: 24 << 30,
+        mig_capable: false,
+    }];
+    let replica = ReplicaReport {
+        id: format!("{model}-0"),
+        model: model.to_string(),
+        device: "GPU-bench-0".into(),
+        state: "ready".into(),
+        port: u32::from(port),
+        in_flight: 0,
+        last_exit: String::new(),
+        waiting: 0,
+        kv_cache_usage: -1.0,
+    };
+    fake_node(leader, "bench-node", "l4", gpus, vec![replica]).await
+}
+
+/// Registers node `id` of `pool` with `gpus` at the leader and heartbeats `replicas` every
+/// 500 ms, as an agent would (it runs nothing it is told to).
+pub(crate) async fn fake_node(
+    leader: &str,
+    id: &str,
+    pool: &str,
+    gpus: Vec<GpuInfo>,
+    replicas: Vec<ReplicaReport>,
+) -> anyhow::Result<tokio::task::JoinHandle<()>> {
     let mut agent = AgentServiceClient::connect(format!("http://{leader}")).await?;
     agent
         .register(RegisterRequest {
-            node_id: "bench-node".into(),
-            hostname: "bench-node".into(),
+            node_id: id.into(),
+            hostname: id.into(),
             labels: Default::default(),
-            pool: "l4".into(),
-            gpus: vec![GpuInfo {
-                product: "L4".into(),
-                uuid: "GPU-bench-0".into(),
-                memory_bytes: 24 << 30,
-                mig_capable: false,
-            }],
+            pool: pool.into(),
+            gpus,
             join_token: String::new(),
             replica_host: "127.0.0.1".into(),
         })
         .await?;
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     let mut replies = agent.heartbeats(ReceiverStream::new(rx)).await?.into_inner();
+    let id = id.to_string();
     Ok(tokio::spawn(async move {
         let mut seq = 0;
         loop {
             seq += 1;
             let hb = Heartbeat {
-                node_id: "bench-node".into(),
+                node_id: id.clone(),
                 sequence: seq,
                 sent_unix_ms: 0,
                 gpus: vec![],
-                replicas: vec![ReplicaReport {
-                    id: format!("{model}-0"),
-                    model: model.clone(),
-                    device: "GPU-bench-0".into(),
-                    state: "ready".into(),
-                    port: u32::from(port),
-                    in_flight: 0,
-                    last_exit: String::new(),
-                    waiting: 0,
-                    kv_cache_usage: -1.0,
-                }],
+                replicas: replicas.clone(),
                 cached_blobs: vec![],
                 jobs: vec![],
             };

@@ -188,39 +188,42 @@ impl SimProvider {
     fn host_dir(&self, id: &str) -> PathBuf {
         self.dir.join(id)
     }
+}
 
-    fn write_configs(&self, req: &NodeRequest, join: &Join) -> std::io::Result<PathBuf> {
-        let dir = self.host_dir(&req.id);
-        std::fs::create_dir_all(&dir)?;
-        let sim = dir.join("gpus.toml");
-        std::fs::write(
-            &sim,
-            format!(
-                "node = {:?}\n[[gpu]]\nproduct = {:?}\ncount = {}\n",
-                req.id, req.product, req.gpus
-            ),
-        )?;
-        let controllers: Vec<String> = join.controllers.iter().map(|c| format!("{c:?}")).collect();
-        let config = dir.join("agent.toml");
-        std::fs::write(
-            &config,
-            format!(
-                "node_id = {:?}\ncontrollers = [{}]\npool = {:?}\nlabels = {{ tier = {:?}, region = {:?} }}\ndata_dir = {:?}\nmetrics_listen = \"off\"\n[gpu]\nbackend = \"sim\"\nsim_config = {:?}\n",
-                req.id,
-                controllers.join(", "),
-                req.pool,
-                req.tier.as_str(),
-                req.region,
-                dir.join("data").display().to_string(),
-                sim.display().to_string()
-            ),
-        )?;
-        Ok(config)
-    }
+/// Writes a simulated host's agent config (and its simulated GPUs) under `dir/<node id>`:
+/// the node of `req`, joining `controllers`. Returns the agent config's path, for
+/// `laneway-agent run --config`.
+pub fn write_sim_host(dir: &Path, req: &NodeRequest, controllers: &[String]) -> std::io::Result<PathBuf> {
+    let dir = dir.join(&req.id);
+    std::fs::create_dir_all(&dir)?;
+    let sim = dir.join("gpus.toml");
+    std::fs::write(
+        &sim,
+        format!(
+            "node = {:?}\n[[gpu]]\nproduct = {:?}\ncount = {}\n",
+            req.id, req.product, req.gpus
+        ),
+    )?;
+    let controllers: Vec<String> = controllers.iter().map(|c| format!("{c:?}")).collect();
+    let config = dir.join("agent.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "node_id = {:?}\ncontrollers = [{}]\npool = {:?}\nlabels = {{ tier = {:?}, region = {:?} }}\ndata_dir = {:?}\nmetrics_listen = \"off\"\n[gpu]\nbackend = \"sim\"\nsim_config = {:?}\n",
+            req.id,
+            controllers.join(", "),
+            req.pool,
+            req.tier.as_str(),
+            req.region,
+            dir.join("data").display().to_string(),
+            sim.display().to_string()
+        ),
+    )?;
+    Ok(config)
 }
 
 /// Every process descended from `pid` (Linux: read from /proc), children first found first.
-fn descendants(pid: i32) -> Vec<i32> {
+pub fn descendants(pid: i32) -> Vec<i32> {
     let mut parent_of: Vec<(i32, i32)> = Vec::new();
     if let Ok(dir) = std::fs::read_dir("/proc") {
         for e in dir.flatten() {
@@ -280,8 +283,7 @@ impl NodeProvider for SimProvider {
             if read_pid(&pid_file).is_some_and(pid_alive) {
                 return Ok(format!("sim:{}", req.id));
             }
-            let config = self
-                .write_configs(req, join)
+            let config = write_sim_host(&self.dir, req, &join.controllers)
                 .map_err(|e| ProviderError::Failed(format!("simulated host {}: {e}", dir.display())))?;
             let (bin, delay, notice, notices, id, tier) = (
                 self.agent_bin.clone(),
