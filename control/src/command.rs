@@ -201,6 +201,8 @@ pub enum Command {
     RemoveNodeRequest {
         id: String,
     },
+    /// A MIG capacity plan: the next version (refused otherwise), or the latest marked applied.
+    PutMigPlan(crate::scheduler::mig_plan::MigPlan),
     /// Set (or, with `None`, clear) the insufficient-capacity mark of `product@region`.
     SetCapacityMark {
         key: String,
@@ -285,7 +287,10 @@ impl Command {
             | Command::CancelJob { .. }
             | Command::CompactJobs { .. } => 3,
             Command::PreemptNode { .. } => 4,
-            Command::PutNodeRequest(_) | Command::RemoveNodeRequest { .. } | Command::SetCapacityMark { .. } => 7,
+            Command::PutNodeRequest(_)
+            | Command::RemoveNodeRequest { .. }
+            | Command::SetCapacityMark { .. }
+            | Command::PutMigPlan(_) => 7,
             Command::SetPrice { .. }
             | Command::RecordUsage(_)
             | Command::SetMigLayout { .. }
@@ -363,6 +368,7 @@ impl Command {
             Command::SetPoolTaints { pool, taints } => pool.len() + taints.iter().map(|t| t.len() + 4).sum::<usize>(),
             Command::PutNodeRequest(r) => 256 + r.id.len() + r.models.iter().map(|m| m.len() + 4).sum::<usize>(),
             Command::RemoveNodeRequest { id } => id.len(),
+            Command::PutMigPlan(p) => serde_json::to_vec(p).map_or(4096, |b| b.len()),
             Command::SetCapacityMark { key, mark } => key.len() + mark.as_ref().map_or(0, |m| 64 + m.why.len()),
         }
     }
@@ -437,6 +443,11 @@ impl Command {
             }
             Command::PutNodeRequest(r) => validate_node_id(&r.id).map_err(CommandError::InvalidNode),
             Command::RemoveNodeRequest { id } => validate_node_id(id).map_err(CommandError::InvalidNode),
+            Command::PutMigPlan(p) => p
+                .gpus
+                .iter()
+                .try_for_each(|g| validate_node_id(&g.node))
+                .map_err(CommandError::InvalidNode),
             Command::SetCapacityMark { key, .. } => {
                 if key.is_empty() || key.len() > 256 || !key.contains('@') {
                     Err(CommandError::Invalid(format!("capacity key {key:?}: product@region")))

@@ -13,13 +13,13 @@ use laneway_proto::admin::{
     SnapshotRequest, StatusRequest, WriteReply,
 };
 use laneway_proto::admin::{
+    ApplyMigPlanRequest, EventsRequest, FinalizeUpgradeReply, FinalizeUpgradeRequest, MemberFormat, PlanMigRequest,
+    SetMigLayoutRequest, SetPoolTaintsRequest,
+};
+use laneway_proto::admin::{
     CreateTenantRequest, DocumentsReply, JobWriteReply, JobWritesReply, JobWritesRequest, LaneStatusRequest,
     LedgerRequest, ListRegistryRequest, LoadReport, LoadReportReply, NameRequest, PutDocumentRequest, SetPriceRequest,
     SetTenantLimitRequest, TenantKeyReply, UsageReportRequest,
-};
-use laneway_proto::admin::{
-    EventsRequest, FinalizeUpgradeReply, FinalizeUpgradeRequest, MemberFormat, SetMigLayoutRequest,
-    SetPoolTaintsRequest,
 };
 use openraft::error::{ForwardToLeader, RaftError};
 use openraft::{ChangeMembers, ServerState};
@@ -885,6 +885,117 @@ impl AdminService for AdminGrpc {
             })
             .await?,
         ))
+    }
+
+    async fn plan_mig(&self, _req: Request<PlanMigRequest>) -> Result<Response<DocumentsReply>, Status> {
+        self.linearizable_barrier().await?;
+        let (fleet, registry) = (self.sm.fleet(), self.sm.registry());
+        let (gpus, notes) = crate::scheduler::mig_plan::propose(&fleet, &registry);
+        if gpus.is_empty() {
+            return Err(AdminError::FailedPrecondition(
+                "no MIG-capable GPU on a schedulable node: there is nothing to plan (`lanectl mig list` shows the GPUs)"
+                    .into(),
+            )
+            .into());
+        }
+        let plan = crate::scheduler::mig_plan::MigPlan {
+            version: registry.mig_plan.as_ref().map_or(1, |p| p.version + 1),
+            created_ms: crate::jobs::unix_ms(),
+            gpus,
+            notes,
+            applied_ms: None,
+        };
+        let w = self.write(Command::PutMigPlan(plan.clone())).await?;
+        Ok(Response::new(DocumentsReply {
+            json: vec![to_json(&plan)],
+            applied_index: w.log_index,
+        }))
+    }
+
+    async fn show_mig_plan(&self, _req: Request<PlanMigRequest>) -> Result<Response<DocumentsReply>, Status> {
+        self.linearizable_barrier().await?;
+        Ok(Response::new(DocumentsReply {
+            json: self.sm.registry().mig_plan.iter().map(to_json).collect(),
+            applied_index: self.sm.applied_index(),
+        }))
+    }
+
+    async fn apply_mig_plan(&self, req: Request<ApplyMigPlanRequest>) -> Result<Response<WriteReply>, Status> {
+        let version = req.into_inner().version;
+        self.linearizable_barrier().await?;
+        let (fleet, registry) = (self.sm.fleet(), self.sm.registry());
+        let Some(plan) = registry.mig_plan.clone() else {
+            return Err(
+                AdminError::FailedPrecondition("no MIG plan yet: run `lanectl mig plan` and review it".into()).into(),
+            );
+        };
+        if plan.version != version {
+            return Err(AdminError::FailedPrecondition(format!(
+                "plan {version} is not the latest (that is {}): review it with `lanectl mig plan --show`",
+                plan.version
+            ))
+            .into());
+        }
+        if plan.applied_ms.is_some() {
+            return Err(AdminError::FailedPrecondition(format!("plan {version} is already applied")).into());
+        }
+        let mut commands = Vec::new();
+        for g in plan.gpus.iter().filter(|g| g.changes()) {
+            let known = fleet
+                .nodes
+                .get(&g.node)
+                .is_some_and(|n| n.registration.gpus.iter().any(|x| x.uuid == g.gpu));
+            if !known {
+                return Err(AdminError::FailedPrecondition(format!(
+                    "plan {version} names GPU {} of node {}, which the fleet no longer has: run `lanectl mig plan` again",
+                    g.gpu, g.node
+                ))
+                .into());
+            }
+            let now = registry
+                .mig
+                .get(&g.node)
+                .and_then(|m| m.get(&g.gpu))
+                .cloned()
+                .unwrap_or_default();
+            if now != g.current {
+                return Err(AdminError::FailedPrecondition(format!(
+                    "GPU {} of node {} changed since plan {version} was made: run `lanectl mig plan` again",
+                    g.gpu, g.node
+                ))
+                .into());
+            }
+            commands.push(Command::SetMigLayout {
+                node_id: g.node.clone(),
+                gpu: g.gpu.clone(),
+                profiles: g.planned.clone(),
+            });
+        }
+        commands.push(Command::PutMigPlan(crate::scheduler::mig_plan::MigPlan {
+            applied_ms: Some(crate::jobs::unix_ms()),
+            ..plan
+        }));
+        crate::command::check_allowed(&self.sm, &commands[0]).map_err(AdminError::FailedPrecondition)?;
+        let (log_index, resp) = self
+            .proposer
+            .propose(Command::Batch(commands))
+            .await
+            .map_err(|e| self.raft_error(e))?;
+        if let Some(why) = resp
+            .rejected
+            .or_else(|| resp.batch.iter().find_map(|b| b.rejected.clone()))
+        {
+            return Err(AdminError::FailedPrecondition(why).into());
+        }
+        self.history.event(
+            "mig",
+            &format!("plan {version}"),
+            format!("MIG plan {version} applied (log index {log_index}); changed GPUs drain, then their agents re-partition them"),
+        );
+        Ok(Response::new(WriteReply {
+            log_index,
+            previous: None,
+        }))
     }
 
     async fn list_nodes(&self, _req: Request<ListNodesRequest>) -> Result<Response<ListNodesReply>, Status> {

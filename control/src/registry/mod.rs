@@ -376,6 +376,9 @@ pub struct Registry {
     /// `product@region` → a recent capacity failure there (launches wait until it expires).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub capacity_marks: BTreeMap<String, crate::provision::CapacityMark>,
+    /// The latest MIG capacity plan (`lanectl mig plan`), applied or not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_plan: Option<crate::scheduler::mig_plan::MigPlan>,
 }
 
 /// Checks a taint (or toleration): 1-63 characters of a-z, 0-9, '.', '/', '-', '_'.

@@ -3,6 +3,7 @@
 
 pub mod autoscale;
 pub mod load_board;
+pub mod mig_plan;
 pub mod placement;
 pub mod replicas;
 pub mod warm_floor_loop;

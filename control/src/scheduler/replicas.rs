@@ -91,15 +91,38 @@ pub fn plan(
     plan_cached(fleet, registry, targets, &HashMap::new(), new_id)
 }
 
-/// Plans the placed replicas. `targets` are the fast loop's replica counts per model (the warm
-/// floor when absent or lower); `cached` is, per node, the models whose weights its cache
-/// holds (a new replica prefers such a node: no download before it starts); `new_id` names a
-/// new replica of a model.
+/// A MIG device an agent reports, on a GPU whose reported layout is the one the controllers
+/// want (no change pending): a slot for one replica of a model that lists its profile.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Slice {
+    pub parent: String,
+    pub uuid: String,
+    pub profile: String,
+}
+
+/// Plans the placed replicas with no knowledge of MIG devices (see [`plan_observed`]).
 pub fn plan_cached(
     fleet: &Fleet,
     registry: &Registry,
     targets: &HashMap<String, usize>,
     cached: &HashMap<String, HashSet<String>>,
+    new_id: &mut dyn FnMut(&str) -> String,
+) -> ReplicaPlan {
+    plan_observed(fleet, registry, targets, cached, &HashMap::new(), new_id)
+}
+
+/// Plans the placed replicas. `targets` are the fast loop's replica counts per model (the warm
+/// floor when absent or lower); `cached` is, per node, the models whose weights its cache
+/// holds (a new replica prefers such a node: no download before it starts); `slices` are, per
+/// node that has reported them, its settled MIG devices (a model that lists a MIG profile for
+/// the product goes on a free slice of it before it takes a whole card); `new_id` names a new
+/// replica of a model.
+pub fn plan_observed(
+    fleet: &Fleet,
+    registry: &Registry,
+    targets: &HashMap<String, usize>,
+    cached: &HashMap<String, HashSet<String>>,
+    slices: &HashMap<String, Vec<Slice>>,
     new_id: &mut dyn FnMut(&str) -> String,
 ) -> ReplicaPlan {
     // Keep what still stands: schedulable or cordoned (cordon stops new work only) live nodes,
@@ -121,7 +144,11 @@ pub fn plan_cached(
                     return false;
                 };
                 let tolerations = lane_tolerations(registry, m);
-                !registry.mig_split(node, &r.gpu) && taints.iter().all(|t| tolerations.contains(t))
+                // On a MIG device: kept while the device is there and settled (a node not
+                // heard from yet keeps what it has).
+                let on_slice = !n.registration.gpus.iter().any(|g| g.uuid == r.gpu);
+                let slice_ok = !on_slice || slices.get(node).is_none_or(|s| s.iter().any(|s| s.uuid == r.gpu));
+                slice_ok && !registry.mig_split(node, &r.gpu) && taints.iter().all(|t| tolerations.contains(t))
             })
             .cloned()
             .collect();
@@ -275,6 +302,16 @@ pub fn plan_cached(
             } else {
                 Tier::OnDemand
             });
+            // A free MIG slice of a profile the model lists, before a whole card.
+            if let Some((node, slice, product)) = free_slice(fleet, registry, m, slices, &desired) {
+                desired.entry(node).or_default().push(DesiredReplica {
+                    id: new_id(&m.name),
+                    model: m.name.clone(),
+                    gpu: slice,
+                    product,
+                });
+                continue;
+            }
             let req = Request {
                 model: m.name.clone(),
                 products: products.clone(),
@@ -312,6 +349,57 @@ pub fn plan_cached(
         }
     }
     ReplicaPlan { commands, unplaced }
+}
+
+/// A free settled MIG slice for one replica of `m`: (node, slice UUID, product), preferring a
+/// node that does not run the model yet.
+fn free_slice(
+    fleet: &Fleet,
+    registry: &Registry,
+    m: &Model,
+    slices: &HashMap<String, Vec<Slice>>,
+    desired: &BTreeMap<String, Vec<DesiredReplica>>,
+) -> Option<(String, String, String)> {
+    if !m.profiles.values().any(|p| !p.mig_profiles.is_empty()) {
+        return None;
+    }
+    let tolerations = lane_tolerations(registry, m);
+    let mut best: Option<(bool, String, String, String)> = None;
+    for (node_id, node_slices) in slices {
+        let Some(n) = fleet.nodes.get(node_id) else { continue };
+        if !schedulable(n) || !node_taints(registry, n).iter().all(|t| tolerations.contains(t)) {
+            continue;
+        }
+        let placed = desired.get(node_id);
+        let runs_model = placed.is_some_and(|rs| rs.iter().any(|r| r.model == m.name));
+        for s in node_slices {
+            let Some(product) = n
+                .registration
+                .gpus
+                .iter()
+                .find(|g| g.uuid == s.parent)
+                .map(|g| g.product.clone())
+            else {
+                continue;
+            };
+            let fits = m
+                .profiles
+                .get(&product)
+                .is_some_and(|p| p.mig_profiles.contains(&s.profile));
+            let taken = placed.is_some_and(|rs| rs.iter().any(|r| r.gpu == s.uuid));
+            if !fits || taken {
+                continue;
+            }
+            let candidate = (runs_model, node_id.clone(), s.uuid.clone(), product);
+            if best
+                .as_ref()
+                .is_none_or(|b| (candidate.0, &candidate.1, &candidate.2) < (b.0, &b.1, &b.2))
+            {
+                best = Some(candidate);
+            }
+        }
+    }
+    best.map(|(_, node, slice, product)| (node, slice, product))
 }
 
 #[cfg(test)]
@@ -415,6 +503,50 @@ mod tests {
             plan(&f, &r, &HashMap::new(), &mut ids()).commands.is_empty(),
             "a second pass changes nothing"
         );
+    }
+
+    #[test]
+    fn models_with_mig_profiles_take_free_settled_slices_before_whole_cards() {
+        let f = fleet(&[("h", "H100-80GB", 2)]);
+        let mut r = registry(3);
+        let mut m = r.models["whisper"].clone();
+        m.profiles.get_mut("H100-80GB").unwrap().mig_profiles = vec!["1g.10gb".into()];
+        m.profiles.remove("L4");
+        r.put_model(&m).unwrap();
+        r.set_mig_layout("h", "h-0", &["1g.10gb".into(), "1g.10gb".into()]);
+        let slice = |i: u32| Slice {
+            parent: "h-0".into(),
+            uuid: format!("MIG-h-0-{i}"),
+            profile: "1g.10gb".into(),
+        };
+        let slices: HashMap<String, Vec<Slice>> = [("h".to_string(), vec![slice(0), slice(1)])].into();
+        let p = plan_observed(&f, &r, &HashMap::new(), &HashMap::new(), &slices, &mut ids());
+        apply(&mut r, &p);
+        let mut on: Vec<String> = r.desired["h"].iter().map(|d| d.gpu.clone()).collect();
+        on.sort();
+        assert_eq!(
+            on,
+            ["MIG-h-0-0", "MIG-h-0-1", "h-1"],
+            "two slices, then the whole card left"
+        );
+        assert!(
+            plan_observed(&f, &r, &HashMap::new(), &HashMap::new(), &slices, &mut ids())
+                .commands
+                .is_empty(),
+            "stable"
+        );
+        // Not heard from yet (a new leader): slice replicas are kept as they are.
+        assert!(plan_cached(&f, &r, &HashMap::new(), &HashMap::new(), &mut ids())
+            .commands
+            .is_empty());
+        // A slice gone (the GPU re-partitioned): its replica goes, and with no free slice
+        // left it takes room on the whole card, never the split one.
+        let fewer: HashMap<String, Vec<Slice>> = [("h".to_string(), vec![slice(0)])].into();
+        let p = plan_observed(&f, &r, &HashMap::new(), &HashMap::new(), &fewer, &mut ids());
+        apply(&mut r, &p);
+        let mut on: Vec<String> = r.desired["h"].iter().map(|d| d.gpu.clone()).collect();
+        on.sort();
+        assert_eq!(on, ["MIG-h-0-0", "h-1", "h-1"], "{p:?}");
     }
 
     #[test]

@@ -37,7 +37,8 @@ pub async fn run(ctx: Context) {
         let mut new_id = |model: &str| format!("{model}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
         let targets = fast_loop(&ctx, &registry, &mut scale, Instant::now());
         let cached = cached_models(&ctx, &registry);
-        let plan = replicas::plan_cached(&fleet, &registry, &targets, &cached, &mut new_id);
+        let slices = settled_slices(&ctx, &registry);
+        let plan = replicas::plan_observed(&fleet, &registry, &targets, &cached, &slices, &mut new_id);
         *ctx.unplaced.lock().unwrap_or_else(|p| p.into_inner()) = plan.unplaced.clone();
         let unplaced: Vec<String> = plan
             .unplaced
@@ -159,6 +160,45 @@ fn engine_load(ctx: &Context) -> HashMap<String, (u32, Option<f64>)> {
     }
     sums.into_iter()
         .map(|(m, (w, kv, n))| (m, (w, (n > 0).then(|| kv / f64::from(n)))))
+        .collect()
+}
+
+/// Per node heard from, its MIG devices on GPUs whose reported layout is the one wanted (no
+/// re-partitioning pending), from the heartbeats.
+fn settled_slices(ctx: &Context, registry: &Registry) -> HashMap<String, Vec<replicas::Slice>> {
+    ctx.heartbeats
+        .all()
+        .into_iter()
+        .map(|(node, seen)| {
+            let slices = seen
+                .gpus
+                .iter()
+                .filter(|g| !g.mig_devices.is_empty())
+                .filter(|g| {
+                    let mut wanted = registry
+                        .mig
+                        .get(&node)
+                        .and_then(|m| m.get(&g.uuid))
+                        .cloned()
+                        .unwrap_or_default();
+                    let mut reported = g.mig_profiles.clone();
+                    wanted.sort();
+                    reported.sort();
+                    wanted == reported
+                })
+                .flat_map(|g| {
+                    g.mig_devices
+                        .iter()
+                        .zip(&g.mig_profiles)
+                        .map(|(uuid, profile)| replicas::Slice {
+                            parent: g.uuid.clone(),
+                            uuid: uuid.clone(),
+                            profile: profile.clone(),
+                        })
+                })
+                .collect();
+            (node, slices)
+        })
         .collect()
 }
 

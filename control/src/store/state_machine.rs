@@ -215,6 +215,21 @@ impl AppState {
                 self.registry.node_requests.remove(id);
                 CommandResponse::default()
             }
+            Command::PutMigPlan(p) => {
+                let latest = self.registry.mig_plan.as_ref();
+                let next = latest.map_or(1, |l| l.version + 1);
+                let marks_applied =
+                    latest.is_some_and(|l| l.version == p.version && l.applied_ms.is_none()) && p.applied_ms.is_some();
+                if p.version == next || marks_applied {
+                    self.registry.mig_plan = Some(p.clone());
+                    CommandResponse::default()
+                } else {
+                    refused(Err(format!(
+                        "MIG plan version {} is not the next one ({next}) nor the latest being applied; run `lanectl mig plan` again",
+                        p.version
+                    )))
+                }
+            }
             Command::SetCapacityMark { key, mark } => {
                 match mark {
                     Some(m) => self.registry.capacity_marks.insert(key.clone(), m.clone()),
@@ -326,6 +341,7 @@ impl AppState {
             "pool" => r.pool_taints.get(name).map(json),
             "noderequest" => r.node_requests.get(name).map(json),
             "capacity" => r.capacity_marks.get(name).map(json),
+            "migplan" => r.mig_plan.as_ref().map(json),
             _ => None,
         }
     }
@@ -372,6 +388,10 @@ impl AppState {
                 .capacity_marks
                 .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
                 .map(|_| ()),
+            "migplan" => {
+                r.mig_plan = Some(serde_json::from_slice(bytes).map_err(e)?);
+                None
+            }
             _ => return Err(format!("unknown registry key {key:?}")),
         };
         Ok(())
@@ -391,7 +411,8 @@ impl AppState {
             .chain(r.mig.keys().map(|k| format!("mig/{k}")))
             .chain(r.pool_taints.keys().map(|k| format!("pool/{k}")))
             .chain(r.node_requests.keys().map(|k| format!("noderequest/{k}")))
-            .chain(r.capacity_marks.keys().map(|k| format!("capacity/{k}")));
+            .chain(r.capacity_marks.keys().map(|k| format!("capacity/{k}")))
+            .chain(r.mig_plan.iter().map(|_| "migplan/latest".to_string()));
         keys.filter_map(|k| self.registry_value(&k).map(|v| (k, v))).collect()
     }
 
@@ -1112,6 +1133,7 @@ fn record_touched(command: &Command, t: &mut Touched) {
         Command::PutNodeRequest(r) => key(format!("noderequest/{}", r.id)),
         Command::RemoveNodeRequest { id } => key(format!("noderequest/{id}")),
         Command::SetCapacityMark { key: k, .. } => key(format!("capacity/{k}")),
+        Command::PutMigPlan(_) => key("migplan/latest".into()),
     }
 }
 

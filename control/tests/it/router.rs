@@ -1043,3 +1043,222 @@ async fn an_llm_lane_scales_on_requests_waiting_in_the_engines() {
     // One 1,500-token sequence fills a 2,048-token cache; the second waits in the engine.
     an_llm_lane_scales_on("waiting", 2048, 2, 1500, "1 in the engines").await;
 }
+
+/// Placed replicas of `model` (committed intent), by replica id.
+async fn placed_ids(client: &AdminClient, model: &str) -> Option<Vec<String>> {
+    let r = client
+        .call(|mut c| async move { c.list_registry(ListRegistryRequest { kind: "desired".into() }).await })
+        .await
+        .ok()?;
+    let mut ids: Vec<String> = r
+        .json
+        .iter()
+        .filter_map(|j| serde_json::from_str::<Value>(j).ok())
+        .filter(|v| v["replica"]["model"] == model)
+        .map(|v| v["replica"]["id"].as_str().unwrap_or_default().to_string())
+        .collect();
+    ids.sort();
+    Some(ids)
+}
+
+/// The leader is killed right after it committed a scale-up, before the new replica is ready:
+/// the next leader finishes the scale-up from the committed intent and places nothing twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_killed_during_a_scale_up_leaves_it_done_once() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes: Vec<Node> = (1..=3).map(|id| Node::new(root.path(), id)).collect();
+    let client = form_cluster(&mut nodes).await;
+    let addr = nodes[0].addr.clone();
+    lanectl(
+        &addr,
+        &[
+            "lane",
+            "set",
+            "speech",
+            "--lane",
+            "sync",
+            "--warm-floor",
+            "1",
+            "--target-pct",
+            "50",
+        ],
+    );
+    let key = lanectl(&addr, &["tenant", "create", "t1"])["api_key"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let file = root.path().join("slow.json");
+    std::fs::write(&file, sim_model_doc("slow", "speech", "L4", 4000).to_string()).unwrap();
+    let controllers: Vec<String> = nodes.iter().map(|n| n.addr.clone()).collect();
+    let a = agent("gpu-a", "L4", controllers.clone(), root.path(), vec![]).await;
+    let _reaper = Reaper(a.supervisor.clone());
+    lanectl(&addr, &["model", "register", "--file", file.to_str().unwrap()]);
+    wait_for("the floor's replica ready", Duration::from_secs(30), || async {
+        ready_nodes(&client, "slow").await.filter(|n| n.len() == 1)
+    })
+    .await;
+    let leader = client
+        .call(|mut c| async move { c.status(laneway_proto::admin::StatusRequest {}).await })
+        .await
+        .unwrap()
+        .leader_id;
+    let follower = nodes.iter().find(|n| n.id != leader).unwrap();
+    let http = reqwest::Client::new();
+    wait_for("the follower routes the model", Duration::from_secs(10), || async {
+        let r = http
+            .get(format!("http://{}/v2/models/slow/ready", follower.router_addr))
+            .bearer_auth(&key)
+            .send()
+            .await
+            .ok()?;
+        (r.status() == 200).then_some(())
+    })
+    .await;
+    // Four 4 s requests on one replica of 4 slots at a 50% target need two replicas.
+    let url = format!("http://{}/v2/models/slow/infer", follower.router_addr);
+    let held: Vec<_> = (0..4)
+        .map(|_| {
+            let (http, url, key) = (http.clone(), url.clone(), key.clone());
+            tokio::spawn(async move {
+                http.post(url)
+                    .bearer_auth(key)
+                    .body(BODY)
+                    .send()
+                    .await
+                    .map(|r| r.status())
+            })
+        })
+        .collect();
+    let decided = wait_for("the scale-up committed", Duration::from_secs(10), || async {
+        placed_ids(&client, "slow").await.filter(|ids| ids.len() == 2)
+    })
+    .await;
+    nodes.iter_mut().find(|n| n.id == leader).unwrap().kill();
+    let survivors = AdminClient::new(
+        nodes
+            .iter()
+            .filter(|n| n.id != leader)
+            .map(|n| n.addr.clone())
+            .collect(),
+    )
+    .with_retry_for(Duration::from_secs(15));
+    wait_for("a new leader", Duration::from_secs(10), || async {
+        let s = survivors
+            .call(|mut c| async move { c.status(laneway_proto::admin::StatusRequest {}).await })
+            .await
+            .ok()?;
+        (s.leader_id != 0 && s.leader_id != leader).then_some(())
+    })
+    .await;
+    wait_for(
+        "both replicas ready under the new leader",
+        Duration::from_secs(30),
+        || async { ready_nodes(&survivors, "slow").await.filter(|n| n.len() == 2) },
+    )
+    .await;
+    // Several placement passes of the new leader later, still the same two replicas.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        placed_ids(&survivors, "slow").await.unwrap(),
+        decided,
+        "the new leader placed the decided replicas, nothing more"
+    );
+    assert_eq!(a.supervisor.status().len(), 2, "the agent runs two replicas, not three");
+    for h in held {
+        assert_eq!(
+            h.await.unwrap().unwrap(),
+            200,
+            "requests held at the follower are answered"
+        );
+    }
+    a.stop();
+}
+
+/// A MIG capacity plan end to end: `lanectl mig plan` proposes slices for the model that lists
+/// a MIG profile and changes nothing; `mig apply --version N` drains and splits the GPU; new
+/// replicas then land on the slices the agent reports, and run there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reviewed_mig_plan_is_applied_and_new_replicas_run_on_its_slices() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = vec![Node::new(root.path(), 1)];
+    let client = form_cluster(&mut nodes).await;
+    let addr = nodes[0].addr.clone();
+    lanectl(&addr, &["lane", "set", "speech", "--lane", "sync", "--warm-floor", "2"]);
+    let mut doc = sim_model_doc("echo", "speech", "H100-80GB", 10);
+    doc["profiles"]["H100-80GB"]["mig_profiles"] = serde_json::json!(["1g.10gb"]);
+    let file = root.path().join("echo.json");
+    std::fs::write(&file, doc.to_string()).unwrap();
+    let a = agent("gpu-h", "H100-80GB", vec![addr.clone()], root.path(), vec![]).await;
+    let _reaper = Reaper(a.supervisor.clone());
+    lanectl(&addr, &["model", "register", "--file", file.to_str().unwrap()]);
+    wait_for("the floor's replicas ready", Duration::from_secs(30), || async {
+        ready_nodes(&client, "echo").await.filter(|n| n.len() == 2)
+    })
+    .await;
+
+    let plan = lanectl(&addr, &["mig", "plan"]);
+    assert_eq!(plan["version"], 1, "{plan}");
+    let changed: Vec<&Value> = plan["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|g| g["current"] != g["planned"])
+        .collect();
+    assert_eq!(changed.len(), 1, "one card holds both slices: {plan}");
+    assert_eq!(
+        changed[0]["planned"],
+        serde_json::json!(["1g.10gb", "1g.10gb"]),
+        "{plan}"
+    );
+    let gpu = changed[0]["gpu"].as_str().unwrap().to_string();
+    let layouts = lanectl(&addr, &["mig", "list"]);
+    assert!(
+        layouts.as_array().unwrap().iter().all(|g| g["wanted"].is_null()),
+        "a plan changes nothing by itself: {layouts}"
+    );
+    let stale = lanectl_output(&addr, &["mig", "apply", "--version", "7"]);
+    assert!(
+        !stale.status.success() && stale.text.contains("not the latest"),
+        "{}",
+        stale.text
+    );
+
+    lanectl(&addr, &["mig", "apply", "--version", "1"]);
+    let again = lanectl_output(&addr, &["mig", "apply", "--version", "1"]);
+    assert!(
+        !again.status.success() && again.text.contains("already applied"),
+        "{}",
+        again.text
+    );
+    wait_for("the slices applied and reported", Duration::from_secs(30), || async {
+        let rows = lanectl(&addr, &["mig", "list"]);
+        rows.as_array()?
+            .iter()
+            .find(|r| r["gpu"] == gpu.as_str() && r["reported"].as_array().is_some_and(|d| d.len() == 2))
+            .map(|_| ())
+    })
+    .await;
+    // Two more replicas: they take the slices, not the whole card.
+    lanectl(&addr, &["lane", "set", "speech", "--warm-floor", "4"]);
+    wait_for("replicas ready on both slices", Duration::from_secs(30), || async {
+        let on_slices = a
+            .supervisor
+            .status()
+            .into_iter()
+            .filter(|r| r.state == laneway_agent::supervisor::ReplicaState::Ready && r.device.starts_with("MIG-"))
+            .count();
+        (on_slices == 2).then_some(())
+    })
+    .await;
+    let on_split_card: Vec<_> = a
+        .supervisor
+        .status()
+        .into_iter()
+        .filter(|r| r.device == gpu && r.state != laneway_agent::supervisor::ReplicaState::Stopped)
+        .collect();
+    assert!(
+        on_split_card.is_empty(),
+        "nothing runs on the split card itself: {on_split_card:?}"
+    );
+    a.stop();
+}

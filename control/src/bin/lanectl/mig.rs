@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 
 use clap::Subcommand;
 use laneway_control::client::AdminClient;
-use laneway_proto::admin::SetMigLayoutRequest;
+use laneway_proto::admin::{ApplyMigPlanRequest, PlanMigRequest, SetMigLayoutRequest};
 use serde_json::json;
 
 use super::{list_nodes, print, Output};
@@ -24,6 +24,20 @@ pub enum MigCmd {
     },
     /// Every GPU: product, the layout wanted and the MIG devices the agent reports.
     List,
+    /// Propose a layout for every MIG-capable GPU from the models that list MIG slices and
+    /// the replicas they want, and keep it as the next plan version for review. Nothing
+    /// changes until `lanectl mig apply --version N`.
+    Plan {
+        /// Show the latest plan instead of making a new one.
+        #[arg(long)]
+        show: bool,
+    },
+    /// Apply plan N (the latest, reviewed): each GPU whose layout changes drains first, then
+    /// its agent re-partitions it.
+    Apply {
+        #[arg(long)]
+        version: u64,
+    },
 }
 
 pub async fn mig(client: &AdminClient, out: Output, cmd: MigCmd) -> anyhow::Result<()> {
@@ -54,6 +68,36 @@ pub async fn mig(client: &AdminClient, out: Output, cmd: MigCmd) -> anyhow::Resu
                 };
                 format!(
                     "{node_id} {gpu}: {what} (log index {}); replicas move off first, then the agent applies it",
+                    r.log_index
+                )
+            });
+        }
+        MigCmd::Plan { show } => {
+            let r = client
+                .call(|mut c| async move {
+                    if show {
+                        c.show_mig_plan(PlanMigRequest {}).await
+                    } else {
+                        c.plan_mig(PlanMigRequest {}).await
+                    }
+                })
+                .await?;
+            let Some(doc) = r.json.first() else {
+                print(out, json!(null), || {
+                    "no MIG plan yet: `lanectl mig plan` makes one".into()
+                });
+                return Ok(());
+            };
+            let plan: serde_json::Value = serde_json::from_str(doc)?;
+            print(out, plan.clone(), || plan_text(&plan));
+        }
+        MigCmd::Apply { version } => {
+            let r = client
+                .call(|mut c| async move { c.apply_mig_plan(ApplyMigPlanRequest { version }).await })
+                .await?;
+            print(out, json!({"version": version, "log_index": r.log_index}), || {
+                format!(
+                    "MIG plan {version} applied (log index {}): changed GPUs drain, then their agents re-partition them; `lanectl mig list` shows progress",
                     r.log_index
                 )
             });
@@ -102,4 +146,67 @@ pub async fn mig(client: &AdminClient, out: Output, cmd: MigCmd) -> anyhow::Resu
         }
     }
     Ok(())
+}
+
+/// A plan for review: what changes on which GPU, and for which models.
+fn plan_text(plan: &serde_json::Value) -> String {
+    let layout = |v: &serde_json::Value| {
+        let l: Vec<&str> = v
+            .as_array()
+            .map(|a| a.iter().filter_map(|p| p.as_str()).collect())
+            .unwrap_or_default();
+        if l.is_empty() {
+            "whole card".to_string()
+        } else {
+            l.join(",")
+        }
+    };
+    let version = plan["version"].as_u64().unwrap_or(0);
+    let mut s = format!(
+        "MIG plan {version} ({})\n{:<16} {:<28} {:<10} {:<30} {:<30} {}\n",
+        match plan["applied_ms"].as_u64() {
+            Some(at) => format!("applied {}", laneway_control::ledger::fmt_unix_ms(at)),
+            None => "not applied".to_string(),
+        },
+        "NODE",
+        "GPU",
+        "PRODUCT",
+        "NOW",
+        "PLANNED",
+        "FOR"
+    );
+    let mut changes = 0;
+    for g in plan["gpus"].as_array().into_iter().flatten() {
+        let (now, planned) = (layout(&g["current"]), layout(&g["planned"]));
+        let mark = if now == planned {
+            "  "
+        } else {
+            changes += 1;
+            "* "
+        };
+        let models: Vec<&str> = g["for_models"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|m| m.as_str()).collect())
+            .unwrap_or_default();
+        let _ = writeln!(
+            s,
+            "{mark}{:<14} {:<28} {:<10} {:<30} {:<30} {}",
+            g["node"].as_str().unwrap_or(""),
+            g["gpu"].as_str().unwrap_or(""),
+            g["product"].as_str().unwrap_or(""),
+            now,
+            planned,
+            models.join(",")
+        );
+    }
+    for n in plan["notes"].as_array().into_iter().flatten() {
+        let _ = writeln!(s, "note: {}", n.as_str().unwrap_or(""));
+    }
+    if plan["applied_ms"].is_null() {
+        let _ = write!(
+            s,
+            "{changes} GPU(s) change (*); they drain first. Apply with `lanectl mig apply --version {version}`"
+        );
+    }
+    s.trim_end().to_string()
 }
