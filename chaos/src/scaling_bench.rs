@@ -22,7 +22,7 @@ use anyhow::{bail, Context};
 use laneway_control::client::AdminClient;
 use laneway_control::ledger::Tier;
 use laneway_control::provision::{provider, NodeRequest, RequestState};
-use laneway_proto::admin::{ListRegistryRequest, PutDocumentRequest, PutSettingRequest};
+use laneway_proto::admin::{ListNodesRequest, ListRegistryRequest, NameRequest, PutDocumentRequest, PutSettingRequest};
 use laneway_proto::agent::GpuInfo;
 use serde_json::{json, Value};
 use tokio::time::Instant;
@@ -215,10 +215,30 @@ pub async fn run(args: ScalingArgs) -> anyhow::Result<()> {
             .await?;
     }
     let baseline = start.elapsed();
-    put(&admin, true, fill_class(0)).await?;
+    // Out of the way before the next phase: the model's replicas removed, then the fake nodes
+    // gone quiet and declared down, so their bookkeeping does not share the loop's ticks.
+    admin
+        .call(|mut c| async move { c.remove_model(NameRequest { name: "fill".into() }).await })
+        .await?;
+    time_until("the fill replicas removed", Duration::from_secs(60), || async {
+        placed(&admin, "fill").await == 0
+    })
+    .await?;
     for f in fakes {
         f.abort();
     }
+    time_until("the fake nodes declared down", Duration::from_secs(30), || async {
+        admin
+            .call(|mut c| async move { c.list_nodes(ListNodesRequest {}).await })
+            .await
+            .is_ok_and(|r| {
+                r.nodes
+                    .iter()
+                    .filter(|n| n.node_id.starts_with("fake-"))
+                    .all(|n| n.liveness == "down")
+            })
+    })
+    .await?;
 
     // 2. Reaction to a step, on simulated hosts.
     let root = tempfile::Builder::new().prefix("laneway-scaling-").tempdir()?;

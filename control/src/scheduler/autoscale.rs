@@ -21,6 +21,8 @@ pub struct ModelLoad {
     pub ttft_p99_ms: Option<f64>,
     /// Language models: requests waiting inside the replicas' engines (heartbeats).
     pub engine_waiting: u32,
+    /// Language models: ready replicas whose engine has nothing waiting (heartbeats).
+    pub engines_without_waiting: u32,
     /// Language models: mean KV-cache usage of the replicas, 0–1 (heartbeats).
     pub kv_cache: Option<f64>,
 }
@@ -58,6 +60,10 @@ pub struct Inputs {
     pub load: ModelLoad,
     /// Replicas placed now.
     pub current: usize,
+    /// Of those, the ones Ready. Signals read from the replicas (engine queues, KV cache,
+    /// TTFT) count only what the Ready ones carry: a replica still starting reads as empty,
+    /// so a scale-up is not repeated while the replicas it added warm up.
+    pub ready: usize,
     /// Concurrency of one replica (its max batch).
     pub slots_per_replica: u32,
     /// Utilisation the lane aims for, 0–1 (1 − headroom).
@@ -104,6 +110,7 @@ pub fn needed_by_signal(i: &Inputs) -> (usize, String) {
         )
     };
     let current = i.current.max(1) as f64;
+    let ready = i.ready.min(i.current).max(1);
     match i.signal {
         Signal::InFlight => by_in_flight(),
         Signal::Waiting => {
@@ -117,27 +124,52 @@ pub fn needed_by_signal(i: &Inputs) -> (usize, String) {
                 let n = needed(&running);
                 return (n, format!("nothing waiting; {} running need {n}", i.load.in_flight));
             }
+            if i.load.waiting == 0 && i.load.engines_without_waiting > 0 {
+                // Requests queued inside one engine stay there: another replica would not take
+                // them, and a replica with room exists for the next ones.
+                return (
+                    i.current,
+                    format!(
+                        "{} waiting in the engines while {} replica(s) have nothing waiting",
+                        i.load.engine_waiting, i.load.engines_without_waiting
+                    ),
+                );
+            }
             let more = waiting.div_ceil(i.slots_per_replica.max(1)) as usize;
-            let n = i.current + more;
+            let n = (ready + more).max(i.current);
             (
                 n,
                 format!(
-                    "{waiting} waiting ({} at the router, {} in the engines) need {more} more",
+                    "{waiting} waiting ({} at the router, {} in the engines) need {more} more than the {ready} ready",
                     i.load.waiting, i.load.engine_waiting
                 ),
             )
         }
         Signal::KvCache { target } => match i.load.kv_cache {
             Some(kv) => {
-                let n = (current * kv / target.max(0.01)).ceil() as usize;
+                // Replicas still starting hold no cache yet: the ready ones' usage, spread
+                // over what is placed, is what the next ones will see.
+                let n = (ready as f64 * kv / target.max(0.01)).ceil() as usize;
                 (
                     n,
-                    format!("KV cache {:.0}% against a {:.0}% target", kv * 100.0, target * 100.0),
+                    format!(
+                        "KV cache {:.0}% on {ready} ready against a {:.0}% target",
+                        kv * 100.0,
+                        target * 100.0
+                    ),
                 )
             }
             None => by_in_flight(),
         },
         Signal::Ttft { slo_ms } => match i.load.ttft_p99_ms {
+            // Replicas added and still starting: wait for them before reading TTFT again.
+            Some(p99) if p99 > slo_ms && i.ready < i.current => (
+                i.current,
+                format!(
+                    "TTFT p99 {p99:.0} ms over its {slo_ms:.0} ms objective; {} replica(s) still starting",
+                    i.current - i.ready
+                ),
+            ),
             Some(p99) if p99 > slo_ms => {
                 let n = ((current * p99 / slo_ms).ceil() as usize).max(i.current + 1);
                 (n, format!("TTFT p99 {p99:.0} ms over its {slo_ms:.0} ms objective"))
@@ -210,6 +242,7 @@ mod tests {
                 ..ModelLoad::default()
             },
             current,
+            ready: current,
             slots_per_replica: 8,
             target: 0.5,
             floor: 2,
@@ -257,6 +290,39 @@ mod tests {
         assert_eq!(held.desired, 4, "down waits for the stable window");
         let later = s.decide("k", &i, now + STABLE_WINDOW);
         assert_eq!(later.desired, 3, "{}", later.reason);
+
+        // While the replicas a scale-up added are starting, the same readings add nothing more.
+        let mut s = ScaleState::default();
+        let mut i = inputs(1, 2);
+        i.ready = 1;
+        i.signal = Signal::KvCache { target: 0.5 };
+        i.load.kv_cache = Some(0.73);
+        assert_eq!(
+            s.decide("k", &i, now).desired,
+            2,
+            "1 ready at 73% needs 2: placed already"
+        );
+        i.signal = Signal::Waiting;
+        i.load.engine_waiting = 1;
+        assert_eq!(
+            s.decide("w", &i, now).desired,
+            2,
+            "the waiting one goes to the starting replica"
+        );
+        i.ready = 2;
+        i.load.engines_without_waiting = 1;
+        assert_eq!(
+            s.decide("w", &i, now).desired,
+            2,
+            "one engine's queue does not move to a replica that has room"
+        );
+        i.ready = 1;
+        i.load.engines_without_waiting = 0;
+        i.signal = Signal::Ttft { slo_ms: 500.0 };
+        i.load.ttft_p99_ms = Some(1500.0);
+        assert_eq!(s.decide("t", &i, now).desired, 2, "TTFT is read again once it is ready");
+        i.ready = 2;
+        assert_eq!(s.decide("t", &i, now).desired, 6);
     }
 
     #[test]

@@ -107,6 +107,11 @@ pub struct FleetIndex {
     pools: HashMap<String, BTreeSet<String>>,
     /// model → nodes whose cache holds it.
     cached: HashMap<String, Vec<u32>>,
+    /// (product, pool) → its nodes, in index order.
+    pool_nodes: HashMap<(String, String), Vec<u32>>,
+    /// (product, pool, model) → position in `pool_nodes` before which every node runs the
+    /// model or has no room for it (both only grow while placing, so it only moves forward).
+    spread_cursor: HashMap<(String, String, String), usize>,
 }
 
 impl FleetIndex {
@@ -114,11 +119,13 @@ impl FleetIndex {
         let mut by_free: HashMap<(String, String), FreeIndex> = HashMap::new();
         let mut pools: HashMap<String, BTreeSet<String>> = HashMap::new();
         let mut cached: HashMap<String, Vec<u32>> = HashMap::new();
+        let mut pool_nodes: HashMap<(String, String), Vec<u32>> = HashMap::new();
         for (i, n) in nodes.iter().enumerate() {
             if !n.schedulable {
                 continue;
             }
             let key = (n.product.clone(), n.pool.clone());
+            pool_nodes.entry(key.clone()).or_default().push(i as u32);
             let set = by_free.entry(key).or_default();
             for (g, gpu) in n.gpus.iter().enumerate() {
                 set.insert((gpu.free_mb, i as u32, g as u16));
@@ -133,6 +140,8 @@ impl FleetIndex {
             by_free,
             pools,
             cached,
+            pool_nodes,
+            spread_cursor: HashMap::new(),
         }
     }
 
@@ -177,17 +186,44 @@ impl FleetIndex {
         best.map(|((crowded, _, _), at)| (crowded, at))
     }
 
+    /// The first node of a pool (in pool order) that does not run `model` and has a GPU with
+    /// `memory_mb` free: its best-fitting GPU.
+    fn unspread_node(&mut self, product: &str, pool: &str, model: &str, memory_mb: u32) -> Option<(u32, u32, u16)> {
+        let nodes = self.pool_nodes.get(&(product.to_string(), pool.to_string()))?;
+        let cursor = self
+            .spread_cursor
+            .entry((product.to_string(), pool.to_string(), model.to_string()))
+            .or_default();
+        while let Some(&i) = nodes.get(*cursor) {
+            let n = &self.nodes[i as usize];
+            if n.replicas.get(model).copied().unwrap_or(0) == 0 {
+                let best = n
+                    .gpus
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, g)| g.free_mb >= memory_mb)
+                    .min_by_key(|(g, gpu)| (gpu.free_mb, *g));
+                if let Some((g, gpu)) = best {
+                    return Some((gpu.free_mb, i, g as u16));
+                }
+            }
+            *cursor += 1;
+        }
+        None
+    }
+
     /// Best fit on free memory across the product's tolerated pools, preferring a node not yet
-    /// running the model among the first [`SPREAD_PROBE`] fits of each pool.
+    /// running the model: among the first [`SPREAD_PROBE`] fits of each pool, else the first
+    /// node of the pool without it.
     fn indexed_candidate(
-        &self,
+        &mut self,
         req: &Request,
         fit: &ProductFit,
         tier: Option<crate::ledger::Tier>,
     ) -> Option<(bool, (u32, u16))> {
-        let pools = self.pools.get(&fit.product)?;
+        let pools: Vec<String> = self.pools.get(&fit.product)?.iter().cloned().collect();
         let mut best: Option<(Rank, At)> = None;
-        for pool in pools {
+        for pool in &pools {
             let Some(set) = self.by_free.get(&(fit.product.clone(), pool.clone())) else {
                 continue;
             };
@@ -211,6 +247,11 @@ impl FleetIndex {
                 if !n.gpus[g as usize].models.contains(&req.model) {
                     fresh_gpu_fit.get_or_insert((free, i, g));
                 }
+            }
+            if spread_fit.is_none() && first_fit.is_some() {
+                // The best fits are all on nodes already running the model (best fit packs
+                // them first): find a node without it, in pool order.
+                spread_fit = self.unspread_node(&fit.product, pool, &req.model, fit.memory_mb);
             }
             let pick = spread_fit
                 .map(|c| ((false, false), c))
@@ -436,6 +477,23 @@ mod tests {
         assert_eq!(f.place(&r).unwrap().node, "b", "then the last node without sdxl");
         // Every node runs sdxl now: doubling up starts on the cached node.
         assert_eq!(f.place(&r).unwrap().node, "c");
+    }
+
+    #[test]
+    fn a_model_spreads_over_every_node_before_doubling_up_on_a_large_fleet() {
+        // Many small replicas per card: best fit alone would pack a few nodes full.
+        let nodes = (0..50).map(|i| node(&format!("n{i}"), "L4", 8, 24_000)).collect();
+        let mut f = FleetIndex::new(nodes);
+        let r = req("fill", &[("L4", 2_000)]);
+        let mut per_node: HashMap<String, u32> = HashMap::new();
+        for _ in 0..60 {
+            *per_node.entry(f.place(&r).unwrap().node).or_default() += 1;
+        }
+        assert_eq!(
+            per_node.len(),
+            50,
+            "every node holds one before any holds two: {per_node:?}"
+        );
     }
 
     #[test]

@@ -19,23 +19,42 @@ use crate::registry::{LaneKind, Registry};
 use crate::scheduler::autoscale::{Inputs, ModelLoad, ScaleState, Signal};
 use crate::scheduler::replicas;
 
-/// How often the leader plans.
+/// How often the leader plans placement when nothing asks for it sooner.
 pub const TICK: Duration = Duration::from_secs(1);
+/// How often the fast loop looks at the load: a burst is acted on within this (plus the age
+/// of the followers' load reports, [`REPORT_EVERY`]); placement runs at once when a target
+/// changes, else every [`TICK`].
+pub const FAST_TICK: Duration = Duration::from_millis(250);
+/// How often each controller reports its router's load to the leader.
+pub const REPORT_EVERY: Duration = Duration::from_millis(500);
 
 /// Runs for the controller's lifetime; plans only while leader.
 pub async fn run(ctx: Context) {
-    let mut tick = tokio::time::interval(TICK);
+    let mut tick = tokio::time::interval(FAST_TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last_unplaced = Vec::new();
     let mut scale = ScaleState::default();
+    let mut said: HashMap<String, (usize, usize)> = HashMap::new();
+    let mut last_plan: Option<(Instant, HashMap<String, usize>)> = None;
     loop {
         tick.tick().await;
         if !ctx.is_leader() {
+            last_plan = None;
             continue;
         }
+        let now = Instant::now();
+        // The leader's own router, fresh (the others report every REPORT_EVERY).
+        ctx.load.record(ctx.node_id, ctx.router.model_load(), now);
         let (fleet, registry) = ctx.sm.routing_inputs();
         let mut new_id = |model: &str| format!("{model}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
-        let targets = fast_loop(&ctx, &registry, &mut scale, Instant::now());
+        let targets = fast_loop(&ctx, &registry, &mut scale, &mut said, now);
+        let due = last_plan
+            .as_ref()
+            .is_none_or(|(at, before)| *before != targets || now.saturating_duration_since(*at) >= TICK);
+        if !due {
+            continue;
+        }
+        last_plan = Some((now, targets.clone()));
         let cached = cached_models(&ctx, &registry);
         let slices = settled_slices(&ctx, &registry);
         let plan = replicas::plan_observed(&fleet, &registry, &targets, &cached, &slices, &mut new_id);
@@ -79,7 +98,13 @@ pub async fn run(ctx: Context) {
 /// The fast loop: a replica count per model from its load — the routers' in-flight and
 /// waiting requests for sync and bounded lanes, the replicated job queue (placed and queued
 /// jobs) for durable lanes.
-fn fast_loop(ctx: &Context, registry: &Registry, scale: &mut ScaleState, now: Instant) -> HashMap<String, usize> {
+fn fast_loop(
+    ctx: &Context,
+    registry: &Registry,
+    scale: &mut ScaleState,
+    said: &mut HashMap<String, (usize, usize)>,
+    now: Instant,
+) -> HashMap<String, usize> {
     let load = ctx.load.total(now);
     let job_load: HashMap<String, ModelLoad> = ctx.sm.with_jobs(|jobs, _, _| {
         jobs.load_by_model()
@@ -118,20 +143,30 @@ fn fast_loop(ctx: &Context, registry: &Registry, scale: &mut ScaleState, now: In
             continue;
         }
         let mut model_load = load.get(&m.name).copied().unwrap_or_default();
-        if let Some((waiting, kv)) = engine.get(&m.name) {
-            model_load.engine_waiting = *waiting;
-            model_load.kv_cache = *kv;
+        if let Some(e) = engine.get(&m.name) {
+            model_load.engine_waiting = e.waiting;
+            model_load.engines_without_waiting = e.without_waiting;
+            model_load.kv_cache = e.kv_cache;
         }
+        let ready = registry
+            .replicas
+            .values()
+            .flatten()
+            .filter(|r| r.model == m.name && r.state == "ready")
+            .count();
         let inputs = Inputs {
             signal: Signal::of(class),
             load: model_load,
             current: placed.len(),
+            ready,
             slots_per_replica: placed.iter().sum::<u32>() / placed.len() as u32,
             target: f64::from(class.utilisation_target_pct) / 100.0,
             floor: class.warm_floor as usize,
         };
         let d = scale.decide(&m.name, &inputs, now);
-        if d.desired != inputs.current {
+        // Said once per change (the loop ticks faster than a placement may take to land).
+        let new = said.insert(m.name.clone(), (inputs.current, d.desired)) != Some((inputs.current, d.desired));
+        if d.desired != inputs.current && new {
             tracing::info!(model = %m.name, from = inputs.current, to = d.desired, reason = %d.reason, "scaling");
             ctx.history.event(
                 "scale",
@@ -146,12 +181,13 @@ fn fast_loop(ctx: &Context, registry: &Registry, scale: &mut ScaleState, now: In
 
 /// Per model, from the heartbeats: requests waiting in the replicas' engines, and their mean
 /// KV-cache usage (for replicas that report them).
-fn engine_load(ctx: &Context) -> HashMap<String, (u32, Option<f64>)> {
-    let mut sums: HashMap<String, (u32, f64, u32)> = HashMap::new();
+fn engine_load(ctx: &Context) -> HashMap<String, EngineLoad> {
+    let mut sums: HashMap<String, (EngineLoad, f64, u32)> = HashMap::new();
     for (_, seen) in ctx.heartbeats.all() {
         for (model, waiting, kv) in &seen.engine {
             let e = sums.entry(model.clone()).or_default();
-            e.0 += waiting;
+            e.0.waiting += waiting;
+            e.0.without_waiting += u32::from(*waiting == 0);
             if let Some(kv) = kv {
                 e.1 += kv;
                 e.2 += 1;
@@ -159,8 +195,20 @@ fn engine_load(ctx: &Context) -> HashMap<String, (u32, Option<f64>)> {
         }
     }
     sums.into_iter()
-        .map(|(m, (w, kv, n))| (m, (w, (n > 0).then(|| kv / f64::from(n)))))
+        .map(|(m, (mut e, kv, n))| {
+            e.kv_cache = (n > 0).then(|| kv / f64::from(n));
+            (m, e)
+        })
         .collect()
+}
+
+/// One model's engine-side load, summed over its ready replicas' heartbeats.
+#[derive(Default)]
+struct EngineLoad {
+    waiting: u32,
+    /// Replicas whose engine has nothing waiting.
+    without_waiting: u32,
+    kv_cache: Option<f64>,
 }
 
 /// Per node heard from, its MIG devices on GPUs whose reported layout is the one wanted (no
@@ -241,9 +289,10 @@ fn placement_summary(cmd: &crate::command::Command) -> Option<(String, String)> 
     Some((node_id.clone(), text))
 }
 
-/// Reports this controller's router load to the leader once a second, for the fast loop.
+/// Reports this controller's router load to the leader every [`REPORT_EVERY`], for the fast
+/// loop.
 pub async fn report(ctx: Context) {
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut tick = tokio::time::interval(REPORT_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let leaders = crate::client::AdminClient::new(Vec::new()).with_call_timeout(Duration::from_millis(500));
     loop {

@@ -1026,6 +1026,10 @@ async fn an_llm_lane_scales_on(signal: &str, kv_tokens: u32, streams: usize, max
         why.contains("1 → 2") || show["models"][0]["desired"] == 2,
         "{why} / {show}"
     );
+    // The signal reads the ready replicas only: nothing more is added while they carry it.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let show = lanectl(&addr, &["lane", "show", "chat"]);
+    assert_eq!(show["models"][0]["desired"], 2, "no overshoot: {show}");
     drop(held);
 }
 
