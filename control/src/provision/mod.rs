@@ -43,6 +43,15 @@ pub struct ProvisionConfig {
     /// How often the slow loop decides, s.
     #[serde(default = "default_tick_s")]
     pub tick_s: u64,
+    /// Replicas count as demand only after they stayed unplaced this long, s: a burst the
+    /// fleet absorbs in a moment, agents reconnecting to a new leader, or a node coming back
+    /// do not buy hosts.
+    #[serde(default = "default_unplaced_for_s")]
+    pub unplaced_for_s: u64,
+}
+
+fn default_unplaced_for_s() -> u64 {
+    10
 }
 
 fn default_capacity_ttl_s() -> u64 {

@@ -65,6 +65,7 @@ pub fn build(cfg: &ProvisionConfig, data_dir: &Path, notices: mpsc::UnboundedSen
                 .map(|p| p.with_file_name("laneway-agent"))
                 .unwrap_or_else(|_| PathBuf::from("laneway-agent")),
             notices,
+            booted: Arc::default(),
         }),
     }
 }
@@ -182,6 +183,26 @@ pub struct SimProvider {
     dir: PathBuf,
     agent_bin: PathBuf,
     notices: mpsc::UnboundedSender<String>,
+    /// Agents this process booted: simulated hosts go when the controller that made them does
+    /// (nothing else would stop them; a real provider's hosts outlive any one controller).
+    booted: Arc<std::sync::Mutex<Vec<i32>>>,
+}
+
+impl Drop for SimProvider {
+    fn drop(&mut self) {
+        for pid in self.booted.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+            kill_host(pid);
+        }
+    }
+}
+
+/// Kills a simulated host: its agent's replicas (which the agent leaves running on exit, to
+/// re-adopt them after a restart), then the agent.
+fn kill_host(pid: i32) {
+    for p in descendants(pid) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(p), nix::sys::signal::Signal::SIGKILL);
+    }
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
 }
 
 impl SimProvider {
@@ -285,13 +306,14 @@ impl NodeProvider for SimProvider {
             }
             let config = write_sim_host(&self.dir, req, &join.controllers)
                 .map_err(|e| ProviderError::Failed(format!("simulated host {}: {e}", dir.display())))?;
-            let (bin, delay, notice, notices, id, tier) = (
+            let (bin, delay, notice, notices, id, tier, booted) = (
                 self.agent_bin.clone(),
                 self.boot_delay,
                 self.spot_notice_after,
                 self.notices.clone(),
                 req.id.clone(),
                 req.tier,
+                self.booted.clone(),
             );
             tokio::spawn(async move {
                 tokio::time::sleep(delay).await;
@@ -324,6 +346,7 @@ impl NodeProvider for SimProvider {
                 };
                 if let Some(pid) = child.id() {
                     let _ = std::fs::write(&pid_file, pid.to_string());
+                    booted.lock().unwrap_or_else(|p| p.into_inner()).push(pid as i32);
                 }
                 tracing::info!(node = %id, "simulated host booted");
                 if let (Tier::Spot, Some(after)) = (tier, notice) {
@@ -450,6 +473,7 @@ mod tests {
             dir: dir.path().to_path_buf(),
             agent_bin: PathBuf::from("/nonexistent"),
             notices: tx,
+            booted: Arc::default(),
         };
         match p.create(&request(), &Join::default()).await {
             Err(ProviderError::NoCapacity(why)) => assert!(why.contains("us-east-1"), "{why}"),

@@ -30,6 +30,9 @@ pub async fn run(ctx: Context, cfg: ProvisionConfig, data_dir: &Path) {
     let mut tick = tokio::time::interval(Duration::from_secs(cfg.tick_s));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last_stuck: Vec<(String, String)> = Vec::new();
+    // When each model's replicas were first seen unplaced, in this leader's term.
+    let mut unplaced_since: std::collections::HashMap<String, tokio::time::Instant> = Default::default();
+    let grace = Duration::from_secs(cfg.unplaced_for_s);
     loop {
         tokio::select! {
             _ = tick.tick() => {}
@@ -42,11 +45,22 @@ pub async fn run(ctx: Context, cfg: ProvisionConfig, data_dir: &Path) {
         }
         if !ctx.is_leader() {
             last_stuck.clear();
+            unplaced_since.clear();
             continue;
         }
         let now_ms = crate::jobs::unix_ms();
         let (fleet, registry) = ctx.sm.routing_inputs();
-        let unplaced = ctx.unplaced.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let now = tokio::time::Instant::now();
+        let unplaced: Vec<_> = {
+            let all = ctx.unplaced.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            unplaced_since.retain(|m, _| all.iter().any(|u| &u.model == m));
+            all.into_iter()
+                .filter(|u| {
+                    let since = *unplaced_since.entry(u.model.clone()).or_insert(now);
+                    now.saturating_duration_since(since) >= grace
+                })
+                .collect()
+        };
         let mut new_id =
             |pool: &super::PoolSpec| format!("{}-{}", pool.name, &uuid::Uuid::new_v4().simple().to_string()[..6]);
         let plan = super::plan(

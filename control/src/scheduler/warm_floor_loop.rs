@@ -14,6 +14,7 @@ use std::collections::HashMap;
 
 use tokio::time::Instant;
 
+use crate::command::Command;
 use crate::context::Context;
 use crate::registry::{LaneKind, Registry};
 use crate::scheduler::autoscale::{Inputs, ModelLoad, ScaleState, Signal};
@@ -25,6 +26,8 @@ pub const TICK: Duration = Duration::from_secs(1);
 /// of the followers' load reports, [`REPORT_EVERY`]); placement runs at once when a target
 /// changes, else every [`TICK`].
 pub const FAST_TICK: Duration = Duration::from_millis(250);
+/// Node placements committed in one log entry at most.
+pub const PLACEMENT_BATCH: usize = 64;
 /// How often each controller reports its router's load to the leader.
 pub const REPORT_EVERY: Duration = Duration::from_millis(500);
 
@@ -72,20 +75,35 @@ pub async fn run(ctx: Context) {
             }
             last_unplaced = unplaced;
         }
-        for cmd in plan.commands {
-            let what = format!("{cmd:?}");
-            let summary = placement_summary(&cmd);
-            match ctx.proposer.propose(cmd).await {
-                Ok((index, r)) => match r.rejected {
-                    Some(why) => tracing::warn!(%why, "placement refused"),
-                    None => {
-                        tracing::info!(index, placement = %what, "placement committed");
-                        if let Some((node, text)) = &summary {
+        // One log entry per PLACEMENT_BATCH nodes changed: a pass that touches many nodes
+        // commits in a few round trips instead of one per node.
+        let mut commands = plan.commands.into_iter().peekable();
+        while commands.peek().is_some() {
+            let chunk: Vec<Command> = commands.by_ref().take(PLACEMENT_BATCH).collect();
+            let summaries: Vec<_> = chunk.iter().filter_map(placement_summary).collect();
+            let proposal = if chunk.len() == 1 {
+                chunk.into_iter().next().expect("one command")
+            } else {
+                Command::Batch(chunk)
+            };
+            match ctx.proposer.propose(proposal).await {
+                Ok((index, r)) => {
+                    let refused: Vec<&String> = r
+                        .rejected
+                        .iter()
+                        .chain(r.batch.iter().filter_map(|b| b.rejected.as_ref()))
+                        .collect();
+                    for why in &refused {
+                        tracing::warn!(%why, "placement refused");
+                    }
+                    tracing::info!(index, nodes = summaries.len(), "placement committed");
+                    if refused.is_empty() {
+                        for (node, text) in &summaries {
                             ctx.history
                                 .event("placement", node, format!("{text} (log index {index})"));
                         }
                     }
-                },
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "placement not committed; planning again next tick");
                     break;

@@ -63,6 +63,7 @@ async fn the_slow_loop_provisions_falls_back_on_no_capacity_and_gives_idle_nodes
             r#"
 tick_s = 1
 idle_release_s = 3
+unplaced_for_s = 1
 [provider]
 kind = "sim"
 boot_delay_s = 0.2
