@@ -180,8 +180,7 @@ pub async fn run(args: ScalingArgs) -> anyhow::Result<()> {
             .collect();
         fakes.push(fake_node(&leader.addr, &id, "fill", gpus, vec![]).await?);
     }
-    let fill_class =
-        |floor: usize| json!({"name": "fill", "lane": "sync", "warm_floor": floor, "request_timeout_ms": 5000});
+    let fill_class = |floor: usize| json!({"name": "fill", "lane": "sync", "warm_floor": floor, "request_timeout_ms": 5000, "time_slicing": true});
     put(&admin, true, fill_class(0)).await?;
     put(
         &admin,
@@ -275,7 +274,7 @@ pub async fn run(args: ScalingArgs) -> anyhow::Result<()> {
             child: Some(child),
         });
     }
-    let class = json!({"name": "react", "lane": "sync", "utilisation_target_pct": 50, "warm_floor": 1, "request_timeout_ms": 5000});
+    let class = json!({"name": "react", "lane": "sync", "utilisation_target_pct": 50, "warm_floor": 1, "request_timeout_ms": 5000, "time_slicing": true});
     let model = json!({
         "name": "react",
         "class": "react",

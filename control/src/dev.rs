@@ -70,6 +70,8 @@ const DEV_PRICES: &[(&str, [f64; 3])] = &[
 const DEV_REGISTRY: &str = r#"
 [[class]]
 name = "speech"
+# Small models: replicas may share a card (time-sliced), packed by GPU memory.
+time_slicing = true
 lane = "sync"
 utilisation_target_pct = 60
 warm_floor = 2

@@ -405,6 +405,7 @@ fn durable_fleet(nodes: usize) -> AppState {
             degraded: None,
             slo_p99_ms: None,
             tolerations: vec![],
+            time_slicing: false,
             llm: None,
         })
         .unwrap();

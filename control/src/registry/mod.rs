@@ -124,6 +124,11 @@ pub struct Class {
     /// Language-model lane policy: token latency objectives and the scaling signal.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub llm: Option<LlmPolicy>,
+    /// Whether this lane's replicas may time-slice a whole (non-MIG) card with other replicas,
+    /// packed by GPU memory. Off (the default), each replica has its card to itself, as a
+    /// Kubernetes GPU request does; MIG slices are hardware partitions and need no sharing.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub time_slicing: bool,
 }
 
 /// What a lane of language models scales on. GPU utilisation is never a signal: a decoding GPU
@@ -740,6 +745,7 @@ mod tests {
             degraded: None,
             slo_p99_ms: None,
             tolerations: vec![],
+            time_slicing: false,
             llm: None,
         }
     }

@@ -809,6 +809,7 @@ mod tests {
             .filter(|_| lane == LaneKind::Bounded),
             slo_p99_ms: None,
             tolerations: vec![],
+            time_slicing: false,
             llm: None,
         })
     }

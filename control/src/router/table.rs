@@ -282,6 +282,7 @@ pub fn test_fixture() -> (Fleet, Registry) {
         degraded: None,
         slo_p99_ms: None,
         tolerations: vec![],
+        time_slicing: false,
         llm: None,
     })
     .unwrap();

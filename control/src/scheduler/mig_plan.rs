@@ -217,6 +217,7 @@ mod tests {
             degraded: None,
             slo_p99_ms: None,
             tolerations: vec![],
+            time_slicing: false,
             llm: None,
         })
         .unwrap();

@@ -28,18 +28,20 @@ fn schedulable(n: &NodeRecord) -> bool {
     n.liveness == Liveness::Up && !n.cordoned && !n.draining
 }
 
-/// GPU memory one replica of `model` needs on `product`, MB; a profile without a memory
-/// figure takes the whole card.
-fn need_mb(model: &Model, product: &str, card_mb: u32) -> u32 {
+/// GPU memory one replica of `model` needs on a whole `product` card, MB: what its profile
+/// says when its lane time-slices cards, else the whole card (as for a profile without a
+/// memory figure), so nothing else lands there.
+fn need_mb(registry: &Registry, model: &Model, product: &str, card_mb: u32) -> u32 {
+    let shares = registry.classes.get(&model.class).is_some_and(|c| c.time_slicing);
     match model.profiles.get(product) {
-        Some(p) if p.gpu_memory_gb > 0 => p.gpu_memory_gb.saturating_mul(1000),
+        Some(p) if p.gpu_memory_gb > 0 && shares => p.gpu_memory_gb.saturating_mul(1000),
         _ => card_mb,
     }
 }
 
 /// The products a model may run on, smallest card first: a small model never takes a big card
 /// while a card of its own size has room.
-fn products_by_size(model: &Model, card_mb: &HashMap<String, u32>) -> Vec<ProductFit> {
+fn products_by_size(registry: &Registry, model: &Model, card_mb: &HashMap<String, u32>) -> Vec<ProductFit> {
     let mut fits: Vec<ProductFit> = model
         .profiles
         .keys()
@@ -47,7 +49,7 @@ fn products_by_size(model: &Model, card_mb: &HashMap<String, u32>) -> Vec<Produc
             let card = *card_mb.get(p)?;
             Some(ProductFit {
                 product: p.clone(),
-                memory_mb: need_mb(model, p, card),
+                memory_mb: need_mb(registry, model, p, card),
             })
         })
         .collect();
@@ -212,7 +214,7 @@ pub fn plan_observed(
                 .flat_map(|n| &n.registration.gpus)
                 .find(|g| g.uuid == r.gpu)
                 .map_or(0, |g| (g.memory_bytes / 1_000_000) as u32);
-            *used.entry(r.gpu.as_str()).or_default() += need_mb(m, &r.product, card);
+            *used.entry(r.gpu.as_str()).or_default() += need_mb(registry, m, &r.product, card);
         }
     }
     let nodes: Vec<NodeView> = fleet
@@ -229,7 +231,9 @@ pub fn plan_observed(
                 .filter(|g| g.product == product && !registry.mig_split(&reg.node_id, &g.uuid))
                 .map(|g| {
                     let mb = (g.memory_bytes / 1_000_000) as u32;
-                    card_mb.entry(g.product.clone()).or_insert(mb);
+                    // The smallest card of a product: an exclusive replica must fit every one.
+                    let c = card_mb.entry(g.product.clone()).or_insert(mb);
+                    *c = (*c).min(mb);
                     GpuView {
                         uuid: g.uuid.clone(),
                         memory_mb: mb,
@@ -273,7 +277,7 @@ pub fn plan_observed(
         if missing == 0 {
             continue;
         }
-        let products = products_by_size(m, &card_mb);
+        let products = products_by_size(registry, m, &card_mb);
         if products.is_empty() {
             let listed: Vec<&str> = m.profiles.keys().map(String::as_str).collect();
             unplaced.push(Unplaced {
@@ -449,6 +453,8 @@ mod tests {
             slo_p99_ms: None,
             tolerations: vec![],
             llm: None,
+            // These tests are about packing by memory; exclusivity has its own.
+            time_slicing: true,
         })
         .unwrap();
         let profile = |gb| Profile {
@@ -503,6 +509,32 @@ mod tests {
             plan(&f, &r, &HashMap::new(), &mut ids()).commands.is_empty(),
             "a second pass changes nothing"
         );
+    }
+
+    #[test]
+    fn a_lane_without_time_slicing_gets_a_card_per_replica() {
+        let f = fleet(&[("a", "L4", 2), ("h", "H100-80GB", 1)]);
+        let mut r = registry(4);
+        let mut c = r.classes["speech"].clone();
+        c.time_slicing = false;
+        r.put_class(&c).unwrap();
+        let p = plan(&f, &r, &HashMap::new(), &mut ids());
+        apply(&mut r, &p);
+        let mut gpus: Vec<&str> = r.desired.values().flatten().map(|d| d.gpu.as_str()).collect();
+        gpus.sort();
+        assert_eq!(
+            gpus,
+            ["a-0", "a-1", "h-0"],
+            "one replica per card, the fourth waits: {p:?}"
+        );
+        assert_eq!(p.unplaced.len(), 1);
+        // Allowed to time-slice: the 10 GB replicas pack two to an L4.
+        c.time_slicing = true;
+        r.put_class(&c).unwrap();
+        let p = plan(&f, &r, &HashMap::new(), &mut ids());
+        apply(&mut r, &p);
+        assert_eq!(r.desired["a"].len(), 3, "{:?}", r.desired);
+        assert!(p.unplaced.is_empty());
     }
 
     #[test]
@@ -590,6 +622,7 @@ mod tests {
             degraded: None,
             slo_p99_ms: None,
             tolerations: vec![],
+            time_slicing: true,
             llm: None,
         })
         .unwrap();

@@ -298,7 +298,15 @@ fn placement_summary(cmd: &crate::command::Command) -> Option<(String, String)> 
     for r in replicas {
         *per_model.entry(r.model.as_str()).or_default() += 1;
     }
-    let runs: Vec<String> = per_model.iter().map(|(m, n)| format!("{m} ×{n}")).collect();
+    let mut per_gpu: std::collections::BTreeMap<&str, usize> = Default::default();
+    for r in replicas {
+        *per_gpu.entry(r.gpu.as_str()).or_default() += 1;
+    }
+    let shared = per_gpu.values().filter(|n| **n > 1).count();
+    let mut runs: Vec<String> = per_model.iter().map(|(m, n)| format!("{m} ×{n}")).collect();
+    if shared > 0 {
+        runs.push(format!("{shared} card(s) time-sliced"));
+    }
     let text = if runs.is_empty() {
         "runs no placed replica now".to_string()
     } else {

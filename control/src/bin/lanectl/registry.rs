@@ -78,6 +78,18 @@ pub struct LaneSetArgs {
     /// KV-cache usage the kv_cache signal aims for, percent.
     #[arg(long)]
     kv_target_pct: Option<u32>,
+    /// `on`: replicas of this lane may time-slice whole cards with other replicas, packed by
+    /// GPU memory; `off` (a new lane's default): each replica has its card to itself.
+    #[arg(long, value_parser = on_off)]
+    time_slicing: Option<bool>,
+}
+
+fn on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" | "true" | "yes" => Ok(true),
+        "off" | "false" | "no" => Ok(false),
+        _ => Err(format!("{s:?}: use on or off")),
+    }
 }
 
 #[derive(Subcommand)]
@@ -356,6 +368,11 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
                     if !c.tolerations.is_empty() {
                         t.push_str(&format!("  tolerates {}", c.tolerations.join(",")));
                     }
+                    t.push_str(if c.time_slicing {
+                        "  cards time-sliced"
+                    } else {
+                        "  a card per replica"
+                    });
                     if let Some(l) = &c.llm {
                         let ms = |v: Option<Millis>| v.map_or("-".to_string(), |v| format!("{} ms", v.as_ms()));
                         t.push_str(&format!(
@@ -501,6 +518,7 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
                     slo_p99_ms: None,
                     tolerations: vec![],
                     llm: None,
+                    time_slicing: false,
                 },
                 (None, None) => anyhow::bail!("class {} is new: give --lane sync|bounded|durable", a.class),
             };
@@ -541,6 +559,9 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
             }
             if let Some(t) = a.tolerate {
                 c.tolerations = t.into_iter().filter(|t| t != "none" && !t.is_empty()).collect();
+            }
+            if let Some(v) = a.time_slicing {
+                c.time_slicing = v;
             }
             if let Some(v) = a.rank {
                 c.protection_rank = v;
