@@ -139,9 +139,11 @@ fn main() -> ExitCode {
                 println!("stopping");
                 for (_, agent) in dev.agents {
                     // Dev mode owns its replicas: drain them so nothing outlives the process.
-                    for r in agent.supervisor.status() {
-                        let _ = agent
-                            .supervisor
+                    // The agent stops first, or it would start placed replicas again as they go.
+                    let supervisor = agent.supervisor.clone();
+                    agent.stop();
+                    for r in supervisor.status() {
+                        let _ = supervisor
                             .drain(
                                 &r.id,
                                 std::sync::Arc::new(|| 0),
@@ -150,7 +152,6 @@ fn main() -> ExitCode {
                             )
                             .await;
                     }
-                    agent.stop();
                 }
                 dev.controller.shutdown().await;
                 ExitCode::SUCCESS

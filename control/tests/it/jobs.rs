@@ -145,11 +145,13 @@ fn clip(input: &str) -> Value {
     json!({"model": "clip", "input": serde_json::from_str::<Value>(input).unwrap()})
 }
 
-/// Stops an agent's replicas for good (drained replicas are not restarted, so none outlives
-/// the test) and then the agent.
+/// Stops an agent and then its replicas for good (drained replicas are not restarted, so none
+/// outlives the test).
 async fn stop_agent(a: Agent) {
-    drain_all(&a.supervisor).await;
+    // The agent first: it would start its placed replicas again as they drain.
+    let sup = a.supervisor.clone();
     a.stop();
+    drain_all(&sup).await;
 }
 
 async fn drain_all(sup: &laneway_agent::supervisor::Supervisor) {
