@@ -1,5 +1,6 @@
 //! `laneway-control`: a Laneway controller.
 
+use std::io::Write as _;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -136,23 +137,31 @@ fn main() -> ExitCode {
                 }
                 println!("Press Ctrl-C to stop.");
                 stop_requested().await;
-                println!("stopping");
+                // Not println!: stdout may be a closed pipe by now (`laneway-control dev | head`),
+                // and a panic here would skip the drain below and leave replicas running.
+                let _ = writeln!(std::io::stdout(), "stopping");
+                // Dev mode owns its replicas: drain them (all at once) so nothing outlives the
+                // process. Each agent stops first, or it would start placed replicas again as
+                // they go.
+                let mut drains = Vec::new();
                 for (_, agent) in dev.agents {
-                    // Dev mode owns its replicas: drain them so nothing outlives the process.
-                    // The agent stops first, or it would start placed replicas again as they go.
                     let supervisor = agent.supervisor.clone();
                     agent.stop();
                     for r in supervisor.status() {
-                        let _ = supervisor
-                            .drain(
-                                &r.id,
-                                std::sync::Arc::new(|| 0),
-                                std::time::Duration::from_secs(1),
-                                std::time::Duration::from_secs(2),
-                            )
-                            .await;
+                        let supervisor = supervisor.clone();
+                        drains.push(async move {
+                            let _ = supervisor
+                                .drain(
+                                    &r.id,
+                                    std::sync::Arc::new(|| 0),
+                                    std::time::Duration::from_secs(1),
+                                    std::time::Duration::from_secs(2),
+                                )
+                                .await;
+                        });
                     }
                 }
+                futures::future::join_all(drains).await;
                 dev.controller.shutdown().await;
                 ExitCode::SUCCESS
             }

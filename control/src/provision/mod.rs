@@ -799,31 +799,14 @@ mod tests {
         }
     }
 
-    fn class(name: &str, lane: LaneKind) -> Class {
-        Class {
-            name: name.into(),
-            lane,
-            utilisation_target_pct: 60,
-            budget_ms: Millis(0),
-            warm_floor: 0,
-            protection_rank: 0,
-            request_timeout_ms: Millis::from_ms(1000.0),
-            degraded: None,
-            slo_p99_ms: None,
-            tolerations: vec![],
-            time_slicing: false,
-            llm: None,
-        }
-    }
-
     /// `whisper` (speech, sync) on L4 or H100 at 10 GB; `wan` (video, durable) on H100 or
     /// A100, a whole card.
     fn registry() -> Registry {
         let mut r = Registry::default();
-        r.put_class(&class("speech", LaneKind::Sync)).unwrap();
+        r.put_class(&Class::for_test("speech", LaneKind::Sync)).unwrap();
         r.put_class(&Class {
             budget_ms: Millis::from_ms(600_000.0),
-            ..class("video", LaneKind::Durable)
+            ..Class::for_test("video", LaneKind::Durable)
         })
         .unwrap();
         let profile = |gb| Profile {

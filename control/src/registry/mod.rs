@@ -386,6 +386,28 @@ pub struct Registry {
     pub mig_plan: Option<crate::scheduler::mig_plan::MigPlan>,
 }
 
+#[cfg(test)]
+impl Class {
+    /// A lane for tests: 60% target, no queue budget, no floor, rank 0, a 1 s timeout, a card
+    /// per replica.
+    pub(crate) fn for_test(name: &str, lane: LaneKind) -> Class {
+        Class {
+            name: name.into(),
+            lane,
+            utilisation_target_pct: 60,
+            budget_ms: Millis(0),
+            warm_floor: 0,
+            protection_rank: 0,
+            request_timeout_ms: Millis::from_ms(1000.0),
+            degraded: None,
+            slo_p99_ms: None,
+            tolerations: vec![],
+            time_slicing: false,
+            llm: None,
+        }
+    }
+}
+
 /// Checks a taint (or toleration): 1-63 characters of a-z, 0-9, '.', '/', '-', '_'.
 pub fn validate_taint(t: &str) -> Result<(), String> {
     let ok = !t.is_empty()

@@ -207,18 +207,8 @@ mod tests {
     fn registry(floor: u32, slices: &[&str]) -> Registry {
         let mut r = Registry::default();
         r.put_class(&Class {
-            name: "speech".into(),
-            lane: LaneKind::Sync,
-            utilisation_target_pct: 60,
-            budget_ms: Millis(0),
             warm_floor: floor,
-            protection_rank: 0,
-            request_timeout_ms: Millis::from_ms(1000.0),
-            degraded: None,
-            slo_p99_ms: None,
-            tolerations: vec![],
-            time_slicing: false,
-            llm: None,
+            ..Class::for_test("speech", LaneKind::Sync)
         })
         .unwrap();
         r.put_model(&Model {

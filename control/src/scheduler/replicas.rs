@@ -442,19 +442,10 @@ mod tests {
     fn registry(floor: u32) -> Registry {
         let mut r = Registry::default();
         r.put_class(&Class {
-            name: "speech".into(),
-            lane: LaneKind::Sync,
-            utilisation_target_pct: 60,
-            budget_ms: Millis(0),
             warm_floor: floor,
-            protection_rank: 0,
-            request_timeout_ms: Millis::from_ms(1000.0),
-            degraded: None,
-            slo_p99_ms: None,
-            tolerations: vec![],
-            llm: None,
             // These tests are about packing by memory; exclusivity has its own.
             time_slicing: true,
+            ..Class::for_test("speech", LaneKind::Sync)
         })
         .unwrap();
         let profile = |gb| Profile {
@@ -612,18 +603,13 @@ mod tests {
 
     fn durable(r: &mut Registry, floor: u32) {
         r.put_class(&Class {
-            name: "video".into(),
-            lane: LaneKind::Durable,
             utilisation_target_pct: 90,
             budget_ms: Millis::from_ms(60_000.0),
             warm_floor: floor,
             protection_rank: 2,
             request_timeout_ms: Millis::from_ms(60_000.0),
-            degraded: None,
-            slo_p99_ms: None,
-            tolerations: vec![],
             time_slicing: true,
-            llm: None,
+            ..Class::for_test("video", LaneKind::Durable)
         })
         .unwrap();
         let mut m = r.models["whisper"].clone();

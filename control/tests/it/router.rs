@@ -780,12 +780,23 @@ async fn a_restarted_agent_re_adopts_its_placed_replicas() {
     a2.stop();
 }
 
-/// The fast loop counts load at every controller's router, not only the leader's: requests
-/// held at a follower's router scale the model up.
-/// Also the meter end to end: the follower's router reports what it served to the leader,
-/// which commits it priced by the card it ran on.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn load_at_a_followers_router_scales_the_model_up() {
+/// Three controllers, one L4 agent (two cards) and the model `slow` (`service_ms` a request,
+/// 4 slots) in the sync lane `speech` at a floor of 1 and a 50% target, priced, routable at a
+/// follower; then four requests held at that follower's router: one replica carries 2 at its
+/// target, so they need a second.
+struct HeldLoad {
+    root: tempfile::TempDir,
+    nodes: Vec<Node>,
+    client: AdminClient,
+    /// Node 1's admin address.
+    addr: String,
+    agent: Agent,
+    reaper: Reaper,
+    leader: u64,
+    held: Vec<tokio::task::JoinHandle<reqwest::Result<reqwest::StatusCode>>>,
+}
+
+async fn four_requests_held_at_a_follower(service_ms: u32) -> HeldLoad {
     let root = tempfile::tempdir().unwrap();
     let mut nodes: Vec<Node> = (1..=3).map(|id| Node::new(root.path(), id)).collect();
     let client = form_cluster(&mut nodes).await;
@@ -808,26 +819,23 @@ async fn load_at_a_followers_router_scales_the_model_up() {
         .as_str()
         .unwrap()
         .to_string();
-    let model = sim_model_doc("slow", "speech", "L4", 3000);
     let file = root.path().join("slow.json");
-    std::fs::write(&file, model.to_string()).unwrap();
+    std::fs::write(&file, sim_model_doc("slow", "speech", "L4", service_ms).to_string()).unwrap();
     let controllers: Vec<String> = nodes.iter().map(|n| n.addr.clone()).collect();
-    let a = agent("gpu-a", "L4", controllers, root.path(), vec![]).await;
-    let _reaper = Reaper(a.supervisor.clone());
+    let agent = agent("gpu-a", "L4", controllers, root.path(), vec![]).await;
+    let reaper = Reaper(agent.supervisor.clone());
     lanectl(&addr, &["model", "register", "--file", file.to_str().unwrap()]);
     lanectl(&addr, &["price", "set", "L4", "--tier", "on-demand", "0.80"]);
     wait_for("the floor's replica ready", Duration::from_secs(30), || async {
         ready_nodes(&client, "slow").await.filter(|n| n.len() == 1)
     })
     .await;
-
     let leader = client
         .call(|mut c| async move { c.status(laneway_proto::admin::StatusRequest {}).await })
         .await
         .unwrap()
         .leader_id;
     let follower = nodes.iter().find(|n| n.id != leader).unwrap();
-    let url = format!("http://{}/v2/models/slow/infer", follower.router_addr);
     let http = reqwest::Client::new();
     wait_for("the follower routes the model", Duration::from_secs(10), || async {
         let r = http
@@ -839,8 +847,8 @@ async fn load_at_a_followers_router_scales_the_model_up() {
         (r.status() == 200).then_some(())
     })
     .await;
-    // Four requests of 3 s on one replica of 4 slots at a 50% target need two replicas.
-    let held: Vec<_> = (0..4)
+    let url = format!("http://{}/v2/models/slow/infer", follower.router_addr);
+    let held = (0..4)
         .map(|_| {
             let (http, url, key) = (http.clone(), url.clone(), key.clone());
             tokio::spawn(async move {
@@ -853,6 +861,34 @@ async fn load_at_a_followers_router_scales_the_model_up() {
             })
         })
         .collect();
+    HeldLoad {
+        root,
+        nodes,
+        client,
+        addr,
+        agent,
+        reaper,
+        leader,
+        held,
+    }
+}
+
+/// The fast loop counts load at every controller's router, not only the leader's: requests
+/// held at a follower's router scale the model up.
+/// Also the meter end to end: the follower's router reports what it served to the leader,
+/// which commits it priced by the card it ran on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_at_a_followers_router_scales_the_model_up() {
+    let HeldLoad {
+        root: _root,
+        nodes,
+        client,
+        addr,
+        agent: a,
+        reaper: _reaper,
+        leader,
+        held,
+    } = four_requests_held_at_a_follower(3000).await;
     // The replica's own count of requests in flight reaches the leader with the heartbeats.
     let leader_router = nodes.iter().find(|n| n.id == leader).unwrap().router_addr.clone();
     wait_for(
@@ -1071,70 +1107,16 @@ async fn placed_ids(client: &AdminClient, model: &str) -> Option<Vec<String>> {
 /// the next leader finishes the scale-up from the committed intent and places nothing twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_killed_during_a_scale_up_leaves_it_done_once() {
-    let root = tempfile::tempdir().unwrap();
-    let mut nodes: Vec<Node> = (1..=3).map(|id| Node::new(root.path(), id)).collect();
-    let client = form_cluster(&mut nodes).await;
-    let addr = nodes[0].addr.clone();
-    lanectl(
-        &addr,
-        &[
-            "lane",
-            "set",
-            "speech",
-            "--lane",
-            "sync",
-            "--warm-floor",
-            "1",
-            "--target-pct",
-            "50",
-        ],
-    );
-    let key = lanectl(&addr, &["tenant", "create", "t1"])["api_key"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let file = root.path().join("slow.json");
-    std::fs::write(&file, sim_model_doc("slow", "speech", "L4", 4000).to_string()).unwrap();
-    let controllers: Vec<String> = nodes.iter().map(|n| n.addr.clone()).collect();
-    let a = agent("gpu-a", "L4", controllers.clone(), root.path(), vec![]).await;
-    let _reaper = Reaper(a.supervisor.clone());
-    lanectl(&addr, &["model", "register", "--file", file.to_str().unwrap()]);
-    wait_for("the floor's replica ready", Duration::from_secs(30), || async {
-        ready_nodes(&client, "slow").await.filter(|n| n.len() == 1)
-    })
-    .await;
-    let leader = client
-        .call(|mut c| async move { c.status(laneway_proto::admin::StatusRequest {}).await })
-        .await
-        .unwrap()
-        .leader_id;
-    let follower = nodes.iter().find(|n| n.id != leader).unwrap();
-    let http = reqwest::Client::new();
-    wait_for("the follower routes the model", Duration::from_secs(10), || async {
-        let r = http
-            .get(format!("http://{}/v2/models/slow/ready", follower.router_addr))
-            .bearer_auth(&key)
-            .send()
-            .await
-            .ok()?;
-        (r.status() == 200).then_some(())
-    })
-    .await;
-    // Four 4 s requests on one replica of 4 slots at a 50% target need two replicas.
-    let url = format!("http://{}/v2/models/slow/infer", follower.router_addr);
-    let held: Vec<_> = (0..4)
-        .map(|_| {
-            let (http, url, key) = (http.clone(), url.clone(), key.clone());
-            tokio::spawn(async move {
-                http.post(url)
-                    .bearer_auth(key)
-                    .body(BODY)
-                    .send()
-                    .await
-                    .map(|r| r.status())
-            })
-        })
-        .collect();
+    let HeldLoad {
+        root: _root,
+        mut nodes,
+        client,
+        agent: a,
+        reaper: _reaper,
+        leader,
+        held,
+        ..
+    } = four_requests_held_at_a_follower(4000).await;
     let decided = wait_for("the scale-up committed", Duration::from_secs(10), || async {
         placed_ids(&client, "slow").await.filter(|ids| ids.len() == 2)
     })
