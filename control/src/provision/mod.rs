@@ -309,6 +309,16 @@ pub struct NodeRequest {
     pub idle_since_ms: Option<u64>,
 }
 
+impl NodeRequest {
+    /// The command that starts giving this node back (the slow loop then calls the provider).
+    fn releasing(&self) -> Command {
+        Command::PutNodeRequest(NodeRequest {
+            state: RequestState::Releasing,
+            ..self.clone()
+        })
+    }
+}
+
 /// A (product, region) that recently had no capacity.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CapacityMark {
@@ -447,10 +457,7 @@ pub fn plan(i: &PlanInputs, new_id: &mut dyn FnMut(&PoolSpec) -> String) -> Prov
                     r.id.clone(),
                     format!("pool {} is no longer configured: giving node {} back", r.pool, r.id),
                 ));
-                out.commands.push(Command::PutNodeRequest(NodeRequest {
-                    state: RequestState::Releasing,
-                    ..r.clone()
-                }));
+                out.commands.push(r.releasing());
             }
             continue;
         };
@@ -480,10 +487,7 @@ pub fn plan(i: &PlanInputs, new_id: &mut dyn FnMut(&PoolSpec) -> String) -> Prov
                 out.commands.push(mark(pool, why));
                 // Launched: the provider may have made something; give it back.
                 out.commands.push(match r.state {
-                    RequestState::Launched => Command::PutNodeRequest(NodeRequest {
-                        state: RequestState::Releasing,
-                        ..r.clone()
-                    }),
+                    RequestState::Launched => r.releasing(),
                     _ => Command::RemoveNodeRequest { id: r.id.clone() },
                 });
             }
@@ -493,10 +497,7 @@ pub fn plan(i: &PlanInputs, new_id: &mut dyn FnMut(&PoolSpec) -> String) -> Prov
                     r.id.clone(),
                     format!("node {} of pool {} is down: giving it back", r.id, r.pool),
                 ));
-                out.commands.push(Command::PutNodeRequest(NodeRequest {
-                    state: RequestState::Releasing,
-                    ..r.clone()
-                }));
+                out.commands.push(r.releasing());
             }
             RequestState::Joined => {
                 let busy = i.registry.desired.get(&r.id).is_some_and(|d| !d.is_empty());
@@ -509,10 +510,7 @@ pub fn plan(i: &PlanInputs, new_id: &mut dyn FnMut(&PoolSpec) -> String) -> Prov
                         r.id.clone(),
                         format!("node {} of pool {} is drained: giving it back", r.id, r.pool),
                     ));
-                    out.commands.push(Command::PutNodeRequest(NodeRequest {
-                        state: RequestState::Releasing,
-                        ..r.clone()
-                    }));
+                    out.commands.push(r.releasing());
                     continue;
                 }
                 match (busy || fixed, r.idle_since_ms) {
@@ -538,10 +536,7 @@ pub fn plan(i: &PlanInputs, new_id: &mut dyn FnMut(&PoolSpec) -> String) -> Prov
                             cordoned: None,
                             draining: Some(true),
                         });
-                        out.commands.push(Command::PutNodeRequest(NodeRequest {
-                            state: RequestState::Releasing,
-                            ..r.clone()
-                        }));
+                        out.commands.push(r.releasing());
                     }
                     _ => {}
                 }
