@@ -127,10 +127,115 @@ pub fn plan_observed(
     slices: &HashMap<String, Vec<Slice>>,
     new_id: &mut dyn FnMut(&str) -> String,
 ) -> ReplicaPlan {
+    let (mut desired, mut unplaced, short) = place(fleet, registry, &registry.desired, targets, cached, slices, new_id);
+    // A warm floor that did not fit takes the cards of less protected classes' replicas above
+    // their own floors (protect sync first, durable last), then placement runs again.
+    // Kept only when it placed more of those floors: never stop a replica for nothing.
+    let victims = preemptions(fleet, registry, &desired, &short);
+    if !victims.is_empty() {
+        let mut freed = desired.clone();
+        for (node, id) in &victims {
+            if let Some(rs) = freed.get_mut(node) {
+                rs.retain(|r| &r.id != id);
+            }
+        }
+        let again = place(fleet, registry, &freed, targets, cached, slices, new_id);
+        let missing = |s: &[Short]| s.iter().map(|s| s.missing).sum::<usize>();
+        if missing(&again.2) < missing(&short) {
+            (desired, unplaced) = (again.0, again.1);
+        }
+    }
+
+    let mut commands = Vec::new();
+    let nodes: std::collections::BTreeSet<&String> = desired.keys().chain(registry.desired.keys()).collect();
+    for node in nodes {
+        let now = desired.get(node).cloned().unwrap_or_default();
+        let before = registry.desired.get(node).cloned().unwrap_or_default();
+        if now != before {
+            commands.push(Command::SetDesiredReplicas {
+                node_id: node.clone(),
+                replicas: now,
+            });
+        }
+    }
+    ReplicaPlan { commands, unplaced }
+}
+
+/// A model short of its warm floor after placement: how many, and its class's rank.
+struct Short {
+    model: String,
+    rank: u32,
+    missing: usize,
+}
+
+/// Replicas (node, replica id) to stop so that the floors in `short` fit: each on a card of a
+/// product the short model lists, on a schedulable node whose taints it tolerates, of a model
+/// of a less protected class (a higher rank) that is above its own floor; the least protected
+/// first, spot before on-demand before reserved.
+fn preemptions(
+    fleet: &Fleet,
+    registry: &Registry,
+    desired: &BTreeMap<String, Vec<DesiredReplica>>,
+    short: &[Short],
+) -> Vec<(String, String)> {
+    let class_of = |model: &str| registry.models.get(model).and_then(|m| registry.classes.get(&m.class));
+    let mut count: HashMap<&str, usize> = HashMap::new();
+    for r in desired.values().flatten() {
+        *count.entry(r.model.as_str()).or_default() += 1;
+    }
+    let mut victims: Vec<(String, String)> = Vec::new();
+    for s in short {
+        let Some(m) = registry.models.get(&s.model) else {
+            continue;
+        };
+        let tolerations = lane_tolerations(registry, m);
+        for _ in 0..s.missing {
+            let candidate = desired
+                .iter()
+                .filter_map(|(node, rs)| fleet.nodes.get(node).map(|n| (node, n, rs)))
+                .filter(|(_, n, _)| schedulable(n) && node_taints(registry, n).iter().all(|t| tolerations.contains(t)))
+                .flat_map(|(node, n, rs)| rs.iter().map(move |r| (node, n, r)))
+                .filter(|(node, _, r)| {
+                    m.profiles.contains_key(&r.product)
+                        && !victims.iter().any(|(vn, id)| vn == *node && *id == r.id)
+                        && class_of(&r.model).is_some_and(|c| {
+                            c.protection_rank > s.rank
+                                && count.get(r.model.as_str()).copied().unwrap_or(0) > c.warm_floor as usize
+                        })
+                })
+                .max_by_key(|(node, n, r)| {
+                    (
+                        class_of(&r.model).map_or(0, |c| c.protection_rank),
+                        Tier::of_labels(&n.registration.labels),
+                        std::cmp::Reverse(node.as_str()),
+                    )
+                })
+                .map(|(node, _, r)| (node.clone(), r.id.clone(), r.model.clone()));
+            let Some((node, id, model)) = candidate else { break };
+            *count.get_mut(model.as_str()).expect("counted") -= 1;
+            victims.push((node, id));
+        }
+    }
+    victims
+}
+
+/// One placement pass from `start` (the replicas placed now): keeps what still stands, trims
+/// models over their target and places what is missing, the most protected classes first.
+/// Returns the new placed set, what did not fit, and the warm floors among it.
+#[allow(clippy::type_complexity)]
+fn place(
+    fleet: &Fleet,
+    registry: &Registry,
+    start: &BTreeMap<String, Vec<DesiredReplica>>,
+    targets: &HashMap<String, usize>,
+    cached: &HashMap<String, HashSet<String>>,
+    slices: &HashMap<String, Vec<Slice>>,
+    new_id: &mut dyn FnMut(&str) -> String,
+) -> (BTreeMap<String, Vec<DesiredReplica>>, Vec<Unplaced>, Vec<Short>) {
     // Keep what still stands: schedulable or cordoned (cordon stops new work only) live nodes,
     // models still registered.
     let mut desired: BTreeMap<String, Vec<DesiredReplica>> = BTreeMap::new();
-    for (node, replicas) in &registry.desired {
+    for (node, replicas) in start {
         let Some(n) = fleet.nodes.get(node) else { continue };
         if n.liveness != Liveness::Up || n.draining {
             continue;
@@ -272,7 +377,11 @@ pub fn plan_observed(
     let mut index = FleetIndex::new(nodes);
 
     let mut unplaced = Vec::new();
-    for m in registry.models.values() {
+    let mut short = Vec::new();
+    let rank = |m: &Model| registry.classes.get(&m.class).map_or(u32::MAX, |c| c.protection_rank);
+    let mut by_protection: Vec<&Model> = registry.models.values().collect();
+    by_protection.sort_by_key(|m| (rank(m), m.name.as_str()));
+    for m in by_protection {
         let missing = target(m).saturating_sub(count.get(&m.name).copied().unwrap_or(0));
         if missing == 0 {
             continue;
@@ -330,6 +439,13 @@ pub fn plan_observed(
                     product: p.product,
                 }),
                 Err(u) => {
+                    if have < floor {
+                        short.push(Short {
+                            model: m.name.clone(),
+                            rank: rank(m),
+                            missing: floor - have,
+                        });
+                    }
                     unplaced.push(Unplaced {
                         missing: have_now + missing - have,
                         ..u
@@ -339,20 +455,7 @@ pub fn plan_observed(
             }
         }
     }
-
-    let mut commands = Vec::new();
-    let nodes: std::collections::BTreeSet<&String> = desired.keys().chain(registry.desired.keys()).collect();
-    for node in nodes {
-        let now = desired.get(node).cloned().unwrap_or_default();
-        let before = registry.desired.get(node).cloned().unwrap_or_default();
-        if now != before {
-            commands.push(Command::SetDesiredReplicas {
-                node_id: node.clone(),
-                replicas: now,
-            });
-        }
-    }
-    ReplicaPlan { commands, unplaced }
+    (desired, unplaced, short)
 }
 
 /// A free settled MIG slice for one replica of `m`: (node, slice UUID, product), preferring a
@@ -741,6 +844,54 @@ mod tests {
         let cached: HashMap<String, HashSet<String>> = [("b".to_string(), ["whisper".to_string()].into())].into();
         let p = plan_cached(&f, &r, &HashMap::new(), &cached, &mut ids());
         assert_eq!(first(&p), "b", "the node that already holds the weights");
+    }
+
+    #[test]
+    fn a_sync_floor_takes_the_card_of_a_durable_replica_above_its_floor() {
+        let f = fleet(&[("a", "L4", 1)]);
+        let mut r = registry(0);
+        durable(&mut r, 0);
+        // The durable lane scaled to two replicas: the card is full (2 × 10 GB of 24).
+        let targets: HashMap<String, usize> = [("wan".to_string(), 2)].into();
+        let p = plan(&f, &r, &targets, &mut ids());
+        apply(&mut r, &p);
+        assert_eq!(on(&r, "a", "wan"), 2);
+        // The sync lane's floor rises: one durable replica gives its place.
+        r.classes.get_mut("speech").unwrap().warm_floor = 1;
+        let p = plan(&f, &r, &targets, &mut ids());
+        apply(&mut r, &p);
+        assert_eq!(on(&r, "a", "whisper"), 1, "{:?}", r.desired);
+        assert_eq!(on(&r, "a", "wan"), 1, "{:?}", r.desired);
+        assert!(
+            p.unplaced.iter().any(|u| u.model == "wan"),
+            "the durable shortfall is reported"
+        );
+    }
+
+    #[test]
+    fn a_floor_never_preempts_another_floor_or_a_more_protected_lane() {
+        let f = fleet(&[("a", "L4", 1)]);
+        let mut r = registry(0);
+        durable(&mut r, 2);
+        let p = plan(&f, &r, &HashMap::new(), &mut ids());
+        apply(&mut r, &p);
+        assert_eq!(on(&r, "a", "wan"), 2);
+        // The durable replicas are its floor: the sync floor waits, reported unplaced.
+        r.classes.get_mut("speech").unwrap().warm_floor = 1;
+        let p = plan(&f, &r, &HashMap::new(), &mut ids());
+        apply(&mut r, &p);
+        assert_eq!(on(&r, "a", "wan"), 2);
+        assert_eq!(on(&r, "a", "whisper"), 0);
+        assert!(p.unplaced.iter().any(|u| u.model == "whisper"));
+        // And a durable floor never takes a sync replica's card.
+        let mut r = registry(2);
+        let p = plan(&f, &r, &HashMap::new(), &mut ids());
+        apply(&mut r, &p);
+        durable(&mut r, 1);
+        let p = plan(&f, &r, &HashMap::new(), &mut ids());
+        apply(&mut r, &p);
+        assert_eq!(on(&r, "a", "whisper"), 2);
+        assert_eq!(on(&r, "a", "wan"), 0);
     }
 
     #[test]
