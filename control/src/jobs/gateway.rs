@@ -160,6 +160,32 @@ impl JobGateway {
         rx.await.unwrap_or_else(|_| Err(stopped()))
     }
 
+    /// Whether this controller has applied everything the leader had committed when asked
+    /// (the leader itself: once it has applied what it committed). `false` while no
+    /// leader is known or it does not answer.
+    pub async fn caught_up(&self) -> bool {
+        let Some((leader, addr)) = self.leader() else {
+            return false;
+        };
+        if leader == self.node_id {
+            return self.raft.ensure_linearizable().await.is_ok();
+        }
+        let Ok(r) = self
+            .leaders
+            .call_one(&addr, |mut c| async move {
+                c.read_index(laneway_proto::admin::ReadIndexRequest {}).await
+            })
+            .await
+        else {
+            return false;
+        };
+        self.raft
+            .wait(Some(APPLY_WAIT))
+            .applied_index_at_least(Some(r.read_index), "router catch-up")
+            .await
+            .is_ok()
+    }
+
     /// Brings this controller's state up to everything committed when the call started: a
     /// follower asks the leader for its read index and waits (at most 2 s) to apply it. Used
     /// when a read misses, so a job acknowledged through any router is found. Best effort: on

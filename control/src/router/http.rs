@@ -83,7 +83,32 @@ pub fn app(router: Arc<Router>, max_body_bytes: usize) -> axum::Router {
             )
         })
         .layer(DefaultBodyLimit::max(max_body_bytes))
+        .layer(axum::middleware::from_fn_with_state(router.clone(), until_caught_up))
         .with_state(router)
+}
+
+/// A restarted or newly added controller answers nothing from its state until it has caught
+/// up with the leader: an older state would deny API keys, models and jobs that the cluster
+/// already has. Health probes pass through (`/v2/health/ready` says 503 meanwhile).
+async fn until_caught_up(
+    State(router): State<Arc<Router>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if router.is_ready() || req.uri().path().starts_with("/v2/health/") {
+        return next.run(req).await;
+    }
+    with_retry_after(
+        error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "this controller is catching up with the cluster (it just started or joined); retry in a moment or through another controller".into(),
+            &Meta {
+                request_id: request_id(req.headers()),
+                ..Meta::default()
+            },
+        ),
+        Duration::from_secs(1),
+    )
 }
 
 /// A running router listener.

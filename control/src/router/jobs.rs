@@ -225,6 +225,10 @@ pub(super) async fn submit(
     if let Err(e) = submission.validate() {
         return error(StatusCode::BAD_REQUEST, e, meta);
     }
+    #[cfg(feature = "testing")]
+    fail::fail_point!("router::ack_before_commit", |_| {
+        planted_ack_before_commit(router, gateway, &submission, meta)
+    });
     match gateway.write(JobWrite::Submit(submission)).await {
         Ok(JobOutcome::Created { id }) => {
             route.lane.lock().counters.admitted += 1;
@@ -267,6 +271,26 @@ pub(super) async fn submit(
         ),
         Err(GatewayError::Rejected(why)) => error(StatusCode::BAD_REQUEST, why, meta),
     }
+}
+
+/// The chaos harness's planted bug (testing builds only, failpoint `router::ack_before_commit`):
+/// acknowledges the job at once and commits it a second later in the background, which is
+/// exactly what the durable lane must never do. A router killed within that second loses jobs
+/// it acknowledged; `laneway-chaos run chaos/scenarios/planted` proves the checkers see it.
+#[cfg(feature = "testing")]
+fn planted_ack_before_commit(
+    router: &Router,
+    gateway: &Arc<crate::jobs::gateway::JobGateway>,
+    submission: &crate::jobs::JobSubmission,
+    meta: &Meta,
+) -> Response {
+    let (gateway, submission) = (gateway.clone(), submission.clone());
+    let id = submission.id.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let _ = gateway.write(JobWrite::Submit(submission)).await;
+    });
+    accepted(router, &id, false, meta)
 }
 
 fn accepted(router: &Router, id: &str, replay: bool, meta: &Meta) -> Response {

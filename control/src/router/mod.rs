@@ -194,6 +194,10 @@ pub struct Router {
     /// controller (set once at start).
     jobs: std::sync::OnceLock<Arc<crate::jobs::gateway::JobGateway>>,
     results: std::sync::OnceLock<laneway_agent::results::ResultStore>,
+    /// Whether this controller has applied everything the leader had committed when it
+    /// looked: until then its state may be older than what clients were already told (a
+    /// restarted or new member), and the router answers 503 instead of from that state.
+    caught_up: Arc<AtomicBool>,
 }
 
 impl Router {
@@ -220,6 +224,8 @@ impl Router {
             built: AtomicBool::new(false),
             jobs: std::sync::OnceLock::new(),
             results: std::sync::OnceLock::new(),
+            // A router without a controller has nothing to catch up with.
+            caught_up: Arc::new(AtomicBool::new(true)),
         });
         router.rebuild();
         router
@@ -248,9 +254,10 @@ impl Router {
         })
     }
 
-    /// Whether the table was built from applied state at least once.
+    /// Whether the table was built from applied state at least once, and this controller has
+    /// caught up with the leader since it started.
     pub fn is_ready(&self) -> bool {
-        self.built.load(Ordering::Acquire)
+        self.built.load(Ordering::Acquire) && self.caught_up.load(Ordering::Acquire)
     }
 
     /// Rebuilds the routing table from the applied state.
@@ -277,7 +284,18 @@ impl Router {
         gateway: Arc<crate::jobs::gateway::JobGateway>,
         results: laneway_agent::results::ResultStore,
     ) {
-        let _ = self.jobs.set(gateway);
+        if self.jobs.set(gateway.clone()).is_ok() {
+            // Serve only once this controller has applied what the leader had committed.
+            self.caught_up.store(false, Ordering::Release);
+            let caught_up = self.caught_up.clone();
+            tokio::spawn(async move {
+                while !gateway.caught_up().await {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                tracing::info!("caught up with the leader; the router serves");
+                caught_up.store(true, Ordering::Release);
+            });
+        }
         let _ = self.results.set(results);
     }
 
