@@ -327,6 +327,11 @@ fn commit_job_reports(ctx: &Context, hb: &Heartbeat) {
         }
     });
     for (key, command) in commits {
+        if matches!(command, Command::FinishJob { .. }) {
+            // Chaos: the replica finished and published its result; the completion is not
+            // committed yet.
+            fail::fail_point!("jobs::before_completion_commit");
+        }
         ctx.jobs.commit_report(key, command);
     }
 }

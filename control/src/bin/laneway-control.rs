@@ -41,11 +41,42 @@ enum Cmd {
     Dev(DevArgs),
 }
 
+/// Failpoints named in the FAILPOINTS environment variable (`name=action;…`, see the `fail`
+/// crate), for the chaos harness. Only a binary built with `--features laneway-control/testing`
+/// has them; any other refuses FAILPOINTS rather than run a scenario that silently injects
+/// nothing. In a testing build a panic is a crash (the process aborts), as it would be if the
+/// fault were real.
+fn failpoints() -> Result<Option<fail::FailScenario<'static>>, String> {
+    let spec = match std::env::var("FAILPOINTS") {
+        Ok(v) if !v.trim().is_empty() => v,
+        _ => return Ok(None),
+    };
+    if !fail::has_failpoints() {
+        return Err(format!(
+            "FAILPOINTS is set ({spec}) but this binary was built without failpoints; build it with `cargo build --features laneway-control/testing` for the chaos harness, or unset FAILPOINTS"
+        ));
+    }
+    eprintln!("laneway-control: TESTING BUILD, failpoints {spec}: never run this binary in production");
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        default_hook(info);
+        std::process::abort();
+    }));
+    Ok(Some(fail::FailScenario::setup()))
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // Kept to the end of main: dropping it flushes the spans not yet exported.
     let _telemetry = match telemetry::init("laneway-control", &cli.log, cli.log_format) {
         Ok(t) => t,
+        Err(e) => {
+            eprintln!("laneway-control: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let _failpoints = match failpoints() {
+        Ok(f) => f,
         Err(e) => {
             eprintln!("laneway-control: {e}");
             return ExitCode::from(2);

@@ -39,10 +39,15 @@ pub async fn run(ctx: Context) {
             };
             // Awaited: the next round reads the applied result, so nothing is assigned twice.
             match ctx.proposer.propose(cmd).await {
-                Ok((index, r)) => match r.rejected {
-                    Some(why) => tracing::warn!(%why, "some job assignments were refused"),
-                    None => tracing::debug!(jobs = n, token = index, "jobs assigned"),
-                },
+                Ok((index, r)) => {
+                    // Chaos: assignments committed, not yet handed to any agent (they go out
+                    // with each node's next heartbeat reply).
+                    fail::fail_point!("jobs::after_assign");
+                    match r.rejected {
+                        Some(why) => tracing::warn!(%why, "some job assignments were refused"),
+                        None => tracing::debug!(jobs = n, token = index, "jobs assigned"),
+                    }
+                }
                 Err(e) => tracing::warn!(error = %e, "job assignments not committed; retrying"),
             }
         }

@@ -1221,6 +1221,8 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                 match entry.payload {
                     EntryPayload::Blank => replies.push(CommandResponse::default()),
                     EntryPayload::Normal(env) => {
+                        // Chaos: the entry is committed, its effect not yet applied.
+                        fail::fail_point!("sm::before_apply");
                         if env.format > COMMAND_FORMAT {
                             // Refuse rather than guess: a half-upgraded cluster must stop visibly.
                             return Err(StorageIOError::apply(
@@ -1300,6 +1302,8 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         meta: &SnapshotMeta,
         snapshot: Box<Cursor<Vec<u8>>>,
     ) -> Result<(), StorageError> {
+        // Chaos: a snapshot arrived from the leader and is not installed yet.
+        fail::fail_point!("sm::install_snapshot");
         let bytes = snapshot.into_inner();
         let file = SnapshotFile::decode(&bytes).map_err(|e| sm_err("decoding received snapshot", e))?;
         let file = SnapshotFile {
