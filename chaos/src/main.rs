@@ -4,13 +4,13 @@
 //! baseline measured in the same run, because the machines they run on are shared and noisy.
 
 mod bench;
-mod faults;
 mod heartbeat_bench;
 mod jobs_bench;
 mod llm_bench;
 mod placement_bench;
 mod process_cluster;
 mod router_bench;
+mod run;
 mod scaling_bench;
 
 use std::path::PathBuf;
@@ -29,9 +29,10 @@ struct Cli {
 enum Cmd {
     /// Raft write throughput/latency on a 3-process cluster, and leader failover time.
     Bench(bench::BenchArgs),
-    /// Seeded fault schedules (kill -9, SIGSTOP) under write load; checks no acknowledged
-    /// write is lost and every member agrees.
-    Faults(faults::FaultArgs),
+    /// Chaos scenarios (chaos/scenarios/…): controllers and simulated hosts under open-loop
+    /// traffic of every lane, faults drawn from a seed, checkers on the history and the healed
+    /// cluster, a report; exit code 1 on any violation, with the seed to replay it.
+    Run(run::RunArgs),
     /// How many agents heartbeating at 1 Hz one leader sustains (lag p99 < 1 s).
     Heartbeats(heartbeat_bench::HeartbeatArgs),
     /// Router overhead against a no-op replica: max throughput and added p50/p99 at a fixed
@@ -65,7 +66,7 @@ fn main() -> ExitCode {
         match cli.command {
             Cmd::Bench(args) => bench::run(args).await,
             Cmd::Heartbeats(args) => heartbeat_bench::run(args).await,
-            Cmd::Faults(args) => faults::run(args).await,
+            Cmd::Run(args) => run::run(args).await,
             Cmd::Router(args) => router_bench::run(args).await,
             Cmd::Placement(args) => placement_bench::run(args),
             Cmd::Jobs(args) => jobs_bench::run(args).await,

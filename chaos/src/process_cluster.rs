@@ -27,7 +27,17 @@ pub struct ProcessCluster {
     bin: PathBuf,
     cluster: String,
     pub members: Vec<Member>,
-    _root: tempfile::TempDir,
+    /// Flags and environment every member starts with, beyond its identity.
+    options: Options,
+    root: tempfile::TempDir,
+}
+
+/// What every member of a cluster starts with, beyond its id, addresses and data directory.
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    pub routers: bool,
+    pub args: Vec<String>,
+    pub env: Vec<(String, String)>,
 }
 
 fn free_addr() -> anyhow::Result<String> {
@@ -43,6 +53,20 @@ impl ProcessCluster {
 
     /// Starts `n` controllers, each with an inference router when `routers`.
     pub async fn start_with(bin: &Path, n: u64, routers: bool) -> anyhow::Result<Self> {
+        Self::start_opts(
+            bin,
+            n,
+            Options {
+                routers,
+                ..Options::default()
+            },
+        )
+        .await
+    }
+
+    /// Starts `n` controllers with `options`, and forms a cluster of `n` voters.
+    pub async fn start_opts(bin: &Path, n: u64, options: Options) -> anyhow::Result<Self> {
+        let routers = options.routers;
         if !bin.exists() {
             bail!(
                 "controller binary {} not found; build it first (cargo build --release --workspace) or pass --control-bin",
@@ -70,7 +94,8 @@ impl ProcessCluster {
             bin: bin.to_path_buf(),
             cluster: "bench".into(),
             members,
-            _root: root,
+            options,
+            root,
         };
         for i in 0..c.members.len() {
             c.spawn(i)?;
@@ -107,6 +132,8 @@ impl ProcessCluster {
             .arg(&m.data)
             .args(["--cluster-name", &self.cluster])
             .args(["--router-listen", m.router_addr.as_deref().unwrap_or("off")])
+            .args(&self.options.args)
+            .envs(self.options.env.iter().map(|(k, v)| (k, v)))
             .env("LANEWAY_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(log)
@@ -144,6 +171,20 @@ impl ProcessCluster {
         }
     }
 
+    /// Forgets the processes that exited on their own; the indexes of those members.
+    pub fn reap(&mut self) -> Vec<usize> {
+        let mut gone = Vec::new();
+        for (i, m) in self.members.iter_mut().enumerate() {
+            if let Some(c) = m.child.as_mut() {
+                if matches!(c.try_wait(), Ok(Some(_))) {
+                    m.child = None;
+                    gone.push(i);
+                }
+            }
+        }
+        gone
+    }
+
     /// Whether member `i` has a running process.
     pub fn is_running(&self, i: usize) -> bool {
         self.members[i].child.is_some()
@@ -157,6 +198,62 @@ impl ProcessCluster {
     /// Restarts member `i` with its data intact.
     pub fn restart(&mut self, i: usize) -> anyhow::Result<()> {
         self.spawn(i)
+    }
+
+    /// Environment of the members started from now on.
+    pub fn set_env(&mut self, env: Vec<(String, String)>) {
+        self.options.env = env;
+    }
+
+    /// Directory the cluster's data and logs live in.
+    pub fn root(&self) -> &Path {
+        self.root.path()
+    }
+
+    /// Replaces member `i` by a new, empty controller under a new node id (ids are never
+    /// reused): removes the old id from the membership, wipes its data, starts the new one,
+    /// adds it as a learner and promotes it once it has caught up. Returns the new id.
+    pub async fn replace(&mut self, i: usize) -> anyhow::Result<u64> {
+        self.kill(i);
+        let old = self.members[i].id;
+        let others: Vec<String> = (0..self.members.len())
+            .filter(|&j| j != i)
+            .map(|j| self.members[j].addr.clone())
+            .collect();
+        let admin = AdminClient::new(others).with_retry_for(Duration::from_secs(20));
+        admin
+            .call(|mut cl| async move { cl.remove(laneway_proto::admin::RemoveRequest { node_id: old }).await })
+            .await
+            .with_context(|| format!("removing node {old} from the membership"))?;
+        let _ = std::fs::remove_dir_all(&self.members[i].data);
+        let id = self.members.iter().map(|m| m.id).max().unwrap_or(0).max(old) + 100;
+        let routers = self.members[i].router_addr.is_some();
+        self.members[i] = Member {
+            id,
+            addr: free_addr()?,
+            router_addr: if routers { Some(free_addr()?) } else { None },
+            data: self.root.path().join(format!("node-{id}")),
+            log: self.root.path().join(format!("node-{id}.log")),
+            child: None,
+        };
+        self.spawn(i)?;
+        let addr = self.members[i].addr.clone();
+        wait_until(Duration::from_secs(10), || async { status_of(&addr).await.is_some() })
+            .await
+            .with_context(|| format!("new node {id} did not come up"))?;
+        let admin = self.client().with_retry_for(Duration::from_secs(20));
+        admin
+            .call(|mut cl| {
+                let addr = addr.clone();
+                async move { cl.add_learner(AddLearnerRequest { node_id: id, addr }).await }
+            })
+            .await
+            .with_context(|| format!("adding node {id} as a learner"))?;
+        admin
+            .call(|mut cl| async move { cl.promote(PromoteRequest { node_id: id }).await })
+            .await
+            .with_context(|| format!("promoting node {id}"))?;
+        Ok(id)
     }
 
     /// A client over every member's address.

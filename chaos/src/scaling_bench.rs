@@ -79,7 +79,7 @@ impl Drop for Host {
 }
 
 /// (node, replica) documents of a registry kind.
-async fn docs(admin: &AdminClient, kind: &str) -> Vec<Value> {
+pub(crate) async fn docs(admin: &AdminClient, kind: &str) -> Vec<Value> {
     let kind = kind.to_string();
     admin
         .call(|mut c| {
@@ -100,7 +100,7 @@ async fn placed(admin: &AdminClient, model: &str) -> usize {
 }
 
 /// Ready replicas of `model`, by node.
-async fn ready(admin: &AdminClient, model: &str) -> Vec<String> {
+pub(crate) async fn ready(admin: &AdminClient, model: &str) -> Vec<String> {
     docs(admin, "replicas")
         .await
         .iter()
@@ -109,7 +109,7 @@ async fn ready(admin: &AdminClient, model: &str) -> Vec<String> {
         .collect()
 }
 
-async fn put(admin: &AdminClient, class: bool, doc: Value) -> anyhow::Result<()> {
+pub(crate) async fn put(admin: &AdminClient, class: bool, doc: Value) -> anyhow::Result<()> {
     let json = doc.to_string();
     admin
         .call(|mut c| {

@@ -1,0 +1,271 @@
+//! Fault injection on the process backend. Each fault is drawn from the scenario's kinds by
+//! the run's seeded generator, applied, measured (failover, recovery) and healed before the
+//! next one, and recorded.
+
+use std::time::Duration;
+
+use laneway_control::client::AdminClient;
+use rand::rngs::StdRng;
+use rand::Rng;
+use serde::Serialize;
+use tokio::time::Instant;
+
+use super::process::ProcessBackend;
+use super::scenario::{FaultKind, Scenario};
+use super::traffic::{Lane, Targets};
+use crate::process_cluster::status_of;
+
+/// One injected fault, as the report shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct FaultRecord {
+    /// Start, ms since the traffic started.
+    pub at_ms: u64,
+    pub kind: FaultKind,
+    pub target: String,
+    /// Until the fault was healed (process restarted or resumed).
+    pub lasted_ms: u64,
+    /// Until a leader other than the victim was elected (controller faults).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub failover_ms: Option<u64>,
+    /// Until every warm floor was ready again without the victim (host and replica faults);
+    /// `None` with a `recovery_error` when it did not happen within the bound.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub recovery_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub recovery_error: Option<String>,
+}
+
+/// Warm floors the harness registers, by model (see `setup`).
+pub fn floors() -> [(&'static str, usize); 3] {
+    [
+        (Lane::Sync.model(), 2),
+        (Lane::Bounded.model(), 1),
+        (Lane::Durable.model(), 1),
+    ]
+}
+
+/// Until every model has its warm floor of ready replicas on nodes other than `without`.
+async fn floors_ready(admin: &AdminClient, without: Option<&str>, limit: Duration) -> Result<u64, String> {
+    let start = Instant::now();
+    loop {
+        let mut short = None;
+        for (model, floor) in floors() {
+            let ready = crate::scaling_bench::ready(admin, model)
+                .await
+                .into_iter()
+                .filter(|n| Some(n.as_str()) != without)
+                .count();
+            if ready < floor {
+                short = Some(format!("{model} has {ready} of its {floor} warm replicas ready"));
+                break;
+            }
+        }
+        match short {
+            None => return Ok(start.elapsed().as_millis() as u64),
+            Some(why) if start.elapsed() >= limit => {
+                return Err(format!(
+                    "after {} s {why}; replicas then: {}",
+                    limit.as_secs(),
+                    picture(admin).await
+                ));
+            }
+            Some(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
+/// Where every replica is and in what state (`node: model/state, …`), for a violation's message.
+async fn picture(admin: &AdminClient) -> String {
+    let mut by_node: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for d in crate::scaling_bench::docs(admin, "replicas").await {
+        by_node
+            .entry(d["node"].as_str().unwrap_or("?").to_string())
+            .or_default()
+            .push(format!(
+                "{}/{}",
+                d["replica"]["model"].as_str().unwrap_or("?"),
+                d["replica"]["state"].as_str().unwrap_or("?")
+            ));
+    }
+    let placed = crate::scaling_bench::docs(admin, "desired").await;
+    let mut wanted: std::collections::BTreeMap<String, usize> = Default::default();
+    for d in &placed {
+        *wanted
+            .entry(d["replica"]["model"].as_str().unwrap_or("?").to_string())
+            .or_default() += 1;
+    }
+    format!(
+        "{}; placed: {wanted:?}",
+        by_node
+            .iter()
+            .map(|(n, r)| format!("{n}: {}", r.join(" ")))
+            .collect::<Vec<_>>()
+            .join(" | ")
+    )
+}
+
+/// Until a member other than `victim` (a node id) says it is the leader.
+async fn new_leader(b: &ProcessBackend, victim: Option<u64>, limit: Duration) -> Option<u64> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        for (i, m) in b.cluster.members.iter().enumerate() {
+            if Some(m.id) == victim || !b.cluster.is_running(i) || b.paused.contains(&i) {
+                continue;
+            }
+            if let Some(s) = status_of(&m.addr).await {
+                if s.state == "leader" && Some(s.node_id) != victim {
+                    return Some(start.elapsed().as_millis() as u64);
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    None
+}
+
+fn sleep_ms(rng: &mut StdRng, lo: u64, hi: u64) -> Duration {
+    Duration::from_millis(rng.random_range(lo..=hi))
+}
+
+/// Applies one fault of `kind`, waits out its effect and heals it.
+pub async fn inject(
+    kind: FaultKind,
+    b: &mut ProcessBackend,
+    rng: &mut StdRng,
+    t0: Instant,
+    s: &Scenario,
+    targets: &Targets,
+) -> anyhow::Result<FaultRecord> {
+    let admin = AdminClient::new(b.controller_addrs()).with_retry_for(Duration::from_secs(5));
+    let bound = Duration::from_secs(s.checks.recovery_s);
+    let started = Instant::now();
+    let mut rec = FaultRecord {
+        at_ms: t0.elapsed().as_millis() as u64,
+        kind,
+        target: String::new(),
+        lasted_ms: 0,
+        failover_ms: None,
+        recovery_ms: None,
+        recovery_error: None,
+    };
+    let members = b.cluster.members.len();
+    let leader = b.cluster.leader().await;
+    match kind {
+        FaultKind::KillLeader | FaultKind::KillFollower | FaultKind::PauseLeader | FaultKind::WipeFollower => {
+            let Some(leader) = leader else {
+                anyhow::bail!("no leader to aim {} at", kind.as_str());
+            };
+            let victim = match kind {
+                FaultKind::KillLeader | FaultKind::PauseLeader => leader,
+                _ => (leader + 1 + rng.random_range(0..members - 1)) % members,
+            };
+            let id = b.cluster.members[victim].id;
+            rec.target = format!("controller {id}");
+            match kind {
+                FaultKind::KillLeader | FaultKind::KillFollower => {
+                    b.cluster.kill(victim);
+                    if kind == FaultKind::KillLeader {
+                        rec.failover_ms = new_leader(b, Some(id), Duration::from_secs(15)).await;
+                    }
+                    tokio::time::sleep(sleep_ms(rng, 300, 1500)).await;
+                    b.cluster.restart(victim)?;
+                }
+                FaultKind::PauseLeader => {
+                    b.pause_controller(victim);
+                    rec.failover_ms = new_leader(b, Some(id), Duration::from_secs(15)).await;
+                    tokio::time::sleep(sleep_ms(rng, 500, 2000)).await;
+                    b.resume_controller(victim);
+                }
+                _ => {
+                    let new_id = b.cluster.replace(victim).await?;
+                    rec.target = format!("controller {id} → wiped, back as {new_id}");
+                    *targets.routers.write().unwrap() = b.router_addrs();
+                }
+            }
+        }
+        FaultKind::Crashed => anyhow::bail!("`crashed` is observed, not injected"),
+        FaultKind::KillAllControllers => {
+            rec.target = "every controller".into();
+            for i in 0..members {
+                b.cluster.kill(i);
+            }
+            tokio::time::sleep(sleep_ms(rng, 500, 2000)).await;
+            for i in 0..members {
+                b.cluster.restart(i)?;
+            }
+            rec.failover_ms = new_leader(b, None, Duration::from_secs(20)).await;
+        }
+        FaultKind::KillAgent => {
+            // The host running durable jobs when there is one: the dangerous case.
+            let running: Vec<usize> = (0..b.hosts.len()).filter(|&i| b.host_running(i)).collect();
+            anyhow::ensure!(!running.is_empty(), "no running host to kill");
+            let clip_nodes = crate::scaling_bench::ready(&admin, Lane::Durable.model()).await;
+            let victim = running
+                .iter()
+                .copied()
+                .find(|&i| clip_nodes.contains(&b.hosts[i].id) && rng.random_bool(0.7))
+                .unwrap_or_else(|| running[rng.random_range(0..running.len())]);
+            let id = b.hosts[victim].id.clone();
+            rec.target = format!("host {id}");
+            b.kill_host(victim);
+            match floors_ready(&admin, Some(&id), bound).await {
+                Ok(ms) => rec.recovery_ms = Some(ms),
+                Err(e) => rec.recovery_error = Some(e),
+            }
+            b.start_host(victim)?;
+        }
+        FaultKind::ReplicaCrash | FaultKind::ReplicaHang => {
+            let candidates: Vec<i32> = (0..b.hosts.len()).flat_map(|i| b.replica_pids(i)).collect();
+            anyhow::ensure!(!candidates.is_empty(), "no replica process to fault");
+            let pid = candidates[rng.random_range(0..candidates.len())];
+            rec.target = format!("replica pid {pid}");
+            if kind == FaultKind::ReplicaCrash {
+                b.crash_replica(pid);
+                match floors_ready(&admin, None, bound).await {
+                    Ok(ms) => rec.recovery_ms = Some(ms),
+                    Err(e) => rec.recovery_error = Some(e),
+                }
+            } else {
+                b.hang_replica(pid);
+                tokio::time::sleep(sleep_ms(rng, 2000, 4000)).await;
+                b.unhang_replica(pid);
+            }
+        }
+    }
+    rec.lasted_ms = started.elapsed().as_millis() as u64;
+    Ok(rec)
+}
+
+/// Sleeps `d`, restarting (and recording) every controller that exits on its own meanwhile.
+pub async fn supervise(
+    b: &mut ProcessBackend,
+    d: Duration,
+    t0: Instant,
+    out: &mut Vec<FaultRecord>,
+) -> anyhow::Result<()> {
+    let end = Instant::now() + d;
+    loop {
+        for id in b.restart_crashed()? {
+            out.push(FaultRecord {
+                at_ms: t0.elapsed().as_millis() as u64,
+                kind: FaultKind::Crashed,
+                target: format!("controller {id}"),
+                lasted_ms: 0,
+                failover_ms: None,
+                recovery_ms: None,
+                recovery_error: None,
+            });
+        }
+        let now = Instant::now();
+        if now >= end {
+            return Ok(());
+        }
+        tokio::time::sleep((end - now).min(Duration::from_millis(250))).await;
+    }
+}
+
+/// Waits until the warm floors are met after healing (the run's final recovery check).
+pub async fn floors_restored(b: &ProcessBackend, limit: Duration) -> Result<u64, String> {
+    let admin = AdminClient::new(b.controller_addrs()).with_retry_for(Duration::from_secs(5));
+    floors_ready(&admin, None, limit).await
+}

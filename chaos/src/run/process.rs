@@ -1,0 +1,282 @@
+//! The `process` backend: controllers and simulated GPU hosts as real processes on 127.0.0.1.
+//! A host is a `laneway-agent` process with simulated GPUs whose replicas are real
+//! `laneway-sim-model` processes (its children); killing a host kills them all, as a host's
+//! death would. Every member shares one results store (a directory, as object storage would
+//! be shared).
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use anyhow::{bail, Context};
+use laneway_control::provision::provider;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+use super::scenario::Scenario;
+use crate::process_cluster::{Options, ProcessCluster};
+
+/// Binaries a run starts.
+#[derive(Debug, Clone)]
+pub struct Bins {
+    pub control: PathBuf,
+    pub agent: PathBuf,
+    pub sim_model: PathBuf,
+}
+
+/// One simulated GPU host.
+pub struct Host {
+    pub id: String,
+    config: PathBuf,
+    log: PathBuf,
+    child: Option<Child>,
+}
+
+pub struct ProcessBackend {
+    pub cluster: ProcessCluster,
+    pub hosts: Vec<Host>,
+    pub results: PathBuf,
+    pub bins: Bins,
+    /// Controllers frozen by SIGSTOP, by member index.
+    pub paused: BTreeSet<usize>,
+    /// Replica processes frozen by SIGSTOP.
+    pub hung: BTreeSet<i32>,
+    /// Whether the controllers run with failpoints.
+    failpoints: bool,
+}
+
+fn signal(pid: i32, s: Signal) {
+    let _ = kill(Pid::from_raw(pid), s);
+}
+
+impl ProcessBackend {
+    pub async fn start(s: &Scenario, bins: Bins) -> anyhow::Result<ProcessBackend> {
+        for b in [&bins.control, &bins.agent, &bins.sim_model] {
+            if !b.exists() {
+                bail!(
+                    "{} not found; build the workspace first (cargo build --workspace --bins)",
+                    b.display()
+                );
+            }
+        }
+        let results_dir = tempfile::Builder::new().prefix("laneway-chaos-results-").tempdir()?;
+        let results = results_dir.keep();
+        let mut env = Vec::new();
+        if !s.faults.failpoints.trim().is_empty() {
+            env.push(("FAILPOINTS".to_string(), s.faults.failpoints.clone()));
+        }
+        let options = Options {
+            routers: true,
+            args: vec!["--results-store".into(), results.display().to_string()],
+            env,
+        };
+        let cluster = ProcessCluster::start_opts(&bins.control, s.controllers as u64, options).await?;
+        let mut backend = ProcessBackend {
+            cluster,
+            hosts: Vec::new(),
+            results,
+            bins,
+            paused: BTreeSet::new(),
+            hung: BTreeSet::new(),
+            failpoints: !s.faults.failpoints.trim().is_empty(),
+        };
+        let mut n = 0;
+        for spec in &s.hosts {
+            for _ in 0..spec.count {
+                n += 1;
+                let id = format!("host-{n}-{}", spec.product.to_lowercase());
+                backend.add_host(&id, &spec.product, spec.gpus)?;
+            }
+        }
+        Ok(backend)
+    }
+
+    fn add_host(&mut self, id: &str, product: &str, gpus: u32) -> anyhow::Result<()> {
+        let dir = self.cluster.root().join(id);
+        std::fs::create_dir_all(&dir)?;
+        let sim = dir.join("gpus.toml");
+        std::fs::write(
+            &sim,
+            format!("node = {id:?}\n[[gpu]]\nproduct = {product:?}\ncount = {gpus}\n"),
+        )?;
+        let controllers: Vec<String> = self.controller_addrs().iter().map(|c| format!("{c:?}")).collect();
+        let config = dir.join("agent.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "node_id = {id:?}\ncontrollers = [{}]\npool = {:?}\ndata_dir = {:?}\nresults_store = {:?}\nmetrics_listen = \"off\"\n[gpu]\nbackend = \"sim\"\nsim_config = {:?}\n",
+                controllers.join(", "),
+                product.to_lowercase(),
+                dir.join("data").display().to_string(),
+                self.results.display().to_string(),
+                sim.display().to_string(),
+            ),
+        )?;
+        self.hosts.push(Host {
+            id: id.to_string(),
+            config,
+            log: dir.join("agent.log"),
+            child: None,
+        });
+        self.start_host(self.hosts.len() - 1)
+    }
+
+    /// Starts (or restarts, with its data) host `i`.
+    pub fn start_host(&mut self, i: usize) -> anyhow::Result<()> {
+        let bin = self.bins.agent.clone();
+        let h = &mut self.hosts[i];
+        let log = std::fs::File::options().create(true).append(true).open(&h.log)?;
+        let child = Command::new(&bin)
+            .args(["run", "--config"])
+            .arg(&h.config)
+            .env("LANEWAY_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        h.child = Some(child);
+        Ok(())
+    }
+
+    /// `kill -9` host `i`: its replicas first, then its agent.
+    pub fn kill_host(&mut self, i: usize) {
+        if let Some(mut c) = self.hosts[i].child.take() {
+            for p in provider::descendants(c.id() as i32) {
+                self.hung.remove(&p);
+                signal(p, Signal::SIGKILL);
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn host_running(&self, i: usize) -> bool {
+        self.hosts[i].child.is_some()
+    }
+
+    /// Replica processes of host `i` (the agent's descendants).
+    pub fn replica_pids(&self, i: usize) -> Vec<i32> {
+        self.hosts[i]
+            .child
+            .as_ref()
+            .map(|c| provider::descendants(c.id() as i32))
+            .unwrap_or_default()
+    }
+
+    pub fn crash_replica(&mut self, pid: i32) {
+        self.hung.remove(&pid);
+        signal(pid, Signal::SIGKILL);
+    }
+
+    pub fn hang_replica(&mut self, pid: i32) {
+        self.hung.insert(pid);
+        signal(pid, Signal::SIGSTOP);
+    }
+
+    pub fn unhang_replica(&mut self, pid: i32) {
+        if self.hung.remove(&pid) {
+            signal(pid, Signal::SIGCONT);
+        }
+    }
+
+    pub fn pause_controller(&mut self, i: usize) {
+        self.cluster.pause(i);
+        self.paused.insert(i);
+    }
+
+    pub fn resume_controller(&mut self, i: usize) {
+        self.cluster.resume(i);
+        self.paused.remove(&i);
+    }
+
+    pub fn controller_addrs(&self) -> Vec<String> {
+        self.cluster.members.iter().map(|m| m.addr.clone()).collect()
+    }
+
+    pub fn router_addrs(&self) -> Vec<String> {
+        self.cluster
+            .members
+            .iter()
+            .filter_map(|m| m.router_addr.clone())
+            .collect()
+    }
+
+    /// Everything back: paused controllers and replicas resumed, dead controllers and hosts
+    /// restarted with their data. With failpoints, every controller is then restarted without
+    /// them, one at a time (each back before the next goes): the injection ends with the run,
+    /// so the checkers judge the state the faults left, not new faults.
+    pub async fn heal(&mut self) -> anyhow::Result<()> {
+        self.heal_processes()?;
+        if self.failpoints {
+            self.cluster.set_env(Vec::new());
+            for i in 0..self.cluster.members.len() {
+                self.cluster.kill(i);
+                self.cluster.restart(i)?;
+                let addr = self.cluster.members[i].addr.clone();
+                crate::process_cluster::wait_until(std::time::Duration::from_secs(20), || async {
+                    crate::process_cluster::status_of(&addr)
+                        .await
+                        .is_some_and(|s| s.leader_id != 0)
+                })
+                .await
+                .with_context(|| {
+                    format!(
+                        "controller {} did not rejoin after its clean restart",
+                        self.cluster.members[i].id
+                    )
+                })?;
+                // A crash at a failpoint may have taken another member meanwhile.
+                self.heal_processes()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn heal_processes(&mut self) -> anyhow::Result<()> {
+        self.cluster.reap();
+        for i in std::mem::take(&mut self.paused) {
+            self.cluster.resume(i);
+        }
+        for p in std::mem::take(&mut self.hung) {
+            signal(p, Signal::SIGCONT);
+        }
+        for i in 0..self.cluster.members.len() {
+            if !self.cluster.is_running(i) {
+                self.cluster.restart(i)?;
+            }
+        }
+        for i in 0..self.hosts.len() {
+            if !self.host_running(i) {
+                self.start_host(i)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Controllers whose process exited on its own (a failpoint's crash), restarted with their
+    /// data as a service manager would; their node ids.
+    pub fn restart_crashed(&mut self) -> anyhow::Result<Vec<u64>> {
+        let crashed = self.cluster.reap();
+        for &i in &crashed {
+            self.cluster.restart(i)?;
+        }
+        Ok(crashed.iter().map(|&i| self.cluster.members[i].id).collect())
+    }
+
+    /// Where the logs are, for a post-mortem.
+    pub fn root(&self) -> &Path {
+        self.cluster.root()
+    }
+}
+
+impl Drop for ProcessBackend {
+    fn drop(&mut self) {
+        for p in std::mem::take(&mut self.hung) {
+            signal(p, Signal::SIGCONT);
+        }
+        for i in 0..self.hosts.len() {
+            self.kill_host(i);
+        }
+        let _ = std::fs::remove_dir_all(&self.results);
+    }
+}

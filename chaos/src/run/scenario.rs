@@ -1,0 +1,342 @@
+//! Scenario files (`chaos/scenarios/**/*.toml`): the cluster, the traffic, the faults and the
+//! thresholds of one chaos run. Every random choice of a run is drawn from the scenario's seed
+//! (or `--seed`), so a failing run replays with the same schedule.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use serde::{Deserialize, Serialize};
+
+/// One scenario, as written in its file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    /// Defaults to the file's stem.
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    pub seed: u64,
+    /// Seconds of traffic and faults, before healing and checking.
+    pub duration_s: u64,
+    /// Controllers (voters): 3 or 5.
+    #[serde(default = "default_controllers")]
+    pub controllers: usize,
+    /// Simulated GPU hosts, each a `laneway-agent` process whose replicas are real
+    /// `laneway-sim-model` processes.
+    pub hosts: Vec<HostSpec>,
+    pub traffic: Traffic,
+    pub faults: Faults,
+    #[serde(default)]
+    pub checks: Checks,
+    /// Checkers this scenario must trip (a planted bug): the run passes only if each of them
+    /// reports a violation, and fails if any other checker does.
+    #[serde(default)]
+    pub expect_violations: Vec<String>,
+    #[serde(skip)]
+    pub path: PathBuf,
+}
+
+fn default_controllers() -> usize {
+    3
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostSpec {
+    /// GPU product of every card of these hosts, as Laneway names it (`L4`, `L40S`, `H100-80GB`…).
+    pub product: String,
+    pub gpus: u32,
+    #[serde(default = "one")]
+    pub count: u32,
+}
+
+/// GPU products a simulated host can have.
+pub const PRODUCTS: [&str; 7] = ["L4", "L40S", "A100-40GB", "A100-80GB", "H100-80GB", "H200", "B200"];
+
+fn one() -> u32 {
+    1
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Traffic {
+    /// Mean arrivals per second (open loop, exponential gaps: a Poisson process).
+    pub rate: f64,
+    /// Tenants the requests are spread over.
+    #[serde(default = "default_tenants")]
+    pub tenants: u32,
+    /// Weights of the three lanes in the mix.
+    pub mix: Mix,
+    #[serde(default)]
+    pub bursts: Option<Bursts>,
+    /// Admin writes (settings) per second, each checked for survival afterwards.
+    #[serde(default = "default_admin_rate")]
+    pub admin_writes_per_s: f64,
+}
+
+fn default_tenants() -> u32 {
+    3
+}
+
+fn default_admin_rate() -> f64 {
+    10.0
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Mix {
+    #[serde(default)]
+    pub sync: u32,
+    #[serde(default)]
+    pub bounded: u32,
+    #[serde(default)]
+    pub durable: u32,
+}
+
+/// Every `every_s` seconds, `length_s` seconds at `factor` × the rate.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Bursts {
+    pub every_s: f64,
+    pub length_s: f64,
+    pub factor: f64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Faults {
+    /// Seconds of clean traffic before the first fault.
+    #[serde(default = "default_start")]
+    pub start_after_s: f64,
+    /// Pause between one fault's end and the next fault, seconds: `[min, max]`.
+    pub gap_s: [f64; 2],
+    /// Fault kinds drawn from (uniformly, by the seed).
+    pub kinds: Vec<FaultKind>,
+    /// FAILPOINTS of every controller (`name=action;…`); needs controllers built with
+    /// `--features laneway-control/testing`.
+    #[serde(default)]
+    pub failpoints: String,
+}
+
+fn default_start() -> f64 {
+    3.0
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FaultKind {
+    /// `kill -9` the Raft leader; restarted with its data after a pause.
+    KillLeader,
+    /// `kill -9` a follower; restarted with its data after a pause.
+    KillFollower,
+    /// SIGSTOP the leader past the election timeout, then SIGCONT: a zombie leader.
+    PauseLeader,
+    /// `kill -9` every controller at once; all restarted with their data.
+    KillAllControllers,
+    /// `kill -9` a host (its agent and replicas; the one running durable jobs when there is
+    /// one); restarted once its replicas are ready elsewhere.
+    KillAgent,
+    /// `kill -9` one replica process; its agent restarts it.
+    ReplicaCrash,
+    /// SIGSTOP one replica process for a few seconds (a hung replica), then SIGCONT.
+    ReplicaHang,
+    /// Stop a follower, wipe its data and add it back under a new node id.
+    WipeFollower,
+    /// Not a scenario's choice: a controller that exited on its own (a failpoint's panic),
+    /// restarted by the harness as a service manager would.
+    #[serde(skip_deserializing)]
+    Crashed,
+}
+
+impl FaultKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FaultKind::KillLeader => "kill_leader",
+            FaultKind::KillFollower => "kill_follower",
+            FaultKind::PauseLeader => "pause_leader",
+            FaultKind::KillAllControllers => "kill_all_controllers",
+            FaultKind::KillAgent => "kill_agent",
+            FaultKind::ReplicaCrash => "replica_crash",
+            FaultKind::ReplicaHang => "replica_hang",
+            FaultKind::WipeFollower => "wipe_follower",
+            FaultKind::Crashed => "crashed",
+        }
+    }
+
+    /// Faults on hosts and replicas (the sync lane's threshold is judged while they last).
+    pub fn on_agents(self) -> bool {
+        matches!(
+            self,
+            FaultKind::KillAgent | FaultKind::ReplicaCrash | FaultKind::ReplicaHang
+        )
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Checks {
+    /// Least share of sync requests answered 200 while an agent fault lasts.
+    pub sync_success_min: f64,
+    /// Bound on a killed host's replicas being ready elsewhere, and on the warm floors being
+    /// restored after healing, seconds.
+    pub recovery_s: u64,
+    /// How long acknowledged jobs get to finish after healing, seconds.
+    pub jobs_settle_s: u64,
+    /// A request still unanswered this long after its lane's timeout has hung.
+    pub hang_grace_ms: u64,
+}
+
+impl Default for Checks {
+    fn default() -> Self {
+        Checks {
+            sync_success_min: 0.9,
+            recovery_s: 30,
+            jobs_settle_s: 90,
+            hang_grace_ms: 2000,
+        }
+    }
+}
+
+impl Scenario {
+    pub fn load(path: &Path) -> anyhow::Result<Scenario> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading scenario {}", path.display()))?;
+        let mut s: Scenario = toml::from_str(&text).with_context(|| format!("scenario {}", path.display()))?;
+        if s.name.is_empty() {
+            s.name = path
+                .file_stem()
+                .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+        }
+        s.path = path.to_path_buf();
+        s.validate().with_context(|| format!("scenario {}", path.display()))?;
+        Ok(s)
+    }
+
+    fn validate(&self) -> anyhow::Result<()> {
+        if !matches!(self.controllers, 3 | 5) {
+            bail!(
+                "`controllers` is {}; a cluster has 3 or 5 controllers",
+                self.controllers
+            );
+        }
+        if self.duration_s < 5 {
+            bail!("`duration_s` is {}; give a run at least 5 seconds", self.duration_s);
+        }
+        if self.hosts.is_empty() || self.hosts.iter().any(|h| h.gpus == 0 || h.count == 0) {
+            bail!("`hosts` needs at least one entry, each with `gpus` and `count` above 0");
+        }
+        for h in &self.hosts {
+            if !PRODUCTS.contains(&h.product.as_str()) {
+                bail!("host product {:?} is not one of {}", h.product, PRODUCTS.join(", "));
+            }
+        }
+        let t = &self.traffic;
+        if !(t.rate > 0.0 && t.rate <= 2000.0) {
+            bail!(
+                "`traffic.rate` is {}; give a mean rate between 0 and 2000 requests/s",
+                t.rate
+            );
+        }
+        if t.mix.sync + t.mix.bounded + t.mix.durable == 0 {
+            bail!("`traffic.mix` weighs every lane 0; give at least one of sync, bounded, durable a weight");
+        }
+        if t.tenants == 0 {
+            bail!("`traffic.tenants` is 0; requests need at least one tenant");
+        }
+        if let Some(b) = t.bursts {
+            if !(b.every_s > b.length_s && b.length_s > 0.0 && b.factor >= 1.0) {
+                bail!("`traffic.bursts` needs every_s > length_s > 0 and factor >= 1");
+            }
+        }
+        let [lo, hi] = self.faults.gap_s;
+        if !(lo >= 0.0 && hi >= lo) {
+            bail!("`faults.gap_s` is [{lo}, {hi}]; give [min, max] with 0 <= min <= max");
+        }
+        if !(0.0..=1.0).contains(&self.checks.sync_success_min) {
+            bail!("`checks.sync_success_min` is a share between 0 and 1");
+        }
+        let hosts: u32 = self.hosts.iter().map(|h| h.count).sum();
+        if self.faults.kinds.contains(&FaultKind::KillAgent) && hosts < 2 {
+            bail!("`kill_agent` needs at least 2 hosts: the killed host's replicas need somewhere to go");
+        }
+        for v in &self.expect_violations {
+            if !super::checkers::NAMES.contains(&v.as_str()) {
+                bail!(
+                    "`expect_violations` names {v:?}, not a checker; checkers are {}",
+                    super::checkers::NAMES.join(", ")
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Scenario files at `path`: the file itself, or every `*.toml` in the directory, by name.
+pub fn load_all(path: &Path) -> anyhow::Result<Vec<Scenario>> {
+    if path.is_dir() {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(path)
+            .with_context(|| format!("reading {}", path.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "toml"))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            bail!("{} holds no scenario (*.toml) files", path.display());
+        }
+        files.iter().map(|f| Scenario::load(f)).collect()
+    } else if path.exists() {
+        Ok(vec![Scenario::load(path)?])
+    } else {
+        bail!("no scenario file or directory at {}", path.display())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scenarios_dir() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios")
+    }
+
+    #[test]
+    fn every_shipped_scenario_loads() {
+        for set in ["smoke", "soak", "planted"] {
+            let all = load_all(&scenarios_dir().join(set)).unwrap();
+            assert!(!all.is_empty(), "{set} has scenarios");
+            for s in all {
+                assert!(!s.name.is_empty() && !s.faults.kinds.is_empty(), "{}", s.path.display());
+            }
+        }
+    }
+
+    fn with(edit: impl Fn(String) -> String) -> anyhow::Result<Scenario> {
+        let base = std::fs::read_to_string(scenarios_dir().join("smoke/hosts.toml")).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("edited.toml");
+        std::fs::write(&path, edit(base)).unwrap();
+        Scenario::load(&path)
+    }
+
+    #[test]
+    fn bad_scenarios_are_refused_with_what_to_change() {
+        let err = |e: anyhow::Result<Scenario>| format!("{:#}", e.err().expect("refused"));
+        let e = err(with(|s| s.replace("controllers = 3", "controllers = 4")));
+        assert!(e.contains("3 or 5 controllers"), "{e}");
+        let e = err(with(|s| {
+            s.replace("mix = { sync = 50, bounded = 40, durable = 10 }", "mix = {}")
+        }));
+        assert!(e.contains("at least one of sync, bounded, durable"), "{e}");
+        let e = err(with(|s| s.replace("\"replica_hang\"", "\"cut_the_power\"")));
+        assert!(e.contains("cut_the_power") && e.contains("kill_leader"), "{e}");
+        let e = err(with(|s| {
+            s.replace("seed = 2", "seed = 2\nexpect_violations = [\"jobz\"]")
+        }));
+        assert!(e.contains("jobz") && e.contains("admin_writes"), "{e}");
+        let e = err(with(|s| s.replace("product = \"L4\"", "product = \"T4\"")));
+        assert!(e.contains("T4") && e.contains("H100-80GB"), "{e}");
+        // `crashed` is observed by the harness, never asked for.
+        let e = err(with(|s| s.replace("\"replica_hang\"", "\"crashed\"")));
+        assert!(e.contains("crashed"), "{e}");
+    }
+}
