@@ -320,7 +320,7 @@ mod tests {
 
     #[test]
     fn bad_scenarios_are_refused_with_what_to_change() {
-        let err = |e: anyhow::Result<Scenario>| format!("{:#}", e.err().expect("refused"));
+        let err = |e: anyhow::Result<Scenario>| format!("{:#}", e.expect_err("refused"));
         let e = err(with(|s| s.replace("controllers = 3", "controllers = 4")));
         assert!(e.contains("3 or 5 controllers"), "{e}");
         let e = err(with(|s| {
