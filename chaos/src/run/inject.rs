@@ -10,7 +10,7 @@ use rand::Rng;
 use serde::Serialize;
 use tokio::time::Instant;
 
-use super::process::ProcessBackend;
+use super::backend::Backend;
 use super::scenario::{FaultKind, Scenario};
 use super::traffic::{Lane, Targets};
 use crate::process_cluster::status_of;
@@ -104,15 +104,15 @@ async fn picture(admin: &AdminClient) -> String {
     )
 }
 
-/// Until a member other than `victim` (a node id) says it is the leader.
-async fn new_leader(b: &ProcessBackend, victim: Option<u64>, limit: Duration) -> Option<u64> {
+/// Until a reachable member other than `victim` (a node id) says it is the leader.
+async fn new_leader<B: Backend>(b: &B, victim: Option<u64>, limit: Duration) -> Option<u64> {
     let start = Instant::now();
     while start.elapsed() < limit {
-        for (i, m) in b.cluster.members.iter().enumerate() {
-            if Some(m.id) == victim || !b.cluster.is_running(i) || b.paused.contains(&i) {
+        for (i, addr) in b.controller_addrs().iter().enumerate() {
+            if Some(b.controller_id(i)) == victim || !b.controller_reachable(i) {
                 continue;
             }
-            if let Some(s) = status_of(&m.addr).await {
+            if let Some(s) = status_of(addr).await {
                 if s.state == "leader" && Some(s.node_id) != victim {
                     return Some(start.elapsed().as_millis() as u64);
                 }
@@ -128,9 +128,9 @@ fn sleep_ms(rng: &mut StdRng, lo: u64, hi: u64) -> Duration {
 }
 
 /// Applies one fault of `kind`, waits out its effect and heals it.
-pub async fn inject(
+pub async fn inject<B: Backend>(
     kind: FaultKind,
-    b: &mut ProcessBackend,
+    b: &mut B,
     rng: &mut StdRng,
     t0: Instant,
     s: &Scenario,
@@ -148,66 +148,83 @@ pub async fn inject(
         recovery_ms: None,
         recovery_error: None,
     };
-    let members = b.cluster.members.len();
-    let leader = b.cluster.leader().await;
+    let members = b.controller_addrs().len();
+    let leader = b.leader().await;
     match kind {
-        FaultKind::KillLeader | FaultKind::KillFollower | FaultKind::PauseLeader | FaultKind::WipeFollower => {
+        FaultKind::KillLeader
+        | FaultKind::KillFollower
+        | FaultKind::PauseLeader
+        | FaultKind::WipeFollower
+        | FaultKind::PartitionLeader
+        | FaultKind::PartitionFollower
+        | FaultKind::PartitionLeaderOneWay => {
             let Some(leader) = leader else {
                 anyhow::bail!("no leader to aim {} at", kind.as_str());
             };
             let victim = match kind {
-                FaultKind::KillLeader | FaultKind::PauseLeader => leader,
-                _ => (leader + 1 + rng.random_range(0..members - 1)) % members,
+                FaultKind::KillFollower | FaultKind::WipeFollower | FaultKind::PartitionFollower => {
+                    (leader + 1 + rng.random_range(0..members - 1)) % members
+                }
+                _ => leader,
             };
-            let id = b.cluster.members[victim].id;
+            let id = b.controller_id(victim);
             rec.target = format!("controller {id}");
+            let leader_hit = victim == leader;
             match kind {
                 FaultKind::KillLeader | FaultKind::KillFollower => {
-                    b.cluster.kill(victim);
-                    if kind == FaultKind::KillLeader {
+                    b.kill_controller(victim)?;
+                    if leader_hit {
                         rec.failover_ms = new_leader(b, Some(id), Duration::from_secs(15)).await;
                     }
                     tokio::time::sleep(sleep_ms(rng, 300, 1500)).await;
-                    b.cluster.restart(victim)?;
+                    b.restart_controller(victim)?;
                 }
                 FaultKind::PauseLeader => {
-                    b.pause_controller(victim);
+                    b.pause_controller(victim)?;
                     rec.failover_ms = new_leader(b, Some(id), Duration::from_secs(15)).await;
                     tokio::time::sleep(sleep_ms(rng, 500, 2000)).await;
-                    b.resume_controller(victim);
+                    b.resume_controller(victim)?;
                 }
-                _ => {
-                    let new_id = b.cluster.replace(victim).await?;
+                FaultKind::WipeFollower => {
+                    let new_id = b.replace_controller(victim).await?;
                     rec.target = format!("controller {id} → wiped, back as {new_id}");
                     *targets.routers.write().unwrap() = b.router_addrs();
                 }
+                _ => {
+                    b.partition(victim, kind == FaultKind::PartitionLeaderOneWay)?;
+                    if leader_hit {
+                        rec.failover_ms = new_leader(b, Some(id), Duration::from_secs(20)).await;
+                    }
+                    tokio::time::sleep(sleep_ms(rng, 2000, 5000)).await;
+                    b.unpartition(victim)?;
+                }
             }
         }
-        FaultKind::Crashed => anyhow::bail!("`crashed` is observed, not injected"),
         FaultKind::KillAllControllers => {
             rec.target = "every controller".into();
             for i in 0..members {
-                b.cluster.kill(i);
+                b.kill_controller(i)?;
             }
             tokio::time::sleep(sleep_ms(rng, 500, 2000)).await;
             for i in 0..members {
-                b.cluster.restart(i)?;
+                b.restart_controller(i)?;
             }
-            rec.failover_ms = new_leader(b, None, Duration::from_secs(20)).await;
+            rec.failover_ms = new_leader(b, None, Duration::from_secs(30)).await;
         }
         FaultKind::KillAgent => {
             // The host running durable jobs when there is one: the dangerous case.
-            let running: Vec<usize> = (0..b.hosts.len()).filter(|&i| b.host_running(i)).collect();
+            let hosts = b.host_ids();
+            let running: Vec<usize> = (0..hosts.len()).filter(|&j| b.host_running(j)).collect();
             anyhow::ensure!(!running.is_empty(), "no running host to kill");
             let clip_nodes = crate::scaling_bench::ready(&admin, Lane::Durable.model()).await;
             let victim = running
                 .iter()
                 .copied()
-                .find(|&i| clip_nodes.contains(&b.hosts[i].id) && rng.random_bool(0.7))
+                .find(|&j| clip_nodes.contains(&hosts[j]) && rng.random_bool(0.7))
                 .unwrap_or_else(|| running[rng.random_range(0..running.len())]);
-            let id = b.hosts[victim].id.clone();
+            let id = hosts[victim].clone();
             rec.target = format!("host {id}");
-            b.kill_host(victim);
+            b.kill_host(victim)?;
             match floors_ready(&admin, Some(&id), bound).await {
                 Ok(ms) => rec.recovery_ms = Some(ms),
                 Err(e) => rec.recovery_error = Some(e),
@@ -215,7 +232,7 @@ pub async fn inject(
             b.start_host(victim)?;
         }
         FaultKind::ReplicaCrash | FaultKind::ReplicaHang => {
-            let candidates: Vec<i32> = (0..b.hosts.len()).flat_map(|i| b.replica_pids(i)).collect();
+            let candidates: Vec<i32> = (0..b.host_ids().len()).flat_map(|j| b.replica_pids(j)).collect();
             anyhow::ensure!(!candidates.is_empty(), "no replica process to fault");
             let pid = candidates[rng.random_range(0..candidates.len())];
             rec.target = format!("replica pid {pid}");
@@ -231,14 +248,15 @@ pub async fn inject(
                 b.unhang_replica(pid);
             }
         }
+        FaultKind::Crashed => anyhow::bail!("`crashed` is observed, not injected"),
     }
     rec.lasted_ms = started.elapsed().as_millis() as u64;
     Ok(rec)
 }
 
 /// Sleeps `d`, restarting (and recording) every controller that exits on its own meanwhile.
-pub async fn supervise(
-    b: &mut ProcessBackend,
+pub async fn supervise<B: Backend>(
+    b: &mut B,
     d: Duration,
     t0: Instant,
     out: &mut Vec<FaultRecord>,
@@ -265,7 +283,7 @@ pub async fn supervise(
 }
 
 /// Waits until the warm floors are met after healing (the run's final recovery check).
-pub async fn floors_restored(b: &ProcessBackend, limit: Duration) -> Result<u64, String> {
+pub async fn floors_restored<B: Backend>(b: &B, limit: Duration) -> Result<u64, String> {
     let admin = AdminClient::new(b.controller_addrs()).with_retry_for(Duration::from_secs(5));
     floors_ready(&admin, None, limit).await
 }

@@ -3,9 +3,12 @@
 //! code is non-zero on any violation (or, for a planted-bug scenario, when the expected
 //! violation was not caught), and the report gives the command that replays the run.
 //!
-//! Backend: `process` (controllers and simulated hosts as processes on 127.0.0.1).
+//! Backends: `process` (controllers and simulated hosts as processes on 127.0.0.1) and
+//! `docker` (the deploy/compose.yaml cluster, one container per member); see [`backend`].
 
+pub mod backend;
 pub mod checkers;
+pub mod docker;
 pub mod inject;
 pub mod process;
 pub mod scenario;
@@ -25,10 +28,12 @@ use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
+use self::backend::Backend;
 use self::checkers::Verdict;
+use self::docker::{ComposeSpec, DockerBackend};
 use self::inject::FaultRecord;
 use self::process::{Bins, ProcessBackend};
-use self::scenario::Scenario;
+use self::scenario::{BackendKind, Scenario};
 use self::traffic::{Lane, Request, Targets};
 use crate::process_cluster::status_of;
 
@@ -41,6 +46,15 @@ pub struct RunArgs {
     /// Replay with this seed instead of each scenario's own.
     #[arg(long)]
     seed: Option<u64>,
+    /// Run every scenario on this backend instead of the one its file names.
+    #[arg(long, value_enum)]
+    backend: Option<BackendKind>,
+    /// The docker backend's compose file.
+    #[arg(long, default_value = "deploy/compose.yaml")]
+    compose_file: PathBuf,
+    /// The docker backend's image (deploy/container/build.sh builds it).
+    #[arg(long, default_value = "laneway:dev")]
+    image: String,
     /// Where each run's history, faults and report go (`<out>/<scenario>-seed<N>/`).
     #[arg(long, default_value = "target/chaos")]
     out: PathBuf,
@@ -66,7 +80,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let mut failed = Vec::new();
     for s in &scenarios {
         let seed = args.seed.unwrap_or(s.seed);
-        let report = match run_one(s, seed, &bins).await {
+        let backend = args.backend.unwrap_or(s.backend);
+        let compose = ComposeSpec {
+            file: args.compose_file.clone(),
+            image: args.image.clone(),
+        };
+        let report = match run_one(s, seed, backend, &bins, compose).await {
             Ok(r) => r,
             Err(e) => {
                 eprintln!("scenario {} (seed {seed}) could not run: {e:#}", s.name);
@@ -101,20 +120,46 @@ struct Report {
     faults: Vec<FaultRecord>,
 }
 
-async fn run_one(s: &Scenario, seed: u64, bins: &Bins) -> anyhow::Result<Report> {
-    eprintln!("== {} (seed {seed}): {}", s.name, s.description);
+async fn run_one(
+    s: &Scenario,
+    seed: u64,
+    backend: BackendKind,
+    bins: &Bins,
+    compose: ComposeSpec,
+) -> anyhow::Result<Report> {
+    let name = format!("{backend:?}").to_lowercase();
+    eprintln!("== {} (seed {seed}, {name} backend): {}", s.name, s.description);
     let mut rng = StdRng::seed_from_u64(seed);
-    let mut backend = ProcessBackend::start(s, bins.clone()).await?;
-    let result = drive(s, seed, &mut backend, &mut rng).await;
+    match backend {
+        BackendKind::Process => {
+            let mut b = ProcessBackend::start(s, bins.clone()).await?;
+            drive_logged(s, seed, &mut b, &mut rng).await
+        }
+        BackendKind::Docker => {
+            let mut b = DockerBackend::start(s, compose, seed).await?;
+            drive_logged(s, seed, &mut b, &mut rng).await
+        }
+    }
+}
+
+async fn drive_logged<B: Backend>(s: &Scenario, seed: u64, b: &mut B, rng: &mut StdRng) -> anyhow::Result<Report> {
+    let result = drive(s, seed, b, rng).await;
     if result.is_err() || std::env::var_os("LANEWAY_CHAOS_KEEP").is_some() {
-        eprintln!("logs of this run: {}", backend.root().display());
+        eprintln!("logs of this run: {}", b.logs());
     }
     result
 }
 
-async fn drive(s: &Scenario, seed: u64, b: &mut ProcessBackend, rng: &mut StdRng) -> anyhow::Result<Report> {
+async fn drive<B: Backend>(s: &Scenario, seed: u64, b: &mut B, rng: &mut StdRng) -> anyhow::Result<Report> {
+    if let Some(k) = s.faults.kinds.iter().find(|k| !b.supports(**k)) {
+        anyhow::bail!(
+            "the {} backend cannot inject {}; run this scenario with the other backend",
+            b.name(),
+            k.as_str()
+        );
+    }
     let admin = AdminClient::new(b.controller_addrs()).with_retry_for(Duration::from_secs(15));
-    let tenants = register(&admin, s, &b.bins).await?;
+    let tenants = register(&admin, s, b).await?;
     let ready = inject::floors_restored(b, Duration::from_secs(90)).await;
     if let Err(e) = ready {
         anyhow::bail!("the warm floors were never ready before the faults: {e}");
@@ -167,7 +212,7 @@ async fn drive(s: &Scenario, seed: u64, b: &mut ProcessBackend, rng: &mut StdRng
             &history,
             &b.router_addrs(),
             &tenant_keys,
-            &b.results,
+            &b.results_dir(),
             Duration::from_secs(s.checks.jobs_settle_s),
         )
         .await,
@@ -176,7 +221,7 @@ async fn drive(s: &Scenario, seed: u64, b: &mut ProcessBackend, rng: &mut StdRng
         checkers::sync_lane::check(&history, &faults, s.checks.sync_success_min),
         checkers::replicas::check(&faults, &restored, s.checks.recovery_s),
     ];
-    let json = report(s, seed, sent, &history, &faults, &verdicts);
+    let json = report(s, seed, b.name(), sent, &history, &faults, &verdicts);
     Ok(Report { json, history, faults })
 }
 
@@ -211,7 +256,7 @@ async fn caught_up(addrs: &[String], limit: Duration) -> anyhow::Result<()> {
 
 /// The harness's classes, models (replicas are `laneway-sim-model` processes) and tenants.
 /// Returns (tenant, API key) pairs.
-async fn register(admin: &AdminClient, s: &Scenario, bins: &Bins) -> anyhow::Result<Vec<(String, String)>> {
+async fn register<B: Backend>(admin: &AdminClient, s: &Scenario, b: &B) -> anyhow::Result<Vec<(String, String)>> {
     let classes = [
         json!({"name": "interactive", "lane": "sync", "warm_floor": 2, "protection_rank": 0,
                "utilisation_target_pct": 60, "request_timeout_ms": Lane::Sync.timeout().as_millis() as u64}),
@@ -220,7 +265,8 @@ async fn register(admin: &AdminClient, s: &Scenario, bins: &Bins) -> anyhow::Res
         json!({"name": "offline", "lane": "durable", "warm_floor": 1, "protection_rank": 2, "budget_ms": 600000,
                "utilisation_target_pct": 90, "request_timeout_ms": 30000}),
     ];
-    let products: Vec<&str> = s.hosts.iter().map(|h| h.product.as_str()).collect();
+    let products = b.products();
+    let (sim_model, listen_host) = b.sim_model();
     let models = [
         (Lane::Sync, "interactive", 20, 8),
         (Lane::Bounded, "batch", 50, 8),
@@ -246,7 +292,7 @@ async fn register(admin: &AdminClient, s: &Scenario, bins: &Bins) -> anyhow::Res
             "class": class,
             "profiles": profiles,
             "runtime": {"command": [
-                bins.sim_model.display().to_string(), "--listen", "127.0.0.1:{port}", "--model", "{model}",
+                sim_model, "--listen", format!("{listen_host}:{{port}}"), "--model", "{model}",
                 "--product", "{product}", "--service-ms", per_product, "--max-batch", "{max_batch}",
                 "--batch-window-ms", "1"
             ]},
@@ -288,6 +334,7 @@ fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
 fn report(
     s: &Scenario,
     seed: u64,
+    backend: &str,
     sent: u64,
     history: &[Request],
     faults: &[FaultRecord],
@@ -332,9 +379,9 @@ fn report(
         "scenario": s.name,
         "file": s.path.display().to_string(),
         "seed": seed,
-        "backend": "process",
+        "backend": backend,
         "duration_s": s.duration_s,
-        "replay": format!("laneway-chaos run {} --seed {seed}", s.path.display()),
+        "replay": format!("laneway-chaos run {} --seed {seed} --backend {backend}", s.path.display()),
         "faults_injected": by_kind,
         "faults": faults,
         "requests_sent": sent,

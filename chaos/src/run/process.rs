@@ -5,7 +5,7 @@
 //! be shared).
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 
 use anyhow::{bail, Context};
@@ -13,7 +13,8 @@ use laneway_control::provision::provider;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
-use super::scenario::Scenario;
+use super::backend::Backend;
+use super::scenario::{FaultKind, Scenario};
 use crate::process_cluster::{Options, ProcessCluster};
 
 /// Binaries a run starts.
@@ -43,6 +44,8 @@ pub struct ProcessBackend {
     pub hung: BTreeSet<i32>,
     /// Whether the controllers run with failpoints.
     failpoints: bool,
+    /// GPU product of each host, in order.
+    products: Vec<String>,
 }
 
 fn signal(pid: i32, s: Signal) {
@@ -79,6 +82,7 @@ impl ProcessBackend {
             paused: BTreeSet::new(),
             hung: BTreeSet::new(),
             failpoints: !s.faults.failpoints.trim().is_empty(),
+            products: s.hosts.iter().map(|h| h.product.clone()).collect(),
         };
         let mut n = 0;
         for spec in &s.hosts {
@@ -120,9 +124,77 @@ impl ProcessBackend {
         });
         self.start_host(self.hosts.len() - 1)
     }
+}
+
+impl Backend for ProcessBackend {
+    fn name(&self) -> &'static str {
+        "process"
+    }
+
+    fn supports(&self, kind: FaultKind) -> bool {
+        // No network namespace per process: partitions need the docker backend.
+        !kind.is_partition()
+    }
+
+    fn controller_addrs(&self) -> Vec<String> {
+        self.cluster.members.iter().map(|m| m.addr.clone()).collect()
+    }
+
+    fn router_addrs(&self) -> Vec<String> {
+        self.cluster
+            .members
+            .iter()
+            .filter_map(|m| m.router_addr.clone())
+            .collect()
+    }
+
+    fn controller_id(&self, i: usize) -> u64 {
+        self.cluster.members[i].id
+    }
+
+    fn controller_reachable(&self, i: usize) -> bool {
+        self.cluster.is_running(i) && !self.paused.contains(&i)
+    }
+
+    fn kill_controller(&mut self, i: usize) -> anyhow::Result<()> {
+        self.cluster.kill(i);
+        Ok(())
+    }
+
+    fn restart_controller(&mut self, i: usize) -> anyhow::Result<()> {
+        self.cluster.restart(i)
+    }
+
+    fn pause_controller(&mut self, i: usize) -> anyhow::Result<()> {
+        self.cluster.pause(i);
+        self.paused.insert(i);
+        Ok(())
+    }
+
+    fn resume_controller(&mut self, i: usize) -> anyhow::Result<()> {
+        self.cluster.resume(i);
+        self.paused.remove(&i);
+        Ok(())
+    }
+
+    async fn replace_controller(&mut self, i: usize) -> anyhow::Result<u64> {
+        self.cluster.replace(i).await
+    }
+
+    fn partition(&mut self, _i: usize, _one_way: bool) -> anyhow::Result<()> {
+        bail!("the process backend cannot partition a controller; run the scenario with --backend docker")
+    }
+
+    fn unpartition(&mut self, _i: usize) -> anyhow::Result<()> {
+        Ok(())
+    }
+
+    fn host_ids(&self) -> Vec<String> {
+        self.hosts.iter().map(|h| h.id.clone()).collect()
+    }
 
     /// Starts (or restarts, with its data) host `i`.
-    pub fn start_host(&mut self, i: usize) -> anyhow::Result<()> {
+    fn start_host(&mut self, i: usize) -> anyhow::Result<()> {
         let bin = self.bins.agent.clone();
         let h = &mut self.hosts[i];
         let log = std::fs::File::options().create(true).append(true).open(&h.log)?;
@@ -139,7 +211,7 @@ impl ProcessBackend {
     }
 
     /// `kill -9` host `i`: its replicas first, then its agent.
-    pub fn kill_host(&mut self, i: usize) {
+    fn kill_host(&mut self, i: usize) -> anyhow::Result<()> {
         if let Some(mut c) = self.hosts[i].child.take() {
             for p in provider::descendants(c.id() as i32) {
                 self.hung.remove(&p);
@@ -148,14 +220,15 @@ impl ProcessBackend {
             let _ = c.kill();
             let _ = c.wait();
         }
+        Ok(())
     }
 
-    pub fn host_running(&self, i: usize) -> bool {
+    fn host_running(&self, i: usize) -> bool {
         self.hosts[i].child.is_some()
     }
 
     /// Replica processes of host `i` (the agent's descendants).
-    pub fn replica_pids(&self, i: usize) -> Vec<i32> {
+    fn replica_pids(&self, i: usize) -> Vec<i32> {
         self.hosts[i]
             .child
             .as_ref()
@@ -163,49 +236,35 @@ impl ProcessBackend {
             .unwrap_or_default()
     }
 
-    pub fn crash_replica(&mut self, pid: i32) {
+    fn crash_replica(&mut self, pid: i32) {
         self.hung.remove(&pid);
         signal(pid, Signal::SIGKILL);
     }
 
-    pub fn hang_replica(&mut self, pid: i32) {
+    fn hang_replica(&mut self, pid: i32) {
         self.hung.insert(pid);
         signal(pid, Signal::SIGSTOP);
     }
 
-    pub fn unhang_replica(&mut self, pid: i32) {
+    fn unhang_replica(&mut self, pid: i32) {
         if self.hung.remove(&pid) {
             signal(pid, Signal::SIGCONT);
         }
     }
 
-    pub fn pause_controller(&mut self, i: usize) {
-        self.cluster.pause(i);
-        self.paused.insert(i);
-    }
-
-    pub fn resume_controller(&mut self, i: usize) {
-        self.cluster.resume(i);
-        self.paused.remove(&i);
-    }
-
-    pub fn controller_addrs(&self) -> Vec<String> {
-        self.cluster.members.iter().map(|m| m.addr.clone()).collect()
-    }
-
-    pub fn router_addrs(&self) -> Vec<String> {
-        self.cluster
-            .members
-            .iter()
-            .filter_map(|m| m.router_addr.clone())
-            .collect()
+    fn restart_crashed(&mut self) -> anyhow::Result<Vec<u64>> {
+        let crashed = self.cluster.reap();
+        for &i in &crashed {
+            self.cluster.restart(i)?;
+        }
+        Ok(crashed.iter().map(|&i| self.cluster.members[i].id).collect())
     }
 
     /// Everything back: paused controllers and replicas resumed, dead controllers and hosts
     /// restarted with their data. With failpoints, every controller is then restarted without
     /// them, one at a time (each back before the next goes): the injection ends with the run,
     /// so the checkers judge the state the faults left, not new faults.
-    pub async fn heal(&mut self) -> anyhow::Result<()> {
+    async fn heal(&mut self) -> anyhow::Result<()> {
         self.heal_processes()?;
         if self.failpoints {
             self.cluster.set_env(Vec::new());
@@ -232,6 +291,27 @@ impl ProcessBackend {
         Ok(())
     }
 
+    fn results_dir(&self) -> PathBuf {
+        self.results.clone()
+    }
+
+    fn products(&self) -> Vec<String> {
+        let mut p: Vec<String> = self.products.clone();
+        p.sort();
+        p.dedup();
+        p
+    }
+
+    fn sim_model(&self) -> (String, &'static str) {
+        (self.bins.sim_model.display().to_string(), "127.0.0.1")
+    }
+
+    fn logs(&self) -> String {
+        self.cluster.root().display().to_string()
+    }
+}
+
+impl ProcessBackend {
     fn heal_processes(&mut self) -> anyhow::Result<()> {
         self.cluster.reap();
         for i in std::mem::take(&mut self.paused) {
@@ -252,21 +332,6 @@ impl ProcessBackend {
         }
         Ok(())
     }
-
-    /// Controllers whose process exited on its own (a failpoint's crash), restarted with their
-    /// data as a service manager would; their node ids.
-    pub fn restart_crashed(&mut self) -> anyhow::Result<Vec<u64>> {
-        let crashed = self.cluster.reap();
-        for &i in &crashed {
-            self.cluster.restart(i)?;
-        }
-        Ok(crashed.iter().map(|&i| self.cluster.members[i].id).collect())
-    }
-
-    /// Where the logs are, for a post-mortem.
-    pub fn root(&self) -> &Path {
-        self.cluster.root()
-    }
 }
 
 impl Drop for ProcessBackend {
@@ -275,7 +340,7 @@ impl Drop for ProcessBackend {
             signal(p, Signal::SIGCONT);
         }
         for i in 0..self.hosts.len() {
-            self.kill_host(i);
+            let _ = self.kill_host(i);
         }
         let _ = std::fs::remove_dir_all(&self.results);
     }

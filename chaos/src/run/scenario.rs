@@ -19,6 +19,9 @@ pub struct Scenario {
     pub seed: u64,
     /// Seconds of traffic and faults, before healing and checking.
     pub duration_s: u64,
+    /// `process` (default) or `docker` (the deploy/compose.yaml cluster); `--backend` overrides.
+    #[serde(default)]
+    pub backend: BackendKind,
     /// Controllers (voters): 3 or 5.
     #[serde(default = "default_controllers")]
     pub controllers: usize,
@@ -35,6 +38,14 @@ pub struct Scenario {
     pub expect_violations: Vec<String>,
     #[serde(skip)]
     pub path: PathBuf,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum BackendKind {
+    #[default]
+    Process,
+    Docker,
 }
 
 fn default_controllers() -> usize {
@@ -143,6 +154,12 @@ pub enum FaultKind {
     ReplicaHang,
     /// Stop a follower, wipe its data and add it back under a new node id.
     WipeFollower,
+    /// Cut the leader off the other controllers (docker backend): the leader in the minority.
+    PartitionLeader,
+    /// Cut a follower off (docker backend): the leader keeps its majority.
+    PartitionFollower,
+    /// The leader still sends but receives nothing from the other members (docker backend).
+    PartitionLeaderOneWay,
     /// Not a scenario's choice: a controller that exited on its own (a failpoint's panic),
     /// restarted by the harness as a service manager would.
     #[serde(skip_deserializing)]
@@ -160,8 +177,19 @@ impl FaultKind {
             FaultKind::ReplicaCrash => "replica_crash",
             FaultKind::ReplicaHang => "replica_hang",
             FaultKind::WipeFollower => "wipe_follower",
+            FaultKind::PartitionLeader => "partition_leader",
+            FaultKind::PartitionFollower => "partition_follower",
+            FaultKind::PartitionLeaderOneWay => "partition_leader_one_way",
             FaultKind::Crashed => "crashed",
         }
+    }
+
+    /// Network partitions (the docker backend's).
+    pub fn is_partition(self) -> bool {
+        matches!(
+            self,
+            FaultKind::PartitionLeader | FaultKind::PartitionFollower | FaultKind::PartitionLeaderOneWay
+        )
     }
 
     /// Faults on hosts and replicas (the sync lane's threshold is judged while they last).
@@ -301,7 +329,7 @@ mod tests {
 
     #[test]
     fn every_shipped_scenario_loads() {
-        for set in ["smoke", "soak", "planted"] {
+        for set in ["smoke", "soak", "planted", "docker"] {
             let all = load_all(&scenarios_dir().join(set)).unwrap();
             assert!(!all.is_empty(), "{set} has scenarios");
             for s in all {

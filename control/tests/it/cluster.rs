@@ -356,3 +356,58 @@ async fn new_command_formats_wait_for_finalize_upgrade() {
         text(&fin)
     );
 }
+
+/// `lanectl cluster bootstrap` forms a cluster from running controllers, is a no-op when run
+/// again, completes a cluster that a partial run left with one member, and refuses a member
+/// list that does not match the controllers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bootstrap_forms_completes_and_repeats_safely() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes: Vec<Node> = (1..=3).map(|id| Node::new(root.path(), id)).collect();
+    for n in &mut nodes {
+        n.start();
+    }
+    let members: Vec<String> = nodes.iter().map(|n| format!("{}={}", n.id, n.addr)).collect();
+    let bootstrap = |members: &[String]| {
+        let mut args = vec!["cluster".to_string(), "bootstrap".into(), "--wait".into(), "30s".into()];
+        for m in members {
+            args.extend(["--member".into(), m.clone()]);
+        }
+        std::process::Command::new(lanectl_bin())
+            .args(["--addr", &nodes[0].addr, "-o", "json"])
+            .args(&args)
+            .output()
+            .unwrap()
+    };
+    // A partial run: node 1 alone.
+    let out = bootstrap(&members[..1]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // The full list completes it.
+    let out = bootstrap(&members);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let done: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        done["done"],
+        serde_json::json!(["added node 2", "promoted node 2", "added node 3", "promoted node 3"]),
+        "{done}"
+    );
+    let s = wait_for("three voters", Duration::from_secs(20), || async {
+        status(&nodes[2])
+            .await
+            .filter(|s| s.members.iter().filter(|m| m.role == "voter").count() == 3)
+    })
+    .await;
+    assert_eq!(s.members.len(), 3);
+    // Again: nothing to do.
+    let out = bootstrap(&members);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let again: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(again["done"], serde_json::json!([]), "{again}");
+    // A wrong id for an address, and a malformed member, are refused with what to fix.
+    let out = bootstrap(&[format!("7={}", nodes[1].addr)]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("is node 2, not node 7"), "{err}");
+    let out = bootstrap(&["c1:7000".to_string()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("ID=HOST:PORT"), "{err}");
+}

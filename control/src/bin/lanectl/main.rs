@@ -1,5 +1,6 @@
 //! `lanectl`: the operator CLI of a Laneway cluster (gRPC, follows the leader).
 
+mod bootstrap;
 mod job;
 mod ledger;
 mod mig;
@@ -121,6 +122,17 @@ enum ClusterCmd {
     Init,
     /// Members, leader, term and log indexes of every member.
     Status,
+    /// Form a cluster from running controllers, or complete a half-formed one: initializes the
+    /// first member when none belongs to a cluster, adds and promotes the others. Safe to run
+    /// again (a container orchestrator can run it on every start).
+    Bootstrap {
+        /// A controller, `ID=HOST:PORT` (repeat for each; the first is initialized).
+        #[arg(long = "member", required = true, value_parser = bootstrap::parse_member)]
+        members: Vec<(u64, String)>,
+        /// How long to wait for every controller to answer and for a leader.
+        #[arg(long, default_value = "120s", value_parser = humantime::parse_duration)]
+        wait: Duration,
+    },
     /// Add a controller as a learner and wait until it has caught up.
     Add {
         node_id: u64,
@@ -221,7 +233,23 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 )
             });
         }
-        Cmd::Cluster(ClusterCmd::Status) => status(&client, out).await?,
+        Cmd::Cluster(ClusterCmd::Status) => status(&client, &cli.addr, out).await?,
+        Cmd::Cluster(ClusterCmd::Bootstrap { members, wait }) => {
+            let r = bootstrap::run(&members, wait).await?;
+            print(out, r.clone(), || {
+                let done: Vec<&str> = r["done"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|d| d.as_str())
+                    .collect();
+                if done.is_empty() {
+                    format!("the cluster of {} controllers was already formed", members.len())
+                } else {
+                    format!("cluster of {} controllers: {}", members.len(), done.join(", "))
+                }
+            });
+        }
         Cmd::Cluster(ClusterCmd::FinalizeUpgrade) => {
             let r = client
                 .call(|mut c| async move { c.finalize_upgrade(FinalizeUpgradeRequest {}).await })
@@ -554,15 +582,31 @@ fn print_membership(out: Output, r: &MembershipReply, msg: &str) {
 }
 
 /// Asks any member for the membership, then every member for its own view.
-async fn status(client: &AdminClient, out: Output) -> anyhow::Result<()> {
+async fn status(client: &AdminClient, given: &[String], out: Output) -> anyhow::Result<()> {
     let first: NodeStatus = client
         .call(|mut c| async move { c.status(StatusRequest {}).await })
         .await?;
+    // Members answer at the addresses given with --addr first: from outside the members'
+    // network (a NAT, published container ports) their advertised addresses may not resolve.
+    let mut by_id = std::collections::HashMap::new();
+    for a in given {
+        if let Ok(s) = client
+            .call_one(a, |mut c| async move { c.status(StatusRequest {}).await })
+            .await
+        {
+            by_id.insert(s.node_id, s);
+        }
+    }
     let mut rows = Vec::new();
     for m in &first.members {
-        let s = client
-            .call_one(&m.addr, |mut c| async move { c.status(StatusRequest {}).await })
-            .await;
+        let s = match by_id.remove(&m.node_id) {
+            Some(s) => Ok(s),
+            None => {
+                client
+                    .call_one(&m.addr, |mut c| async move { c.status(StatusRequest {}).await })
+                    .await
+            }
+        };
         rows.push((m.clone(), s));
     }
     let leader = first.leader_id;

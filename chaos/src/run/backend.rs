@@ -1,0 +1,73 @@
+//! What a cluster backend does for the harness: the same scenario runs on real processes on
+//! 127.0.0.1 ([`super::process`]) or on the compose cluster's containers ([`super::docker`]).
+//! Controllers and hosts are addressed by index; a fault a backend cannot inject is refused
+//! before the run starts.
+
+use std::path::PathBuf;
+
+use super::scenario::FaultKind;
+use crate::process_cluster::status_of;
+
+pub(crate) trait Backend {
+    fn name(&self) -> &'static str;
+    /// Whether this backend can inject `kind`.
+    fn supports(&self, kind: FaultKind) -> bool;
+
+    /// Admin/Raft addresses of the current members.
+    fn controller_addrs(&self) -> Vec<String>;
+    /// Inference routers of the current members.
+    fn router_addrs(&self) -> Vec<String>;
+    fn controller_id(&self, i: usize) -> u64;
+    /// Running, not frozen and not cut off: worth asking who leads.
+    fn controller_reachable(&self, i: usize) -> bool;
+    fn kill_controller(&mut self, i: usize) -> anyhow::Result<()>;
+    fn restart_controller(&mut self, i: usize) -> anyhow::Result<()>;
+    fn pause_controller(&mut self, i: usize) -> anyhow::Result<()>;
+    fn resume_controller(&mut self, i: usize) -> anyhow::Result<()>;
+    /// Wipes member `i` and adds it back under a new id; the new id.
+    async fn replace_controller(&mut self, i: usize) -> anyhow::Result<u64>;
+    /// Cuts member `i` off the others (`one_way`: it still sends, but receives nothing).
+    fn partition(&mut self, i: usize, one_way: bool) -> anyhow::Result<()>;
+    fn unpartition(&mut self, i: usize) -> anyhow::Result<()>;
+
+    /// Node ids of the hosts.
+    fn host_ids(&self) -> Vec<String>;
+    fn host_running(&self, j: usize) -> bool;
+    fn kill_host(&mut self, j: usize) -> anyhow::Result<()>;
+    fn start_host(&mut self, j: usize) -> anyhow::Result<()>;
+    /// Host pids of host `j`'s replica processes.
+    fn replica_pids(&self, j: usize) -> Vec<i32>;
+    fn crash_replica(&mut self, pid: i32);
+    fn hang_replica(&mut self, pid: i32);
+    fn unhang_replica(&mut self, pid: i32);
+
+    /// Controllers that exited on their own (a failpoint's crash), restarted; their ids.
+    fn restart_crashed(&mut self) -> anyhow::Result<Vec<u64>>;
+    /// Everything back (see each backend), failpoints off.
+    async fn heal(&mut self) -> anyhow::Result<()>;
+
+    /// The directory results are published to (the harness reads it).
+    fn results_dir(&self) -> PathBuf;
+    /// GPU products of the fleet (the harness's models list a profile for each).
+    fn products(&self) -> Vec<String>;
+    /// The simulated model server as a replica's command names it, and the host it listens on.
+    fn sim_model(&self) -> (String, &'static str);
+    /// Where to look after a failure.
+    fn logs(&self) -> String;
+
+    /// Index of the member that says it leads, among the reachable ones.
+    async fn leader(&self) -> Option<usize> {
+        let addrs = self.controller_addrs();
+        for (i, a) in addrs.iter().enumerate() {
+            if !self.controller_reachable(i) {
+                continue;
+            }
+            if let Some(s) = status_of(a).await {
+                if s.leader_id != 0 {
+                    return (0..addrs.len()).find(|&k| self.controller_id(k) == s.leader_id);
+                }
+            }
+        }
+        None
+    }
+}

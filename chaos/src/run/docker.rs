@@ -1,0 +1,439 @@
+//! The `docker` backend: the `deploy/compose.yaml` cluster (3 controllers, 4 simulated-GPU
+//! hosts), each a container with its own address on a private network, under a project name
+//! of its own. Faults are Docker's: `docker kill`, `docker pause`, `docker network disconnect`
+//! (a member cut off), and for a one-way cut an iptables rule inside the member's network
+//! namespace (`nsenter`, from the host). Replica processes are killed or frozen by their host
+//! pid (`docker top`), so the harness needs root on the Docker host, as Docker itself does.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+use super::backend::Backend;
+use super::scenario::{FaultKind, Scenario};
+use crate::process_cluster::{status_of, wait_until};
+
+/// The compose file's fleet (see deploy/compose.yaml and deploy/container/agents/).
+const HOSTS: [(&str, &str); 4] = [
+    ("l4-1", "L4"),
+    ("l40s-1", "L40S"),
+    ("h100-1", "H100-80GB"),
+    ("h100-2", "H100-80GB"),
+];
+const CONTROLLERS: usize = 3;
+/// Private network of the harness's project, and its published-port prefix, chosen apart from
+/// the compose file's defaults so an operator's cluster on the same host is left alone.
+const SUBNET: &str = "172.29.77";
+const PORT_PREFIX: &str = "271";
+
+/// How to run the compose file.
+#[derive(Debug, Clone)]
+pub struct ComposeSpec {
+    pub file: PathBuf,
+    pub image: String,
+}
+
+pub struct DockerBackend {
+    compose: Vec<String>,
+    spec: ComposeSpec,
+    project: String,
+    results: PathBuf,
+    /// Container id by service name.
+    ids: std::collections::BTreeMap<String, String>,
+    killed: BTreeSet<String>,
+    paused: BTreeSet<String>,
+    /// Cut-off controllers, with whether the cut is one-way.
+    cut: std::collections::BTreeMap<usize, bool>,
+    hung: BTreeSet<i32>,
+    failpoints: bool,
+}
+
+fn run(cmd: &mut Command) -> anyhow::Result<String> {
+    let out = cmd.output().with_context(|| format!("running {cmd:?}"))?;
+    if !out.status.success() {
+        bail!(
+            "{cmd:?} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn docker(args: &[&str]) -> anyhow::Result<String> {
+    run(Command::new("docker").args(args))
+}
+
+fn controller(i: usize) -> String {
+    format!("c{}", i + 1)
+}
+
+impl DockerBackend {
+    pub async fn start(s: &Scenario, spec: ComposeSpec, seed: u64) -> anyhow::Result<DockerBackend> {
+        if s.controllers != CONTROLLERS {
+            bail!(
+                "the docker backend runs deploy/compose.yaml's {CONTROLLERS} controllers; the scenario asks for {}",
+                s.controllers
+            );
+        }
+        if !spec.file.exists() {
+            bail!(
+                "no compose file at {}; run from the repository root or pass --compose-file",
+                spec.file.display()
+            );
+        }
+        docker(&["image", "inspect", &spec.image]).with_context(|| {
+            format!(
+                "image {} not found; build it: cargo build --workspace --bins && deploy/container/build.sh debug {}",
+                spec.image, spec.image
+            )
+        })?;
+        let compose = if Command::new("docker")
+            .args(["compose", "version"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+        {
+            vec!["docker".to_string(), "compose".to_string()]
+        } else {
+            vec!["docker-compose".to_string()]
+        };
+        let results = tempfile::Builder::new()
+            .prefix("laneway-chaos-docker-")
+            .tempdir()?
+            .keep();
+        let mut b = DockerBackend {
+            compose,
+            spec,
+            project: format!("lanewaychaos{seed}"),
+            results,
+            ids: Default::default(),
+            killed: BTreeSet::new(),
+            paused: BTreeSet::new(),
+            cut: Default::default(),
+            hung: BTreeSet::new(),
+            failpoints: !s.faults.failpoints.trim().is_empty(),
+        };
+        // A run that died before tearing down leaves its project behind: start clean.
+        let _ = b.compose(&["down", "-v", "--remove-orphans"], &s.faults.failpoints);
+        b.compose(&["up", "-d"], &s.faults.failpoints)
+            .context("starting the compose cluster")?;
+        for svc in (0..CONTROLLERS)
+            .map(controller)
+            .chain(HOSTS.iter().map(|h| h.0.to_string()))
+        {
+            let id = b.compose(&["ps", "-q", &svc], "")?.trim().to_string();
+            if id.is_empty() {
+                bail!("service {svc} has no container after `up`");
+            }
+            b.ids.insert(svc, id);
+        }
+        // Formed by the compose file's bootstrap service.
+        let addrs = b.controller_addrs();
+        wait_until(Duration::from_secs(120), || {
+            let addrs = addrs.clone();
+            async move {
+                for a in &addrs {
+                    if !status_of(a)
+                        .await
+                        .is_some_and(|s| s.leader_id != 0 && s.members.len() == CONTROLLERS)
+                    {
+                        return false;
+                    }
+                }
+                true
+            }
+        })
+        .await
+        .with_context(|| {
+            format!(
+                "the compose cluster did not form; see `{} -p {} logs`",
+                b.compose.join(" "),
+                b.project
+            )
+        })?;
+        Ok(b)
+    }
+
+    fn compose(&self, args: &[&str], failpoints: &str) -> anyhow::Result<String> {
+        let mut cmd = Command::new(&self.compose[0]);
+        cmd.args(&self.compose[1..])
+            .arg("-f")
+            .arg(&self.spec.file)
+            .args(["-p", &self.project])
+            .args(args)
+            .env("LANEWAY_IMAGE", &self.spec.image)
+            .env("LANEWAY_RESULTS_DIR", &self.results)
+            .env("LANEWAY_SUBNET", SUBNET)
+            .env("LANEWAY_PORT_PREFIX", PORT_PREFIX)
+            // The harness restarts what it kills, when the scenario says.
+            .env("LANEWAY_RESTART", "no")
+            .env("LANEWAY_LOG", "warn")
+            .env("LANEWAY_FAILPOINTS", failpoints);
+        run(&mut cmd)
+    }
+
+    fn id(&self, svc: &str) -> &str {
+        self.ids.get(svc).map_or("", String::as_str)
+    }
+
+    fn network(&self) -> String {
+        format!("{}_laneway", self.project)
+    }
+
+    fn ip(i: usize) -> String {
+        format!("{SUBNET}.1{}", i + 1)
+    }
+
+    fn pid(&self, svc: &str) -> anyhow::Result<i32> {
+        docker(&["inspect", "-f", "{{.State.Pid}}", self.id(svc)])?
+            .trim()
+            .parse()
+            .context("container pid")
+    }
+
+    fn one_way_rule(&self, i: usize, add: bool) -> anyhow::Result<()> {
+        let pid = self.pid(&controller(i))?.to_string();
+        let src = format!("{SUBNET}.0/24");
+        run(Command::new("nsenter").args([
+            "-t",
+            &pid,
+            "-n",
+            "iptables",
+            if add { "-A" } else { "-D" },
+            "INPUT",
+            "-s",
+            &src,
+            "-j",
+            "DROP",
+        ]))
+        .map(|_| ())
+        .context("a one-way cut needs root, nsenter and iptables on the Docker host")
+    }
+
+    fn start_svc(&mut self, svc: &str) -> anyhow::Result<()> {
+        docker(&["start", self.id(svc)])?;
+        self.killed.remove(svc);
+        Ok(())
+    }
+
+    fn kill_svc(&mut self, svc: &str) -> anyhow::Result<()> {
+        docker(&["kill", "-s", "KILL", self.id(svc)])?;
+        self.killed.insert(svc.to_string());
+        self.paused.remove(svc);
+        Ok(())
+    }
+
+    fn running(&self, svc: &str) -> bool {
+        docker(&["inspect", "-f", "{{.State.Running}}", self.id(svc)]).is_ok_and(|s| s.trim() == "true")
+    }
+}
+
+impl Backend for DockerBackend {
+    fn name(&self) -> &'static str {
+        "docker"
+    }
+
+    fn supports(&self, kind: FaultKind) -> bool {
+        // A new node id needs a new service in the compose file.
+        kind != FaultKind::WipeFollower
+    }
+
+    fn controller_addrs(&self) -> Vec<String> {
+        (0..CONTROLLERS).map(|i| format!("{}:7000", Self::ip(i))).collect()
+    }
+
+    fn router_addrs(&self) -> Vec<String> {
+        (0..CONTROLLERS).map(|i| format!("{}:8080", Self::ip(i))).collect()
+    }
+
+    fn controller_id(&self, i: usize) -> u64 {
+        i as u64 + 1
+    }
+
+    fn controller_reachable(&self, i: usize) -> bool {
+        let svc = controller(i);
+        !self.killed.contains(&svc) && !self.paused.contains(&svc) && !self.cut.contains_key(&i)
+    }
+
+    fn kill_controller(&mut self, i: usize) -> anyhow::Result<()> {
+        self.kill_svc(&controller(i))
+    }
+
+    fn restart_controller(&mut self, i: usize) -> anyhow::Result<()> {
+        self.start_svc(&controller(i))
+    }
+
+    fn pause_controller(&mut self, i: usize) -> anyhow::Result<()> {
+        docker(&["pause", self.id(&controller(i))])?;
+        self.paused.insert(controller(i));
+        Ok(())
+    }
+
+    fn resume_controller(&mut self, i: usize) -> anyhow::Result<()> {
+        docker(&["unpause", self.id(&controller(i))])?;
+        self.paused.remove(&controller(i));
+        Ok(())
+    }
+
+    async fn replace_controller(&mut self, _i: usize) -> anyhow::Result<u64> {
+        bail!("wipe_follower needs a new node id, which the compose file's fixed services do not have; use the process backend")
+    }
+
+    fn partition(&mut self, i: usize, one_way: bool) -> anyhow::Result<()> {
+        if one_way {
+            self.one_way_rule(i, true)?;
+        } else {
+            docker(&["network", "disconnect", "-f", &self.network(), self.id(&controller(i))])?;
+        }
+        self.cut.insert(i, one_way);
+        Ok(())
+    }
+
+    fn unpartition(&mut self, i: usize) -> anyhow::Result<()> {
+        match self.cut.remove(&i) {
+            Some(true) => self.one_way_rule(i, false),
+            Some(false) => docker(&[
+                "network",
+                "connect",
+                "--ip",
+                &Self::ip(i),
+                &self.network(),
+                self.id(&controller(i)),
+            ])
+            .map(|_| ()),
+            None => Ok(()),
+        }
+    }
+
+    fn host_ids(&self) -> Vec<String> {
+        HOSTS.iter().map(|h| h.0.to_string()).collect()
+    }
+
+    fn host_running(&self, j: usize) -> bool {
+        !self.killed.contains(HOSTS[j].0)
+    }
+
+    fn kill_host(&mut self, j: usize) -> anyhow::Result<()> {
+        self.kill_svc(HOSTS[j].0)
+    }
+
+    fn start_host(&mut self, j: usize) -> anyhow::Result<()> {
+        self.start_svc(HOSTS[j].0)
+    }
+
+    fn replica_pids(&self, j: usize) -> Vec<i32> {
+        if !self.host_running(j) {
+            return Vec::new();
+        }
+        docker(&["top", self.id(HOSTS[j].0), "-eo", "pid,args"])
+            .map(|out| {
+                out.lines()
+                    .filter(|l| l.contains("laneway-sim-model"))
+                    .filter_map(|l| l.split_whitespace().next()?.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    fn crash_replica(&mut self, pid: i32) {
+        self.hung.remove(&pid);
+        let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+    }
+
+    fn hang_replica(&mut self, pid: i32) {
+        self.hung.insert(pid);
+        let _ = kill(Pid::from_raw(pid), Signal::SIGSTOP);
+    }
+
+    fn unhang_replica(&mut self, pid: i32) {
+        if self.hung.remove(&pid) {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGCONT);
+        }
+    }
+
+    fn restart_crashed(&mut self) -> anyhow::Result<Vec<u64>> {
+        let mut crashed = Vec::new();
+        for i in 0..CONTROLLERS {
+            let svc = controller(i);
+            if !self.killed.contains(&svc) && !self.paused.contains(&svc) && !self.running(&svc) {
+                self.start_svc(&svc)?;
+                crashed.push(i as u64 + 1);
+            }
+        }
+        Ok(crashed)
+    }
+
+    /// Paused containers resumed, cuts healed, killed containers started; with failpoints,
+    /// the controllers are recreated without them, one at a time.
+    async fn heal(&mut self) -> anyhow::Result<()> {
+        for svc in std::mem::take(&mut self.paused) {
+            docker(&["unpause", self.id(&svc)])?;
+        }
+        for p in std::mem::take(&mut self.hung) {
+            let _ = kill(Pid::from_raw(p), Signal::SIGCONT);
+        }
+        for i in self.cut.keys().copied().collect::<Vec<_>>() {
+            self.unpartition(i)?;
+        }
+        for svc in self.killed.clone() {
+            self.start_svc(&svc)?;
+        }
+        self.restart_crashed()?;
+        if self.failpoints {
+            for i in 0..CONTROLLERS {
+                let svc = controller(i);
+                self.compose(&["up", "-d", "--no-deps", "--force-recreate", &svc], "")?;
+                let id = self.compose(&["ps", "-q", &svc], "")?.trim().to_string();
+                self.ids.insert(svc, id);
+                let addr = self.controller_addrs()[i].clone();
+                wait_until(Duration::from_secs(30), || async {
+                    status_of(&addr).await.is_some_and(|s| s.leader_id != 0)
+                })
+                .await
+                .with_context(|| format!("controller {} did not rejoin after its clean restart", i + 1))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn results_dir(&self) -> PathBuf {
+        self.results.clone()
+    }
+
+    fn products(&self) -> Vec<String> {
+        let mut p: Vec<String> = HOSTS.iter().map(|h| h.1.to_string()).collect();
+        p.sort();
+        p.dedup();
+        p
+    }
+
+    fn sim_model(&self) -> (String, &'static str) {
+        ("/bin/laneway-sim-model".into(), "0.0.0.0")
+    }
+
+    fn logs(&self) -> String {
+        format!(
+            "{} -f {} -p {} logs",
+            self.compose.join(" "),
+            self.spec.file.display(),
+            self.project
+        )
+    }
+}
+
+impl Drop for DockerBackend {
+    fn drop(&mut self) {
+        for p in std::mem::take(&mut self.hung) {
+            let _ = kill(Pid::from_raw(p), Signal::SIGCONT);
+        }
+        if std::env::var_os("LANEWAY_CHAOS_KEEP").is_none() {
+            let _ = self.compose(&["down", "-v", "--remove-orphans"], "");
+            let _ = std::fs::remove_dir_all(&self.results);
+        }
+    }
+}
