@@ -27,6 +27,28 @@ use crate::store::{self, Identity, StateMachineStore, StoreError};
 use crate::typ::Raft;
 use laneway_proto::agent::agent_service_server::AgentServiceServer;
 
+/// Limits of the gRPC listener (Raft, admin and agent APIs), set explicitly rather than left to
+/// library defaults that may change. A unary call that takes longer than this is cancelled
+/// (streams are not: the limit applies until their response starts).
+const GRPC_REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
+/// Calls served at once on one connection; more wait (Raft pipelines and a router's forwards
+/// stay well under it).
+const GRPC_CONCURRENCY_PER_CONNECTION: usize = 256;
+/// HTTP/2 streams open at once on one connection (agents hold one heartbeat stream each).
+const GRPC_MAX_STREAMS: u32 = 1024;
+/// Streams a client may reset before the server answers GOAWAY (rapid-reset floods).
+const GRPC_MAX_PENDING_RESETS: usize = 64;
+/// Request headers, bytes.
+const GRPC_MAX_HEADER_BYTES: u32 = 16 * 1024;
+/// HTTP/2 PING and TCP keepalive interval: a peer gone without a FIN is noticed within
+/// interval + timeout.
+const GRPC_KEEPALIVE: Duration = Duration::from_secs(20);
+const GRPC_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections are closed (GOAWAY, then the grace for calls in flight) after this long, so
+/// load spreads again over controllers that were restarted; agents and peers reconnect.
+const GRPC_MAX_CONNECTION_AGE: Duration = Duration::from_secs(3600);
+const GRPC_MAX_CONNECTION_AGE_GRACE: Duration = Duration::from_secs(60);
+
 /// Why a controller could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -47,6 +69,12 @@ pub enum StartError {
     Raft(String),
     #[error("{0}; set jobs.results_store (or --results-store) to a directory or object-store URL the controllers and agents share")]
     Results(String),
+    #[error("cannot open the audit log {path}: {source}; the data dir must be writable")]
+    Audit {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl StartError {
@@ -54,7 +82,7 @@ impl StartError {
     pub fn exit_code(&self) -> i32 {
         match self {
             StartError::DataDir(_) | StartError::RaftConfig(_) | StartError::Results(_) => 2,
-            StartError::Storage(_) | StartError::Bind { .. } | StartError::Raft(_) => 1,
+            StartError::Storage(_) | StartError::Bind { .. } | StartError::Raft(_) | StartError::Audit { .. } => 1,
         }
     }
 }
@@ -177,8 +205,13 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
     let raft_svc = RaftServiceServer::new(RaftGrpc::new(raft.clone(), cfg.cluster_name.clone(), cfg.node_id))
         .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES);
-    let admin_svc =
-        AdminServiceServer::new(AdminGrpc::new(ctx.clone())).max_decoding_message_size(cfg.max_admin_request_bytes);
+    let audit_path = cfg.data_dir.join("audit.log");
+    let audit = crate::admin::audit::AuditLog::open(&audit_path, cfg.node_id).map_err(|source| StartError::Audit {
+        path: audit_path.clone(),
+        source,
+    })?;
+    let admin_svc = AdminServiceServer::new(AdminGrpc::new(ctx.clone()).with_audit(Arc::new(audit)))
+        .max_decoding_message_size(cfg.max_admin_request_bytes);
     let agent_svc =
         AgentServiceServer::new(AgentGrpc::new(ctx.clone())).max_decoding_message_size(cfg.max_admin_request_bytes);
     let placement = tokio::spawn({
@@ -203,7 +236,16 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
     let server = tokio::spawn(
         tonic::transport::Server::builder()
             .tcp_nodelay(true)
-            .timeout(Duration::from_secs(120))
+            .timeout(GRPC_REQUEST_TIMEOUT)
+            .concurrency_limit_per_connection(GRPC_CONCURRENCY_PER_CONNECTION)
+            .max_concurrent_streams(GRPC_MAX_STREAMS)
+            .http2_max_pending_accept_reset_streams(Some(GRPC_MAX_PENDING_RESETS))
+            .http2_max_header_list_size(GRPC_MAX_HEADER_BYTES)
+            .http2_keepalive_interval(Some(GRPC_KEEPALIVE))
+            .http2_keepalive_timeout(Some(GRPC_KEEPALIVE_TIMEOUT))
+            .tcp_keepalive(Some(GRPC_KEEPALIVE))
+            .max_connection_age(GRPC_MAX_CONNECTION_AGE)
+            .max_connection_age_grace(GRPC_MAX_CONNECTION_AGE_GRACE)
             .add_service(raft_svc)
             .add_service(admin_svc)
             .add_service(agent_svc)

@@ -1,5 +1,6 @@
 //! The operator (admin) gRPC API of a controller.
 
+pub mod audit;
 pub mod error;
 pub mod pb_impl;
 pub mod service;

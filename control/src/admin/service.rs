@@ -13,8 +13,8 @@ use laneway_proto::admin::{
     SnapshotRequest, StatusRequest, WriteReply,
 };
 use laneway_proto::admin::{
-    ApplyMigPlanRequest, EventsRequest, FinalizeUpgradeReply, FinalizeUpgradeRequest, MemberFormat, PlanMigRequest,
-    SetMigLayoutRequest, SetPoolTaintsRequest,
+    ApplyMigPlanRequest, AuditRequest, EventsRequest, FinalizeUpgradeReply, FinalizeUpgradeRequest, MemberFormat,
+    PlanMigRequest, SetMigLayoutRequest, SetPoolTaintsRequest,
 };
 use laneway_proto::admin::{
     CreateTenantRequest, DocumentsReply, JobWriteReply, JobWritesReply, JobWritesRequest, LaneStatusRequest,
@@ -82,9 +82,17 @@ pub struct AdminGrpc {
     /// One membership change at a time from this controller, so a concurrent `remove` and
     /// `add` of the same id cannot both pass the retired-id check.
     membership: tokio::sync::Mutex<()>,
+    /// Where calls that change the cluster are recorded; `None`: not recorded.
+    audit: Option<Arc<super::audit::AuditLog>>,
 }
 
 impl AdminGrpc {
+    /// Records every call that changes the cluster in `log`.
+    pub fn with_audit(mut self, log: Arc<super::audit::AuditLog>) -> Self {
+        self.audit = Some(log);
+        self
+    }
+
     pub fn new(ctx: Context) -> Self {
         let Context {
             raft,
@@ -110,6 +118,7 @@ impl AdminGrpc {
             heartbeats,
             peers: AdminClient::new(Vec::new()).with_call_timeout(READ_INDEX_TIMEOUT),
             membership: tokio::sync::Mutex::new(()),
+            audit: None,
             raft,
             node_id,
             cluster,
@@ -284,37 +293,44 @@ impl AdminGrpc {
 #[tonic::async_trait]
 impl AdminService for AdminGrpc {
     async fn init(&self, _req: Request<InitRequest>) -> Result<Response<InitReply>, Status> {
-        let nodes = BTreeMap::from([(
-            self.node_id,
-            ControllerNode {
-                addr: self.advertise.clone(),
-            },
-        )]);
-        match self.raft.initialize(nodes).await {
-            Ok(()) => {
-                // A new cluster has one member, this binary: every format it knows is allowed.
-                self.raft
-                    .wait(Some(Duration::from_secs(10)))
-                    .current_leader(self.node_id, "the new cluster's first leader")
-                    .await
-                    .map_err(|e| AdminError::Unavailable(format!("initialized, but no leader yet: {e}")))?;
-                self.proposer
-                    .propose(Command::PutSetting {
-                        key: crate::command::FORMAT_SETTING.into(),
-                        value: crate::command::COMMAND_FORMAT.to_string(),
-                    })
-                    .await
-                    .map_err(|e| self.raft_error(e))?;
-                Ok(Response::new(InitReply {
-                    node_id: self.node_id,
-                    cluster: self.cluster.clone(),
-                }))
+        let (who, target) = (super::audit::who(&_req), format!("{:?}", _req.get_ref()));
+        let call = async move {
+            let nodes = BTreeMap::from([(
+                self.node_id,
+                ControllerNode {
+                    addr: self.advertise.clone(),
+                },
+            )]);
+            match self.raft.initialize(nodes).await {
+                Ok(()) => {
+                    // A new cluster has one member, this binary: every format it knows is allowed.
+                    self.raft
+                        .wait(Some(Duration::from_secs(10)))
+                        .current_leader(self.node_id, "the new cluster's first leader")
+                        .await
+                        .map_err(|e| AdminError::Unavailable(format!("initialized, but no leader yet: {e}")))?;
+                    self.proposer
+                        .propose(Command::PutSetting {
+                            key: crate::command::FORMAT_SETTING.into(),
+                            value: crate::command::COMMAND_FORMAT.to_string(),
+                        })
+                        .await
+                        .map_err(|e| self.raft_error(e))?;
+                    Ok(Response::new(InitReply {
+                        node_id: self.node_id,
+                        cluster: self.cluster.clone(),
+                    }))
+                }
+                Err(RaftError::APIError(e)) => Err(AdminError::FailedPrecondition(format!(
+                    "cannot initialize: {e}; this controller already has cluster state (use `lanectl cluster add` to grow an existing cluster)"
+                ))
+                .into()),
+                Err(RaftError::Fatal(f)) => Err(AdminError::Internal(f.to_string()).into()),
             }
-            Err(RaftError::APIError(e)) => Err(AdminError::FailedPrecondition(format!(
-                "cannot initialize: {e}; this controller already has cluster state (use `lanectl cluster add` to grow an existing cluster)"
-            ))
-            .into()),
-            Err(RaftError::Fatal(f)) => Err(AdminError::Internal(f.to_string()).into()),
+        };
+        match &self.audit {
+            Some(log) => log.around(who, "init", target, call).await,
+            None => call.await,
         }
     }
 
@@ -351,184 +367,257 @@ impl AdminService for AdminGrpc {
         &self,
         _req: Request<FinalizeUpgradeRequest>,
     ) -> Result<Response<FinalizeUpgradeReply>, Status> {
-        self.leader_only()?;
-        let m = self.metrics();
-        let client = AdminClient::new(Vec::new()).with_call_timeout(Duration::from_secs(3));
-        let mut members = Vec::new();
-        for (id, node) in m.membership_config.membership().nodes() {
-            let format = if *id == self.node_id {
-                Ok(crate::command::COMMAND_FORMAT)
-            } else {
-                client
-                    .call_one(&node.addr, |mut c| async move { c.status(StatusRequest {}).await })
+        let (who, target) = (super::audit::who(&_req), format!("{:?}", _req.get_ref()));
+        let call = async move {
+            self.leader_only()?;
+            let m = self.metrics();
+            let client = AdminClient::new(Vec::new()).with_call_timeout(Duration::from_secs(3));
+            let mut members = Vec::new();
+            for (id, node) in m.membership_config.membership().nodes() {
+                let format = if *id == self.node_id {
+                    Ok(crate::command::COMMAND_FORMAT)
+                } else {
+                    client
+                        .call_one(&node.addr, |mut c| async move { c.status(StatusRequest {}).await })
+                        .await
+                        .map(|s| s.command_format)
+                        .map_err(|e| e.to_string())
+                };
+                members.push((*id, node.addr.clone(), format));
+            }
+            let unreachable: Vec<String> = members
+                .iter()
+                .filter_map(|(id, addr, f)| f.as_ref().err().map(|e| format!("{id} at {addr}: {e}")))
+                .collect();
+            if !unreachable.is_empty() {
+                return Err(AdminError::FailedPrecondition(format!(
+                    "every member must answer before the cluster's command format is raised; not answering: {}",
+                    unreachable.join("; ")
+                ))
+                .into());
+            }
+            // A member too old to report its format reports 0.
+            let format = members
+                .iter()
+                .filter_map(|(_, _, f)| f.as_ref().ok().copied())
+                .min()
+                .unwrap_or(crate::command::UNGATED_FORMAT)
+                .max(crate::command::UNGATED_FORMAT);
+            let current =
+                crate::command::allowed_format(self.sm.get_setting(crate::command::FORMAT_SETTING).0.as_deref());
+            if format > current {
+                self.proposer
+                    .propose(Command::PutSetting {
+                        key: crate::command::FORMAT_SETTING.into(),
+                        value: format.to_string(),
+                    })
                     .await
-                    .map(|s| s.command_format)
-                    .map_err(|e| e.to_string())
-            };
-            members.push((*id, node.addr.clone(), format));
+                    .map_err(|e| self.raft_error(e))?;
+            }
+            Ok(Response::new(FinalizeUpgradeReply {
+                command_format: format.max(current),
+                members: members
+                    .into_iter()
+                    .map(|(node_id, addr, f)| MemberFormat {
+                        node_id,
+                        addr,
+                        command_format: f.unwrap_or(0),
+                    })
+                    .collect(),
+            }))
+        };
+        match &self.audit {
+            Some(log) => log.around(who, "finalize_upgrade", target, call).await,
+            None => call.await,
         }
-        let unreachable: Vec<String> = members
-            .iter()
-            .filter_map(|(id, addr, f)| f.as_ref().err().map(|e| format!("{id} at {addr}: {e}")))
-            .collect();
-        if !unreachable.is_empty() {
-            return Err(AdminError::FailedPrecondition(format!(
-                "every member must answer before the cluster's command format is raised; not answering: {}",
-                unreachable.join("; ")
-            ))
-            .into());
-        }
-        // A member too old to report its format reports 0.
-        let format = members
-            .iter()
-            .filter_map(|(_, _, f)| f.as_ref().ok().copied())
-            .min()
-            .unwrap_or(crate::command::UNGATED_FORMAT)
-            .max(crate::command::UNGATED_FORMAT);
-        let current = crate::command::allowed_format(self.sm.get_setting(crate::command::FORMAT_SETTING).0.as_deref());
-        if format > current {
-            self.proposer
-                .propose(Command::PutSetting {
-                    key: crate::command::FORMAT_SETTING.into(),
-                    value: format.to_string(),
-                })
-                .await
-                .map_err(|e| self.raft_error(e))?;
-        }
-        Ok(Response::new(FinalizeUpgradeReply {
-            command_format: format.max(current),
-            members: members
-                .into_iter()
-                .map(|(node_id, addr, f)| MemberFormat {
-                    node_id,
-                    addr,
-                    command_format: f.unwrap_or(0),
-                })
-                .collect(),
-        }))
     }
 
     async fn add_learner(&self, req: Request<AddLearnerRequest>) -> Result<Response<MembershipReply>, Status> {
-        let req = req.into_inner();
-        self.check_node_id(req.node_id)?;
-        validate_peer_addr("addr", &req.addr)
-            .map_err(|e| AdminError::InvalidArgument(format!("{} = {}: expected {}", e.field, e.value, e.expected)))?;
-        let _one_at_a_time = self.membership.lock().await;
-        if self.sm.is_retired(req.node_id) {
-            return Err(AdminError::FailedPrecondition(format!(
-                "node id {} was removed from this cluster and node ids are never reused; start the new controller with a fresh --node-id and an empty data dir",
-                req.node_id
-            ))
-            .into());
-        }
-        let m = self.metrics();
-        if let Some(existing) = m.membership_config.membership().get_node(&req.node_id) {
-            if existing.addr != req.addr {
+        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
+        let call = async move {
+            let req = req.into_inner();
+            self.check_node_id(req.node_id)?;
+            validate_peer_addr("addr", &req.addr).map_err(|e| {
+                AdminError::InvalidArgument(format!("{} = {}: expected {}", e.field, e.value, e.expected))
+            })?;
+            let _one_at_a_time = self.membership.lock().await;
+            if self.sm.is_retired(req.node_id) {
                 return Err(AdminError::FailedPrecondition(format!(
-                    "node {} is already a member at {}; remove it first or use a new node id for {}",
-                    req.node_id, existing.addr, req.addr
+                    "node id {} was removed from this cluster and node ids are never reused; start the new controller with a fresh --node-id and an empty data dir",
+                    req.node_id
                 ))
                 .into());
             }
-            // Already a member at this address: nothing to change.
-            return Ok(Response::new(self.membership_reply(m.last_log_index.unwrap_or(0))));
+            let m = self.metrics();
+            if let Some(existing) = m.membership_config.membership().get_node(&req.node_id) {
+                if existing.addr != req.addr {
+                    return Err(AdminError::FailedPrecondition(format!(
+                        "node {} is already a member at {}; remove it first or use a new node id for {}",
+                        req.node_id, existing.addr, req.addr
+                    ))
+                    .into());
+                }
+                // Already a member at this address: nothing to change.
+                return Ok(Response::new(self.membership_reply(m.last_log_index.unwrap_or(0))));
+            }
+            let node = ControllerNode { addr: req.addr.clone() };
+            let resp = tokio::time::timeout(LEARNER_CATCH_UP_TIMEOUT, self.raft.add_learner(req.node_id, node, true))
+                .await
+                .map_err(|_| {
+                    AdminError::DeadlineExceeded(format!(
+                        "node {} was added as a learner but did not catch up within {}s; is laneway-control running at {} with cluster_name {:?}?",
+                        req.node_id,
+                        LEARNER_CATCH_UP_TIMEOUT.as_secs(),
+                        req.addr,
+                        self.cluster
+                    ))
+                })?
+                .map_err(|e| self.raft_error(e))?;
+            Ok(Response::new(self.membership_reply(resp.log_id.index)))
+        };
+        match &self.audit {
+            Some(log) => log.around(who, "add_learner", target, call).await,
+            None => call.await,
         }
-        let node = ControllerNode { addr: req.addr.clone() };
-        let resp = tokio::time::timeout(LEARNER_CATCH_UP_TIMEOUT, self.raft.add_learner(req.node_id, node, true))
-            .await
-            .map_err(|_| {
-                AdminError::DeadlineExceeded(format!(
-                    "node {} was added as a learner but did not catch up within {}s; is laneway-control running at {} with cluster_name {:?}?",
-                    req.node_id,
-                    LEARNER_CATCH_UP_TIMEOUT.as_secs(),
-                    req.addr,
-                    self.cluster
-                ))
-            })?
-            .map_err(|e| self.raft_error(e))?;
-        Ok(Response::new(self.membership_reply(resp.log_id.index)))
     }
 
     async fn promote(&self, req: Request<PromoteRequest>) -> Result<Response<MembershipReply>, Status> {
-        let id = req.into_inner().node_id;
-        self.check_node_id(id)?;
-        let _one_at_a_time = self.membership.lock().await;
-        let m = self.metrics();
-        let membership = m.membership_config.membership();
-        if membership.voter_ids().any(|v| v == id) {
-            return Ok(Response::new(self.membership_reply(m.last_log_index.unwrap_or(0))));
-        }
-        if membership.get_node(&id).is_none() {
-            return Err(AdminError::FailedPrecondition(format!(
-                "node {id} is not a learner of this cluster; add it first with `lanectl cluster add {id} HOST:PORT`"
-            ))
-            .into());
-        }
-        self.change_membership(ChangeMembers::AddVoterIds(BTreeSet::from([id])))
-            .await
-    }
-
-    async fn remove(&self, req: Request<RemoveRequest>) -> Result<Response<MembershipReply>, Status> {
-        let id = req.into_inner().node_id;
-        self.check_node_id(id)?;
-        let _one_at_a_time = self.membership.lock().await;
-        let m = self.metrics();
-        let membership = m.membership_config.membership();
-        let voters: BTreeSet<u64> = membership.voter_ids().collect();
-        let change = if voters.contains(&id) {
-            if voters.len() == 1 {
+        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
+        let call = async move {
+            let id = req.into_inner().node_id;
+            self.check_node_id(id)?;
+            let _one_at_a_time = self.membership.lock().await;
+            let m = self.metrics();
+            let membership = m.membership_config.membership();
+            if membership.voter_ids().any(|v| v == id) {
+                return Ok(Response::new(self.membership_reply(m.last_log_index.unwrap_or(0))));
+            }
+            if membership.get_node(&id).is_none() {
                 return Err(AdminError::FailedPrecondition(format!(
-                    "node {id} is the only voter; a cluster cannot remove its last voter"
+                    "node {id} is not a learner of this cluster; add it first with `lanectl cluster add {id} HOST:PORT`"
                 ))
                 .into());
             }
-            ChangeMembers::RemoveVoters(BTreeSet::from([id]))
-        } else if membership.get_node(&id).is_some() {
-            ChangeMembers::RemoveNodes(BTreeSet::from([id]))
-        } else {
-            return Err(AdminError::FailedPrecondition(format!("node {id} is not a member of this cluster")).into());
+            self.change_membership(ChangeMembers::AddVoterIds(BTreeSet::from([id])))
+                .await
         };
-        self.change_membership(change).await
+        match &self.audit {
+            Some(log) => log.around(who, "promote", target, call).await,
+            None => call.await,
+        }
+    }
+
+    async fn remove(&self, req: Request<RemoveRequest>) -> Result<Response<MembershipReply>, Status> {
+        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
+        let call = async move {
+            let id = req.into_inner().node_id;
+            self.check_node_id(id)?;
+            let _one_at_a_time = self.membership.lock().await;
+            let m = self.metrics();
+            let membership = m.membership_config.membership();
+            let voters: BTreeSet<u64> = membership.voter_ids().collect();
+            let change = if voters.contains(&id) {
+                if voters.len() == 1 {
+                    return Err(AdminError::FailedPrecondition(format!(
+                        "node {id} is the only voter; a cluster cannot remove its last voter"
+                    ))
+                    .into());
+                }
+                ChangeMembers::RemoveVoters(BTreeSet::from([id]))
+            } else if membership.get_node(&id).is_some() {
+                ChangeMembers::RemoveNodes(BTreeSet::from([id]))
+            } else {
+                return Err(
+                    AdminError::FailedPrecondition(format!("node {id} is not a member of this cluster")).into(),
+                );
+            };
+            self.change_membership(change).await
+        };
+        match &self.audit {
+            Some(log) => log.around(who, "remove", target, call).await,
+            None => call.await,
+        }
     }
 
     async fn put_setting(&self, req: Request<PutSettingRequest>) -> Result<Response<WriteReply>, Status> {
-        let req = req.into_inner();
-        if req.key == crate::command::FORMAT_SETTING {
-            return Err(AdminError::InvalidArgument(format!(
-                "{} is raised only by `lanectl cluster finalize-upgrade`, which first checks that every controller can apply that format",
-                req.key
+        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
+        let call = async move {
+            let req = req.into_inner();
+            if req.key == crate::command::FORMAT_SETTING {
+                return Err(AdminError::InvalidArgument(format!(
+                    "{} is raised only by `lanectl cluster finalize-upgrade`, which first checks that every controller can apply that format",
+                    req.key
+                ))
+                .into());
+            }
+            Ok(Response::new(
+                self.write(Command::PutSetting {
+                    key: req.key,
+                    value: req.value,
+                })
+                .await?,
             ))
-            .into());
+        };
+        match &self.audit {
+            Some(log) => log.around(who, "put_setting", target, call).await,
+            None => call.await,
         }
-        Ok(Response::new(
-            self.write(Command::PutSetting {
-                key: req.key,
-                value: req.value,
-            })
-            .await?,
-        ))
     }
 
     async fn delete_setting(&self, req: Request<DeleteSettingRequest>) -> Result<Response<WriteReply>, Status> {
-        let req = req.into_inner();
-        Ok(Response::new(
-            self.write(Command::DeleteSetting { key: req.key }).await?,
-        ))
+        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
+        let call = async move {
+            let req = req.into_inner();
+            Ok(Response::new(
+                self.write(Command::DeleteSetting { key: req.key }).await?,
+            ))
+        };
+        match &self.audit {
+            Some(log) => log.around(who, "delete_setting", target, call).await,
+            None => call.await,
+        }
     }
 
     async fn put_class(&self, req: Request<PutDocumentRequest>) -> Result<Response<WriteReply>, Status> {
-        let class: Class = parse_document("class", &req.into_inner().json)?;
-        Ok(Response::new(self.write(Command::PutClass(class)).await?))
+        let (who, target) = (
+            super::audit::who(&req),
+            super::audit::document_name(&req.get_ref().json),
+        );
+        let call = async move {
+            let class: Class = parse_document("class", &req.into_inner().json)?;
+            Ok(Response::new(self.write(Command::PutClass(class)).await?))
+        };
+        match &self.audit {
+            Some(log) => log.around(who, "put_class", target, call).await,
+            None => call.await,
+        }
     }
 
     async fn put_model(&self, req: Request<PutDocumentRequest>) -> Result<Response<WriteReply>, Status> {
-        let model: Model = parse_document("model", &req.into_inner().json)?;
-        Ok(Response::new(self.write(Command::PutModel(model)).await?))
+        let (who, target) = (
+            super::audit::who(&req),
+            super::audit::document_name(&req.get_ref().json),
+        );
+        let call = async move {
+            let model: Model = parse_document("model", &req.into_inner().json)?;
+            Ok(Response::new(self.write(Command::PutModel(model)).await?))
+        };
+        match &self.audit {
+            Some(log) => log.around(who, "put_model", target, call).await,
+            None => call.await,
+        }
     }
 
     async fn remove_model(&self, req: Request<NameRequest>) -> Result<Response<WriteReply>, Status> {
-        let name = req.into_inner().name;
-        Ok(Response::new(self.write(Command::RemoveModel { name }).await?))
+        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
+        let call = async move {
+            let name = req.into_inner().name;
+            Ok(Response::new(self.write(Command::RemoveModel { name }).await?))
+        };
+        match &self.audit {
+            Some(log) => log.around(who, "remove_model", target, call).await,
+            None => call.await,
+        }
     }
 
     async fn list_registry(&self, req: Request<ListRegistryRequest>) -> Result<Response<DocumentsReply>, Status> {
@@ -609,53 +698,74 @@ impl AdminService for AdminGrpc {
     }
 
     async fn create_tenant(&self, req: Request<CreateTenantRequest>) -> Result<Response<TenantKeyReply>, Status> {
-        let name = req.into_inner().name;
-        let api_key = new_api_key();
-        let tenant = Tenant {
-            name: name.clone(),
-            key_sha256: hash_key(&api_key),
-            limits: Default::default(),
+        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
+        let call = async move {
+            let name = req.into_inner().name;
+            let api_key = new_api_key();
+            let tenant = Tenant {
+                name: name.clone(),
+                key_sha256: hash_key(&api_key),
+                limits: Default::default(),
+            };
+            let w = self.write(Command::CreateTenant(tenant)).await?;
+            Ok(Response::new(TenantKeyReply {
+                tenant: name,
+                api_key,
+                log_index: w.log_index,
+            }))
         };
-        let w = self.write(Command::CreateTenant(tenant)).await?;
-        Ok(Response::new(TenantKeyReply {
-            tenant: name,
-            api_key,
-            log_index: w.log_index,
-        }))
+        match &self.audit {
+            Some(log) => log.around(who, "create_tenant", target, call).await,
+            None => call.await,
+        }
     }
 
     async fn rotate_tenant_key(&self, req: Request<NameRequest>) -> Result<Response<TenantKeyReply>, Status> {
-        let tenant = req.into_inner().name;
-        let api_key = new_api_key();
-        let w = self
-            .write(Command::RotateTenantKey {
-                tenant: tenant.clone(),
-                key_sha256: hash_key(&api_key),
-            })
-            .await?;
-        Ok(Response::new(TenantKeyReply {
-            tenant,
-            api_key,
-            log_index: w.log_index,
-        }))
+        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
+        let call = async move {
+            let tenant = req.into_inner().name;
+            let api_key = new_api_key();
+            let w = self
+                .write(Command::RotateTenantKey {
+                    tenant: tenant.clone(),
+                    key_sha256: hash_key(&api_key),
+                })
+                .await?;
+            Ok(Response::new(TenantKeyReply {
+                tenant,
+                api_key,
+                log_index: w.log_index,
+            }))
+        };
+        match &self.audit {
+            Some(log) => log.around(who, "rotate_tenant_key", target, call).await,
+            None => call.await,
+        }
     }
 
     async fn set_tenant_limit(&self, req: Request<SetTenantLimitRequest>) -> Result<Response<WriteReply>, Status> {
-        let r = req.into_inner();
-        let limit = (!r.remove).then_some(TenantLimit {
-            concurrency: r.concurrency,
-            rate_per_s: r.rate_per_s,
-            burst: r.burst,
-            tokens_per_min: (r.tokens_per_min > 0).then_some(r.tokens_per_min),
-        });
-        Ok(Response::new(
-            self.write(Command::SetTenantLimit {
-                tenant: r.tenant,
-                class: r.class,
-                limit,
-            })
-            .await?,
-        ))
+        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
+        let call = async move {
+            let r = req.into_inner();
+            let limit = (!r.remove).then_some(TenantLimit {
+                concurrency: r.concurrency,
+                rate_per_s: r.rate_per_s,
+                burst: r.burst,
+                tokens_per_min: (r.tokens_per_min > 0).then_some(r.tokens_per_min),
+            });
+            Ok(Response::new(
+                self.write(Command::SetTenantLimit {
+                    tenant: r.tenant,
+                    class: r.class,
+                    limit,
+                })
+                .await?,
+            ))
+        };
+        match &self.audit {
+            Some(log) => log.around(who, "set_tenant_limit", target, call).await,
+            None => call.await,
+        }
     }
 
     async fn report_load(&self, req: Request<LoadReport>) -> Result<Response<LoadReportReply>, Status> {
@@ -690,21 +800,28 @@ impl AdminService for AdminGrpc {
     }
 
     async fn set_price(&self, req: Request<SetPriceRequest>) -> Result<Response<WriteReply>, Status> {
-        let r = req.into_inner();
-        let tier = crate::ledger::Tier::parse(&r.tier).map_err(AdminError::InvalidArgument)?;
-        let micros_per_hour = if r.remove {
-            None
-        } else {
-            Some(crate::ledger::usd_to_micros(r.usd_per_hour).map_err(AdminError::InvalidArgument)?)
+        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
+        let call = async move {
+            let r = req.into_inner();
+            let tier = crate::ledger::Tier::parse(&r.tier).map_err(AdminError::InvalidArgument)?;
+            let micros_per_hour = if r.remove {
+                None
+            } else {
+                Some(crate::ledger::usd_to_micros(r.usd_per_hour).map_err(AdminError::InvalidArgument)?)
+            };
+            Ok(Response::new(
+                self.write(Command::SetPrice {
+                    product: r.product,
+                    tier,
+                    micros_per_hour,
+                })
+                .await?,
+            ))
         };
-        Ok(Response::new(
-            self.write(Command::SetPrice {
-                product: r.product,
-                tier,
-                micros_per_hour,
-            })
-            .await?,
-        ))
+        match &self.audit {
+            Some(log) => log.around(who, "set_price", target, call).await,
+            None => call.await,
+        }
     }
 
     async fn ledger(&self, req: Request<LedgerRequest>) -> Result<Response<DocumentsReply>, Status> {
@@ -801,36 +918,43 @@ impl AdminService for AdminGrpc {
     }
 
     async fn snapshot(&self, req: Request<SnapshotRequest>) -> Result<Response<SnapshotReply>, Status> {
-        let purge = req.into_inner().purge;
-        let m = self.metrics();
-        if m.state == ServerState::Shutdown {
-            return Err(AdminError::Internal("raft is shut down".into()).into());
-        }
-        let target = m.last_applied.map_or(0, |l| l.index);
-        self.raft
-            .trigger()
-            .snapshot()
-            .await
-            .map_err(|e| AdminError::Internal(e.to_string()))?;
-        let snapshot_index = self
-            .wait_index("snapshot", target, |m| m.snapshot.map_or(0, |l| l.index))
-            .await?;
-        let mut purged_index = m.purged.map_or(0, |l| l.index);
-        if purge && snapshot_index > 0 {
+        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
+        let call = async move {
+            let purge = req.into_inner().purge;
+            let m = self.metrics();
+            if m.state == ServerState::Shutdown {
+                return Err(AdminError::Internal("raft is shut down".into()).into());
+            }
+            let target = m.last_applied.map_or(0, |l| l.index);
             self.raft
                 .trigger()
-                .purge_log(snapshot_index)
+                .snapshot()
                 .await
                 .map_err(|e| AdminError::Internal(e.to_string()))?;
-            // openraft may defer a purge while replication still reads those entries.
-            purged_index = self
-                .wait_index("log purge", snapshot_index, |m| m.purged.map_or(0, |l| l.index))
+            let snapshot_index = self
+                .wait_index("snapshot", target, |m| m.snapshot.map_or(0, |l| l.index))
                 .await?;
+            let mut purged_index = m.purged.map_or(0, |l| l.index);
+            if purge && snapshot_index > 0 {
+                self.raft
+                    .trigger()
+                    .purge_log(snapshot_index)
+                    .await
+                    .map_err(|e| AdminError::Internal(e.to_string()))?;
+                // openraft may defer a purge while replication still reads those entries.
+                purged_index = self
+                    .wait_index("log purge", snapshot_index, |m| m.purged.map_or(0, |l| l.index))
+                    .await?;
+            }
+            Ok(Response::new(SnapshotReply {
+                snapshot_index,
+                purged_index,
+            }))
+        };
+        match &self.audit {
+            Some(log) => log.around(who, "snapshot", target, call).await,
+            None => call.await,
         }
-        Ok(Response::new(SnapshotReply {
-            snapshot_index,
-            purged_index,
-        }))
     }
 
     async fn read_index(&self, _req: Request<ReadIndexRequest>) -> Result<Response<ReadIndexReply>, Status> {
@@ -841,14 +965,21 @@ impl AdminService for AdminGrpc {
     }
 
     async fn set_pool_taints(&self, req: Request<SetPoolTaintsRequest>) -> Result<Response<WriteReply>, Status> {
-        let r = req.into_inner();
-        Ok(Response::new(
-            self.write(Command::SetPoolTaints {
-                pool: r.pool,
-                taints: r.taints,
-            })
-            .await?,
-        ))
+        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
+        let call = async move {
+            let r = req.into_inner();
+            Ok(Response::new(
+                self.write(Command::SetPoolTaints {
+                    pool: r.pool,
+                    taints: r.taints,
+                })
+                .await?,
+            ))
+        };
+        match &self.audit {
+            Some(log) => log.around(who, "set_pool_taints", target, call).await,
+            None => call.await,
+        }
     }
 
     async fn events(&self, req: Request<EventsRequest>) -> Result<Response<DocumentsReply>, Status> {
@@ -876,15 +1007,22 @@ impl AdminService for AdminGrpc {
     }
 
     async fn set_mig_layout(&self, req: Request<SetMigLayoutRequest>) -> Result<Response<WriteReply>, Status> {
-        let r = req.into_inner();
-        Ok(Response::new(
-            self.write(Command::SetMigLayout {
-                node_id: r.node_id,
-                gpu: r.gpu,
-                profiles: r.profiles,
-            })
-            .await?,
-        ))
+        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
+        let call = async move {
+            let r = req.into_inner();
+            Ok(Response::new(
+                self.write(Command::SetMigLayout {
+                    node_id: r.node_id,
+                    gpu: r.gpu,
+                    profiles: r.profiles,
+                })
+                .await?,
+            ))
+        };
+        match &self.audit {
+            Some(log) => log.around(who, "set_mig_layout", target, call).await,
+            None => call.await,
+        }
     }
 
     async fn plan_mig(&self, _req: Request<PlanMigRequest>) -> Result<Response<DocumentsReply>, Status> {
@@ -921,81 +1059,89 @@ impl AdminService for AdminGrpc {
     }
 
     async fn apply_mig_plan(&self, req: Request<ApplyMigPlanRequest>) -> Result<Response<WriteReply>, Status> {
-        let version = req.into_inner().version;
-        self.linearizable_barrier().await?;
-        let (fleet, registry) = (self.sm.fleet(), self.sm.registry());
-        let Some(plan) = registry.mig_plan.clone() else {
-            return Err(
-                AdminError::FailedPrecondition("no MIG plan yet: run `lanectl mig plan` and review it".into()).into(),
+        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
+        let call = async move {
+            let version = req.into_inner().version;
+            self.linearizable_barrier().await?;
+            let (fleet, registry) = (self.sm.fleet(), self.sm.registry());
+            let Some(plan) = registry.mig_plan.clone() else {
+                return Err(AdminError::FailedPrecondition(
+                    "no MIG plan yet: run `lanectl mig plan` and review it".into(),
+                )
+                .into());
+            };
+            if plan.version != version {
+                return Err(AdminError::FailedPrecondition(format!(
+                    "plan {version} is not the latest (that is {}): review it with `lanectl mig plan --show`",
+                    plan.version
+                ))
+                .into());
+            }
+            if plan.applied_ms.is_some() {
+                return Err(AdminError::FailedPrecondition(format!("plan {version} is already applied")).into());
+            }
+            let mut commands = Vec::new();
+            for g in plan.gpus.iter().filter(|g| g.changes()) {
+                let known = fleet
+                    .nodes
+                    .get(&g.node)
+                    .is_some_and(|n| n.registration.gpus.iter().any(|x| x.uuid == g.gpu));
+                if !known {
+                    return Err(AdminError::FailedPrecondition(format!(
+                        "plan {version} names GPU {} of node {}, which the fleet no longer has: run `lanectl mig plan` again",
+                        g.gpu, g.node
+                    ))
+                    .into());
+                }
+                let now = registry
+                    .mig
+                    .get(&g.node)
+                    .and_then(|m| m.get(&g.gpu))
+                    .cloned()
+                    .unwrap_or_default();
+                if now != g.current {
+                    return Err(AdminError::FailedPrecondition(format!(
+                        "GPU {} of node {} changed since plan {version} was made: run `lanectl mig plan` again",
+                        g.gpu, g.node
+                    ))
+                    .into());
+                }
+                commands.push(Command::SetMigLayout {
+                    node_id: g.node.clone(),
+                    gpu: g.gpu.clone(),
+                    profiles: g.planned.clone(),
+                });
+            }
+            commands.push(Command::PutMigPlan(crate::scheduler::mig_plan::MigPlan {
+                applied_ms: Some(crate::jobs::unix_ms()),
+                ..plan
+            }));
+            crate::command::check_allowed(&self.sm, &commands[0]).map_err(AdminError::FailedPrecondition)?;
+            let (log_index, resp) = self
+                .proposer
+                .propose(Command::Batch(commands))
+                .await
+                .map_err(|e| self.raft_error(e))?;
+            if let Some(why) = resp
+                .rejected
+                .or_else(|| resp.batch.iter().find_map(|b| b.rejected.clone()))
+            {
+                return Err(AdminError::FailedPrecondition(why).into());
+            }
+            self.history.event(
+                "mig",
+                &format!("plan {version}"),
+                format!("MIG plan {version} applied (log index {log_index}); changed GPUs drain, then their agents re-partition them"),
             );
+            Ok(Response::new(WriteReply {
+                log_index,
+                previous: None,
+            }))
         };
-        if plan.version != version {
-            return Err(AdminError::FailedPrecondition(format!(
-                "plan {version} is not the latest (that is {}): review it with `lanectl mig plan --show`",
-                plan.version
-            ))
-            .into());
+        match &self.audit {
+            Some(log) => log.around(who, "apply_mig_plan", target, call).await,
+            None => call.await,
         }
-        if plan.applied_ms.is_some() {
-            return Err(AdminError::FailedPrecondition(format!("plan {version} is already applied")).into());
-        }
-        let mut commands = Vec::new();
-        for g in plan.gpus.iter().filter(|g| g.changes()) {
-            let known = fleet
-                .nodes
-                .get(&g.node)
-                .is_some_and(|n| n.registration.gpus.iter().any(|x| x.uuid == g.gpu));
-            if !known {
-                return Err(AdminError::FailedPrecondition(format!(
-                    "plan {version} names GPU {} of node {}, which the fleet no longer has: run `lanectl mig plan` again",
-                    g.gpu, g.node
-                ))
-                .into());
-            }
-            let now = registry
-                .mig
-                .get(&g.node)
-                .and_then(|m| m.get(&g.gpu))
-                .cloned()
-                .unwrap_or_default();
-            if now != g.current {
-                return Err(AdminError::FailedPrecondition(format!(
-                    "GPU {} of node {} changed since plan {version} was made: run `lanectl mig plan` again",
-                    g.gpu, g.node
-                ))
-                .into());
-            }
-            commands.push(Command::SetMigLayout {
-                node_id: g.node.clone(),
-                gpu: g.gpu.clone(),
-                profiles: g.planned.clone(),
-            });
-        }
-        commands.push(Command::PutMigPlan(crate::scheduler::mig_plan::MigPlan {
-            applied_ms: Some(crate::jobs::unix_ms()),
-            ..plan
-        }));
-        crate::command::check_allowed(&self.sm, &commands[0]).map_err(AdminError::FailedPrecondition)?;
-        let (log_index, resp) = self
-            .proposer
-            .propose(Command::Batch(commands))
-            .await
-            .map_err(|e| self.raft_error(e))?;
-        if let Some(why) = resp
-            .rejected
-            .or_else(|| resp.batch.iter().find_map(|b| b.rejected.clone()))
-        {
-            return Err(AdminError::FailedPrecondition(why).into());
-        }
-        self.history.event(
-            "mig",
-            &format!("plan {version}"),
-            format!("MIG plan {version} applied (log index {log_index}); changed GPUs drain, then their agents re-partition them"),
-        );
-        Ok(Response::new(WriteReply {
-            log_index,
-            previous: None,
-        }))
     }
 
     async fn list_nodes(&self, _req: Request<ListNodesRequest>) -> Result<Response<ListNodesReply>, Status> {
@@ -1052,33 +1198,55 @@ impl AdminService for AdminGrpc {
         Ok(Response::new(ListNodesReply { nodes }))
     }
 
-    async fn set_node_flags(&self, req: Request<SetNodeFlagsRequest>) -> Result<Response<WriteReply>, Status> {
+    async fn audit(&self, req: Request<AuditRequest>) -> Result<Response<DocumentsReply>, Status> {
         let req = req.into_inner();
-        let (cordoned, draining) = match req.action.as_str() {
-            "cordon" => (Some(true), None),
-            "uncordon" => (Some(false), Some(false)),
-            "drain" => (None, Some(true)),
-            "preempt" => {
-                let command = Command::PreemptNode {
-                    node_id: req.node_id,
-                    at_ms: crate::jobs::unix_ms(),
-                };
-                return Ok(Response::new(self.write(command).await?));
-            }
-            other => {
-                return Err(AdminError::InvalidArgument(format!(
-                    "action {other:?}: expected cordon, uncordon, drain or preempt"
-                ))
-                .into())
-            }
+        let Some(log) = &self.audit else {
+            return Err(Status::failed_precondition("this controller keeps no audit log"));
         };
-        Ok(Response::new(
-            self.write(Command::SetNodeFlags {
-                node_id: req.node_id,
-                cordoned,
-                draining,
-            })
-            .await?,
-        ))
+        let limit = if req.limit == 0 { 1000 } else { req.limit as usize };
+        let entries = log
+            .read(req.since_ms, limit)
+            .map_err(|e| Status::internal(format!("reading the audit log: {e}")))?;
+        Ok(Response::new(DocumentsReply {
+            json: entries.iter().map(|e| e.to_string()).collect(),
+            applied_index: 0,
+        }))
+    }
+
+    async fn set_node_flags(&self, req: Request<SetNodeFlagsRequest>) -> Result<Response<WriteReply>, Status> {
+        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
+        let call = async move {
+            let req = req.into_inner();
+            let (cordoned, draining) = match req.action.as_str() {
+                "cordon" => (Some(true), None),
+                "uncordon" => (Some(false), Some(false)),
+                "drain" => (None, Some(true)),
+                "preempt" => {
+                    let command = Command::PreemptNode {
+                        node_id: req.node_id,
+                        at_ms: crate::jobs::unix_ms(),
+                    };
+                    return Ok(Response::new(self.write(command).await?));
+                }
+                other => {
+                    return Err(AdminError::InvalidArgument(format!(
+                        "action {other:?}: expected cordon, uncordon, drain or preempt"
+                    ))
+                    .into())
+                }
+            };
+            Ok(Response::new(
+                self.write(Command::SetNodeFlags {
+                    node_id: req.node_id,
+                    cordoned,
+                    draining,
+                })
+                .await?,
+            ))
+        };
+        match &self.audit {
+            Some(log) => log.around(who, "set_node_flags", target, call).await,
+            None => call.await,
+        }
     }
 }

@@ -1,5 +1,6 @@
 //! `lanectl`: the operator CLI of a Laneway cluster (gRPC, follows the leader).
 
+mod audit;
 mod bootstrap;
 mod job;
 mod ledger;
@@ -79,6 +80,16 @@ enum Cmd {
         /// Keep printing new events as they happen (Ctrl-C stops).
         #[arg(long)]
         follow: bool,
+    },
+    /// Calls that changed the cluster (who, what, when, result), from every controller's
+    /// audit log, oldest first.
+    Audit {
+        /// Window: the last 15m, 1h, 24h, ...
+        #[arg(long, default_value = "24h")]
+        since: String,
+        /// The newest this many entries.
+        #[arg(long, default_value_t = 200)]
+        limit: usize,
     },
     /// Pool taints: pools only the lanes that tolerate them use.
     #[command(subcommand)]
@@ -374,6 +385,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
         }
+        Cmd::Audit { since, limit } => audit::audit(&client, &cli.addr, out, &since, limit).await?,
         Cmd::Ledger { by, since } => ledger::ledger(&client, out, &by, &since).await?,
         Cmd::Model(c) => registry::model(&client, out, c).await?,
         Cmd::Tenant(c) => registry::tenant(&client, out, c).await?,

@@ -1,0 +1,177 @@
+//! The audit log: every admin call that changes the cluster (membership, settings, registry,
+//! tenants, prices, nodes, MIG layouts, snapshots) — who, what, when, and the result — appended
+//! as one JSON line to `<data_dir>/audit.log` by the controller that served it, and synced to
+//! disk before the call answers. `lanectl audit` reads every controller's log and merges them.
+//!
+//! What goes in: the caller (peer address, and the identity its credentials name once admin
+//! tokens exist), the call, its target (the request's fields; for documents only the name),
+//! the outcome (ok, or the gRPC code and message) and how long it took. What never goes in:
+//! request documents, replies (an API key is only ever in a reply) and credentials.
+//! Reads (status, lists) and the controllers' own calls to each other are not audited.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use serde::Serialize;
+use serde_json::Value;
+use tonic::{Response, Status};
+
+/// One audited call.
+#[derive(Debug, Clone, Serialize)]
+pub struct Entry {
+    pub unix_ms: u64,
+    /// RFC 3339, UTC, for people reading the file.
+    pub at: String,
+    /// The controller that served the call.
+    pub controller: u64,
+    pub who: String,
+    pub call: &'static str,
+    pub target: String,
+    /// "ok" or the gRPC code.
+    pub result: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    pub ms: u64,
+}
+
+pub struct AuditLog {
+    path: PathBuf,
+    controller: u64,
+    file: Mutex<std::fs::File>,
+}
+
+impl std::fmt::Debug for AuditLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AuditLog").field("path", &self.path).finish()
+    }
+}
+
+/// Most entries one query returns.
+pub const MAX_ENTRIES: usize = 10_000;
+
+impl AuditLog {
+    /// Opens (creating it) the log at `path` for appending.
+    pub fn open(path: &Path, controller: u64) -> std::io::Result<AuditLog> {
+        let file = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
+        Ok(AuditLog {
+            path: path.to_path_buf(),
+            controller,
+            file: Mutex::new(file),
+        })
+    }
+
+    /// Appends one entry and syncs it. A log that cannot be written is reported, and the call
+    /// it records has already happened: it is not undone.
+    pub fn record(&self, entry: &Entry) {
+        let mut line = serde_json::to_vec(entry).expect("entry serializes");
+        line.push(b'\n');
+        let mut f = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = f.write_all(&line).and_then(|_| f.sync_data()) {
+            tracing::error!(path = %self.path.display(), error = %e, call = entry.call, "audit log write failed");
+        }
+    }
+
+    /// Runs `call` and records it: `who` made it, `target` says what it was about.
+    pub async fn around<T, F>(
+        &self,
+        who: String,
+        call: &'static str,
+        target: String,
+        f: F,
+    ) -> Result<Response<T>, Status>
+    where
+        F: std::future::Future<Output = Result<Response<T>, Status>>,
+    {
+        let start = tokio::time::Instant::now();
+        let result = f.await;
+        let now = crate::jobs::unix_ms();
+        let (outcome, message) = match &result {
+            Ok(_) => ("ok".to_string(), None),
+            Err(s) => (format!("{:?}", s.code()), Some(s.message().to_string())),
+        };
+        self.record(&Entry {
+            unix_ms: now,
+            at: humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + std::time::Duration::from_millis(now))
+                .to_string(),
+            controller: self.controller,
+            who,
+            call,
+            target,
+            result: outcome,
+            message,
+            ms: start.elapsed().as_millis() as u64,
+        });
+        result
+    }
+
+    /// Entries at or after `since_ms`, oldest first, the last `limit` of them.
+    pub fn read(&self, since_ms: u64, limit: usize) -> std::io::Result<Vec<Value>> {
+        let text = std::fs::read_to_string(&self.path)?;
+        let mut out: Vec<Value> = text
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|v| v["unix_ms"].as_u64().is_some_and(|t| t >= since_ms))
+            .collect();
+        let limit = limit.clamp(1, MAX_ENTRIES);
+        if out.len() > limit {
+            out.drain(..out.len() - limit);
+        }
+        Ok(out)
+    }
+}
+
+/// Who made a request: its peer address (admin tokens will add the identity they name).
+pub fn who<T>(req: &tonic::Request<T>) -> String {
+    req.remote_addr().map_or_else(|| "unknown".into(), |a| a.to_string())
+}
+
+/// The `name` of a registry document, never the document itself (it may hold credentials in
+/// a runtime's environment).
+pub fn document_name(json: &str) -> String {
+    serde_json::from_str::<Value>(json)
+        .ok()
+        .and_then(|v| v["name"].as_str().map(|n| format!("name: {n:?}")))
+        .unwrap_or_else(|| "an unreadable document".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn calls_are_appended_with_their_outcome_and_read_back_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = AuditLog::open(&dir.path().join("audit.log"), 1).unwrap();
+        let ok: Result<Response<()>, Status> = log
+            .around("10.0.0.5:4000".into(), "put_setting", "key: \"a\"".into(), async {
+                Ok(Response::new(()))
+            })
+            .await;
+        assert!(ok.is_ok());
+        let err: Result<Response<()>, Status> = log
+            .around("10.0.0.5:4000".into(), "remove", "node_id: 9".into(), async {
+                Err(Status::failed_precondition("node 9 is not a member"))
+            })
+            .await;
+        assert!(err.is_err());
+        let all = log.read(0, 100).unwrap();
+        assert_eq!(all.len(), 2);
+        assert_eq!(all[0]["call"], "put_setting");
+        assert_eq!(all[0]["result"], "ok");
+        assert_eq!(all[1]["result"], "FailedPrecondition");
+        assert_eq!(all[1]["message"], "node 9 is not a member");
+        assert_eq!(log.read(0, 1).unwrap()[0]["call"], "remove", "the newest when limited");
+        // Reopened (a restart): appended to, not truncated.
+        drop(log);
+        let log = AuditLog::open(&dir.path().join("audit.log"), 1).unwrap();
+        assert_eq!(log.read(0, 100).unwrap().len(), 2);
+    }
+
+    #[test]
+    fn documents_are_named_never_copied() {
+        let doc = r#"{"name":"whisper","runtime":{"env":{"HF_TOKEN":"secret"}}}"#;
+        assert_eq!(document_name(doc), "name: \"whisper\"");
+        assert!(!document_name(doc).contains("secret"));
+    }
+}
