@@ -212,19 +212,22 @@ impl ProcessCluster {
 
     /// Replaces member `i` by a new, empty controller under a new node id (ids are never
     /// reused): removes the old id from the membership, wipes its data, starts the new one,
-    /// adds it as a learner and promotes it once it has caught up. Returns the new id.
+    /// adds it as a learner and promotes it once it has caught up. Returns the new id. Members
+    /// that crash meanwhile (failpoints) are restarted between attempts, as a service manager
+    /// would, or a two-member cluster would lose its quorum for good.
     pub async fn replace(&mut self, i: usize) -> anyhow::Result<u64> {
         self.kill(i);
         let old = self.members[i].id;
-        let others: Vec<String> = (0..self.members.len())
-            .filter(|&j| j != i)
-            .map(|j| self.members[j].addr.clone())
-            .collect();
-        let admin = AdminClient::new(others).with_retry_for(Duration::from_secs(20));
-        admin
-            .call(|mut cl| async move { cl.remove(laneway_proto::admin::RemoveRequest { node_id: old }).await })
-            .await
-            .with_context(|| format!("removing node {old} from the membership"))?;
+        self.membership_call(
+            &format!("removing node {old} from the membership"),
+            |admin| async move {
+                admin
+                    .call(|mut cl| async move { cl.remove(laneway_proto::admin::RemoveRequest { node_id: old }).await })
+                    .await
+                    .map(|_| ())
+            },
+        )
+        .await?;
         let _ = std::fs::remove_dir_all(&self.members[i].data);
         let id = self.members.iter().map(|m| m.id).max().unwrap_or(0).max(old) + 100;
         let routers = self.members[i].router_addr.is_some();
@@ -241,19 +244,52 @@ impl ProcessCluster {
         wait_until(Duration::from_secs(10), || async { status_of(&addr).await.is_some() })
             .await
             .with_context(|| format!("new node {id} did not come up"))?;
-        let admin = self.client().with_retry_for(Duration::from_secs(20));
-        admin
-            .call(|mut cl| {
-                let addr = addr.clone();
-                async move { cl.add_learner(AddLearnerRequest { node_id: id, addr }).await }
-            })
-            .await
-            .with_context(|| format!("adding node {id} as a learner"))?;
-        admin
-            .call(|mut cl| async move { cl.promote(PromoteRequest { node_id: id }).await })
-            .await
-            .with_context(|| format!("promoting node {id}"))?;
+        self.membership_call(&format!("adding node {id} as a learner"), |admin| {
+            let addr = addr.clone();
+            async move {
+                admin
+                    .call(|mut cl| {
+                        let addr = addr.clone();
+                        async move { cl.add_learner(AddLearnerRequest { node_id: id, addr }).await }
+                    })
+                    .await
+                    .map(|_| ())
+            }
+        })
+        .await?;
+        self.membership_call(&format!("promoting node {id}"), |admin| async move {
+            admin
+                .call(|mut cl| async move { cl.promote(PromoteRequest { node_id: id }).await })
+                .await
+                .map(|_| ())
+        })
+        .await?;
         Ok(id)
+    }
+
+    /// Runs a membership call against the members (the old one's slot excluded while it is
+    /// down), restarting crashed members between attempts, for up to a minute.
+    async fn membership_call<F, Fut>(&mut self, what: &str, mut f: F) -> anyhow::Result<()>
+    where
+        F: FnMut(AdminClient) -> Fut,
+        Fut: std::future::Future<Output = Result<(), laneway_control::client::ClientError>>,
+    {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let addrs: Vec<String> = (0..self.members.len())
+                .filter(|&j| self.is_running(j))
+                .map(|j| self.members[j].addr.clone())
+                .collect();
+            match f(AdminClient::new(addrs).with_retry_for(Duration::from_secs(5))).await {
+                Ok(()) => return Ok(()),
+                Err(e) if Instant::now() >= deadline => return Err(anyhow::anyhow!("{what}: {e}")),
+                Err(_) => {
+                    for j in self.reap() {
+                        self.restart(j)?;
+                    }
+                }
+            }
+        }
     }
 
     /// A client over every member's address.

@@ -33,6 +33,14 @@ pub struct FaultRecord {
     pub recovery_ms: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub recovery_error: Option<String>,
+    /// The inference router of a frozen controller: requests sent to it meanwhile get no
+    /// answer from anyone (the client's own timeout is all there is).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub frozen_router: Option<String>,
+    /// Controllers that crashed on their own (failpoints) while this fault lasted, restarted
+    /// by the harness.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub crashed_meanwhile: Vec<u64>,
 }
 
 /// Warm floors the harness registers, by model (see `setup`).
@@ -44,10 +52,21 @@ pub fn floors() -> [(&'static str, usize); 3] {
     ]
 }
 
-/// Until every model has its warm floor of ready replicas on nodes other than `without`.
-async fn floors_ready(admin: &AdminClient, without: Option<&str>, limit: Duration) -> Result<u64, String> {
+/// Until every model has its warm floor of ready replicas on nodes other than `without`;
+/// controllers that crash meanwhile are restarted (and noted in `crashed`).
+async fn floors_ready<B: Backend>(
+    b: &mut B,
+    admin: &AdminClient,
+    without: Option<&str>,
+    limit: Duration,
+    crashed: &mut Vec<u64>,
+) -> Result<u64, String> {
     let start = Instant::now();
     loop {
+        match b.restart_crashed() {
+            Ok(ids) => crashed.extend(ids),
+            Err(e) => return Err(format!("restarting a crashed controller: {e:#}")),
+        }
         let mut short = None;
         for (model, floor) in floors() {
             let ready = crate::scaling_bench::ready(admin, model)
@@ -104,10 +123,19 @@ async fn picture(admin: &AdminClient) -> String {
     )
 }
 
-/// Until a reachable member other than `victim` (a node id) says it is the leader.
-async fn new_leader<B: Backend>(b: &B, victim: Option<u64>, limit: Duration) -> Option<u64> {
+/// Until a reachable member other than `victim` (a node id) says it is the leader;
+/// controllers that crash meanwhile are restarted (and noted in `crashed`).
+async fn new_leader<B: Backend>(
+    b: &mut B,
+    victim: Option<u64>,
+    limit: Duration,
+    crashed: &mut Vec<u64>,
+) -> Option<u64> {
     let start = Instant::now();
     while start.elapsed() < limit {
+        if let Ok(ids) = b.restart_crashed() {
+            crashed.extend(ids);
+        }
         for (i, addr) in b.controller_addrs().iter().enumerate() {
             if Some(b.controller_id(i)) == victim || !b.controller_reachable(i) {
                 continue;
@@ -147,7 +175,10 @@ pub async fn inject<B: Backend>(
         failover_ms: None,
         recovery_ms: None,
         recovery_error: None,
+        frozen_router: None,
+        crashed_meanwhile: Vec::new(),
     };
+    let mut crashed = Vec::new();
     let members = b.controller_addrs().len();
     let leader = b.leader().await;
     match kind {
@@ -174,14 +205,15 @@ pub async fn inject<B: Backend>(
                 FaultKind::KillLeader | FaultKind::KillFollower => {
                     b.kill_controller(victim)?;
                     if leader_hit {
-                        rec.failover_ms = new_leader(b, Some(id), Duration::from_secs(15)).await;
+                        rec.failover_ms = new_leader(b, Some(id), Duration::from_secs(15), &mut crashed).await;
                     }
                     tokio::time::sleep(sleep_ms(rng, 300, 1500)).await;
                     b.restart_controller(victim)?;
                 }
                 FaultKind::PauseLeader => {
+                    rec.frozen_router = b.router_addrs().get(victim).cloned();
                     b.pause_controller(victim)?;
-                    rec.failover_ms = new_leader(b, Some(id), Duration::from_secs(15)).await;
+                    rec.failover_ms = new_leader(b, Some(id), Duration::from_secs(15), &mut crashed).await;
                     tokio::time::sleep(sleep_ms(rng, 500, 2000)).await;
                     b.resume_controller(victim)?;
                 }
@@ -193,7 +225,7 @@ pub async fn inject<B: Backend>(
                 _ => {
                     b.partition(victim, kind == FaultKind::PartitionLeaderOneWay)?;
                     if leader_hit {
-                        rec.failover_ms = new_leader(b, Some(id), Duration::from_secs(20)).await;
+                        rec.failover_ms = new_leader(b, Some(id), Duration::from_secs(20), &mut crashed).await;
                     }
                     tokio::time::sleep(sleep_ms(rng, 2000, 5000)).await;
                     b.unpartition(victim)?;
@@ -209,7 +241,7 @@ pub async fn inject<B: Backend>(
             for i in 0..members {
                 b.restart_controller(i)?;
             }
-            rec.failover_ms = new_leader(b, None, Duration::from_secs(30)).await;
+            rec.failover_ms = new_leader(b, None, Duration::from_secs(30), &mut crashed).await;
         }
         FaultKind::KillAgent => {
             // The host running durable jobs when there is one: the dangerous case.
@@ -225,7 +257,7 @@ pub async fn inject<B: Backend>(
             let id = hosts[victim].clone();
             rec.target = format!("host {id}");
             b.kill_host(victim)?;
-            match floors_ready(&admin, Some(&id), bound).await {
+            match floors_ready(b, &admin, Some(&id), bound, &mut crashed).await {
                 Ok(ms) => rec.recovery_ms = Some(ms),
                 Err(e) => rec.recovery_error = Some(e),
             }
@@ -238,7 +270,7 @@ pub async fn inject<B: Backend>(
             rec.target = format!("replica pid {pid}");
             if kind == FaultKind::ReplicaCrash {
                 b.crash_replica(pid);
-                match floors_ready(&admin, None, bound).await {
+                match floors_ready(b, &admin, None, bound, &mut crashed).await {
                     Ok(ms) => rec.recovery_ms = Some(ms),
                     Err(e) => rec.recovery_error = Some(e),
                 }
@@ -251,6 +283,7 @@ pub async fn inject<B: Backend>(
         FaultKind::Crashed => anyhow::bail!("`crashed` is observed, not injected"),
     }
     rec.lasted_ms = started.elapsed().as_millis() as u64;
+    rec.crashed_meanwhile = crashed;
     Ok(rec)
 }
 
@@ -272,6 +305,8 @@ pub async fn supervise<B: Backend>(
                 failover_ms: None,
                 recovery_ms: None,
                 recovery_error: None,
+                frozen_router: None,
+                crashed_meanwhile: Vec::new(),
             });
         }
         let now = Instant::now();
@@ -283,7 +318,8 @@ pub async fn supervise<B: Backend>(
 }
 
 /// Waits until the warm floors are met after healing (the run's final recovery check).
-pub async fn floors_restored<B: Backend>(b: &B, limit: Duration) -> Result<u64, String> {
+pub async fn floors_restored<B: Backend>(b: &mut B, limit: Duration) -> Result<u64, String> {
     let admin = AdminClient::new(b.controller_addrs()).with_retry_for(Duration::from_secs(5));
-    floors_ready(&admin, None, limit).await
+    let mut crashed = Vec::new();
+    floors_ready(b, &admin, None, limit, &mut crashed).await
 }

@@ -33,7 +33,7 @@ use self::checkers::Verdict;
 use self::docker::{ComposeSpec, DockerBackend};
 use self::inject::FaultRecord;
 use self::process::{Bins, ProcessBackend};
-use self::scenario::{BackendKind, Scenario};
+use self::scenario::{BackendKind, FaultKind, Scenario};
 use self::traffic::{Lane, Request, Targets};
 use crate::process_cluster::status_of;
 
@@ -46,6 +46,10 @@ pub struct RunArgs {
     /// Replay with this seed instead of each scenario's own.
     #[arg(long)]
     seed: Option<u64>,
+    /// Run each scenario for this many seconds instead of its `duration_s` (a quick try of a
+    /// soak scenario).
+    #[arg(long)]
+    duration_s: Option<u64>,
     /// Run every scenario on this backend instead of the one its file names.
     #[arg(long, value_enum)]
     backend: Option<BackendKind>,
@@ -77,6 +81,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         agent: bin(&args.agent_bin, "laneway-agent"),
         sim_model: bin(&args.sim_model_bin, "laneway-sim-model"),
     };
+    if let Some(d) = args.duration_s {
+        anyhow::ensure!(d >= 5, "--duration-s {d}: give a run at least 5 seconds");
+        for s in &mut scenarios {
+            s.duration_s = d;
+        }
+    }
     let mut failed = Vec::new();
     for s in &scenarios {
         let seed = args.seed.unwrap_or(s.seed);
@@ -362,6 +372,9 @@ fn report(
     let mut by_kind: BTreeMap<&str, u64> = BTreeMap::new();
     for f in faults {
         *by_kind.entry(f.kind.as_str()).or_default() += 1;
+        if !f.crashed_meanwhile.is_empty() {
+            *by_kind.entry(FaultKind::Crashed.as_str()).or_default() += f.crashed_meanwhile.len() as u64;
+        }
     }
     let tripped: Vec<&str> = verdicts.iter().filter(|v| !v.ok()).map(|v| v.checker).collect();
     let expected: Vec<&str> = s.expect_violations.iter().map(String::as_str).collect();
@@ -381,7 +394,11 @@ fn report(
         "seed": seed,
         "backend": backend,
         "duration_s": s.duration_s,
-        "replay": format!("laneway-chaos run {} --seed {seed} --backend {backend}", s.path.display()),
+        "replay": format!(
+            "laneway-chaos run {} --seed {seed} --backend {backend} --duration-s {}",
+            s.path.display(),
+            s.duration_s
+        ),
         "faults_injected": by_kind,
         "faults": faults,
         "requests_sent": sent,

@@ -3,9 +3,10 @@
 //! acknowledged job go to the history (kept in memory for the checkers and written as JSON
 //! lines).
 //!
-//! A client that cannot connect to one router (it is dead) tries the next, as a real client
-//! with several endpoints would; an answer of any kind, or a connection lost after the request
-//! went out, is final: the request is not retried.
+//! A client that cannot connect to one router (it is dead), or that a router turns away
+//! because it is still catching up with the cluster (nothing was done), tries the next, as a
+//! real client with several endpoints would; any other answer, or a connection lost after the
+//! request went out, is final: the request is not retried.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -99,6 +100,10 @@ pub struct Load {
     stop: Arc<AtomicBool>,
     task: tokio::task::JoinHandle<u64>,
 }
+
+/// What a router that has not caught up with the cluster answers (see `until_caught_up` in
+/// control/src/router/http.rs): the request was not served, another router may take it.
+const CATCHING_UP: &str = "is catching up with the cluster";
 
 const INFER: &str = r#"{"inputs":[{"name":"x","shape":[4],"datatype":"FP32","data":[0.1,0.2,0.3,0.4]}]}"#;
 
@@ -239,6 +244,11 @@ async fn send(
                     Ok(Err(e)) => r.error = Some(format!("reading the body: {e}")),
                     Ok(Ok(b)) => {
                         let b = b.to_bytes();
+                        if r.status == 503 && k + 1 < routers.len() && String::from_utf8_lossy(&b).contains(CATCHING_UP)
+                        {
+                            r.error = Some(String::from_utf8_lossy(&b).into_owned());
+                            continue;
+                        }
                         if r.status == 202 {
                             r.job_id = serde_json::from_slice::<serde_json::Value>(&b)
                                 .ok()

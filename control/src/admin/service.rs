@@ -87,6 +87,17 @@ pub struct AdminGrpc {
 }
 
 impl AdminGrpc {
+    /// Runs a call that changes the cluster, recorded in the audit log when there is one.
+    async fn audited<T, F>(&self, call: &'static str, who: String, target: String, f: F) -> Result<Response<T>, Status>
+    where
+        F: std::future::Future<Output = Result<Response<T>, Status>>,
+    {
+        match &self.audit {
+            Some(log) => log.around(who, call, target, f).await,
+            None => f.await,
+        }
+    }
+
     /// Records every call that changes the cluster in `log`.
     pub fn with_audit(mut self, log: Arc<super::audit::AuditLog>) -> Self {
         self.audit = Some(log);
@@ -294,7 +305,7 @@ impl AdminGrpc {
 impl AdminService for AdminGrpc {
     async fn init(&self, _req: Request<InitRequest>) -> Result<Response<InitReply>, Status> {
         let (who, target) = (super::audit::who(&_req), format!("{:?}", _req.get_ref()));
-        let call = async move {
+        self.audited("init", who, target, async move {
             let nodes = BTreeMap::from([(
                 self.node_id,
                 ControllerNode {
@@ -327,11 +338,8 @@ impl AdminService for AdminGrpc {
                 .into()),
                 Err(RaftError::Fatal(f)) => Err(AdminError::Internal(f.to_string()).into()),
             }
-        };
-        match &self.audit {
-            Some(log) => log.around(who, "init", target, call).await,
-            None => call.await,
-        }
+        })
+        .await
     }
 
     async fn status(&self, _req: Request<StatusRequest>) -> Result<Response<NodeStatus>, Status> {
@@ -368,7 +376,7 @@ impl AdminService for AdminGrpc {
         _req: Request<FinalizeUpgradeRequest>,
     ) -> Result<Response<FinalizeUpgradeReply>, Status> {
         let (who, target) = (super::audit::who(&_req), format!("{:?}", _req.get_ref()));
-        let call = async move {
+        self.audited("finalize_upgrade", who, target, async move {
             self.leader_only()?;
             let m = self.metrics();
             let client = AdminClient::new(Vec::new()).with_call_timeout(Duration::from_secs(3));
@@ -425,16 +433,13 @@ impl AdminService for AdminGrpc {
                     })
                     .collect(),
             }))
-        };
-        match &self.audit {
-            Some(log) => log.around(who, "finalize_upgrade", target, call).await,
-            None => call.await,
-        }
+        })
+        .await
     }
 
     async fn add_learner(&self, req: Request<AddLearnerRequest>) -> Result<Response<MembershipReply>, Status> {
         let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        let call = async move {
+        self.audited("add_learner", who, target, async move {
             let req = req.into_inner();
             self.check_node_id(req.node_id)?;
             validate_peer_addr("addr", &req.addr).map_err(|e| {
@@ -474,16 +479,13 @@ impl AdminService for AdminGrpc {
                 })?
                 .map_err(|e| self.raft_error(e))?;
             Ok(Response::new(self.membership_reply(resp.log_id.index)))
-        };
-        match &self.audit {
-            Some(log) => log.around(who, "add_learner", target, call).await,
-            None => call.await,
-        }
+        })
+        .await
     }
 
     async fn promote(&self, req: Request<PromoteRequest>) -> Result<Response<MembershipReply>, Status> {
         let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        let call = async move {
+        self.audited("promote", who, target, async move {
             let id = req.into_inner().node_id;
             self.check_node_id(id)?;
             let _one_at_a_time = self.membership.lock().await;
@@ -500,16 +502,13 @@ impl AdminService for AdminGrpc {
             }
             self.change_membership(ChangeMembers::AddVoterIds(BTreeSet::from([id])))
                 .await
-        };
-        match &self.audit {
-            Some(log) => log.around(who, "promote", target, call).await,
-            None => call.await,
-        }
+        })
+        .await
     }
 
     async fn remove(&self, req: Request<RemoveRequest>) -> Result<Response<MembershipReply>, Status> {
         let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        let call = async move {
+        self.audited("remove", who, target, async move {
             let id = req.into_inner().node_id;
             self.check_node_id(id)?;
             let _one_at_a_time = self.membership.lock().await;
@@ -532,16 +531,13 @@ impl AdminService for AdminGrpc {
                 );
             };
             self.change_membership(change).await
-        };
-        match &self.audit {
-            Some(log) => log.around(who, "remove", target, call).await,
-            None => call.await,
-        }
+        })
+        .await
     }
 
     async fn put_setting(&self, req: Request<PutSettingRequest>) -> Result<Response<WriteReply>, Status> {
         let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        let call = async move {
+        self.audited("put_setting", who, target, async move {
             let req = req.into_inner();
             if req.key == crate::command::FORMAT_SETTING {
                 return Err(AdminError::InvalidArgument(format!(
@@ -557,25 +553,19 @@ impl AdminService for AdminGrpc {
                 })
                 .await?,
             ))
-        };
-        match &self.audit {
-            Some(log) => log.around(who, "put_setting", target, call).await,
-            None => call.await,
-        }
+        })
+        .await
     }
 
     async fn delete_setting(&self, req: Request<DeleteSettingRequest>) -> Result<Response<WriteReply>, Status> {
         let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        let call = async move {
+        self.audited("delete_setting", who, target, async move {
             let req = req.into_inner();
             Ok(Response::new(
                 self.write(Command::DeleteSetting { key: req.key }).await?,
             ))
-        };
-        match &self.audit {
-            Some(log) => log.around(who, "delete_setting", target, call).await,
-            None => call.await,
-        }
+        })
+        .await
     }
 
     async fn put_class(&self, req: Request<PutDocumentRequest>) -> Result<Response<WriteReply>, Status> {
@@ -583,14 +573,11 @@ impl AdminService for AdminGrpc {
             super::audit::who(&req),
             super::audit::document_name(&req.get_ref().json),
         );
-        let call = async move {
+        self.audited("put_class", who, target, async move {
             let class: Class = parse_document("class", &req.into_inner().json)?;
             Ok(Response::new(self.write(Command::PutClass(class)).await?))
-        };
-        match &self.audit {
-            Some(log) => log.around(who, "put_class", target, call).await,
-            None => call.await,
-        }
+        })
+        .await
     }
 
     async fn put_model(&self, req: Request<PutDocumentRequest>) -> Result<Response<WriteReply>, Status> {
@@ -598,26 +585,20 @@ impl AdminService for AdminGrpc {
             super::audit::who(&req),
             super::audit::document_name(&req.get_ref().json),
         );
-        let call = async move {
+        self.audited("put_model", who, target, async move {
             let model: Model = parse_document("model", &req.into_inner().json)?;
             Ok(Response::new(self.write(Command::PutModel(model)).await?))
-        };
-        match &self.audit {
-            Some(log) => log.around(who, "put_model", target, call).await,
-            None => call.await,
-        }
+        })
+        .await
     }
 
     async fn remove_model(&self, req: Request<NameRequest>) -> Result<Response<WriteReply>, Status> {
         let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        let call = async move {
+        self.audited("remove_model", who, target, async move {
             let name = req.into_inner().name;
             Ok(Response::new(self.write(Command::RemoveModel { name }).await?))
-        };
-        match &self.audit {
-            Some(log) => log.around(who, "remove_model", target, call).await,
-            None => call.await,
-        }
+        })
+        .await
     }
 
     async fn list_registry(&self, req: Request<ListRegistryRequest>) -> Result<Response<DocumentsReply>, Status> {
@@ -699,7 +680,7 @@ impl AdminService for AdminGrpc {
 
     async fn create_tenant(&self, req: Request<CreateTenantRequest>) -> Result<Response<TenantKeyReply>, Status> {
         let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        let call = async move {
+        self.audited("create_tenant", who, target, async move {
             let name = req.into_inner().name;
             let api_key = new_api_key();
             let tenant = Tenant {
@@ -713,16 +694,13 @@ impl AdminService for AdminGrpc {
                 api_key,
                 log_index: w.log_index,
             }))
-        };
-        match &self.audit {
-            Some(log) => log.around(who, "create_tenant", target, call).await,
-            None => call.await,
-        }
+        })
+        .await
     }
 
     async fn rotate_tenant_key(&self, req: Request<NameRequest>) -> Result<Response<TenantKeyReply>, Status> {
         let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        let call = async move {
+        self.audited("rotate_tenant_key", who, target, async move {
             let tenant = req.into_inner().name;
             let api_key = new_api_key();
             let w = self
@@ -736,16 +714,13 @@ impl AdminService for AdminGrpc {
                 api_key,
                 log_index: w.log_index,
             }))
-        };
-        match &self.audit {
-            Some(log) => log.around(who, "rotate_tenant_key", target, call).await,
-            None => call.await,
-        }
+        })
+        .await
     }
 
     async fn set_tenant_limit(&self, req: Request<SetTenantLimitRequest>) -> Result<Response<WriteReply>, Status> {
         let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        let call = async move {
+        self.audited("set_tenant_limit", who, target, async move {
             let r = req.into_inner();
             let limit = (!r.remove).then_some(TenantLimit {
                 concurrency: r.concurrency,
@@ -761,11 +736,8 @@ impl AdminService for AdminGrpc {
                 })
                 .await?,
             ))
-        };
-        match &self.audit {
-            Some(log) => log.around(who, "set_tenant_limit", target, call).await,
-            None => call.await,
-        }
+        })
+        .await
     }
 
     async fn report_load(&self, req: Request<LoadReport>) -> Result<Response<LoadReportReply>, Status> {
@@ -801,7 +773,7 @@ impl AdminService for AdminGrpc {
 
     async fn set_price(&self, req: Request<SetPriceRequest>) -> Result<Response<WriteReply>, Status> {
         let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        let call = async move {
+        self.audited("set_price", who, target, async move {
             let r = req.into_inner();
             let tier = crate::ledger::Tier::parse(&r.tier).map_err(AdminError::InvalidArgument)?;
             let micros_per_hour = if r.remove {
@@ -817,11 +789,8 @@ impl AdminService for AdminGrpc {
                 })
                 .await?,
             ))
-        };
-        match &self.audit {
-            Some(log) => log.around(who, "set_price", target, call).await,
-            None => call.await,
-        }
+        })
+        .await
     }
 
     async fn ledger(&self, req: Request<LedgerRequest>) -> Result<Response<DocumentsReply>, Status> {
@@ -919,7 +888,7 @@ impl AdminService for AdminGrpc {
 
     async fn snapshot(&self, req: Request<SnapshotRequest>) -> Result<Response<SnapshotReply>, Status> {
         let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        let call = async move {
+        self.audited("snapshot", who, target, async move {
             let purge = req.into_inner().purge;
             let m = self.metrics();
             if m.state == ServerState::Shutdown {
@@ -950,11 +919,8 @@ impl AdminService for AdminGrpc {
                 snapshot_index,
                 purged_index,
             }))
-        };
-        match &self.audit {
-            Some(log) => log.around(who, "snapshot", target, call).await,
-            None => call.await,
-        }
+        })
+        .await
     }
 
     async fn read_index(&self, _req: Request<ReadIndexRequest>) -> Result<Response<ReadIndexReply>, Status> {
@@ -966,7 +932,7 @@ impl AdminService for AdminGrpc {
 
     async fn set_pool_taints(&self, req: Request<SetPoolTaintsRequest>) -> Result<Response<WriteReply>, Status> {
         let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        let call = async move {
+        self.audited("set_pool_taints", who, target, async move {
             let r = req.into_inner();
             Ok(Response::new(
                 self.write(Command::SetPoolTaints {
@@ -975,11 +941,8 @@ impl AdminService for AdminGrpc {
                 })
                 .await?,
             ))
-        };
-        match &self.audit {
-            Some(log) => log.around(who, "set_pool_taints", target, call).await,
-            None => call.await,
-        }
+        })
+        .await
     }
 
     async fn events(&self, req: Request<EventsRequest>) -> Result<Response<DocumentsReply>, Status> {
@@ -1008,7 +971,7 @@ impl AdminService for AdminGrpc {
 
     async fn set_mig_layout(&self, req: Request<SetMigLayoutRequest>) -> Result<Response<WriteReply>, Status> {
         let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        let call = async move {
+        self.audited("set_mig_layout", who, target, async move {
             let r = req.into_inner();
             Ok(Response::new(
                 self.write(Command::SetMigLayout {
@@ -1018,11 +981,8 @@ impl AdminService for AdminGrpc {
                 })
                 .await?,
             ))
-        };
-        match &self.audit {
-            Some(log) => log.around(who, "set_mig_layout", target, call).await,
-            None => call.await,
-        }
+        })
+        .await
     }
 
     async fn plan_mig(&self, _req: Request<PlanMigRequest>) -> Result<Response<DocumentsReply>, Status> {
@@ -1060,7 +1020,7 @@ impl AdminService for AdminGrpc {
 
     async fn apply_mig_plan(&self, req: Request<ApplyMigPlanRequest>) -> Result<Response<WriteReply>, Status> {
         let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        let call = async move {
+        self.audited("apply_mig_plan", who, target, async move {
             let version = req.into_inner().version;
             self.linearizable_barrier().await?;
             let (fleet, registry) = (self.sm.fleet(), self.sm.registry());
@@ -1137,11 +1097,8 @@ impl AdminService for AdminGrpc {
                 log_index,
                 previous: None,
             }))
-        };
-        match &self.audit {
-            Some(log) => log.around(who, "apply_mig_plan", target, call).await,
-            None => call.await,
-        }
+        })
+        .await
     }
 
     async fn list_nodes(&self, _req: Request<ListNodesRequest>) -> Result<Response<ListNodesReply>, Status> {
@@ -1215,7 +1172,7 @@ impl AdminService for AdminGrpc {
 
     async fn set_node_flags(&self, req: Request<SetNodeFlagsRequest>) -> Result<Response<WriteReply>, Status> {
         let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        let call = async move {
+        self.audited("set_node_flags", who, target, async move {
             let req = req.into_inner();
             let (cordoned, draining) = match req.action.as_str() {
                 "cordon" => (Some(true), None),
@@ -1243,10 +1200,7 @@ impl AdminService for AdminGrpc {
                 })
                 .await?,
             ))
-        };
-        match &self.audit {
-            Some(log) => log.around(who, "set_node_flags", target, call).await,
-            None => call.await,
-        }
+        })
+        .await
     }
 }

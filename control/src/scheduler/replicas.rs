@@ -455,6 +455,58 @@ fn place(
             }
         }
     }
+
+    // Spread: a model whose replicas (two or more, on whole cards) all run on one node loses
+    // them all with it. That happens after a host loss, when the replacements fill whatever
+    // room is left; once another node of the same tier has room again, one replica moves there
+    // (it starts there as it stops on the crowded node: a voluntary, one-replica disruption).
+    let mut by_protection: Vec<&Model> = registry.models.values().collect();
+    by_protection.sort_by_key(|m| (rank(m), m.name.as_str()));
+    for m in by_protection {
+        let nodes_with: Vec<String> = desired
+            .iter()
+            .filter(|(_, rs)| rs.iter().any(|r| r.model == m.name))
+            .map(|(n, _)| n.clone())
+            .collect();
+        let [crowded] = nodes_with.as_slice() else { continue };
+        let on_crowded: Vec<&DesiredReplica> = desired[crowded].iter().filter(|r| r.model == m.name).collect();
+        let whole_cards = fleet.nodes.get(crowded).is_some_and(|n| {
+            on_crowded
+                .iter()
+                .all(|r| n.registration.gpus.iter().any(|g| g.uuid == r.gpu))
+        });
+        if on_crowded.len() < 2 || !whole_cards {
+            continue;
+        }
+        let products = products_by_size(registry, m, &card_mb);
+        if products.is_empty() {
+            continue;
+        }
+        // Within the crowded node's tier: spreading never moves a replica to a dearer tier
+        // (or off the spot capacity a durable lane was given).
+        let tier_of = |id: &str| fleet.nodes.get(id).map(|n| Tier::of_labels(&n.registration.labels));
+        let req = Request {
+            model: m.name.clone(),
+            products,
+            tolerations: lane_tolerations(registry, m),
+            prefer_tier: tier_of(crowded),
+        };
+        if let Ok(p) = index.place(&req) {
+            if &p.node == crowded || tier_of(&p.node) != tier_of(crowded) {
+                continue;
+            }
+            let rs = desired.get_mut(crowded).expect("listed above");
+            if let Some(pos) = rs.iter().rposition(|r| r.model == m.name) {
+                rs.remove(pos);
+            }
+            desired.entry(p.node.clone()).or_default().push(DesiredReplica {
+                id: new_id(&m.name),
+                model: m.name.clone(),
+                gpu: p.gpu,
+                product: p.product,
+            });
+        }
+    }
     (desired, unplaced, short)
 }
 
@@ -892,6 +944,39 @@ mod tests {
         apply(&mut r, &p);
         assert_eq!(on(&r, "a", "whisper"), 2);
         assert_eq!(on(&r, "a", "wan"), 0);
+    }
+
+    #[test]
+    fn replicas_crowded_on_one_node_spread_again_when_another_has_room() {
+        // Exclusive cards (no time-slicing): two replicas of the floor fill node a.
+        let f = fleet(&[("a", "L4", 2), ("b", "L4", 2)]);
+        let mut r = registry(2);
+        r.classes.get_mut("speech").unwrap().time_slicing = false;
+        let crowded: Vec<DesiredReplica> = (0..2)
+            .map(|g| DesiredReplica {
+                id: format!("whisper-old-{g}"),
+                model: "whisper".into(),
+                gpu: format!("a-{g}"),
+                product: "L4".into(),
+            })
+            .collect();
+        r.set_desired("a", &crowded);
+        let p = plan(&f, &r, &HashMap::new(), &mut ids());
+        apply(&mut r, &p);
+        assert_eq!(
+            (on(&r, "a", "whisper"), on(&r, "b", "whisper")),
+            (1, 1),
+            "{:?}",
+            r.desired
+        );
+        // Spread: the next pass changes nothing.
+        assert!(plan(&f, &r, &HashMap::new(), &mut ids()).commands.is_empty());
+        // One node only: nowhere to spread to, nothing moves.
+        let f = fleet(&[("a", "L4", 2)]);
+        let mut r = registry(2);
+        r.classes.get_mut("speech").unwrap().time_slicing = false;
+        r.set_desired("a", &crowded);
+        assert!(plan(&f, &r, &HashMap::new(), &mut ids()).commands.is_empty());
     }
 
     #[test]

@@ -25,7 +25,16 @@ pub fn check(history: &[Request], faults: &[FaultRecord], min_success: f64) -> V
     let ok_in_faults = in_faults.iter().filter(|r| r.ok()).count();
     let share = |ok: usize, n: usize| if n == 0 { 1.0 } else { ok as f64 / n as f64 };
     let success_in_faults = share(ok_in_faults, in_faults.len());
-    let hung: Vec<&Request> = history.iter().filter(|r| r.hung).collect();
+    // A frozen router answers nobody, by construction of the fault: its requests are counted
+    // apart. Every other request must be answered within its lane's timeout (plus grace).
+    let frozen = |r: &Request| {
+        faults.iter().any(|f| {
+            f.frozen_router.as_deref() == Some(r.router.as_str())
+                && (f.at_ms..=f.at_ms + f.lasted_ms).contains(&r.at_ms)
+        })
+    };
+    let hung_at_frozen = history.iter().filter(|r| r.hung && frozen(r)).count();
+    let hung: Vec<&Request> = history.iter().filter(|r| r.hung && !frozen(r)).collect();
     let mut v = Verdict::new(
         "sync_lane",
         json!({
@@ -36,6 +45,7 @@ pub fn check(history: &[Request], faults: &[FaultRecord], min_success: f64) -> V
             "threshold": min_success,
             "judged": in_faults.len() >= MIN_SAMPLE,
             "hung": hung.len(),
+            "unanswered_at_a_frozen_router": hung_at_frozen,
         }),
     );
     // A share of a handful of requests says nothing: judged from MIN_SAMPLE requests up.
