@@ -72,7 +72,7 @@ pub async fn audit(
                 println!(
                     "{:<24} {:>4} {:<21} {:<18} {:<18} {}{}",
                     e["at"].as_str().unwrap_or(""),
-                    e["controller"],
+                    e["controller"].to_string(),
                     e["who"].as_str().unwrap_or(""),
                     e["call"].as_str().unwrap_or(""),
                     e["result"].as_str().unwrap_or(""),
