@@ -195,18 +195,10 @@ mod tests {
 
     fn class(name: &str, lane: LaneKind, budget: f64, rank: u32) -> Class {
         Class {
-            name: name.into(),
-            lane,
-            utilisation_target_pct: 60,
             budget_ms: Millis::from_ms(budget),
             warm_floor: 3,
             protection_rank: rank,
-            request_timeout_ms: Millis::from_ms(1000.0),
-            degraded: None,
-            slo_p99_ms: None,
-            tolerations: vec![],
-            time_slicing: false,
-            llm: None,
+            ..Class::for_test(name, lane)
         }
     }
 

@@ -272,18 +272,8 @@ pub fn test_fixture() -> (Fleet, Registry) {
         .unwrap();
     let mut reg = Registry::default();
     reg.put_class(&Class {
-        name: "speech".into(),
-        lane: LaneKind::Sync,
-        utilisation_target_pct: 60,
-        budget_ms: Millis(0),
         warm_floor: 1,
-        protection_rank: 0,
-        request_timeout_ms: Millis::from_ms(1000.0),
-        degraded: None,
-        slo_p99_ms: None,
-        tolerations: vec![],
-        time_slicing: false,
-        llm: None,
+        ..Class::for_test("speech", LaneKind::Sync)
     })
     .unwrap();
     reg.put_model(&Model {
