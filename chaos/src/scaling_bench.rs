@@ -12,7 +12,6 @@
 //! 3. **Host loss**: `kill -9` of a host with replicas (its agent and its replicas): time until
 //!    the model has as many Ready replicas on the surviving host as before.
 
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -33,12 +32,8 @@ use crate::router_bench::{client, fake_node, register, send, Target};
 /// Flags of `laneway-chaos scaling`.
 #[derive(Debug, clap::Args)]
 pub struct ScalingArgs {
-    #[arg(long)]
-    control_bin: Option<PathBuf>,
-    #[arg(long)]
-    agent_bin: Option<PathBuf>,
-    #[arg(long)]
-    sim_model_bin: Option<PathBuf>,
+    #[command(flatten)]
+    bins: crate::run::process::BinArgs,
     /// Fake nodes (8 × L4 each) for the placement phase.
     #[arg(long, default_value_t = 50)]
     fake_nodes: usize,
@@ -147,12 +142,8 @@ fn ms(d: Duration) -> f64 {
 }
 
 pub async fn run(args: ScalingArgs) -> anyhow::Result<()> {
-    let bin = |given: &Option<PathBuf>, name: &str| given.clone().unwrap_or_else(|| crate::sibling_bin(name));
-    let (control, agent_bin, sim) = (
-        bin(&args.control_bin, "laneway-control"),
-        bin(&args.agent_bin, "laneway-agent"),
-        bin(&args.sim_model_bin, "laneway-sim-model"),
-    );
+    let bins = args.bins.resolve();
+    let (control, agent_bin, sim) = (bins.control, bins.agent, bins.sim_model);
     for b in [&agent_bin, &sim] {
         if !b.exists() {
             bail!("{} not found; build the workspace first", b.display());

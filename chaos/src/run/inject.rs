@@ -43,6 +43,23 @@ pub struct FaultRecord {
     pub crashed_meanwhile: Vec<u64>,
 }
 
+impl FaultRecord {
+    /// A fault of `kind` on `target` starting now (`at_ms` since the traffic started).
+    fn new(at_ms: u64, kind: FaultKind, target: String) -> FaultRecord {
+        FaultRecord {
+            at_ms,
+            kind,
+            target,
+            lasted_ms: 0,
+            failover_ms: None,
+            recovery_ms: None,
+            recovery_error: None,
+            frozen_router: None,
+            crashed_meanwhile: Vec::new(),
+        }
+    }
+}
+
 /// Warm floors the harness registers, by model (see `setup`).
 pub fn floors() -> [(&'static str, usize); 3] {
     [
@@ -167,17 +184,7 @@ pub async fn inject<B: Backend>(
     let admin = AdminClient::new(b.controller_addrs()).with_retry_for(Duration::from_secs(5));
     let bound = Duration::from_secs(s.checks.recovery_s);
     let started = Instant::now();
-    let mut rec = FaultRecord {
-        at_ms: t0.elapsed().as_millis() as u64,
-        kind,
-        target: String::new(),
-        lasted_ms: 0,
-        failover_ms: None,
-        recovery_ms: None,
-        recovery_error: None,
-        frozen_router: None,
-        crashed_meanwhile: Vec::new(),
-    };
+    let mut rec = FaultRecord::new(t0.elapsed().as_millis() as u64, kind, String::new());
     let mut crashed = Vec::new();
     let members = b.controller_addrs().len();
     let leader = b.leader().await;
@@ -297,17 +304,11 @@ pub async fn supervise<B: Backend>(
     let end = Instant::now() + d;
     loop {
         for id in b.restart_crashed()? {
-            out.push(FaultRecord {
-                at_ms: t0.elapsed().as_millis() as u64,
-                kind: FaultKind::Crashed,
-                target: format!("controller {id}"),
-                lasted_ms: 0,
-                failover_ms: None,
-                recovery_ms: None,
-                recovery_error: None,
-                frozen_router: None,
-                crashed_meanwhile: Vec::new(),
-            });
+            out.push(FaultRecord::new(
+                t0.elapsed().as_millis() as u64,
+                FaultKind::Crashed,
+                format!("controller {id}"),
+            ));
         }
         let now = Instant::now();
         if now >= end {

@@ -32,7 +32,7 @@ use self::backend::Backend;
 use self::checkers::Verdict;
 use self::docker::{ComposeSpec, DockerBackend};
 use self::inject::FaultRecord;
-use self::process::{Bins, ProcessBackend};
+use self::process::{BinArgs, Bins, ProcessBackend};
 use self::scenario::{BackendKind, FaultKind, Scenario};
 use self::traffic::{Lane, Request, Targets};
 use crate::process_cluster::status_of;
@@ -62,12 +62,8 @@ pub struct RunArgs {
     /// Where each run's history, faults and report go (`<out>/<scenario>-seed<N>/`).
     #[arg(long, default_value = "target/chaos")]
     out: PathBuf,
-    #[arg(long)]
-    control_bin: Option<PathBuf>,
-    #[arg(long)]
-    agent_bin: Option<PathBuf>,
-    #[arg(long)]
-    sim_model_bin: Option<PathBuf>,
+    #[command(flatten)]
+    bins: BinArgs,
 }
 
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
@@ -75,12 +71,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     for p in &args.paths {
         scenarios.extend(scenario::load_all(p)?);
     }
-    let bin = |given: &Option<PathBuf>, name: &str| given.clone().unwrap_or_else(|| crate::sibling_bin(name));
-    let bins = Bins {
-        control: bin(&args.control_bin, "laneway-control"),
-        agent: bin(&args.agent_bin, "laneway-agent"),
-        sim_model: bin(&args.sim_model_bin, "laneway-sim-model"),
-    };
+    let bins = args.bins.resolve();
     if let Some(d) = args.duration_s {
         anyhow::ensure!(d >= 5, "--duration-s {d}: give a run at least 5 seconds");
         for s in &mut scenarios {

@@ -25,6 +25,28 @@ pub struct Bins {
     pub sim_model: PathBuf,
 }
 
+/// Flags naming the binaries; each defaults to the one Cargo built next to laneway-chaos.
+#[derive(Debug, clap::Args)]
+pub struct BinArgs {
+    #[arg(long)]
+    control_bin: Option<PathBuf>,
+    #[arg(long)]
+    agent_bin: Option<PathBuf>,
+    #[arg(long)]
+    sim_model_bin: Option<PathBuf>,
+}
+
+impl BinArgs {
+    pub fn resolve(&self) -> Bins {
+        let bin = |given: &Option<PathBuf>, name: &str| given.clone().unwrap_or_else(|| crate::sibling_bin(name));
+        Bins {
+            control: bin(&self.control_bin, "laneway-control"),
+            agent: bin(&self.agent_bin, "laneway-agent"),
+            sim_model: bin(&self.sim_model_bin, "laneway-sim-model"),
+        }
+    }
+}
+
 /// One simulated GPU host.
 pub struct Host {
     pub id: String,
