@@ -164,15 +164,31 @@ impl JobGateway {
     /// (the leader itself: once it has applied what it committed). `false` while no
     /// leader is known or it does not answer.
     pub async fn caught_up(&self) -> bool {
-        let Some((leader, addr)) = self.leader() else {
-            return false;
-        };
-        if leader == self.node_id {
-            return self.raft.ensure_linearizable().await.is_ok();
+        match self.leader() {
+            None => false,
+            Some((leader, _)) if leader == self.node_id => self.raft.ensure_linearizable().await.is_ok(),
+            Some((_, addr)) => self.apply_read_index_of(&addr).await,
         }
+    }
+
+    /// Brings this controller's state up to everything committed when the call started: a
+    /// follower asks the leader for its read index and waits (at most 2 s) to apply it. Used
+    /// when a read misses, so a job acknowledged through any router is found. Best effort: on
+    /// failure the read answers from what is applied.
+    pub async fn catch_up(&self) {
+        if let Some((leader, addr)) = self.leader() {
+            if leader != self.node_id {
+                self.apply_read_index_of(&addr).await;
+            }
+        }
+    }
+
+    /// Asks the leader at `addr` for its read index and waits (at most [`APPLY_WAIT`]) until
+    /// this controller has applied it; whether it has.
+    async fn apply_read_index_of(&self, addr: &str) -> bool {
         let Ok(r) = self
             .leaders
-            .call_one(&addr, |mut c| async move {
+            .call_one(addr, |mut c| async move {
                 c.read_index(laneway_proto::admin::ReadIndexRequest {}).await
             })
             .await
@@ -181,33 +197,9 @@ impl JobGateway {
         };
         self.raft
             .wait(Some(APPLY_WAIT))
-            .applied_index_at_least(Some(r.read_index), "router catch-up")
+            .applied_index_at_least(Some(r.read_index), "catching up with the leader")
             .await
             .is_ok()
-    }
-
-    /// Brings this controller's state up to everything committed when the call started: a
-    /// follower asks the leader for its read index and waits (at most 2 s) to apply it. Used
-    /// when a read misses, so a job acknowledged through any router is found. Best effort: on
-    /// failure the read answers from what is applied.
-    pub async fn catch_up(&self) {
-        let Some((leader, addr)) = self.leader() else { return };
-        if leader == self.node_id {
-            return;
-        }
-        let index = self
-            .leaders
-            .call_one(&addr, |mut c| async move {
-                c.read_index(laneway_proto::admin::ReadIndexRequest {}).await
-            })
-            .await;
-        if let Ok(r) = index {
-            let _ = self
-                .raft
-                .wait(Some(APPLY_WAIT))
-                .applied_index_at_least(Some(r.read_index), "job read")
-                .await;
-        }
     }
 }
 
