@@ -127,7 +127,11 @@ pub fn plan_observed(
     slices: &HashMap<String, Vec<Slice>>,
     new_id: &mut dyn FnMut(&str) -> String,
 ) -> ReplicaPlan {
-    let (mut desired, mut unplaced, short) = place(fleet, registry, &registry.desired, targets, cached, slices, new_id);
+    let Pass {
+        mut desired,
+        mut unplaced,
+        short,
+    } = place(fleet, registry, &registry.desired, targets, cached, slices, new_id);
     // A warm floor that did not fit takes the cards of less protected classes' replicas above
     // their own floors (protect sync first, durable last), then placement runs again.
     // Kept only when it placed more of those floors: never stop a replica for nothing.
@@ -141,8 +145,8 @@ pub fn plan_observed(
         }
         let again = place(fleet, registry, &freed, targets, cached, slices, new_id);
         let missing = |s: &[Short]| s.iter().map(|s| s.missing).sum::<usize>();
-        if missing(&again.2) < missing(&short) {
-            (desired, unplaced) = (again.0, again.1);
+        if missing(&again.short) < missing(&short) {
+            (desired, unplaced) = (again.desired, again.unplaced);
         }
     }
 
@@ -219,10 +223,18 @@ fn preemptions(
     victims
 }
 
+/// What one placement pass decided.
+struct Pass {
+    /// Replicas placed, by node.
+    desired: BTreeMap<String, Vec<DesiredReplica>>,
+    unplaced: Vec<Unplaced>,
+    /// The warm floors among what did not fit.
+    short: Vec<Short>,
+}
+
 /// One placement pass from `start` (the replicas placed now): keeps what still stands, trims
-/// models over their target and places what is missing, the most protected classes first.
-/// Returns the new placed set, what did not fit, and the warm floors among it.
-#[allow(clippy::type_complexity)]
+/// models over their target, places what is missing (the most protected classes first) and
+/// spreads models crowded on one node.
 fn place(
     fleet: &Fleet,
     registry: &Registry,
@@ -231,7 +243,7 @@ fn place(
     cached: &HashMap<String, HashSet<String>>,
     slices: &HashMap<String, Vec<Slice>>,
     new_id: &mut dyn FnMut(&str) -> String,
-) -> (BTreeMap<String, Vec<DesiredReplica>>, Vec<Unplaced>, Vec<Short>) {
+) -> Pass {
     // Keep what still stands: schedulable or cordoned (cordon stops new work only) live nodes,
     // models still registered.
     let mut desired: BTreeMap<String, Vec<DesiredReplica>> = BTreeMap::new();
@@ -381,7 +393,7 @@ fn place(
     let rank = |m: &Model| registry.classes.get(&m.class).map_or(u32::MAX, |c| c.protection_rank);
     let mut by_protection: Vec<&Model> = registry.models.values().collect();
     by_protection.sort_by_key(|m| (rank(m), m.name.as_str()));
-    for m in by_protection {
+    for &m in &by_protection {
         let missing = target(m).saturating_sub(count.get(&m.name).copied().unwrap_or(0));
         if missing == 0 {
             continue;
@@ -460,8 +472,6 @@ fn place(
     // them all with it. That happens after a host loss, when the replacements fill whatever
     // room is left; once another node of the same tier has room again, one replica moves there
     // (it starts there as it stops on the crowded node: a voluntary, one-replica disruption).
-    let mut by_protection: Vec<&Model> = registry.models.values().collect();
-    by_protection.sort_by_key(|m| (rank(m), m.name.as_str()));
     for m in by_protection {
         let nodes_with: Vec<String> = desired
             .iter()
@@ -507,7 +517,11 @@ fn place(
             });
         }
     }
-    (desired, unplaced, short)
+    Pass {
+        desired,
+        unplaced,
+        short,
+    }
 }
 
 /// A free settled MIG slice for one replica of `m`: (node, slice UUID, product), preferring a
