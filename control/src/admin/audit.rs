@@ -72,14 +72,8 @@ impl AuditLog {
         }
     }
 
-    /// Runs `call` and records it: `who` made it, `target` says what it was about.
-    pub async fn around<T, F>(
-        &self,
-        who: String,
-        call: &'static str,
-        target: String,
-        f: F,
-    ) -> Result<Response<T>, Status>
+    /// Runs `call` for `caller` and records it.
+    pub async fn around<T, F>(&self, caller: Caller, call: &'static str, f: F) -> Result<Response<T>, Status>
     where
         F: std::future::Future<Output = Result<Response<T>, Status>>,
     {
@@ -95,9 +89,9 @@ impl AuditLog {
             at: humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + std::time::Duration::from_millis(now))
                 .to_string(),
             controller: self.controller,
-            who,
+            who: caller.who,
             call,
-            target,
+            target: caller.target,
             result: outcome,
             message,
             ms: start.elapsed().as_millis() as u64,
@@ -121,14 +115,38 @@ impl AuditLog {
     }
 }
 
-/// Who made a request: its peer address (admin tokens will add the identity they name).
-pub fn who<T>(req: &tonic::Request<T>) -> String {
+/// Who made a call and what it was about.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    /// The peer address (admin tokens will add the identity they name).
+    pub who: String,
+    pub target: String,
+}
+
+impl Caller {
+    /// The request's fields are its target.
+    pub fn of<T: std::fmt::Debug>(req: &tonic::Request<T>) -> Caller {
+        Caller {
+            who: peer(req),
+            target: format!("{:?}", req.get_ref()),
+        }
+    }
+
+    /// A registry document's `name` is its target, never the document itself (it may hold
+    /// credentials in a runtime's environment).
+    pub fn of_document(req: &tonic::Request<laneway_proto::admin::PutDocumentRequest>) -> Caller {
+        Caller {
+            who: peer(req),
+            target: document_name(&req.get_ref().json),
+        }
+    }
+}
+
+fn peer<T>(req: &tonic::Request<T>) -> String {
     req.remote_addr().map_or_else(|| "unknown".into(), |a| a.to_string())
 }
 
-/// The `name` of a registry document, never the document itself (it may hold credentials in
-/// a runtime's environment).
-pub fn document_name(json: &str) -> String {
+fn document_name(json: &str) -> String {
     serde_json::from_str::<Value>(json)
         .ok()
         .and_then(|v| v["name"].as_str().map(|n| format!("name: {n:?}")))
@@ -139,18 +157,23 @@ pub fn document_name(json: &str) -> String {
 mod tests {
     use super::*;
 
+    fn caller(target: &str) -> Caller {
+        Caller {
+            who: "10.0.0.5:4000".into(),
+            target: target.into(),
+        }
+    }
+
     #[tokio::test]
     async fn calls_are_appended_with_their_outcome_and_read_back_in_order() {
         let dir = tempfile::tempdir().unwrap();
         let log = AuditLog::open(&dir.path().join("audit.log"), 1).unwrap();
         let ok: Result<Response<()>, Status> = log
-            .around("10.0.0.5:4000".into(), "put_setting", "key: \"a\"".into(), async {
-                Ok(Response::new(()))
-            })
+            .around(caller("key: \"a\""), "put_setting", async { Ok(Response::new(())) })
             .await;
         assert!(ok.is_ok());
         let err: Result<Response<()>, Status> = log
-            .around("10.0.0.5:4000".into(), "remove", "node_id: 9".into(), async {
+            .around(caller("node_id: 9"), "remove", async {
                 Err(Status::failed_precondition("node 9 is not a member"))
             })
             .await;

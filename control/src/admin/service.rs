@@ -88,12 +88,12 @@ pub struct AdminGrpc {
 
 impl AdminGrpc {
     /// Runs a call that changes the cluster, recorded in the audit log when there is one.
-    async fn audited<T, F>(&self, call: &'static str, who: String, target: String, f: F) -> Result<Response<T>, Status>
+    async fn audited<T, F>(&self, call: &'static str, caller: super::audit::Caller, f: F) -> Result<Response<T>, Status>
     where
         F: std::future::Future<Output = Result<Response<T>, Status>>,
     {
         match &self.audit {
-            Some(log) => log.around(who, call, target, f).await,
+            Some(log) => log.around(caller, call, f).await,
             None => f.await,
         }
     }
@@ -303,9 +303,8 @@ impl AdminGrpc {
 
 #[tonic::async_trait]
 impl AdminService for AdminGrpc {
-    async fn init(&self, _req: Request<InitRequest>) -> Result<Response<InitReply>, Status> {
-        let (who, target) = (super::audit::who(&_req), format!("{:?}", _req.get_ref()));
-        self.audited("init", who, target, async move {
+    async fn init(&self, req: Request<InitRequest>) -> Result<Response<InitReply>, Status> {
+        self.audited("init", super::audit::Caller::of(&req), async move {
             let nodes = BTreeMap::from([(
                 self.node_id,
                 ControllerNode {
@@ -373,10 +372,9 @@ impl AdminService for AdminGrpc {
 
     async fn finalize_upgrade(
         &self,
-        _req: Request<FinalizeUpgradeRequest>,
+        req: Request<FinalizeUpgradeRequest>,
     ) -> Result<Response<FinalizeUpgradeReply>, Status> {
-        let (who, target) = (super::audit::who(&_req), format!("{:?}", _req.get_ref()));
-        self.audited("finalize_upgrade", who, target, async move {
+        self.audited("finalize_upgrade", super::audit::Caller::of(&req), async move {
             self.leader_only()?;
             let m = self.metrics();
             let client = AdminClient::new(Vec::new()).with_call_timeout(Duration::from_secs(3));
@@ -438,8 +436,7 @@ impl AdminService for AdminGrpc {
     }
 
     async fn add_learner(&self, req: Request<AddLearnerRequest>) -> Result<Response<MembershipReply>, Status> {
-        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        self.audited("add_learner", who, target, async move {
+        self.audited("add_learner", super::audit::Caller::of(&req), async move {
             let req = req.into_inner();
             self.check_node_id(req.node_id)?;
             validate_peer_addr("addr", &req.addr).map_err(|e| {
@@ -484,8 +481,7 @@ impl AdminService for AdminGrpc {
     }
 
     async fn promote(&self, req: Request<PromoteRequest>) -> Result<Response<MembershipReply>, Status> {
-        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        self.audited("promote", who, target, async move {
+        self.audited("promote", super::audit::Caller::of(&req), async move {
             let id = req.into_inner().node_id;
             self.check_node_id(id)?;
             let _one_at_a_time = self.membership.lock().await;
@@ -507,8 +503,7 @@ impl AdminService for AdminGrpc {
     }
 
     async fn remove(&self, req: Request<RemoveRequest>) -> Result<Response<MembershipReply>, Status> {
-        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        self.audited("remove", who, target, async move {
+        self.audited("remove", super::audit::Caller::of(&req), async move {
             let id = req.into_inner().node_id;
             self.check_node_id(id)?;
             let _one_at_a_time = self.membership.lock().await;
@@ -536,8 +531,7 @@ impl AdminService for AdminGrpc {
     }
 
     async fn put_setting(&self, req: Request<PutSettingRequest>) -> Result<Response<WriteReply>, Status> {
-        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        self.audited("put_setting", who, target, async move {
+        self.audited("put_setting", super::audit::Caller::of(&req), async move {
             let req = req.into_inner();
             if req.key == crate::command::FORMAT_SETTING {
                 return Err(AdminError::InvalidArgument(format!(
@@ -558,8 +552,7 @@ impl AdminService for AdminGrpc {
     }
 
     async fn delete_setting(&self, req: Request<DeleteSettingRequest>) -> Result<Response<WriteReply>, Status> {
-        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        self.audited("delete_setting", who, target, async move {
+        self.audited("delete_setting", super::audit::Caller::of(&req), async move {
             let req = req.into_inner();
             Ok(Response::new(
                 self.write(Command::DeleteSetting { key: req.key }).await?,
@@ -569,11 +562,7 @@ impl AdminService for AdminGrpc {
     }
 
     async fn put_class(&self, req: Request<PutDocumentRequest>) -> Result<Response<WriteReply>, Status> {
-        let (who, target) = (
-            super::audit::who(&req),
-            super::audit::document_name(&req.get_ref().json),
-        );
-        self.audited("put_class", who, target, async move {
+        self.audited("put_class", super::audit::Caller::of_document(&req), async move {
             let class: Class = parse_document("class", &req.into_inner().json)?;
             Ok(Response::new(self.write(Command::PutClass(class)).await?))
         })
@@ -581,11 +570,7 @@ impl AdminService for AdminGrpc {
     }
 
     async fn put_model(&self, req: Request<PutDocumentRequest>) -> Result<Response<WriteReply>, Status> {
-        let (who, target) = (
-            super::audit::who(&req),
-            super::audit::document_name(&req.get_ref().json),
-        );
-        self.audited("put_model", who, target, async move {
+        self.audited("put_model", super::audit::Caller::of_document(&req), async move {
             let model: Model = parse_document("model", &req.into_inner().json)?;
             Ok(Response::new(self.write(Command::PutModel(model)).await?))
         })
@@ -593,8 +578,7 @@ impl AdminService for AdminGrpc {
     }
 
     async fn remove_model(&self, req: Request<NameRequest>) -> Result<Response<WriteReply>, Status> {
-        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        self.audited("remove_model", who, target, async move {
+        self.audited("remove_model", super::audit::Caller::of(&req), async move {
             let name = req.into_inner().name;
             Ok(Response::new(self.write(Command::RemoveModel { name }).await?))
         })
@@ -679,8 +663,7 @@ impl AdminService for AdminGrpc {
     }
 
     async fn create_tenant(&self, req: Request<CreateTenantRequest>) -> Result<Response<TenantKeyReply>, Status> {
-        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        self.audited("create_tenant", who, target, async move {
+        self.audited("create_tenant", super::audit::Caller::of(&req), async move {
             let name = req.into_inner().name;
             let api_key = new_api_key();
             let tenant = Tenant {
@@ -699,8 +682,7 @@ impl AdminService for AdminGrpc {
     }
 
     async fn rotate_tenant_key(&self, req: Request<NameRequest>) -> Result<Response<TenantKeyReply>, Status> {
-        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        self.audited("rotate_tenant_key", who, target, async move {
+        self.audited("rotate_tenant_key", super::audit::Caller::of(&req), async move {
             let tenant = req.into_inner().name;
             let api_key = new_api_key();
             let w = self
@@ -719,8 +701,7 @@ impl AdminService for AdminGrpc {
     }
 
     async fn set_tenant_limit(&self, req: Request<SetTenantLimitRequest>) -> Result<Response<WriteReply>, Status> {
-        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        self.audited("set_tenant_limit", who, target, async move {
+        self.audited("set_tenant_limit", super::audit::Caller::of(&req), async move {
             let r = req.into_inner();
             let limit = (!r.remove).then_some(TenantLimit {
                 concurrency: r.concurrency,
@@ -772,8 +753,7 @@ impl AdminService for AdminGrpc {
     }
 
     async fn set_price(&self, req: Request<SetPriceRequest>) -> Result<Response<WriteReply>, Status> {
-        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        self.audited("set_price", who, target, async move {
+        self.audited("set_price", super::audit::Caller::of(&req), async move {
             let r = req.into_inner();
             let tier = crate::ledger::Tier::parse(&r.tier).map_err(AdminError::InvalidArgument)?;
             let micros_per_hour = if r.remove {
@@ -887,8 +867,7 @@ impl AdminService for AdminGrpc {
     }
 
     async fn snapshot(&self, req: Request<SnapshotRequest>) -> Result<Response<SnapshotReply>, Status> {
-        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        self.audited("snapshot", who, target, async move {
+        self.audited("snapshot", super::audit::Caller::of(&req), async move {
             let purge = req.into_inner().purge;
             let m = self.metrics();
             if m.state == ServerState::Shutdown {
@@ -931,8 +910,7 @@ impl AdminService for AdminGrpc {
     }
 
     async fn set_pool_taints(&self, req: Request<SetPoolTaintsRequest>) -> Result<Response<WriteReply>, Status> {
-        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        self.audited("set_pool_taints", who, target, async move {
+        self.audited("set_pool_taints", super::audit::Caller::of(&req), async move {
             let r = req.into_inner();
             Ok(Response::new(
                 self.write(Command::SetPoolTaints {
@@ -970,8 +948,7 @@ impl AdminService for AdminGrpc {
     }
 
     async fn set_mig_layout(&self, req: Request<SetMigLayoutRequest>) -> Result<Response<WriteReply>, Status> {
-        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        self.audited("set_mig_layout", who, target, async move {
+        self.audited("set_mig_layout", super::audit::Caller::of(&req), async move {
             let r = req.into_inner();
             Ok(Response::new(
                 self.write(Command::SetMigLayout {
@@ -1019,8 +996,7 @@ impl AdminService for AdminGrpc {
     }
 
     async fn apply_mig_plan(&self, req: Request<ApplyMigPlanRequest>) -> Result<Response<WriteReply>, Status> {
-        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        self.audited("apply_mig_plan", who, target, async move {
+        self.audited("apply_mig_plan", super::audit::Caller::of(&req), async move {
             let version = req.into_inner().version;
             self.linearizable_barrier().await?;
             let (fleet, registry) = (self.sm.fleet(), self.sm.registry());
@@ -1171,8 +1147,7 @@ impl AdminService for AdminGrpc {
     }
 
     async fn set_node_flags(&self, req: Request<SetNodeFlagsRequest>) -> Result<Response<WriteReply>, Status> {
-        let (who, target) = (super::audit::who(&req), format!("{:?}", req.get_ref()));
-        self.audited("set_node_flags", who, target, async move {
+        self.audited("set_node_flags", super::audit::Caller::of(&req), async move {
             let req = req.into_inner();
             let (cordoned, draining) = match req.action.as_str() {
                 "cordon" => (Some(true), None),
