@@ -33,6 +33,11 @@ pub struct AgentFile {
     /// Static replicas: run whatever the controllers say (like a kubelet's static pods).
     #[serde(default)]
     pub replica: Vec<StaticReplicaFile>,
+    /// `[tls]`: the cluster CA's certificate and this node's certificate and key.
+    #[serde(default)]
+    pub tls: laneway_pki::TlsFiles,
+    /// Talk to the controllers in plaintext (development clusters only).
+    pub insecure_dev: Option<bool>,
 }
 
 /// `[gpu]` table.
@@ -100,6 +105,8 @@ pub struct AgentConfig {
     pub replicas: Vec<StaticReplica>,
     /// Where `/metrics` is served; `None`: nowhere.
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// How the agent proves its identity to the controllers.
+    pub credentials: crate::identity::Credentials,
 }
 
 /// Default `/metrics` address of an agent.
@@ -215,13 +222,51 @@ impl AgentFile {
                 )
             })?),
         };
+        let join_token = self.join_token.unwrap_or_default();
+        let joining =
+            self.tls.ca.is_some() && self.tls.cert.is_none() && self.tls.key.is_none() && !join_token.is_empty();
+        let credentials = match (self.tls.load(), self.insecure_dev.unwrap_or(false)) {
+            _ if joining => {
+                let ca = self.tls.ca.as_ref().expect("checked above");
+                let ca_pem = std::fs::read_to_string(ca)
+                    .map_err(|e| bad("tls.ca", ca.display().to_string(), format!("a readable CA certificate ({e})")))?;
+                crate::identity::Credentials::Join {
+                    ca_pem,
+                    token: join_token.clone(),
+                }
+            }
+            (Err(e), _) => return Err(bad("tls", "[ca, cert, key]", e.to_string())),
+            (Ok(Some(_)), true) => {
+                return Err(bad("insecure_dev", true, "not together with TLS settings: remove one of them"))
+            }
+            (Ok(None), false) => {
+                return Err(bad(
+                    "tls",
+                    "<unset>",
+                    "TLS settings: [tls] ca with a join_token (from `lanectl token create`), or [tls] ca, cert and key (from `lanectl certs issue --kind agent`); or insecure_dev = true (--insecure-dev) for a development cluster",
+                ))
+            }
+            (Ok(None), true) => crate::identity::Credentials::Insecure,
+            (Ok(Some(tls)), false) => {
+                let id = tls.identity();
+                if id.kind != laneway_pki::Kind::Agent || id.name != node_id {
+                    return Err(bad(
+                        "tls.cert",
+                        id.uri(),
+                        format!("a certificate for agent {node_id}; issue one with `lanectl certs issue --kind agent --name {node_id}`"),
+                    ));
+                }
+                crate::identity::Credentials::Files(tls)
+            }
+        };
         Ok(AgentConfig {
+            credentials,
             node_id,
             controllers: self.controllers,
             pool: self.pool.unwrap_or_else(|| "default".into()),
             labels: self.labels,
             data_dir,
-            join_token: self.join_token.unwrap_or_default(),
+            join_token,
             heartbeat: Duration::from_millis(heartbeat_ms),
             replica_host: self.replica_host.unwrap_or_default(),
             results_store,
@@ -237,7 +282,7 @@ mod tests {
     use super::*;
 
     fn base() -> String {
-        "node_id = \"n1\"\ncontrollers = [\"127.0.0.1:7001\"]\ndata_dir = \"/tmp/a\"\n".to_string()
+        "node_id = \"n1\"\ncontrollers = [\"127.0.0.1:7001\"]\ndata_dir = \"/tmp/a\"\ninsecure_dev = true\n".to_string()
     }
 
     #[test]

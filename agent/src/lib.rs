@@ -6,6 +6,7 @@
 
 pub mod config;
 pub mod gpu;
+pub mod identity;
 pub mod jobs;
 pub mod llm;
 pub mod logging;

@@ -11,7 +11,6 @@ use laneway_proto::LEADER_ADDR_METADATA;
 use rand::Rng;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::Endpoint;
 
 use crate::config::AgentConfig;
 use crate::gpu::GpuBackend;
@@ -197,6 +196,8 @@ async fn heartbeat_loop(
     let mut backoff = Duration::from_millis(100);
     let mut hops = 0u32;
     let mut mig = crate::mig::Reconciler::default();
+    let identity = crate::identity::Identity::new(&cfg.node_id, &cfg.data_dir, cfg.credentials.clone());
+    identity.ensure(&cfg.controllers).await;
     loop {
         let addr = redirect
             .take()
@@ -212,6 +213,7 @@ async fn heartbeat_loop(
             &addr,
             &view,
             &mut backoff,
+            &identity,
         )
         .await
         {
@@ -251,8 +253,12 @@ async fn session(
     addr: &str,
     view: &watch::Sender<AgentView>,
     backoff: &mut Duration,
+    identity: &crate::identity::Identity,
 ) -> SessionEnd {
-    let channel = match Endpoint::from_shared(format!("http://{addr}")) {
+    // A renewal asked for on an earlier stream is asked again on this one.
+    identity.forget_pending();
+    let tls = identity.client_tls();
+    let channel = match laneway_pki::endpoint(addr, tls) {
         Ok(ep) => match ep
             .connect_timeout(Duration::from_millis(500))
             .tcp_nodelay(true)
@@ -321,6 +327,7 @@ async fn session(
     let beat = |seq: u64| {
         let mut hb = heartbeat(&cfg.node_id, seq, backend_snapshot(backend), sup_snapshot(sup), blobs());
         hb.jobs = jobs.reports();
+        hb.renew_csr_pem = identity.renewal_csr().unwrap_or_default();
         hb
     };
     let wake = jobs.wake();
@@ -349,6 +356,9 @@ async fn session(
                     last_reply = tokio::time::Instant::now();
                     *backoff = Duration::from_millis(100);
                     jobs.reconcile(&ds.jobs, &ds.settled);
+                    if !ds.renewed_cert_pem.is_empty() {
+                        identity.renewed(&ds.renewed_cert_pem);
+                    }
                     let was_draining = view.borrow().draining;
                     if ds.draining && !was_draining {
                         drain_all(sup);
@@ -486,6 +496,7 @@ fn heartbeat(
         replicas,
         cached_blobs: blobs,
         jobs: Vec::new(),
+        renew_csr_pem: String::new(),
     }
 }
 

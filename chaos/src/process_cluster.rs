@@ -127,7 +127,14 @@ impl ProcessCluster {
         let m = &mut self.members[i];
         let log = File::options().create(true).append(true).open(&m.log)?;
         let child = Command::new(&self.bin)
-            .args(["run", "--node-id", &m.id.to_string(), "--listen", &m.addr])
+            .args([
+                "run",
+                "--insecure-dev",
+                "--node-id",
+                &m.id.to_string(),
+                "--listen",
+                &m.addr,
+            ])
             .arg("--data-dir")
             .arg(&m.data)
             .args(["--cluster-name", &self.cluster])
@@ -340,7 +347,7 @@ impl Drop for ProcessCluster {
 
 /// One member's own status, or None if it does not answer within 500 ms.
 pub async fn status_of(addr: &str) -> Option<NodeStatus> {
-    let c = AdminClient::new(vec![addr.to_string()]).with_call_timeout(Duration::from_millis(500));
+    let c = crate::run::admin_client(vec![addr.to_string()]).with_call_timeout(Duration::from_millis(500));
     c.call_one(addr, |mut cl| async move { cl.status(StatusRequest {}).await })
         .await
         .ok()

@@ -261,6 +261,7 @@ pub(crate) async fn fake_node(
         loop {
             seq += 1;
             let hb = Heartbeat {
+                renew_csr_pem: String::new(),
                 node_id: id.clone(),
                 sequence: seq,
                 sent_unix_ms: 0,

@@ -3,7 +3,9 @@
 
 use futures::StreamExt;
 use laneway_proto::agent::agent_service_server::AgentService;
-use laneway_proto::agent::{AssignedJob, DesiredState, Heartbeat, JobRef, RegisterReply, RegisterRequest};
+use laneway_proto::agent::{
+    AssignedJob, DesiredState, Heartbeat, JobRef, JoinReply, JoinRequest, RegisterReply, RegisterRequest,
+};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
@@ -20,11 +22,18 @@ use crate::registry::ReplicaRecord;
 /// Serves agents.
 pub struct AgentGrpc {
     ctx: Context,
+    /// Where joins are recorded.
+    audit: Option<std::sync::Arc<crate::admin::audit::AuditLog>>,
 }
 
 impl AgentGrpc {
     pub fn new(ctx: Context) -> Self {
-        AgentGrpc { ctx }
+        AgentGrpc { ctx, audit: None }
+    }
+
+    pub fn with_audit(mut self, log: std::sync::Arc<crate::admin::audit::AuditLog>) -> Self {
+        self.audit = Some(log);
+        self
     }
 }
 
@@ -43,14 +52,73 @@ fn not_leader(ctx: &Context) -> Status {
 
 #[tonic::async_trait]
 impl AgentService for AgentGrpc {
+    async fn join(&self, req: Request<JoinRequest>) -> Result<Response<JoinReply>, Status> {
+        let who = req.remote_addr().map_or_else(|| "unknown".into(), |a| a.to_string());
+        let r = req.into_inner();
+        // Never the request itself in the audit log: it holds the token.
+        let caller = crate::admin::audit::Caller {
+            who,
+            target: format!("node_id: {:?}", r.node_id),
+        };
+        let join = async {
+            if !self.ctx.is_leader() {
+                return Err(not_leader(&self.ctx));
+            }
+            let Some(ca) = self.ctx.issuer.clone() else {
+                return Err(Status::failed_precondition(
+                    "the controllers hold no CA key (tls.ca_key), so they sign no certificates: give this host one from `lanectl certs issue --kind agent --name NODE` instead of a join token",
+                ));
+            };
+            crate::fleet::validate_node_id(&r.node_id).map_err(Status::invalid_argument)?;
+            // The request must be good before the token is spent on it.
+            let cert = ca
+                .sign_csr(&r.csr_pem, laneway_pki::Kind::Agent, &r.node_id, AGENT_CERT_LIFETIME)
+                .map_err(|e| Status::invalid_argument(e.to_string()))?;
+            let (_, resp) = self
+                .ctx
+                .proposer
+                .propose(Command::ConsumeJoinToken {
+                    sha256: crate::registry::hash_key(&r.token),
+                    node_id: r.node_id.clone(),
+                    at_ms: crate::jobs::unix_ms(),
+                })
+                .await
+                .map_err(|e| match e.forward_to_leader::<crate::node::ControllerNode>() {
+                    Some(_) => not_leader(&self.ctx),
+                    None => Status::unavailable(format!("the join could not be committed: {e}")),
+                })?;
+            if let Some(why) = resp.rejected {
+                tracing::warn!(node = %r.node_id, %why, "join refused");
+                return Err(Status::permission_denied(why));
+            }
+            tracing::info!(node = %r.node_id, "node joined with a token");
+            let expires = laneway_pki::not_after(&cert).map_err(|e| Status::internal(e.to_string()))?;
+            Ok(Response::new(JoinReply {
+                cert_pem: cert,
+                expires_unix_ms: expires
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_millis() as u64)
+                    .unwrap_or(0),
+            }))
+        };
+        match &self.audit {
+            Some(log) => log.around(caller, "join", join).await,
+            None => join.await,
+        }
+    }
+
     async fn register(&self, req: Request<RegisterRequest>) -> Result<Response<RegisterReply>, Status> {
         if !self.ctx.is_leader() {
             return Err(not_leader(&self.ctx));
         }
+        let certified = crate::auth::caller(&req).map(|id| id.name.clone());
         let r = req.into_inner();
-        if !r.join_token.is_empty() {
-            // Said on every registration so nobody believes tokens are checked yet.
-            tracing::warn!(node = %r.node_id, "join tokens are not enforced yet (issue #9); accepting the registration");
+        if let Some(cert) = certified.filter(|c| *c != r.node_id) {
+            tracing::warn!(certificate = %cert, claimed = %r.node_id, "registration for another node refused");
+            return Err(Status::permission_denied(format!(
+                "this agent's certificate is for node {cert}; it may not register node {} (an agent may only write its own node's state)",
+                r.node_id
+            )));
         }
         let reg = NodeRegistration {
             node_id: r.node_id,
@@ -94,6 +162,8 @@ impl AgentService for AgentGrpc {
         if !self.ctx.is_leader() {
             return Err(not_leader(&self.ctx));
         }
+        // With mTLS, the node the certificate names; every heartbeat must be for it.
+        let certified = crate::auth::caller(&req).map(|id| id.name.clone());
         let mut inbound = req.into_inner();
         let (tx, rx) = mpsc::channel(16);
         let ctx = self.ctx.clone();
@@ -109,7 +179,7 @@ impl AgentService for AgentGrpc {
                 let reply = tokio::select! {
                     msg = inbound.next() => {
                         let Some(Ok(hb)) = msg else { break };
-                        let reply = handle(&ctx, &mut bound, &hb);
+                        let reply = handle(&ctx, certified.as_deref(), &mut bound, &hb);
                         last = Some(hb);
                         reply
                     }
@@ -189,7 +259,19 @@ fn sync_replicas(ctx: &Context, hb: &Heartbeat) {
 }
 
 /// One heartbeat: check who sent it, record it, answer with the node's desired state.
-fn handle(ctx: &Context, bound: &mut Option<String>, hb: &Heartbeat) -> Result<DesiredState, Status> {
+fn handle(
+    ctx: &Context,
+    certified: Option<&str>,
+    bound: &mut Option<String>,
+    hb: &Heartbeat,
+) -> Result<DesiredState, Status> {
+    if let Some(cert) = certified.filter(|c| *c != hb.node_id) {
+        tracing::warn!(certificate = %cert, claimed = %hb.node_id, "heartbeat for another node refused");
+        return Err(Status::permission_denied(format!(
+            "this agent's certificate is for node {cert}; a heartbeat for {} is refused (an agent may only write its own node's state)",
+            hb.node_id
+        )));
+    }
     match bound {
         Some(node) if *node != hb.node_id => {
             tracing::warn!(stream_node = %node, claimed = %hb.node_id, "heartbeat for another node on this stream; closing it");
@@ -262,7 +344,35 @@ fn handle(ctx: &Context, bound: &mut Option<String>, hb: &Heartbeat) -> Result<D
     sync_replicas(ctx, hb);
     commit_job_reports(ctx, hb);
     let (jobs, settled) = job_reply(ctx, hb);
-    Ok(desired_state(ctx, hb, jobs, settled))
+    let mut ds = desired_state(ctx, hb, jobs, settled);
+    ds.renewed_cert_pem = renew(ctx, certified, hb);
+    Ok(ds)
+}
+
+/// How long a certificate signed for an agent (at a join, or renewed) is valid; agents renew
+/// when a third of it is left.
+pub const AGENT_CERT_LIFETIME: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+
+/// A renewed certificate when the heartbeat asks for one: only on a stream authenticated as
+/// the node itself, and only by a controller that holds the CA key.
+fn renew(ctx: &Context, certified: Option<&str>, hb: &Heartbeat) -> String {
+    if hb.renew_csr_pem.is_empty() {
+        return String::new();
+    }
+    let (Some(node), Some(ca)) = (certified, ctx.issuer.as_ref()) else {
+        tracing::warn!(node = %hb.node_id, "a certificate renewal was asked for, but this controller signs none (no tls.ca_key)");
+        return String::new();
+    };
+    match ca.sign_csr(&hb.renew_csr_pem, laneway_pki::Kind::Agent, node, AGENT_CERT_LIFETIME) {
+        Ok(cert) => {
+            tracing::info!(%node, "renewed the node's certificate");
+            cert
+        }
+        Err(e) => {
+            tracing::warn!(%node, error = %e, "certificate renewal refused");
+            String::new()
+        }
+    }
 }
 
 fn job_keys(jobs: &[AssignedJob]) -> Vec<(String, u64)> {
@@ -282,6 +392,7 @@ fn desired_state(ctx: &Context, hb: &Heartbeat, jobs: Vec<AssignedJob>, settled:
         jobs,
         settled,
         mig: ctx.sm.mig_for(&hb.node_id),
+        renewed_cert_pem: String::new(),
     }
 }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 use laneway_proto::admin::admin_service_client::AdminServiceClient;
 use laneway_proto::LEADER_ADDR_METADATA;
 use tokio::time::Instant;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Channel, ClientTlsConfig};
 use tonic::{Code, Status};
 
 /// Redirects followed for one call before giving up (guards against a redirect loop during an
@@ -51,6 +51,8 @@ pub struct AdminClient {
     channels: Mutex<HashMap<String, Channel>>,
     /// Last address that answered a write, tried first.
     preferred: Mutex<Option<String>>,
+    /// TLS towards the controllers (`None`: plaintext, development clusters only).
+    tls: Option<ClientTlsConfig>,
 }
 
 impl AdminClient {
@@ -62,7 +64,15 @@ impl AdminClient {
             call_timeout: Duration::from_secs(75),
             channels: Mutex::default(),
             preferred: Mutex::default(),
+            tls: None,
         }
+    }
+
+    /// Speaks TLS to the controllers (which must present a controller certificate of the
+    /// cluster's CA).
+    pub fn with_tls(mut self, tls: Option<ClientTlsConfig>) -> Self {
+        self.tls = tls;
+        self
     }
 
     /// Changes how long calls keep retrying unreachable controllers or a missing leader.
@@ -87,9 +97,9 @@ impl AdminClient {
         if let Some(c) = map.get(addr) {
             return Ok(c.clone());
         }
-        let ep = Endpoint::from_shared(format!("http://{addr}")).map_err(|e| ClientError::BadAddress {
+        let ep = laneway_pki::endpoint(addr, self.tls.clone()).map_err(|message| ClientError::BadAddress {
             addr: addr.to_string(),
-            message: e.to_string(),
+            message,
         })?;
         let ch = ep
             .connect_timeout(Duration::from_millis(500))

@@ -17,10 +17,10 @@ use crate::registry::{Class, DesiredReplica, Model, ReplicaRecord, Tenant, Tenan
 /// Highest command format this binary can apply. Format 2 added the registry commands, format 3
 /// the durable job queue, format 4 spot preemption notices, format 5 the ledger (prices and
 /// usage reports), format 6 language-model lanes (token policies, specs, limits and usage), format 7 the slow
-/// loop's node requests and capacity marks; a command is written with the lowest format that can express it
+/// loop's node requests and capacity marks, format 8 join tokens; a command is written with the lowest format that can express it
 /// ([`Command::format`]), so an older controller keeps applying what it knows and stops only
 /// at the first command it cannot understand.
-pub const COMMAND_FORMAT: u32 = 7;
+pub const COMMAND_FORMAT: u32 = 8;
 
 /// The cluster setting holding the highest command format every member can apply, written at
 /// `cluster init` and raised by `lanectl cluster finalize-upgrade` once every member runs a
@@ -208,6 +208,22 @@ pub enum Command {
         key: String,
         mark: Option<crate::provision::CapacityMark>,
     },
+    /// A new one-time join token (only its sha256 is replicated).
+    CreateJoinToken {
+        sha256: String,
+        token: crate::registry::JoinToken,
+    },
+    RevokeJoinToken {
+        sha256: String,
+    },
+    /// A host joins as `node_id` with the token whose sha256 this is: refused unless the token
+    /// is known, unused, unrevoked, unexpired at `at_ms` and (when bound) for this node, and
+    /// the node id never joined before.
+    ConsumeJoinToken {
+        sha256: String,
+        node_id: String,
+        at_ms: u64,
+    },
 }
 
 /// What applying one log entry produced.
@@ -292,6 +308,7 @@ impl Command {
             | Command::RemoveNodeRequest { .. }
             | Command::SetCapacityMark { .. }
             | Command::PutMigPlan(_) => 7,
+            Command::CreateJoinToken { .. } | Command::RevokeJoinToken { .. } | Command::ConsumeJoinToken { .. } => 8,
             Command::SetPrice { .. }
             | Command::RecordUsage(_)
             | Command::SetMigLayout { .. }
@@ -370,6 +387,7 @@ impl Command {
             Command::PutNodeRequest(r) => 256 + r.id.len() + r.models.iter().map(|m| m.len() + 4).sum::<usize>(),
             Command::RemoveNodeRequest { id } => id.len(),
             Command::PutMigPlan(p) => serde_json::to_vec(p).map_or(4096, |b| b.len()),
+            Command::CreateJoinToken { .. } | Command::RevokeJoinToken { .. } | Command::ConsumeJoinToken { .. } => 256,
             Command::SetCapacityMark { key, mark } => key.len() + mark.as_ref().map_or(0, |m| 64 + m.why.len()),
         }
     }
@@ -449,6 +467,12 @@ impl Command {
                 .iter()
                 .try_for_each(|g| validate_node_id(&g.node))
                 .map_err(CommandError::InvalidNode),
+            Command::CreateJoinToken { token, .. } => match &token.node_id {
+                Some(n) => validate_node_id(n).map_err(CommandError::InvalidNode),
+                None => Ok(()),
+            },
+            Command::RevokeJoinToken { .. } => Ok(()),
+            Command::ConsumeJoinToken { node_id, .. } => validate_node_id(node_id).map_err(CommandError::InvalidNode),
             Command::SetCapacityMark { key, .. } => {
                 if key.is_empty() || key.len() > 256 || !key.contains('@') {
                     Err(CommandError::Invalid(format!("capacity key {key:?}: product@region")))

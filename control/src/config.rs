@@ -27,6 +27,10 @@ pub struct FileConfig {
     pub jobs: FileJobsConfig,
     /// The slow loop's pools and node provider (see deploy/examples/provision.toml).
     pub provision: Option<PathBuf>,
+    /// `[tls]`: the cluster CA's certificate and this controller's certificate and key.
+    pub tls: Option<laneway_pki::TlsFiles>,
+    /// Run without TLS and without authorization (development only; announced loudly).
+    pub insecure_dev: Option<bool>,
 }
 
 /// `[jobs]` table of the TOML file.
@@ -104,6 +108,23 @@ pub struct RunArgs {
     /// Without it, replicas that do not fit the fleet wait, reported as unplaced.
     #[arg(long, env = "LANEWAY_PROVISION")]
     pub provision: Option<PathBuf>,
+    /// The cluster CA's certificate (PEM), from `lanectl certs init`.
+    #[arg(long, env = "LANEWAY_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    /// This controller's certificate (PEM), from `lanectl certs issue --kind controller`.
+    #[arg(long, env = "LANEWAY_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// This controller's private key (PEM).
+    #[arg(long, env = "LANEWAY_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// The CA's key (PEM), optional: lets the controllers sign the certificates of agents that
+    /// join with a token (`lanectl token create`) and renew them.
+    #[arg(long, env = "LANEWAY_TLS_CA_KEY")]
+    pub tls_ca_key: Option<PathBuf>,
+    /// Serve plaintext gRPC with no authorization: for a development cluster on one machine
+    /// only. Without TLS settings a controller refuses to start unless this is given.
+    #[arg(long, env = "LANEWAY_INSECURE_DEV")]
+    pub insecure_dev: bool,
 }
 
 /// Raft timing and compaction settings, validated.
@@ -158,6 +179,10 @@ pub struct ControllerConfig {
     pub results_store: String,
     /// The slow loop's configuration; `None`: no provisioner.
     pub provision: Option<crate::provision::ProvisionConfig>,
+    /// mTLS material; `None` only in insecure development mode (no TLS, no authorization).
+    pub tls: Option<laneway_pki::Tls>,
+    /// The cluster CA, when this controller may sign joining agents' certificates.
+    pub issuer: Option<std::sync::Arc<laneway_pki::Ca>>,
 }
 
 /// An invalid configuration value.
@@ -342,7 +367,50 @@ impl RunArgs {
             .map(|p| crate::provision::ProvisionConfig::load(&p))
             .transpose()
             .map_err(|e| bad("provision", e.path.clone(), e.message))?;
+        let tls = resolve_tls(self, file.tls.as_ref(), file.insecure_dev, node_id, &cluster_name)?;
+        let issuer = match self
+            .tls_ca_key
+            .clone()
+            .or_else(|| file.tls.as_ref().and_then(|t| t.ca_key.clone()))
+        {
+            None => None,
+            Some(_) if tls.is_none() => {
+                return Err(bad(
+                    "tls.ca_key",
+                    "<set>",
+                    "only with TLS settings (a CA key means nothing in --insecure-dev)",
+                ))
+            }
+            Some(path) => {
+                let ca = self
+                    .tls_ca
+                    .clone()
+                    .or_else(|| file.tls.as_ref().and_then(|t| t.ca.clone()))
+                    .expect("TLS is on");
+                let read = |p: &PathBuf| {
+                    std::fs::read_to_string(p)
+                        .map_err(|e| bad("tls.ca_key", p.display().to_string(), format!("a readable file ({e})")))
+                };
+                let ca = laneway_pki::Ca::load(&read(&ca)?, &read(&path)?)
+                    .map_err(|e| bad("tls.ca_key", path.display().to_string(), e.to_string()))?;
+                Some(std::sync::Arc::new(ca))
+            }
+        };
+        if tls.is_some()
+            && matches!(
+                provision.as_ref().map(|p| &p.provider),
+                Some(crate::provision::ProviderConfig::Sim { .. })
+            )
+        {
+            return Err(bad(
+                "provision",
+                "provider = sim",
+                "the simulated-host provider starts insecure agents: use it with --insecure-dev, or a real provider with TLS",
+            ));
+        }
         Ok(ControllerConfig {
+            tls,
+            issuer,
             provision,
             results_store,
             node_id,
@@ -355,6 +423,51 @@ impl RunArgs {
             node_dead_after: std::time::Duration::from_secs(3),
             router,
         })
+    }
+}
+
+/// TLS on, or insecure development mode said out loud; anything in between is refused.
+fn resolve_tls(
+    args: &RunArgs,
+    file: Option<&laneway_pki::TlsFiles>,
+    file_insecure: Option<bool>,
+    node_id: u64,
+    cluster: &str,
+) -> Result<Option<laneway_pki::Tls>, ConfigError> {
+    let file = file.cloned().unwrap_or_default();
+    let files = laneway_pki::TlsFiles {
+        ca: args.tls_ca.clone().or(file.ca),
+        cert: args.tls_cert.clone().or(file.cert),
+        key: args.tls_key.clone().or(file.key),
+        ca_key: None,
+    };
+    let insecure = args.insecure_dev || file_insecure.unwrap_or(false);
+    let tls = files.load().map_err(|e| bad("tls", "[ca, cert, key]", e.to_string()))?;
+    match (tls, insecure) {
+        (Some(_), true) => Err(bad(
+            "insecure_dev",
+            true,
+            "not together with TLS settings: remove --insecure-dev (or the tls settings)",
+        )),
+        (None, false) => Err(bad(
+            "tls",
+            "<unset>",
+            "TLS settings (--tls-ca, --tls-cert, --tls-key or a [tls] table; make them with `lanectl certs init` and `lanectl certs issue --kind controller`), or --insecure-dev for a development cluster",
+        )),
+        (None, true) => Ok(None),
+        (Some(tls), false) => {
+            let id = tls.identity();
+            if id.controller_id() != Some(node_id) || id.cluster != cluster {
+                return Err(bad(
+                    "tls.cert",
+                    id.uri(),
+                    format!(
+                        "a certificate for controller {node_id} of cluster {cluster:?}; issue one with `lanectl certs issue --kind controller --name {node_id}`"
+                    ),
+                ));
+            }
+            Ok(Some(tls))
+        }
     }
 }
 
@@ -454,8 +567,70 @@ mod tests {
         RunArgs {
             node_id: Some(1),
             data_dir: Some("/tmp/x".into()),
+            insecure_dev: true,
             ..RunArgs::default()
         }
+    }
+
+    #[test]
+    fn tls_is_on_or_insecure_dev_is_said_out_loud() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = laneway_pki::Ca::create("laneway", std::time::Duration::from_secs(3600)).unwrap();
+        let write = |name: &str, text: &str| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, text).unwrap();
+            Some(p)
+        };
+        let c1 = ca
+            .issue(
+                laneway_pki::Kind::Controller,
+                "1",
+                &[],
+                std::time::Duration::from_secs(3600),
+            )
+            .unwrap();
+        let c2 = ca
+            .issue(
+                laneway_pki::Kind::Controller,
+                "2",
+                &[],
+                std::time::Duration::from_secs(3600),
+            )
+            .unwrap();
+        let with = |cert: &laneway_pki::Issued| RunArgs {
+            insecure_dev: false,
+            tls_ca: write("ca.pem", ca.cert_pem()),
+            tls_cert: write("c.pem", &cert.cert_pem),
+            tls_key: write("c.key", &cert.key_pem),
+            ..args()
+        };
+        let on = with(&c1).resolve().unwrap();
+        assert_eq!(on.tls.unwrap().identity().controller_id(), Some(1));
+        // Another node's certificate, TLS plus --insecure-dev, half TLS, and nothing at all.
+        let e = with(&c2).resolve().unwrap_err();
+        assert_eq!(e.field, "tls.cert", "{e}");
+        let e = RunArgs {
+            insecure_dev: true,
+            ..with(&c1)
+        }
+        .resolve()
+        .unwrap_err();
+        assert_eq!(e.field, "insecure_dev", "{e}");
+        let e = RunArgs {
+            tls_key: None,
+            ..with(&c1)
+        }
+        .resolve()
+        .unwrap_err();
+        assert!(e.expected.contains("key missing"), "{e}");
+        let e = RunArgs {
+            insecure_dev: false,
+            ..args()
+        }
+        .resolve()
+        .unwrap_err();
+        assert!(e.expected.contains("--insecure-dev"), "{e}");
+        assert!(args().resolve().unwrap().tls.is_none());
     }
 
     #[test]

@@ -29,6 +29,10 @@ pub struct Context {
     pub history: Arc<crate::observe::history::History>,
     /// Replicas the leader's last placement pass could not place (the slow loop's demand).
     pub unplaced: Arc<std::sync::Mutex<Vec<crate::scheduler::placement::Unplaced>>>,
+    /// This controller's mTLS material; `None` in insecure development mode.
+    pub tls: Option<laneway_pki::Tls>,
+    /// The cluster CA, when this controller signs joining agents' certificates.
+    pub issuer: Option<Arc<laneway_pki::Ca>>,
 }
 
 impl Context {
@@ -37,10 +41,25 @@ impl Context {
         self.raft.metrics().borrow().current_leader == Some(self.node_id)
     }
 
+    /// A client of the other controllers' admin API (over mTLS, as this controller).
+    pub fn controllers_client(&self, call_timeout: std::time::Duration) -> crate::client::AdminClient {
+        controllers_client(self.tls.as_ref(), call_timeout)
+    }
+
     /// The current leader's id and address, if known.
     pub fn leader(&self) -> Option<(NodeId, String)> {
         current_leader(&self.raft)
     }
+}
+
+/// A client of the controllers' admin API that presents `tls`'s certificate.
+pub fn controllers_client(
+    tls: Option<&laneway_pki::Tls>,
+    call_timeout: std::time::Duration,
+) -> crate::client::AdminClient {
+    crate::client::AdminClient::new(Vec::new())
+        .with_call_timeout(call_timeout)
+        .with_tls(tls.map(|t| t.client(laneway_pki::ANY_CONTROLLER)))
 }
 
 /// The leader `raft` knows of now, with its address (from this member's own metrics).

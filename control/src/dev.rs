@@ -170,6 +170,7 @@ async fn start_agents(controller: &str, data_dir: &std::path::Path) -> Result<Ve
             replicas: Vec::new(),
             // The controller's /metrics covers dev mode's in-process agents.
             metrics_listen: None,
+            credentials: laneway_agent::identity::Credentials::Insecure,
         };
         let agent = laneway_agent::runtime::start(cfg, Arc::new(backend))
             .await
@@ -415,6 +416,9 @@ pub async fn start(args: DevArgs) -> Result<DevController, DevError> {
             listen: Some(args.router_listen),
             ..Default::default()
         },
+        // Dev mode is one machine and says so: plaintext, no authorization.
+        tls: None,
+        issuer: None,
     };
     let controller = server::start(cfg).await.map_err(DevError::Start)?;
     let initialized = controller

@@ -6,6 +6,7 @@
 
 pub mod admin;
 pub mod agent_api;
+pub mod auth;
 pub mod client;
 pub mod command;
 pub mod config;

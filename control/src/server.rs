@@ -13,6 +13,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::admin::AdminGrpc;
 use crate::agent_api::AgentGrpc;
+use crate::auth;
 use crate::config::ControllerConfig;
 use crate::context::Context;
 use crate::fleet::heartbeats::HeartbeatTable;
@@ -48,6 +49,9 @@ const GRPC_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 /// load spreads again over controllers that were restarted; agents and peers reconnect.
 const GRPC_MAX_CONNECTION_AGE: Duration = Duration::from_secs(3600);
 const GRPC_MAX_CONNECTION_AGE_GRACE: Duration = Duration::from_secs(60);
+/// A client that has not finished its TLS handshake by then is disconnected (handshakes run
+/// concurrently, so a slow one holds only its own connection).
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why a controller could not start.
 #[derive(Debug, thiserror::Error)]
@@ -63,6 +67,8 @@ pub enum StartError {
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot use the TLS settings: {0}")]
+    Tls(String),
     #[error("invalid raft settings: {0}")]
     RaftConfig(String),
     #[error("raft failed to start: {0}")]
@@ -81,7 +87,7 @@ impl StartError {
     /// Process exit code: 2 for a misconfiguration the operator must fix, 1 otherwise.
     pub fn exit_code(&self) -> i32 {
         match self {
-            StartError::DataDir(_) | StartError::RaftConfig(_) | StartError::Results(_) => 2,
+            StartError::DataDir(_) | StartError::RaftConfig(_) | StartError::Results(_) | StartError::Tls(_) => 2,
             StartError::Storage(_) | StartError::Bind { .. } | StartError::Raft(_) | StartError::Audit { .. } => 1,
         }
     }
@@ -157,7 +163,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
     let raft = Raft::new(
         cfg.node_id,
         Arc::new(raft_config),
-        NetworkFactory::new(cfg.cluster_name.clone()),
+        NetworkFactory::new(cfg.cluster_name.clone(), cfg.tls.clone()),
         log.clone(),
         sm.clone(),
     )
@@ -169,6 +175,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         raft.clone(),
         cfg.node_id,
         proposer.clone(),
+        cfg.tls.as_ref(),
     ));
     let results = laneway_agent::results::ResultStore::open(&cfg.results_store)
         .map_err(|e| StartError::Results(e.to_string()))?;
@@ -186,6 +193,8 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         jobs: jobs.clone(),
         history: Arc::default(),
         unplaced: Arc::default(),
+        tls: cfg.tls.clone(),
+        issuer: cfg.issuer.clone(),
     };
     let router = ctx.router.clone();
     router.enable_jobs(jobs, results);
@@ -210,10 +219,23 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         path: audit_path.clone(),
         source,
     })?;
-    let admin_svc = AdminServiceServer::new(AdminGrpc::new(ctx.clone()).with_audit(Arc::new(audit)))
+    let audit = Arc::new(audit);
+    let admin_svc = AdminServiceServer::new(AdminGrpc::new(ctx.clone()).with_audit(audit.clone()))
         .max_decoding_message_size(cfg.max_admin_request_bytes);
-    let agent_svc =
-        AgentServiceServer::new(AgentGrpc::new(ctx.clone())).max_decoding_message_size(cfg.max_admin_request_bytes);
+    let agent_svc = AgentServiceServer::new(AgentGrpc::new(ctx.clone()).with_audit(audit.clone()))
+        .max_decoding_message_size(cfg.max_admin_request_bytes);
+    let guard = auth::Guard::new(&cfg.cluster_name, cfg.tls.is_some(), Some(audit.clone()));
+    let mut grpc = tonic::transport::Server::builder();
+    match &cfg.tls {
+        Some(tls) => {
+            grpc = grpc
+                .tls_config(tls.server(TLS_HANDSHAKE_TIMEOUT))
+                .map_err(|e| StartError::Tls(e.to_string()))?;
+        }
+        None => {
+            tracing::warn!("INSECURE DEVELOPMENT MODE: gRPC is plaintext and every caller may do anything; never run this on a network others can reach");
+        }
+    }
     let placement = tokio::spawn({
         let ctx = ctx.clone();
         async move {
@@ -234,8 +256,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
 
     let (tx, rx) = oneshot::channel::<()>();
     let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .tcp_nodelay(true)
+        grpc.tcp_nodelay(true)
             .timeout(GRPC_REQUEST_TIMEOUT)
             .concurrency_limit_per_connection(GRPC_CONCURRENCY_PER_CONNECTION)
             .max_concurrent_streams(GRPC_MAX_STREAMS)
@@ -246,9 +267,9 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
             .tcp_keepalive(Some(GRPC_KEEPALIVE))
             .max_connection_age(GRPC_MAX_CONNECTION_AGE)
             .max_connection_age_grace(GRPC_MAX_CONNECTION_AGE_GRACE)
-            .add_service(raft_svc)
-            .add_service(admin_svc)
-            .add_service(agent_svc)
+            .add_service(guard.wrap(raft_svc, auth::raft_methods))
+            .add_service(guard.wrap(admin_svc, auth::admin_methods))
+            .add_service(guard.wrap(agent_svc, auth::agent_methods))
             .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
                 let _ = rx.await;
             }),

@@ -36,7 +36,7 @@ enum Output {
 #[derive(Subcommand)]
 enum Cmd {
     /// Run the agent: register this node, heartbeat to the leader, supervise replicas.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Print this host's GPU inventory: the first thing to run on a new host.
     Gpus {
         #[arg(long, value_enum, default_value_t = Backend::Nvml, env = "LANEWAY_GPU_BACKEND")]
@@ -70,6 +70,18 @@ struct RunArgs {
     sim_config: Option<PathBuf>,
     #[arg(long, env = "LANEWAY_JOIN_TOKEN")]
     join_token: Option<String>,
+    /// The cluster CA's certificate (PEM).
+    #[arg(long, env = "LANEWAY_TLS_CA")]
+    tls_ca: Option<PathBuf>,
+    /// This node's certificate (PEM), from `lanectl certs issue --kind agent --name NODE`.
+    #[arg(long, env = "LANEWAY_TLS_CERT")]
+    tls_cert: Option<PathBuf>,
+    /// This node's private key (PEM).
+    #[arg(long, env = "LANEWAY_TLS_KEY")]
+    tls_key: Option<PathBuf>,
+    /// Talk to the controllers in plaintext: development clusters only.
+    #[arg(long, env = "LANEWAY_INSECURE_DEV")]
+    insecure_dev: bool,
     /// Where durable jobs' results go: a directory the controllers also read, or an
     /// object-store URL (s3://bucket/prefix). Default: <data-dir>/results.
     #[arg(long, env = "LANEWAY_RESULTS_STORE")]
@@ -104,6 +116,18 @@ fn run_agent(args: RunArgs, log_format: LogFormat) -> ExitCode {
     }
     if args.join_token.is_some() {
         file.join_token = args.join_token;
+    }
+    for (flag, field) in [
+        (args.tls_ca, &mut file.tls.ca),
+        (args.tls_cert, &mut file.tls.cert),
+        (args.tls_key, &mut file.tls.key),
+    ] {
+        if flag.is_some() {
+            *field = flag;
+        }
+    }
+    if args.insecure_dev {
+        file.insecure_dev = Some(true);
     }
     if args.results_store.is_some() {
         file.results_store = args.results_store;
@@ -167,7 +191,7 @@ fn run_agent(args: RunArgs, log_format: LogFormat) -> ExitCode {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Cmd::Run(args) => run_agent(args, cli.log_format),
+        Cmd::Run(args) => run_agent(*args, cli.log_format),
         Cmd::Gpus {
             backend,
             sim_config,

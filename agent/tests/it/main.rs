@@ -112,6 +112,7 @@ async fn metrics_show_the_gpus_and_a_heartbeat_stream_that_is_down() {
             "127.0.0.1:1",
             "--backend",
             "sim",
+            "--insecure-dev",
         ])
         .args(["--sim-config", &example(), "--data-dir", dir.path().to_str().unwrap()])
         .args(["--metrics-listen", &format!("127.0.0.1:{port}")])

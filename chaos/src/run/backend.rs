@@ -15,6 +15,11 @@ pub(crate) trait Backend {
 
     /// Admin/Raft addresses of the current members.
     fn controller_addrs(&self) -> Vec<String>;
+    /// How the harness authenticates to the controllers: `None` for a cluster started with
+    /// `--insecure-dev`.
+    fn admin_tls(&self) -> anyhow::Result<Option<tonic::transport::ClientTlsConfig>> {
+        Ok(None)
+    }
     /// Inference routers of the current members.
     fn router_addrs(&self) -> Vec<String>;
     fn controller_id(&self, i: usize) -> u64;

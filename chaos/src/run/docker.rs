@@ -43,6 +43,9 @@ pub struct DockerBackend {
     spec: ComposeSpec,
     project: String,
     results: PathBuf,
+    /// The compose file's `certs` service writes the cluster's certificates here; the
+    /// harness calls the controllers as `admin:operator` from it.
+    certs: PathBuf,
     /// Container id by service name.
     ids: std::collections::BTreeMap<String, String>,
     killed: BTreeSet<String>,
@@ -106,7 +109,12 @@ impl DockerBackend {
             .prefix("laneway-chaos-docker-")
             .tempdir()?
             .keep();
+        let certs = tempfile::Builder::new()
+            .prefix("laneway-chaos-certs-")
+            .tempdir()?
+            .keep();
         let mut b = DockerBackend {
+            certs,
             compose,
             spec,
             project: format!("lanewaychaos{seed}"),
@@ -168,6 +176,7 @@ impl DockerBackend {
             .args(args)
             .env("LANEWAY_IMAGE", &self.spec.image)
             .env("LANEWAY_RESULTS_DIR", &self.results)
+            .env("LANEWAY_CERTS_DIR", &self.certs)
             .env("LANEWAY_SUBNET", SUBNET)
             .env("LANEWAY_PORT_PREFIX", PORT_PREFIX)
             // The harness restarts what it kills, when the scenario says.
@@ -196,23 +205,22 @@ impl DockerBackend {
             .context("container pid")
     }
 
+    /// The controller stops receiving from the other members (controllers and agents) while
+    /// it can still send to them. The Docker host (the harness's clients, through the
+    /// network's gateway `.1`) still reaches its router: the fault is inside the cluster. (A
+    /// router the clients cannot reach at all is what `pause_leader` tests; cutting clients
+    /// here too left a request sent at the start of the cut waiting on TCP's retransmission
+    /// backoff past its timeout, and the checker took that for a hung router.)
     fn one_way_rule(&self, i: usize, add: bool) -> anyhow::Result<()> {
         let pid = self.pid(&controller(i))?.to_string();
-        let src = format!("{SUBNET}.0/24");
-        run(Command::new("nsenter").args([
-            "-t",
-            &pid,
-            "-n",
-            "iptables",
-            if add { "-A" } else { "-D" },
-            "INPUT",
-            "-s",
-            &src,
-            "-j",
-            "DROP",
-        ]))
-        .map(|_| ())
-        .context("a one-way cut needs root, nsenter and iptables on the Docker host")
+        let members = format!("{SUBNET}.2-{SUBNET}.254");
+        let iptables = |args: &[&str]| {
+            run(Command::new("nsenter").args(["-t", &pid, "-n", "iptables"]).args(args))
+                .map(|_| ())
+                .context("a one-way cut needs root, nsenter and iptables (with the iprange match) on the Docker host")
+        };
+        let rule = ["INPUT", "-m", "iprange", "--src-range", &members, "-j", "DROP"];
+        iptables(&[&[if add { "-A" } else { "-D" }][..], &rule[..]].concat())
     }
 
     fn start_svc(&mut self, svc: &str) -> anyhow::Result<()> {
@@ -241,6 +249,20 @@ impl Backend for DockerBackend {
     fn supports(&self, kind: FaultKind) -> bool {
         // A new node id needs a new service in the compose file.
         kind != FaultKind::WipeFollower
+    }
+
+    fn admin_tls(&self) -> anyhow::Result<Option<tonic::transport::ClientTlsConfig>> {
+        let read = |name: &str| {
+            let p = self.certs.join(name);
+            std::fs::read_to_string(&p)
+                .with_context(|| format!("reading {} (written by the compose file's certs service)", p.display()))
+        };
+        let tls = laneway_pki::Tls::from_pem(
+            read("ca.pem")?,
+            read("admin-operator.pem")?,
+            read("admin-operator.key")?,
+        )?;
+        Ok(Some(tls.client(laneway_pki::ANY_CONTROLLER)))
     }
 
     fn controller_addrs(&self) -> Vec<String> {

@@ -181,7 +181,7 @@ pub async fn inject<B: Backend>(
     s: &Scenario,
     targets: &Targets,
 ) -> anyhow::Result<FaultRecord> {
-    let admin = AdminClient::new(b.controller_addrs()).with_retry_for(Duration::from_secs(5));
+    let admin = crate::run::admin_client(b.controller_addrs()).with_retry_for(Duration::from_secs(5));
     let bound = Duration::from_secs(s.checks.recovery_s);
     let started = Instant::now();
     let mut rec = FaultRecord::new(t0.elapsed().as_millis() as u64, kind, String::new());
@@ -320,7 +320,7 @@ pub async fn supervise<B: Backend>(
 
 /// Waits until the warm floors are met after healing (the run's final recovery check).
 pub async fn floors_restored<B: Backend>(b: &mut B, limit: Duration) -> Result<u64, String> {
-    let admin = AdminClient::new(b.controller_addrs()).with_retry_for(Duration::from_secs(5));
+    let admin = crate::run::admin_client(b.controller_addrs()).with_retry_for(Duration::from_secs(5));
     let mut crashed = Vec::new();
     floors_ready(b, &admin, None, limit, &mut crashed).await
 }

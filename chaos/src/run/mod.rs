@@ -37,6 +37,14 @@ use self::scenario::{BackendKind, FaultKind, Scenario};
 use self::traffic::{Lane, Request, Targets};
 use crate::process_cluster::status_of;
 
+/// TLS towards the cluster under test, set once per run from its backend.
+static ADMIN_TLS: std::sync::OnceLock<Option<tonic::transport::ClientTlsConfig>> = std::sync::OnceLock::new();
+
+/// An admin client of the cluster under test (over mTLS when its backend runs with it).
+pub fn admin_client(addrs: Vec<String>) -> AdminClient {
+    AdminClient::new(addrs).with_tls(ADMIN_TLS.get().cloned().flatten())
+}
+
 /// Flags of `laneway-chaos run`.
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
@@ -159,7 +167,8 @@ async fn drive<B: Backend>(s: &Scenario, seed: u64, b: &mut B, rng: &mut StdRng)
             k.as_str()
         );
     }
-    let admin = AdminClient::new(b.controller_addrs()).with_retry_for(Duration::from_secs(15));
+    let _ = ADMIN_TLS.set(b.admin_tls()?);
+    let admin = crate::run::admin_client(b.controller_addrs()).with_retry_for(Duration::from_secs(15));
     let tenants = register(&admin, s, b).await?;
     let ready = inject::floors_restored(b, Duration::from_secs(90)).await;
     if let Err(e) = ready {

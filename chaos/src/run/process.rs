@@ -130,7 +130,7 @@ impl ProcessBackend {
         std::fs::write(
             &config,
             format!(
-                "node_id = {id:?}\ncontrollers = [{}]\npool = {:?}\ndata_dir = {:?}\nresults_store = {:?}\nmetrics_listen = \"off\"\n[gpu]\nbackend = \"sim\"\nsim_config = {:?}\n",
+                "node_id = {id:?}\ncontrollers = [{}]\npool = {:?}\ndata_dir = {:?}\nresults_store = {:?}\nmetrics_listen = \"off\"\ninsecure_dev = true\n[gpu]\nbackend = \"sim\"\nsim_config = {:?}\n",
                 controllers.join(", "),
                 product.to_lowercase(),
                 dir.join("data").display().to_string(),

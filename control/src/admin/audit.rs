@@ -72,6 +72,29 @@ impl AuditLog {
         }
     }
 
+    /// Records a call the authorization layer refused (before any handler ran).
+    pub fn refused(
+        &self,
+        who: Option<&laneway_pki::PeerIdentity>,
+        remote: Option<std::net::SocketAddr>,
+        method: &str,
+        status: &Status,
+    ) {
+        let addr = remote.map_or_else(|| "unknown".into(), |a| a.to_string());
+        let now = crate::jobs::unix_ms();
+        self.record(&Entry {
+            unix_ms: now,
+            at: rfc3339(now),
+            controller: self.controller,
+            who: who.map_or_else(|| addr.clone(), |id| format!("{id}@{addr}")),
+            call: "refused",
+            target: method.to_string(),
+            result: format!("{:?}", status.code()),
+            message: Some(status.message().to_string()),
+            ms: 0,
+        });
+    }
+
     /// Runs `call` for `caller` and records it.
     pub async fn around<T, F>(&self, caller: Caller, call: &'static str, f: F) -> Result<Response<T>, Status>
     where
@@ -86,8 +109,7 @@ impl AuditLog {
         };
         self.record(&Entry {
             unix_ms: now,
-            at: humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + std::time::Duration::from_millis(now))
-                .to_string(),
+            at: rfc3339(now),
             controller: self.controller,
             who: caller.who,
             call,
@@ -115,10 +137,14 @@ impl AuditLog {
     }
 }
 
+fn rfc3339(unix_ms: u64) -> String {
+    humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + std::time::Duration::from_millis(unix_ms)).to_string()
+}
+
 /// Who made a call and what it was about.
 #[derive(Debug, Clone)]
 pub struct Caller {
-    /// The peer address (admin tokens will add the identity they name).
+    /// The identity its certificate names (`viewer:alice`), and the peer address.
     pub who: String,
     pub target: String,
 }
@@ -143,7 +169,11 @@ impl Caller {
 }
 
 fn peer<T>(req: &tonic::Request<T>) -> String {
-    req.remote_addr().map_or_else(|| "unknown".into(), |a| a.to_string())
+    let addr = req.remote_addr().map_or_else(|| "unknown".into(), |a| a.to_string());
+    match crate::auth::caller(req) {
+        Some(id) => format!("{id}@{addr}"),
+        None => addr,
+    }
 }
 
 fn document_name(json: &str) -> String {

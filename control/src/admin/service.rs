@@ -13,8 +13,9 @@ use laneway_proto::admin::{
     SnapshotRequest, StatusRequest, WriteReply,
 };
 use laneway_proto::admin::{
-    ApplyMigPlanRequest, AuditRequest, EventsRequest, FinalizeUpgradeReply, FinalizeUpgradeRequest, MemberFormat,
-    PlanMigRequest, SetMigLayoutRequest, SetPoolTaintsRequest,
+    ApplyMigPlanRequest, AuditRequest, CreateJoinTokenRequest, EventsRequest, FinalizeUpgradeReply,
+    FinalizeUpgradeRequest, JoinTokenReply, MemberFormat, PlanMigRequest, RevokeJoinTokenRequest, SetMigLayoutRequest,
+    SetPoolTaintsRequest,
 };
 use laneway_proto::admin::{
     CreateTenantRequest, DocumentsReply, JobWriteReply, JobWritesReply, JobWritesRequest, LaneStatusRequest,
@@ -79,6 +80,8 @@ pub struct AdminGrpc {
     history: Arc<crate::observe::history::History>,
     /// Connections to other controllers (a follower asks the leader for read indexes).
     peers: AdminClient,
+    /// This controller's mTLS material, for calls to other controllers.
+    tls: Option<laneway_pki::Tls>,
     /// One membership change at a time from this controller, so a concurrent `remove` and
     /// `add` of the same id cannot both pass the retired-id check.
     membership: tokio::sync::Mutex<()>,
@@ -119,6 +122,8 @@ impl AdminGrpc {
             jobs,
             history,
             unplaced: _,
+            tls,
+            issuer: _,
         } = ctx;
         AdminGrpc {
             router,
@@ -127,7 +132,8 @@ impl AdminGrpc {
             history,
             proposer,
             heartbeats,
-            peers: AdminClient::new(Vec::new()).with_call_timeout(READ_INDEX_TIMEOUT),
+            peers: crate::context::controllers_client(tls.as_ref(), READ_INDEX_TIMEOUT),
+            tls,
             membership: tokio::sync::Mutex::new(()),
             audit: None,
             raft,
@@ -377,7 +383,7 @@ impl AdminService for AdminGrpc {
         self.audited("finalize_upgrade", super::audit::Caller::of(&req), async move {
             self.leader_only()?;
             let m = self.metrics();
-            let client = AdminClient::new(Vec::new()).with_call_timeout(Duration::from_secs(3));
+            let client = crate::context::controllers_client(self.tls.as_ref(), Duration::from_secs(3));
             let mut members = Vec::new();
             for (id, node) in m.membership_config.membership().nodes() {
                 let format = if *id == self.node_id {
@@ -605,6 +611,16 @@ impl AdminService for AdminGrpc {
                 .map(|(pool, taints)| to_json(&serde_json::json!({"pool": pool, "taints": taints})))
                 .collect(),
             "node-requests" => r.node_requests.values().map(to_json).collect(),
+            // The token's hash stays inside: its id is a prefix of the hash.
+            "join-tokens" => r
+                .join_tokens
+                .iter()
+                .map(|(sha, t)| {
+                    let mut v = serde_json::to_value(t).expect("join token serializes");
+                    v["id"] = serde_json::json!(&sha[..crate::registry::JOIN_TOKEN_ID_CHARS]);
+                    to_json(&v)
+                })
+                .collect(),
             "capacity" => r.capacity_marks.values().map(to_json).collect(),
             "desired" => r
                 .desired
@@ -677,6 +693,68 @@ impl AdminService for AdminGrpc {
                 api_key,
                 log_index: w.log_index,
             }))
+        })
+        .await
+    }
+
+    async fn create_join_token(
+        &self,
+        req: Request<CreateJoinTokenRequest>,
+    ) -> Result<Response<JoinTokenReply>, Status> {
+        self.audited("create_join_token", super::audit::Caller::of(&req), async move {
+            let r = req.into_inner();
+            if !(60_000..=7 * 86_400_000).contains(&r.ttl_ms) {
+                return Err(AdminError::InvalidArgument(format!(
+                    "ttl {} ms: a join token lives between 1 minute and 7 days",
+                    r.ttl_ms
+                ))
+                .into());
+            }
+            let token = format!("lwjoin_{}", &new_api_key()[3..]);
+            let sha256 = hash_key(&token);
+            let now = crate::jobs::unix_ms();
+            let record = crate::registry::JoinToken {
+                created_ms: now,
+                expires_ms: now + r.ttl_ms,
+                node_id: (!r.node_id.is_empty()).then_some(r.node_id),
+                used_by: None,
+                revoked: false,
+            };
+            self.write(Command::CreateJoinToken {
+                sha256: sha256.clone(),
+                token: record.clone(),
+            })
+            .await?;
+            Ok(Response::new(JoinTokenReply {
+                token,
+                id: sha256[..crate::registry::JOIN_TOKEN_ID_CHARS].to_string(),
+                expires_unix_ms: record.expires_ms,
+            }))
+        })
+        .await
+    }
+
+    async fn revoke_join_token(&self, req: Request<RevokeJoinTokenRequest>) -> Result<Response<WriteReply>, Status> {
+        self.audited("revoke_join_token", super::audit::Caller::of(&req), async move {
+            let id = req.into_inner().id;
+            let matching: Vec<String> = self
+                .sm
+                .registry()
+                .join_tokens
+                .keys()
+                .filter(|sha| !id.is_empty() && sha.starts_with(&id))
+                .cloned()
+                .collect();
+            let [sha256] = matching.as_slice() else {
+                return Err(AdminError::InvalidArgument(format!(
+                    "{} join tokens have the id {id:?}; give the id `lanectl token list` shows",
+                    matching.len()
+                ))
+                .into());
+            };
+            Ok(Response::new(
+                self.write(Command::RevokeJoinToken { sha256: sha256.clone() }).await?,
+            ))
         })
         .await
     }

@@ -36,7 +36,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Run one controller of a cluster.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Run the embedded default: a single-node cluster in a temp dir, for trying Laneway out.
     Dev(DevArgs),
 }
@@ -145,6 +145,7 @@ fn main() -> ExitCode {
                 println!("Laneway dev controller is up (single-node Raft cluster \"dev\").");
                 println!("  admin + raft gRPC: {addr}");
                 println!("  data dir:          {}", dev.data_dir.display());
+                println!("  security:          INSECURE development mode: plaintext gRPC, no authorization (ADR 0013)");
                 let nodes: Vec<&str> = dev.agents.iter().map(|(n, _)| n.as_str()).collect();
                 println!("  simulated nodes:   {}", nodes.join(", "));
                 if let Some(r) = dev.router_addr {

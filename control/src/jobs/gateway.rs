@@ -89,8 +89,8 @@ fn outcome(resp: CommandResponse) -> Result<JobOutcome, GatewayError> {
 
 impl JobGateway {
     /// Starts the gateway and its forwarding task (needs a Tokio runtime).
-    pub fn new(raft: Raft, node_id: NodeId, proposer: Proposer) -> Self {
-        let leaders = Arc::new(AdminClient::new(Vec::new()).with_call_timeout(FORWARD_TIMEOUT));
+    pub fn new(raft: Raft, node_id: NodeId, proposer: Proposer, tls: Option<&laneway_pki::Tls>) -> Self {
+        let leaders = Arc::new(crate::context::controllers_client(tls, FORWARD_TIMEOUT));
         let (forward, rx) = mpsc::channel(FORWARD_QUEUE);
         tokio::spawn(forward_loop(raft.clone(), leaders.clone(), rx));
         JobGateway {

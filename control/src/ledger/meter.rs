@@ -242,7 +242,7 @@ pub async fn send_once(ctx: &crate::context::Context, leaders: &crate::client::A
 pub async fn run(ctx: crate::context::Context) {
     let mut tick = tokio::time::interval(REPORT_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let leaders = crate::client::AdminClient::new(Vec::new()).with_call_timeout(Duration::from_secs(2));
+    let leaders = ctx.controllers_client(Duration::from_secs(2));
     loop {
         tick.tick().await;
         send_once(&ctx, &leaders).await;

@@ -15,7 +15,7 @@ use openraft::raft::{
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use super::{MAX_RAFT_MESSAGE_BYTES, PAYLOAD_FORMAT, TARGET_APPEND_BYTES};
 use crate::node::ControllerNode;
@@ -28,12 +28,15 @@ const CONNECT_TIMEOUT: Duration = Duration::from_millis(300);
 #[derive(Clone)]
 pub struct NetworkFactory {
     cluster: String,
+    /// This controller's mTLS material; `None` in insecure development mode.
+    tls: Option<laneway_pki::Tls>,
 }
 
 impl NetworkFactory {
-    pub fn new(cluster: impl Into<String>) -> Self {
+    pub fn new(cluster: impl Into<String>, tls: Option<laneway_pki::Tls>) -> Self {
         NetworkFactory {
             cluster: cluster.into(),
+            tls,
         }
     }
 }
@@ -42,7 +45,13 @@ impl RaftNetworkFactory<TypeConfig> for NetworkFactory {
     type Network = PeerClient;
 
     async fn new_client(&mut self, target: NodeId, node: &ControllerNode) -> PeerClient {
-        let client = Endpoint::from_shared(format!("http://{}", node.addr))
+        // The peer must present the certificate of the member being addressed: one for another
+        // node id fails the handshake.
+        let tls = self
+            .tls
+            .as_ref()
+            .map(|t| t.client(&laneway_pki::controller_server_name(target)));
+        let client = laneway_pki::endpoint(&node.addr, tls)
             .map(|ep| {
                 let channel = ep.connect_timeout(CONNECT_TIMEOUT).tcp_nodelay(true).connect_lazy();
                 RaftServiceClient::new(channel)

@@ -8,7 +8,8 @@ use serde::Serialize;
 use tonic::{Request, Response, Status};
 
 use super::PAYLOAD_FORMAT;
-use crate::typ::{NodeId, Raft};
+use crate::typ::{NodeId, Raft, TypeConfig};
+use openraft::raft::{AppendEntriesRequest, InstallSnapshotRequest, VoteRequest};
 
 /// Serves peers' Raft RPCs for one controller.
 pub struct RaftGrpc {
@@ -23,7 +24,7 @@ impl RaftGrpc {
     }
 
     /// Refuses RPCs meant for another cluster or another member, or in an unknown format.
-    fn open<T: DeserializeOwned>(&self, req: RaftRequest) -> Result<T, Status> {
+    fn open<T: DeserializeOwned>(&self, req: &RaftRequest) -> Result<T, Status> {
         if req.cluster != self.cluster {
             return Err(Status::permission_denied(format!(
                 "this controller belongs to cluster {:?}, the request was for cluster {:?}; check the peer's cluster_name",
@@ -47,6 +48,20 @@ impl RaftGrpc {
     }
 }
 
+/// Refuses an RPC whose sender (the candidate or leader it names) is not the controller its
+/// certificate names: a controller cannot speak for another member.
+fn check_sender<T>(req: &Request<T>, sender: Option<NodeId>) -> Result<(), Status> {
+    let Some(id) = crate::auth::caller(req) else {
+        return Ok(());
+    };
+    match (id.controller_id(), sender) {
+        (Some(cert), Some(claimed)) if cert == claimed => Ok(()),
+        (cert, claimed) => Err(Status::permission_denied(format!(
+            "this RPC speaks for node {claimed:?} but came with the certificate of {id} (node {cert:?}); a controller may only speak for itself"
+        ))),
+    }
+}
+
 fn reply<T: Serialize, E: Serialize>(res: Result<T, E>) -> Result<Response<RaftReply>, Status> {
     let result = match res {
         Ok(v) => ReplyResult::Ok(serde_json::to_vec(&v).map_err(|e| Status::internal(e.to_string()))?),
@@ -58,17 +73,20 @@ fn reply<T: Serialize, E: Serialize>(res: Result<T, E>) -> Result<Response<RaftR
 #[tonic::async_trait]
 impl RaftService for RaftGrpc {
     async fn append_entries(&self, req: Request<RaftRequest>) -> Result<Response<RaftReply>, Status> {
-        let rpc = self.open(req.into_inner())?;
+        let rpc: AppendEntriesRequest<TypeConfig> = self.open(req.get_ref())?;
+        check_sender(&req, rpc.vote.leader_id().voted_for())?;
         reply(self.raft.append_entries(rpc).await)
     }
 
     async fn vote(&self, req: Request<RaftRequest>) -> Result<Response<RaftReply>, Status> {
-        let rpc = self.open(req.into_inner())?;
+        let rpc: VoteRequest<NodeId> = self.open(req.get_ref())?;
+        check_sender(&req, rpc.vote.leader_id().voted_for())?;
         reply(self.raft.vote(rpc).await)
     }
 
     async fn install_snapshot(&self, req: Request<RaftRequest>) -> Result<Response<RaftReply>, Status> {
-        let rpc = self.open(req.into_inner())?;
+        let rpc: InstallSnapshotRequest<TypeConfig> = self.open(req.get_ref())?;
+        check_sender(&req, rpc.vote.leader_id().voted_for())?;
         reply(self.raft.install_snapshot(rpc).await)
     }
 }

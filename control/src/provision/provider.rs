@@ -230,7 +230,7 @@ pub fn write_sim_host(dir: &Path, req: &NodeRequest, controllers: &[String]) -> 
     std::fs::write(
         &config,
         format!(
-            "node_id = {:?}\ncontrollers = [{}]\npool = {:?}\nlabels = {{ tier = {:?}, region = {:?} }}\ndata_dir = {:?}\nmetrics_listen = \"off\"\n[gpu]\nbackend = \"sim\"\nsim_config = {:?}\n",
+            "node_id = {:?}\ncontrollers = [{}]\npool = {:?}\nlabels = {{ tier = {:?}, region = {:?} }}\ndata_dir = {:?}\nmetrics_listen = \"off\"\ninsecure_dev = true\n[gpu]\nbackend = \"sim\"\nsim_config = {:?}\n",
             req.id,
             controllers.join(", "),
             req.pool,

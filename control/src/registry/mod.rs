@@ -384,6 +384,67 @@ pub struct Registry {
     /// The latest MIG capacity plan (`lanectl mig plan`), applied or not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig_plan: Option<crate::scheduler::mig_plan::MigPlan>,
+    /// Join tokens by the sha256 (hex) of the token (the token itself is never stored); their
+    /// id is its first 12 characters. Kept after use, as a record of who joined with what.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub join_tokens: BTreeMap<String, JoinToken>,
+    /// Node ids that joined with a token, and when (ms): they can never join again.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub joined: BTreeMap<String, u64>,
+}
+
+/// How long a join token's id is: a prefix of its sha256, enough to tell tokens apart.
+pub const JOIN_TOKEN_ID_CHARS: usize = 12;
+
+/// A one-time token for a new host to join with (ADR 0013).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JoinToken {
+    pub created_ms: u64,
+    pub expires_ms: u64,
+    /// Only this node id may join with it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_id: Option<String>,
+    /// The node that joined with it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub used_by: Option<String>,
+    #[serde(default)]
+    pub revoked: bool,
+}
+
+impl Registry {
+    /// A host joining as `node_id` with the token hashing to `sha256`, at `at_ms`.
+    pub fn consume_join_token(&mut self, sha256: &str, node_id: &str, at_ms: u64) -> Result<(), String> {
+        let id = &sha256[..JOIN_TOKEN_ID_CHARS.min(sha256.len())];
+        let Some(t) = self.join_tokens.get_mut(sha256) else {
+            return Err("the join token is not known to this cluster; create one with `lanectl token create`".into());
+        };
+        if t.revoked {
+            return Err(format!(
+                "join token {id} was revoked; create a new one with `lanectl token create`"
+            ));
+        }
+        if let Some(by) = &t.used_by {
+            return Err(format!(
+                "join token {id} was already used (by node {by}): tokens are one-time; create a new one"
+            ));
+        }
+        if at_ms >= t.expires_ms {
+            return Err(format!(
+                "join token {id} has expired; create a new one with `lanectl token create --ttl 1h`"
+            ));
+        }
+        if let Some(only) = t.node_id.as_ref().filter(|n| *n != node_id) {
+            return Err(format!("join token {id} is for node {only}, not {node_id}"));
+        }
+        if self.joined.contains_key(node_id) {
+            return Err(format!(
+                "node id {node_id} has joined before and node ids are never reused: give this host a new node id"
+            ));
+        }
+        t.used_by = Some(node_id.to_string());
+        self.joined.insert(node_id.to_string(), at_ms);
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -754,6 +815,38 @@ pub fn new_api_key() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_join_token_is_one_time_unexpired_unrevoked_and_a_node_id_joins_once() {
+        let mut r = Registry::default();
+        let token = |expires_ms, node_id: Option<&str>| JoinToken {
+            created_ms: 0,
+            expires_ms,
+            node_id: node_id.map(str::to_string),
+            used_by: None,
+            revoked: false,
+        };
+        r.join_tokens.insert("a".repeat(64), token(1_000, None));
+        r.join_tokens.insert("b".repeat(64), token(1_000, Some("n2")));
+        r.join_tokens.insert("c".repeat(64), token(5_000, None));
+        let e = r.consume_join_token(&"a".repeat(64), "n1", 1_000).unwrap_err();
+        assert!(e.contains("expired"), "{e}");
+        let e = r.consume_join_token(&"b".repeat(64), "n1", 10).unwrap_err();
+        assert!(e.contains("is for node n2"), "{e}");
+        r.consume_join_token(&"a".repeat(64), "n1", 999).unwrap();
+        let e = r.consume_join_token(&"a".repeat(64), "n3", 999).unwrap_err();
+        assert!(e.contains("already used (by node n1)"), "{e}");
+        let e = r.consume_join_token(&"c".repeat(64), "n1", 10).unwrap_err();
+        assert!(e.contains("never reused"), "{e}");
+        r.join_tokens.get_mut(&"c".repeat(64)).unwrap().revoked = true;
+        let e = r.consume_join_token(&"c".repeat(64), "n4", 10).unwrap_err();
+        assert!(e.contains("revoked"), "{e}");
+        assert!(r
+            .consume_join_token(&"d".repeat(64), "n5", 10)
+            .unwrap_err()
+            .contains("not known"));
+        assert_eq!(r.joined.keys().collect::<Vec<_>>(), ["n1"]);
+    }
 
     fn class(name: &str, lane: LaneKind, budget: f64) -> Class {
         Class {

@@ -320,7 +320,7 @@ fn placement_summary(cmd: &crate::command::Command) -> Option<(String, String)> 
 pub async fn report(ctx: Context) {
     let mut tick = tokio::time::interval(REPORT_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let leaders = crate::client::AdminClient::new(Vec::new()).with_call_timeout(Duration::from_millis(500));
+    let leaders = ctx.controllers_client(Duration::from_millis(500));
     loop {
         tick.tick().await;
         let load = ctx.router.model_load();

@@ -237,6 +237,23 @@ impl AppState {
                 };
                 CommandResponse::default()
             }
+            Command::CreateJoinToken { sha256, token } => {
+                if self.registry.join_tokens.contains_key(sha256) {
+                    return refused(Err("this join token exists already".into()));
+                }
+                self.registry.join_tokens.insert(sha256.clone(), token.clone());
+                CommandResponse::default()
+            }
+            Command::RevokeJoinToken { sha256 } => match self.registry.join_tokens.get_mut(sha256) {
+                Some(t) => {
+                    t.revoked = true;
+                    CommandResponse::default()
+                }
+                None => refused(Err("no such join token; `lanectl token list` shows them".into())),
+            },
+            Command::ConsumeJoinToken { sha256, node_id, at_ms } => {
+                refused(self.registry.consume_join_token(sha256, node_id, *at_ms))
+            }
             Command::RecordUsage(report) => {
                 let pct = self.cost_regression_pct();
                 self.ledger.apply_report(report, &self.fleet, pct);
@@ -342,6 +359,8 @@ impl AppState {
             "noderequest" => r.node_requests.get(name).map(json),
             "capacity" => r.capacity_marks.get(name).map(json),
             "migplan" => r.mig_plan.as_ref().map(json),
+            "jointoken" => r.join_tokens.get(name).map(json),
+            "joined" => r.joined.get(name).map(json),
             _ => None,
         }
     }
@@ -392,6 +411,14 @@ impl AppState {
                 r.mig_plan = Some(serde_json::from_slice(bytes).map_err(e)?);
                 None
             }
+            "jointoken" => r
+                .join_tokens
+                .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
+                .map(|_| ()),
+            "joined" => r
+                .joined
+                .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
+                .map(|_| ()),
             _ => return Err(format!("unknown registry key {key:?}")),
         };
         Ok(())
@@ -412,7 +439,9 @@ impl AppState {
             .chain(r.pool_taints.keys().map(|k| format!("pool/{k}")))
             .chain(r.node_requests.keys().map(|k| format!("noderequest/{k}")))
             .chain(r.capacity_marks.keys().map(|k| format!("capacity/{k}")))
-            .chain(r.mig_plan.iter().map(|_| "migplan/latest".to_string()));
+            .chain(r.mig_plan.iter().map(|_| "migplan/latest".to_string()))
+            .chain(r.join_tokens.keys().map(|k| format!("jointoken/{k}")))
+            .chain(r.joined.keys().map(|k| format!("joined/{k}")));
         keys.filter_map(|k| self.registry_value(&k).map(|v| (k, v))).collect()
     }
 
@@ -1134,6 +1163,11 @@ fn record_touched(command: &Command, t: &mut Touched) {
         Command::RemoveNodeRequest { id } => key(format!("noderequest/{id}")),
         Command::SetCapacityMark { key: k, .. } => key(format!("capacity/{k}")),
         Command::PutMigPlan(_) => key("migplan/latest".into()),
+        Command::CreateJoinToken { sha256, .. } | Command::RevokeJoinToken { sha256 } => key(format!("jointoken/{sha256}")),
+        Command::ConsumeJoinToken { sha256, node_id, .. } => {
+            key(format!("jointoken/{sha256}"));
+            key(format!("joined/{node_id}"));
+        }
     }
 }
 

@@ -54,6 +54,26 @@ pub async fn agent(
     dir: &std::path::Path,
     replicas: Vec<StaticReplica>,
 ) -> Agent {
+    agent_with(
+        name,
+        product,
+        controllers,
+        dir,
+        replicas,
+        laneway_agent::identity::Credentials::Insecure,
+    )
+    .await
+}
+
+/// [`agent`], proving its identity with `credentials`.
+pub async fn agent_with(
+    name: &str,
+    product: &str,
+    controllers: Vec<String>,
+    dir: &std::path::Path,
+    replicas: Vec<StaticReplica>,
+    credentials: laneway_agent::identity::Credentials,
+) -> Agent {
     let backend = SimBackend::from_toml(&format!(
         "node = \"{name}\"\n[[gpu]]\nproduct = \"{product}\"\ncount = 2\n"
     ))
@@ -71,6 +91,7 @@ pub async fn agent(
         backend: Backend::Nvml,
         replicas,
         metrics_listen: None,
+        credentials,
     };
     start(cfg, Arc::new(backend)).await.unwrap()
 }

@@ -38,6 +38,19 @@ pub fn lanectl_ok(addr: &str, args: &[&str]) -> std::process::Output {
     out
 }
 
+/// Client TLS as `<file>` (`admin-root`, `viewer-dash`, …) of the `lanectl certs` directory
+/// `dir`, verifying any controller of the cluster.
+pub fn client_tls(dir: &Path, file: &str) -> tonic::transport::ClientTlsConfig {
+    let read = |name: String| std::fs::read_to_string(dir.join(name)).unwrap();
+    laneway_pki::Tls::from_pem(
+        read("ca.pem".into()),
+        read(format!("{file}.pem")),
+        read(format!("{file}.key")),
+    )
+    .unwrap()
+    .client(laneway_pki::ANY_CONTROLLER)
+}
+
 /// A port that was free a moment ago.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
@@ -54,6 +67,10 @@ pub struct Node {
     pub results: PathBuf,
     /// More flags for `laneway-control run`.
     pub extra_args: Vec<String>,
+    /// A directory of `lanectl certs` output: the node runs with mTLS (its certificate
+    /// `controller-<id>.pem`), and [`Node::client`] calls it as `admin-root`. `None`:
+    /// `--insecure-dev`.
+    pub certs: Option<PathBuf>,
     child: Option<Child>,
 }
 
@@ -66,6 +83,7 @@ impl Node {
             dir: root.join(format!("node-{id}")),
             results: root.join("results"),
             extra_args: Vec::new(),
+            certs: None,
             child: None,
         }
     }
@@ -90,6 +108,17 @@ impl Node {
             self.results.display().to_string(),
         ]
         .into_iter()
+        .chain(match &self.certs {
+            None => vec!["--insecure-dev".to_string()],
+            Some(d) => vec![
+                "--tls-ca".into(),
+                d.join("ca.pem").display().to_string(),
+                "--tls-cert".into(),
+                d.join(format!("controller-{}.pem", self.id)).display().to_string(),
+                "--tls-key".into(),
+                d.join(format!("controller-{}.key", self.id)).display().to_string(),
+            ],
+        })
         .chain(self.extra_args.iter().cloned())
         .collect()
     }
@@ -151,7 +180,10 @@ impl Node {
     }
 
     pub fn client(&self) -> AdminClient {
-        AdminClient::new(vec![self.addr.clone()]).with_retry_for(Duration::from_secs(5))
+        let tls = self.certs.as_ref().map(|d| client_tls(d, "admin-root"));
+        AdminClient::new(vec![self.addr.clone()])
+            .with_retry_for(Duration::from_secs(5))
+            .with_tls(tls)
     }
 }
 

@@ -9,4 +9,5 @@ mod plan_cli;
 mod power_loss;
 mod provision;
 mod router;
+mod security;
 mod store_suite;

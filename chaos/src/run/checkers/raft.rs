@@ -7,7 +7,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use laneway_control::client::AdminClient;
 use laneway_proto::admin::PutSettingRequest;
 use serde_json::json;
 use tokio::time::Instant;
@@ -92,7 +91,7 @@ pub async fn check(polls: u64, claims: &BTreeMap<u64, BTreeSet<u64>>, addrs: &[S
             .violations
             .push("the controllers never reached the same applied index within 30 s of healing".into()),
     }
-    let admin = AdminClient::new(addrs.to_vec()).with_retry_for(Duration::from_secs(15));
+    let admin = crate::run::admin_client(addrs.to_vec()).with_retry_for(Duration::from_secs(15));
     let start = Instant::now();
     let wrote = admin
         .call(|mut c| async move {

@@ -26,7 +26,7 @@ pub async fn audit(
         .call(|mut c| async move { c.status(StatusRequest {}).await })
         .await?;
     let mut addr_of: BTreeMap<u64, String> = first.members.iter().map(|m| (m.node_id, m.addr.clone())).collect();
-    let quick = AdminClient::new(Vec::new()).with_call_timeout(Duration::from_secs(3));
+    let quick = crate::admin_client(Vec::new()).with_call_timeout(Duration::from_secs(3));
     for a in given {
         if let Ok(s) = quick
             .call_one(a, |mut c| async move { c.status(StatusRequest {}).await })

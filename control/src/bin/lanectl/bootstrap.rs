@@ -7,7 +7,6 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use laneway_control::client::AdminClient;
 use laneway_proto::admin::{AddLearnerRequest, InitRequest, NodeStatus, PromoteRequest, StatusRequest};
 use serde_json::json;
 use tokio::time::Instant;
@@ -31,7 +30,7 @@ pub fn parse_member(s: &str) -> Result<(u64, String), String> {
 }
 
 async fn status(addr: &str) -> Option<NodeStatus> {
-    let c = AdminClient::new(vec![addr.to_string()]).with_call_timeout(Duration::from_secs(2));
+    let c = crate::admin_client(vec![addr.to_string()]).with_call_timeout(Duration::from_secs(2));
     c.call_one(addr, |mut cl| async move { cl.status(StatusRequest {}).await })
         .await
         .ok()
@@ -69,13 +68,13 @@ pub async fn run(members: &[(u64, String)], wait: Duration) -> anyhow::Result<se
     let mut done = Vec::new();
     let first = &members[0];
     if !seen.iter().any(|s| s.initialized) {
-        let c = AdminClient::new(vec![first.1.clone()]);
+        let c = crate::admin_client(vec![first.1.clone()]);
         c.call_one(&first.1, |mut cl| async move { cl.init(InitRequest {}).await })
             .await
             .with_context(|| format!("initializing the cluster on node {}", first.0))?;
         done.push(format!("initialized on node {}", first.0));
     }
-    let admin = AdminClient::new(members.iter().map(|m| m.1.clone()).collect()).with_retry_for(wait);
+    let admin = crate::admin_client(members.iter().map(|m| m.1.clone()).collect()).with_retry_for(wait);
     // The membership as the leader sees it.
     let current = loop {
         let mut found = None;

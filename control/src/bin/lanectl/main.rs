@@ -2,11 +2,13 @@
 
 mod audit;
 mod bootstrap;
+mod certs;
 mod job;
 mod ledger;
 mod mig;
 mod pool;
 mod registry;
+mod token;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -39,6 +41,15 @@ struct Cli {
     /// How long to keep retrying while no controller answers or no leader is known, seconds.
     #[arg(long, default_value_t = 10, global = true)]
     retry_secs: u64,
+    /// The cluster CA's certificate: speak TLS to the controllers.
+    #[arg(long, env = "LANECTL_TLS_CA", global = true)]
+    tls_ca: Option<std::path::PathBuf>,
+    /// Your certificate (viewer, operator or admin), from `lanectl certs issue`.
+    #[arg(long, env = "LANECTL_TLS_CERT", global = true)]
+    tls_cert: Option<std::path::PathBuf>,
+    /// Your private key.
+    #[arg(long, env = "LANECTL_TLS_KEY", global = true)]
+    tls_key: Option<std::path::PathBuf>,
     #[command(subcommand)]
     command: Cmd,
 }
@@ -51,6 +62,12 @@ enum Output {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// The cluster CA and certificates for controllers, agents and people (offline).
+    #[command(subcommand)]
+    Certs(certs::CertsCmd),
+    /// One-time join tokens for new GPU hosts (admin).
+    #[command(subcommand)]
+    Token(token::TokenCmd),
     /// Cluster membership and health.
     #[command(subcommand)]
     Cluster(ClusterCmd),
@@ -209,12 +226,58 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("lanectl: {e:#}");
+            let text = format!("{e:#}");
+            if text.contains("h2 protocol error")
+                || text.contains("InvalidContentType")
+                || text.contains("corrupt message")
+            {
+                eprintln!("lanectl: hint: the controllers and lanectl disagree about TLS: give --tls-ca, --tls-cert and --tls-key (LANECTL_TLS_*) for a cluster with TLS, none of them for one started with --insecure-dev");
+            }
             ExitCode::from(1)
         }
     }
 }
 
+/// TLS towards the controllers, set once from the flags.
+static TLS: std::sync::OnceLock<Option<tonic::transport::ClientTlsConfig>> = std::sync::OnceLock::new();
+
+/// A client of the controllers at `addrs`, over TLS when `--tls-ca` was given.
+pub fn admin_client(addrs: Vec<String>) -> AdminClient {
+    AdminClient::new(addrs).with_tls(TLS.get().cloned().flatten())
+}
+
+fn client_tls(cli: &Cli) -> anyhow::Result<Option<tonic::transport::ClientTlsConfig>> {
+    let read = |p: &std::path::Path| {
+        std::fs::read_to_string(p).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", p.display()))
+    };
+    match (&cli.tls_ca, &cli.tls_cert, &cli.tls_key) {
+        (None, None, None) => Ok(None),
+        (Some(ca), Some(cert), Some(key)) => {
+            let tls = laneway_pki::Tls::from_pem(read(ca)?, read(cert)?, read(key)?)?;
+            Ok(Some(tls.client(laneway_pki::ANY_CONTROLLER)))
+        }
+        (Some(ca), None, None) => Ok(Some(laneway_pki::client_without_identity(&read(ca)?, laneway_pki::ANY_CONTROLLER))),
+        _ => anyhow::bail!("give --tls-ca with --tls-cert and --tls-key together (or --tls-ca alone to check the controllers' identity without one of your own)"),
+    }
+}
+
 async fn run(cli: Cli) -> anyhow::Result<()> {
+    if let Cmd::Certs(cmd) = cli.command {
+        let out = cli.output;
+        let r = certs::run(cmd)?;
+        print(out, r.clone(), || {
+            r.as_object()
+                .map(|o| {
+                    o.iter()
+                        .map(|(k, v)| format!("{k}: {}", v.as_str().map_or_else(|| v.to_string(), str::to_string)))
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                })
+                .unwrap_or_default()
+        });
+        return Ok(());
+    }
+    let _ = TLS.set(client_tls(&cli)?);
     if let Cmd::Job(args) = cli.command {
         return job::run(cli.output, args).await;
     }
@@ -226,7 +289,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     {
         return plan(scenario, scale, cli.output, None);
     }
-    let client = AdminClient::new(cli.addr.clone()).with_retry_for(Duration::from_secs(cli.retry_secs));
+    let client = admin_client(cli.addr.clone()).with_retry_for(Duration::from_secs(cli.retry_secs));
     if let Cmd::Plan { scenario, scale, .. } = &cli.command {
         let inputs = registry::cluster_inputs(&client).await?;
         return plan(scenario, scale, cli.output, Some(inputs));
@@ -355,7 +418,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 format!("committed at index {}", r.log_index)
             });
         }
-        Cmd::Plan { .. } | Cmd::Job(_) => unreachable!("handled before connecting"),
+        Cmd::Plan { .. } | Cmd::Job(_) | Cmd::Certs(_) => unreachable!("handled before connecting"),
         Cmd::Lane(c) => registry::lane(&client, out, c).await?,
         Cmd::Price(c) => ledger::price(&client, out, c).await?,
         Cmd::Mig(c) => mig::mig(&client, out, c).await?,
@@ -386,6 +449,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
         }
         Cmd::Audit { since, limit } => audit::audit(&client, &cli.addr, out, &since, limit).await?,
+        Cmd::Token(c) => token::run(&client, out, c).await?,
         Cmd::Ledger { by, since } => ledger::ledger(&client, out, &by, &since).await?,
         Cmd::Model(c) => registry::model(&client, out, c).await?,
         Cmd::Tenant(c) => registry::tenant(&client, out, c).await?,

@@ -182,7 +182,7 @@ fn profile_flag(s: &str) -> Result<(String, Profile), String> {
     ))
 }
 
-async fn list(client: &AdminClient, kind: &str) -> anyhow::Result<Vec<Value>> {
+pub async fn list(client: &AdminClient, kind: &str) -> anyhow::Result<Vec<Value>> {
     let r = client
         .call(|mut c| {
             let kind = kind.to_string();

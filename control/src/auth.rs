@@ -1,0 +1,339 @@
+//! Who may call what on a controller's gRPC listener.
+//!
+//! Callers are identified by the client certificate the TLS handshake verified against the
+//! cluster CA (see `laneway-pki`), never by anything in the message. Each service is wrapped in
+//! a [`Guarded`] layer that looks the method up in the service's table before the handler runs:
+//! a method missing from the table is refused (default deny), and a refusal is written to the
+//! audit log. The handler reads the identity back with [`caller`] where it must also check the
+//! message against it (an agent writing its node's state, a Raft peer naming its node id).
+//!
+//! In insecure development mode (no TLS) there are no identities and nothing is refused.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use laneway_pki::{Kind, PeerIdentity};
+use tonic::body::Body;
+use tonic::codegen::{http, BoxFuture, Context, Poll, Service};
+use tonic::server::NamedService;
+use tonic::Status;
+
+use crate::admin::audit::AuditLog;
+
+/// What a method needs of its caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Reads: viewers, operators, admins, and controllers.
+    Read,
+    /// Changes to the fleet (models, classes, tenants, prices, nodes, MIG): operators and admins.
+    Operate,
+    /// Membership, upgrades and the cluster itself: admins.
+    Administer,
+    /// Calls controllers make to each other (Raft, load reports, job writes): controllers.
+    Internal,
+    /// An agent's registration and heartbeats: agents.
+    Agent,
+    /// A new host's join: no certificate yet (the handler checks its one-time token), over TLS.
+    Token,
+}
+
+impl Access {
+    pub fn allows(self, kind: Kind) -> bool {
+        match self {
+            Access::Read => matches!(kind, Kind::Viewer | Kind::Operator | Kind::Admin | Kind::Controller),
+            Access::Operate => matches!(kind, Kind::Operator | Kind::Admin),
+            Access::Administer => kind == Kind::Admin,
+            Access::Internal => kind == Kind::Controller,
+            Access::Agent => kind == Kind::Agent,
+            Access::Token => true,
+        }
+    }
+
+    fn needs(self) -> &'static str {
+        match self {
+            Access::Read => "a viewer, operator or admin certificate",
+            Access::Operate => "an operator or admin certificate",
+            Access::Administer => "an admin certificate",
+            Access::Internal => "a controller certificate",
+            Access::Agent => "an agent certificate",
+            Access::Token => "a join token",
+        }
+    }
+}
+
+/// The verified identity of a call's client, put into the request's extensions by [`Guarded`].
+#[derive(Debug, Clone)]
+pub struct Authenticated(pub PeerIdentity);
+
+/// The caller's identity: `None` in insecure development mode.
+pub fn caller<T>(req: &tonic::Request<T>) -> Option<&PeerIdentity> {
+    req.extensions().get::<Authenticated>().map(|a| &a.0)
+}
+
+/// A service's method table: the access each method needs, `None` for a method it does not
+/// know (refused).
+pub type MethodTable = fn(&str) -> Option<Access>;
+
+/// What every service of one controller is guarded with.
+#[derive(Clone)]
+pub struct Guard {
+    cluster: String,
+    /// `false`: insecure development mode.
+    secure: bool,
+    audit: Option<Arc<AuditLog>>,
+}
+
+impl Guard {
+    pub fn new(cluster: &str, secure: bool, audit: Option<Arc<AuditLog>>) -> Self {
+        Guard {
+            cluster: cluster.to_string(),
+            secure,
+            audit,
+        }
+    }
+
+    /// `inner`, with every call checked against `table`.
+    pub fn wrap<S>(&self, inner: S, table: MethodTable) -> Guarded<S> {
+        Guarded {
+            inner,
+            policy: Arc::new(Policy {
+                cluster: self.cluster.clone(),
+                secure: self.secure,
+                table,
+                audit: self.audit.clone(),
+            }),
+        }
+    }
+}
+
+/// A service whose every call is checked against its method table.
+#[derive(Clone)]
+pub struct Guarded<S> {
+    inner: S,
+    policy: Arc<Policy>,
+}
+
+struct Policy {
+    cluster: String,
+    secure: bool,
+    table: MethodTable,
+    audit: Option<Arc<AuditLog>>,
+}
+
+impl<S: NamedService> NamedService for Guarded<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl Policy {
+    /// The identity a call to `method` is made with, or why it is refused.
+    fn admit(
+        &self,
+        method: &str,
+        peer: Option<Result<PeerIdentity, laneway_pki::PkiError>>,
+    ) -> Result<Option<PeerIdentity>, Status> {
+        if !self.secure {
+            return Ok(None);
+        }
+        let Some(access) = (self.table)(method) else {
+            return Err(Status::unimplemented(format!("unknown method {method}")));
+        };
+        let id = match peer {
+            None if access == Access::Token => return Ok(None),
+            None => {
+                return Err(Status::unauthenticated(format!(
+                    "{method} needs {}; this connection presented none (lanectl: --tls-cert and --tls-key, from `lanectl certs issue`)",
+                    access.needs()
+                )))
+            }
+            Some(Err(e)) => return Err(Status::unauthenticated(format!("the client certificate is not usable: {e}"))),
+            Some(Ok(id)) => id,
+        };
+        if id.cluster != self.cluster {
+            return Err(Status::permission_denied(format!(
+                "{id} belongs to cluster {:?}, this is cluster {:?}",
+                id.cluster, self.cluster
+            )));
+        }
+        if !access.allows(id.kind) {
+            return Err(Status::permission_denied(format!(
+                "{id} may not call {method}: it needs {}",
+                access.needs()
+            )));
+        }
+        Ok(Some(id))
+    }
+}
+
+impl<S> Service<http::Request<Body>> for Guarded<S>
+where
+    S: Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<Self::Response, Self::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: http::Request<Body>) -> Self::Future {
+        let method = req.uri().path().rsplit('/').next().unwrap_or_default().to_string();
+        let tls = req
+            .extensions()
+            .get::<tonic::transport::server::TlsConnectInfo<tonic::transport::server::TcpConnectInfo>>();
+        let remote = tls.and_then(|t| t.get_ref().remote_addr());
+        let peer = tls
+            .and_then(|t| t.peer_certs())
+            .and_then(|certs| certs.first().map(|c| laneway_pki::identity_of(c.as_ref())));
+        let who = peer.as_ref().and_then(|p| p.as_ref().ok()).cloned();
+        match self.policy.admit(&method, peer) {
+            Ok(id) => {
+                if let Some(id) = id {
+                    req.extensions_mut().insert(Authenticated(id));
+                }
+                let fut = self.inner.call(req);
+                Box::pin(fut)
+            }
+            Err(status) => {
+                tracing::warn!(%method, remote = ?remote, reason = %status.message(), "call refused");
+                if let Some(log) = &self.policy.audit {
+                    log.refused(who.as_ref(), remote, &method, &status);
+                }
+                Box::pin(async move { Ok(status.into_http()) })
+            }
+        }
+    }
+}
+
+/// The admin API: reads for viewers, fleet changes for operators, the cluster for admins, and
+/// the calls controllers make to the leader.
+pub fn admin_methods(method: &str) -> Option<Access> {
+    use Access::*;
+    Some(match method {
+        "Status" | "GetSetting" | "ReadIndex" | "ListNodes" | "ListRegistry" | "LaneStatus" | "Ledger" | "PlanMig"
+        | "ShowMigPlan" | "Events" | "Audit" => Read,
+        "PutSetting" | "DeleteSetting" | "Snapshot" | "SetNodeFlags" | "PutClass" | "PutModel" | "RemoveModel"
+        | "CreateTenant" | "RotateTenantKey" | "SetTenantLimit" | "SetPrice" | "SetMigLayout" | "ApplyMigPlan"
+        | "SetPoolTaints" => Operate,
+        "Init" | "AddLearner" | "Promote" | "Remove" | "FinalizeUpgrade" | "CreateJoinToken" | "RevokeJoinToken" => {
+            Administer
+        }
+        "ReportLoad" | "JobWrites" | "RecordUsage" => Internal,
+        _ => return None,
+    })
+}
+
+/// The Raft transport: controllers only (and each handler checks the sender's node id).
+pub fn raft_methods(method: &str) -> Option<Access> {
+    matches!(method, "AppendEntries" | "Vote" | "InstallSnapshot").then_some(Access::Internal)
+}
+
+/// The agent API: agents only (and each handler checks the node id against the certificate).
+pub fn agent_methods(method: &str) -> Option<Access> {
+    match method {
+        "Register" | "Heartbeats" => Some(Access::Agent),
+        "Join" => Some(Access::Token),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(table: MethodTable) -> Policy {
+        Policy {
+            cluster: "prod".into(),
+            secure: true,
+            table,
+            audit: None,
+        }
+    }
+
+    fn id(kind: Kind, name: &str) -> Option<Result<PeerIdentity, laneway_pki::PkiError>> {
+        Some(Ok(PeerIdentity::new("prod", kind, name).unwrap()))
+    }
+
+    #[test]
+    fn roles_reach_what_they_may_and_nothing_more() {
+        let p = policy(admin_methods);
+        for method in ["ListNodes", "Status", "Audit"] {
+            assert!(p.admit(method, id(Kind::Viewer, "dash")).is_ok(), "{method}");
+        }
+        for method in ["PutModel", "SetNodeFlags", "Remove", "Init", "RecordUsage"] {
+            let e = p.admit(method, id(Kind::Viewer, "dash")).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::PermissionDenied, "{method}");
+            assert!(e.message().contains("viewer:dash may not call"), "{}", e.message());
+        }
+        assert!(p.admit("PutModel", id(Kind::Operator, "ops")).is_ok());
+        assert!(p.admit("Remove", id(Kind::Operator, "ops")).is_err());
+        assert!(p.admit("Remove", id(Kind::Admin, "root")).is_ok());
+        assert!(p.admit("RecordUsage", id(Kind::Controller, "2")).is_ok());
+        assert!(
+            p.admit("PutModel", id(Kind::Agent, "l4-1")).is_err(),
+            "agents have no admin access"
+        );
+        assert!(
+            p.admit("RecordUsage", id(Kind::Admin, "root")).is_err(),
+            "people cannot forge controller calls"
+        );
+    }
+
+    #[test]
+    fn every_rpc_of_the_protos_has_an_entry() {
+        for (proto, table) in [
+            (
+                include_str!("../../proto/proto/admin.proto"),
+                admin_methods as MethodTable,
+            ),
+            (include_str!("../../proto/proto/raft.proto"), raft_methods),
+            (include_str!("../../proto/proto/agent.proto"), agent_methods),
+        ] {
+            let rpcs: Vec<&str> = proto
+                .lines()
+                .filter_map(|l| l.trim().strip_prefix("rpc "))
+                .filter_map(|l| l.split('(').next())
+                .collect();
+            assert!(!rpcs.is_empty());
+            for rpc in rpcs {
+                assert!(
+                    table(rpc.trim()).is_some(),
+                    "{rpc} has no access rule: it would be refused to everyone"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn unknown_methods_missing_certificates_and_other_clusters_are_refused() {
+        let p = policy(admin_methods);
+        assert_eq!(
+            p.admit("DropEverything", id(Kind::Admin, "root")).unwrap_err().code(),
+            tonic::Code::Unimplemented
+        );
+        assert_eq!(
+            p.admit("Status", None).unwrap_err().code(),
+            tonic::Code::Unauthenticated
+        );
+        let other = Some(Ok(PeerIdentity::new("staging", Kind::Admin, "root").unwrap()));
+        assert_eq!(
+            p.admit("Status", other).unwrap_err().code(),
+            tonic::Code::PermissionDenied
+        );
+        let raft = policy(raft_methods);
+        assert!(raft.admit("Vote", id(Kind::Admin, "root")).is_err());
+        assert!(raft.admit("Vote", id(Kind::Controller, "3")).is_ok());
+        let agents = policy(agent_methods);
+        assert!(agents.admit("Heartbeats", id(Kind::Controller, "3")).is_err());
+        assert!(agents.admit("Heartbeats", id(Kind::Agent, "h100-1")).is_ok());
+        let dev = Policy {
+            secure: false,
+            ..policy(admin_methods)
+        };
+        assert!(
+            dev.admit("Init", None).unwrap().is_none(),
+            "insecure dev mode admits everyone"
+        );
+    }
+}

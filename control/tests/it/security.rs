@@ -1,0 +1,459 @@
+//! mTLS and authorization on real controller processes: every identity reaches what its
+//! certificate allows and nothing more.
+
+use std::path::Path;
+use std::time::Duration;
+
+use laneway_pki::{Ca, Kind};
+use laneway_proto::admin::admin_service_client::AdminServiceClient;
+use laneway_proto::admin::{
+    AddLearnerRequest, CreateJoinTokenRequest, PromoteRequest, PutSettingRequest, RevokeJoinTokenRequest, StatusRequest,
+};
+use laneway_proto::agent::agent_service_client::AgentServiceClient;
+use laneway_proto::agent::{Heartbeat, JoinRequest, RegisterRequest};
+use laneway_proto::raft::raft_service_client::RaftServiceClient;
+use laneway_proto::raft::RaftRequest;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+use tonic::Code;
+
+use crate::harness::{client_tls, wait_for, Node, CLUSTER};
+
+const DAY: Duration = Duration::from_secs(86_400);
+
+/// A CA and the certificates the test uses, as `lanectl certs` lays them out.
+fn make_certs(dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    let ca = Ca::create(CLUSTER, DAY).unwrap();
+    std::fs::write(dir.join("ca.pem"), ca.cert_pem()).unwrap();
+    std::fs::write(dir.join("ca.key"), ca.key_pem()).unwrap();
+    for (kind, name, valid_for) in [
+        (Kind::Controller, "1", DAY),
+        (Kind::Controller, "2", DAY),
+        (Kind::Admin, "root", DAY),
+        (Kind::Viewer, "dash", DAY),
+        (Kind::Operator, "ops", DAY),
+        (Kind::Agent, "gpu-a", DAY),
+        (Kind::Agent, "gpu-old", Duration::ZERO),
+    ] {
+        let c = ca.issue(kind, name, &[], valid_for).unwrap();
+        std::fs::write(dir.join(format!("{kind}-{name}.pem")), c.cert_pem).unwrap();
+        std::fs::write(dir.join(format!("{kind}-{name}.key")), c.key_pem).unwrap();
+    }
+}
+
+/// A channel to `addr` presenting `file`'s certificate as is (even an expired one), verifying
+/// the server as `server_name`.
+async fn channel(addr: &str, dir: &Path, file: &str, server_name: &str) -> Result<Channel, tonic::transport::Error> {
+    let read = |name: String| std::fs::read_to_string(dir.join(name)).unwrap();
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(read("ca.pem".into())))
+        .identity(Identity::from_pem(
+            read(format!("{file}.pem")),
+            read(format!("{file}.key")),
+        ))
+        .domain_name(server_name);
+    laneway_pki::endpoint(addr, Some(tls))
+        .unwrap()
+        .connect_timeout(Duration::from_secs(2))
+        .connect()
+        .await
+}
+
+fn register(node_id: &str) -> RegisterRequest {
+    RegisterRequest {
+        node_id: node_id.into(),
+        hostname: node_id.into(),
+        pool: "l4".into(),
+        ..Default::default()
+    }
+}
+
+fn vote_from(candidate: u64, target: u64) -> RaftRequest {
+    let vote = openraft::raft::VoteRequest::<u64>::new(openraft::Vote::new(99, candidate), None);
+    RaftRequest {
+        cluster: CLUSTER.into(),
+        target,
+        format: laneway_control::network::PAYLOAD_FORMAT,
+        payload: serde_json::to_vec(&vote).unwrap(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_mtls_cluster_refuses_every_call_a_certificate_does_not_allow() {
+    let root = tempfile::tempdir().unwrap();
+    let certs = root.path().join("certs");
+    make_certs(&certs);
+    let mut n1 = Node::new(root.path(), 1);
+    n1.certs = Some(certs.clone());
+    n1.start();
+    let admin = n1.client().with_retry_for(Duration::from_secs(15));
+    wait_for("node 1 answers over mTLS", Duration::from_secs(20), || async {
+        admin
+            .call_one(&n1.addr, |mut c| async move { c.status(StatusRequest {}).await })
+            .await
+            .ok()
+    })
+    .await;
+    admin
+        .call_one(&n1.addr, |mut c| async move {
+            c.init(laneway_proto::admin::InitRequest {}).await
+        })
+        .await
+        .expect("an admin initializes the cluster");
+    wait_for("node 1 leads", Duration::from_secs(20), || async {
+        let s = admin
+            .call(|mut c| async move { c.status(StatusRequest {}).await })
+            .await
+            .ok()?;
+        (s.leader_id == 1).then_some(())
+    })
+    .await;
+
+    // Raft over mTLS: a second controller joins and replicates.
+    let mut n2 = Node::new(root.path(), 2);
+    n2.certs = Some(certs.clone());
+    n2.start();
+    let addr2 = n2.addr.clone();
+    admin
+        .call(|mut c| {
+            let addr = addr2.clone();
+            async move { c.add_learner(AddLearnerRequest { node_id: 2, addr }).await }
+        })
+        .await
+        .expect("node 2 joins over mTLS");
+    admin
+        .call(|mut c| async move { c.promote(PromoteRequest { node_id: 2 }).await })
+        .await
+        .unwrap();
+
+    // An operator writes; a viewer reads but cannot write; no certificate gets nothing.
+    let as_ops = laneway_control::client::AdminClient::new(vec![n1.addr.clone()])
+        .with_tls(Some(client_tls(&certs, "operator-ops")));
+    as_ops
+        .call(|mut c| async move {
+            c.put_setting(PutSettingRequest {
+                key: "a".into(),
+                value: "1".into(),
+            })
+            .await
+        })
+        .await
+        .expect("an operator changes settings");
+    let as_viewer = laneway_control::client::AdminClient::new(vec![n1.addr.clone()])
+        .with_tls(Some(client_tls(&certs, "viewer-dash")));
+    as_viewer
+        .call(|mut c| async move { c.status(StatusRequest {}).await })
+        .await
+        .expect("a viewer reads");
+    let e = as_viewer
+        .call(|mut c| async move {
+            c.put_setting(PutSettingRequest {
+                key: "a".into(),
+                value: "2".into(),
+            })
+            .await
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(Code::PermissionDenied), "{e}");
+    let e = as_viewer
+        .call(|mut c| async move { c.promote(PromoteRequest { node_id: 2 }).await })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(Code::PermissionDenied), "{e}");
+    let anonymous = laneway_control::client::AdminClient::new(vec![n1.addr.clone()]).with_tls(Some(
+        laneway_pki::client_without_identity(
+            &std::fs::read_to_string(certs.join("ca.pem")).unwrap(),
+            laneway_pki::ANY_CONTROLLER,
+        ),
+    ));
+    let e = anonymous
+        .call(|mut c| async move { c.status(StatusRequest {}).await })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(Code::Unauthenticated), "{e}");
+
+    // An agent may register its own node only, and has no admin access.
+    let mut agent = AgentServiceClient::new(
+        channel(&n1.addr, &certs, "agent-gpu-a", laneway_pki::ANY_CONTROLLER)
+            .await
+            .unwrap(),
+    );
+    let e = agent.register(register("gpu-b")).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    assert!(e.message().contains("certificate is for node gpu-a"), "{}", e.message());
+    let ch = channel(&n1.addr, &certs, "agent-gpu-a", laneway_pki::ANY_CONTROLLER)
+        .await
+        .unwrap();
+    let e = AdminServiceClient::new(ch)
+        .put_setting(PutSettingRequest {
+            key: "a".into(),
+            value: "3".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+
+    // An expired certificate does not get through the handshake. (It ends the second it was
+    // made, and certificate times have one-second resolution: wait until that second is over.)
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let expired_refused = match channel(&n1.addr, &certs, "agent-gpu-old", laneway_pki::ANY_CONTROLLER).await {
+        Err(_) => true,
+        Ok(ch) => AgentServiceClient::new(ch).register(register("gpu-old")).await.is_err(),
+    };
+    assert!(expired_refused, "an expired certificate must be refused");
+
+    // Raft: controller 2 cannot speak for node 3, and nobody but a controller speaks Raft.
+    let ch = channel(
+        &n1.addr,
+        &certs,
+        "controller-2",
+        &laneway_pki::controller_server_name(1),
+    )
+    .await
+    .unwrap();
+    let e = RaftServiceClient::new(ch.clone())
+        .vote(vote_from(3, 1))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    assert!(e.message().contains("may only speak for itself"), "{}", e.message());
+    RaftServiceClient::new(ch)
+        .vote(vote_from(2, 1))
+        .await
+        .expect("a controller speaks for itself");
+    let ch = channel(&n1.addr, &certs, "admin-root", &laneway_pki::controller_server_name(1))
+        .await
+        .unwrap();
+    let e = RaftServiceClient::new(ch).vote(vote_from(2, 1)).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    // A peer that is not the member being addressed fails the handshake: node 1's
+    // certificate does not name controller-2.laneway.
+    let wrong = channel(
+        &n1.addr,
+        &certs,
+        "controller-2",
+        &laneway_pki::controller_server_name(2),
+    )
+    .await;
+    let refused = match wrong {
+        Err(_) => true,
+        Ok(ch) => RaftServiceClient::new(ch).vote(vote_from(2, 2)).await.is_err(),
+    };
+    assert!(refused, "a controller answering for another node id must be refused");
+
+    // Refusals are in the audit log with the identity that tried.
+    let audit = std::fs::read_to_string(n1.dir.join("data").join("audit.log")).unwrap();
+    assert!(audit.contains("viewer:dash@"), "{audit}");
+    assert!(audit.contains("\"call\":\"refused\""), "{audit}");
+    let _ = n2;
+}
+
+/// A one-node mTLS cluster whose controller holds the CA key, led by node 1.
+async fn leading_node(root: &Path, certs: &Path) -> Node {
+    let mut n1 = Node::new(root, 1);
+    n1.certs = Some(certs.to_path_buf());
+    n1.extra_args = vec!["--tls-ca-key".into(), certs.join("ca.key").display().to_string()];
+    n1.start();
+    let admin = n1.client().with_retry_for(Duration::from_secs(15));
+    wait_for("node 1 answers over mTLS", Duration::from_secs(20), || async {
+        admin
+            .call_one(&n1.addr, |mut c| async move { c.status(StatusRequest {}).await })
+            .await
+            .ok()
+    })
+    .await;
+    admin
+        .call_one(&n1.addr, |mut c| async move {
+            c.init(laneway_proto::admin::InitRequest {}).await
+        })
+        .await
+        .unwrap();
+    wait_for("node 1 leads", Duration::from_secs(20), || async {
+        let s = admin
+            .call(|mut c| async move { c.status(StatusRequest {}).await })
+            .await
+            .ok()?;
+        (s.leader_id == 1).then_some(())
+    })
+    .await;
+    n1
+}
+
+/// `Join` over TLS without a client certificate, as a new host does.
+async fn join(addr: &str, certs: &Path, token: &str, node_id: &str) -> Result<(String, String), tonic::Status> {
+    let ca = std::fs::read_to_string(certs.join("ca.pem")).unwrap();
+    let tls = laneway_pki::client_without_identity(&ca, laneway_pki::ANY_CONTROLLER);
+    let ch = laneway_pki::endpoint(addr, Some(tls)).unwrap().connect().await.unwrap();
+    let csr = laneway_pki::new_csr().unwrap();
+    let r = AgentServiceClient::new(ch)
+        .join(JoinRequest {
+            token: token.into(),
+            node_id: node_id.into(),
+            csr_pem: csr.cert_pem,
+        })
+        .await?
+        .into_inner();
+    Ok((r.cert_pem, csr.key_pem))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_join_once_with_a_token_and_renew_over_their_heartbeats() {
+    let root = tempfile::tempdir().unwrap();
+    let certs = root.path().join("certs");
+    make_certs(&certs);
+    let n1 = leading_node(root.path(), &certs).await;
+    let admin = n1.client();
+    let token = |node: &'static str| {
+        let admin = &admin;
+        async move {
+            admin
+                .call(|mut c| async move {
+                    c.create_join_token(CreateJoinTokenRequest {
+                        ttl_ms: 600_000,
+                        node_id: node.into(),
+                    })
+                    .await
+                })
+                .await
+                .unwrap()
+        }
+    };
+
+    // A viewer cannot make tokens.
+    let as_viewer = laneway_control::client::AdminClient::new(vec![n1.addr.clone()])
+        .with_tls(Some(client_tls(&certs, "viewer-dash")));
+    let e = as_viewer
+        .call(|mut c| async move {
+            c.create_join_token(CreateJoinTokenRequest {
+                ttl_ms: 600_000,
+                node_id: String::new(),
+            })
+            .await
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(Code::PermissionDenied), "{e}");
+
+    // A token lets one new node in, once; its certificate names that node.
+    let t = token("").await;
+    assert!(t.token.len() >= 7 + 64, "at least 256 bits: {}", t.token);
+    let (cert, key) = join(&n1.addr, &certs, &t.token, "gpu-j")
+        .await
+        .expect("a fresh token joins");
+    assert_eq!(laneway_pki::identity_of_pem(&cert).unwrap().to_string(), "agent:gpu-j");
+    let e = join(&n1.addr, &certs, &t.token, "gpu-k").await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied);
+    assert!(e.message().contains("already used"), "{}", e.message());
+    // A node id never joins twice, even with a new token.
+    let e = join(&n1.addr, &certs, &token("").await.token, "gpu-j")
+        .await
+        .unwrap_err();
+    assert!(e.message().contains("never reused"), "{}", e.message());
+    // A revoked token, a token for another node, and a made-up token are refused.
+    let revoked = token("").await;
+    admin
+        .call(|mut c| {
+            let id = revoked.id.clone();
+            async move { c.revoke_join_token(RevokeJoinTokenRequest { id }).await }
+        })
+        .await
+        .unwrap();
+    let e = join(&n1.addr, &certs, &revoked.token, "gpu-r").await.unwrap_err();
+    assert!(e.message().contains("revoked"), "{}", e.message());
+    let e = join(&n1.addr, &certs, &token("gpu-x").await.token, "gpu-y")
+        .await
+        .unwrap_err();
+    assert!(e.message().contains("is for node gpu-x"), "{}", e.message());
+    let e = join(&n1.addr, &certs, "lwjoin_guess", "gpu-z").await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied);
+
+    // The joined certificate registers its node, and a heartbeat renews it.
+    let ca = std::fs::read_to_string(certs.join("ca.pem")).unwrap();
+    let tls = laneway_pki::Tls::from_pem(ca, cert, key).unwrap();
+    let ch = laneway_pki::endpoint(&n1.addr, Some(tls.client(laneway_pki::ANY_CONTROLLER)))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut agent = AgentServiceClient::new(ch);
+    agent
+        .register(register("gpu-j"))
+        .await
+        .expect("the joined node registers itself");
+    let renew = laneway_pki::new_csr().unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tx.send(Heartbeat {
+        node_id: "gpu-j".into(),
+        sequence: 1,
+        renew_csr_pem: renew.cert_pem,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut replies = agent
+        .heartbeats(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let reply = replies.message().await.unwrap().expect("a reply");
+    assert_eq!(
+        laneway_pki::identity_of_pem(&reply.renewed_cert_pem)
+            .unwrap()
+            .to_string(),
+        "agent:gpu-j",
+        "the renewal keeps the node's identity"
+    );
+
+    // Joins are in the audit log, without the token.
+    let audit = std::fs::read_to_string(n1.dir.join("data").join("audit.log")).unwrap();
+    assert!(audit.contains("\"call\":\"join\""), "{audit}");
+    assert!(!audit.contains(&t.token), "a token must never reach the audit log");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_with_only_a_join_token_gets_its_certificate() {
+    let root = tempfile::tempdir().unwrap();
+    let certs = root.path().join("certs");
+    make_certs(&certs);
+    let n1 = leading_node(root.path(), &certs).await;
+    let admin = n1.client();
+    let t = admin
+        .call(|mut c| async move {
+            c.create_join_token(CreateJoinTokenRequest {
+                ttl_ms: 600_000,
+                node_id: "l4-joined".into(),
+            })
+            .await
+        })
+        .await
+        .unwrap();
+    let credentials = laneway_agent::identity::Credentials::Join {
+        ca_pem: std::fs::read_to_string(certs.join("ca.pem")).unwrap(),
+        token: t.token,
+    };
+    let a = crate::agents::agent_with(
+        "l4-joined",
+        "L4",
+        vec![n1.addr.clone()],
+        root.path(),
+        Vec::new(),
+        credentials.clone(),
+    )
+    .await;
+    wait_for("the joined agent's node is up", Duration::from_secs(30), || async {
+        let nodes = admin
+            .call(|mut c| async move { c.list_nodes(laneway_proto::admin::ListNodesRequest {}).await })
+            .await
+            .ok()?;
+        nodes
+            .nodes
+            .iter()
+            .any(|n| n.node_id == "l4-joined" && n.liveness == "up")
+            .then_some(())
+    })
+    .await;
+    let kept = root.path().join("l4-joined").join("tls").join("agent.pem");
+    assert!(kept.exists(), "the certificate is kept in the data dir");
+    a.stop();
+}
