@@ -140,7 +140,9 @@ impl DockerBackend {
             }
             b.ids.insert(svc, id);
         }
-        // Formed by the compose file's bootstrap service.
+        // Formed by the compose file's bootstrap service, over mTLS with the certificates its
+        // certs service wrote (`up` returns once that one-shot service has completed).
+        super::use_admin_tls(b.admin_tls()?);
         let addrs = b.controller_addrs();
         wait_until(Duration::from_secs(120), || {
             let addrs = addrs.clone();

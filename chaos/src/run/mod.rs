@@ -40,6 +40,12 @@ use crate::process_cluster::status_of;
 /// TLS towards the cluster under test, set once per run from its backend.
 static ADMIN_TLS: std::sync::OnceLock<Option<tonic::transport::ClientTlsConfig>> = std::sync::OnceLock::new();
 
+/// Sets how the harness authenticates to the cluster under test (once per process: the first
+/// call wins, and one process runs clusters of one backend).
+pub fn use_admin_tls(tls: Option<tonic::transport::ClientTlsConfig>) {
+    let _ = ADMIN_TLS.set(tls);
+}
+
 /// An admin client of the cluster under test (over mTLS when its backend runs with it).
 pub fn admin_client(addrs: Vec<String>) -> AdminClient {
     AdminClient::new(addrs).with_tls(ADMIN_TLS.get().cloned().flatten())
@@ -167,7 +173,7 @@ async fn drive<B: Backend>(s: &Scenario, seed: u64, b: &mut B, rng: &mut StdRng)
             k.as_str()
         );
     }
-    let _ = ADMIN_TLS.set(b.admin_tls()?);
+    use_admin_tls(b.admin_tls()?);
     let admin = crate::run::admin_client(b.controller_addrs()).with_retry_for(Duration::from_secs(15));
     let tenants = register(&admin, s, b).await?;
     let ready = inject::floors_restored(b, Duration::from_secs(90)).await;
