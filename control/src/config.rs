@@ -51,6 +51,9 @@ pub struct FileRouterConfig {
     pub max_body_bytes: Option<usize>,
     pub header_read_timeout_ms: Option<u64>,
     pub max_connections: Option<usize>,
+    /// HTTPS: the router's certificate chain and key (PEM), for the name clients use.
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
 }
 
 /// `[raft]` table of the TOML file.
@@ -100,6 +103,12 @@ pub struct RunArgs {
     /// Inference router listen address (HTTP), or `off`. Default `127.0.0.1:8080`.
     #[arg(long, env = "LANEWAY_ROUTER_LISTEN")]
     pub router_listen: Option<String>,
+    /// Serve the router over HTTPS with this certificate chain (PEM) for the name clients use.
+    #[arg(long, env = "LANEWAY_ROUTER_TLS_CERT")]
+    pub router_tls_cert: Option<PathBuf>,
+    /// The router certificate's private key (PEM).
+    #[arg(long, env = "LANEWAY_ROUTER_TLS_KEY")]
+    pub router_tls_key: Option<PathBuf>,
     /// Results store of the durable lanes: a directory shared with the agents, or an
     /// object-store URL (s3://bucket/prefix). Default `<data-dir>/results`.
     #[arg(long, env = "LANEWAY_RESULTS_STORE")]
@@ -354,7 +363,12 @@ impl RunArgs {
                 "between 4096 and 67108864",
             ));
         }
-        let router = resolve_router(self.router_listen.clone(), &file.router)?;
+        let router = resolve_router(
+            self.router_listen.clone(),
+            self.router_tls_cert.clone().or(file.router.tls_cert.clone()),
+            self.router_tls_key.clone().or(file.router.tls_key.clone()),
+            &file.router,
+        )?;
         let results_store = self
             .results_store
             .clone()
@@ -473,8 +487,37 @@ fn resolve_tls(
 
 fn resolve_router(
     flag: Option<String>,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
     file: &FileRouterConfig,
 ) -> Result<crate::router::http::RouterSettings, ConfigError> {
+    let tls = match (tls_cert, tls_key) {
+        (None, None) => None,
+        (Some(cert), Some(key)) => {
+            let read = |p: &PathBuf| {
+                std::fs::read_to_string(p).map_err(|e| {
+                    bad(
+                        "router.tls_cert",
+                        p.display().to_string(),
+                        format!("a readable file ({e})"),
+                    )
+                })
+            };
+            let acceptor = laneway_pki::https_acceptor(&read(&cert)?, &read(&key)?)
+                .map_err(|e| bad("router.tls_cert", cert.display().to_string(), e.to_string()))?;
+            Some(crate::router::http::HttpsSettings {
+                acceptor,
+                cert_path: cert,
+            })
+        }
+        (cert, _) => {
+            return Err(bad(
+                "router.tls_cert",
+                cert.map_or("<unset>".into(), |c| c.display().to_string()),
+                "router.tls_cert and router.tls_key together (HTTPS), or neither (HTTP)",
+            ))
+        }
+    };
     let d = crate::router::http::RouterSettings::default();
     let raw = flag
         .or_else(|| file.listen.clone())
@@ -517,6 +560,7 @@ fn resolve_router(
         max_body_bytes,
         header_read_timeout: std::time::Duration::from_millis(header_ms),
         max_connections,
+        tls,
     })
 }
 
@@ -706,6 +750,13 @@ mod tests {
                     ..args()
                 },
                 "data_dir",
+            ),
+            (
+                RunArgs {
+                    router_tls_cert: Some("/etc/laneway/router.pem".into()),
+                    ..args()
+                },
+                "router.tls_cert",
             ),
         ];
         for (a, field) in cases {

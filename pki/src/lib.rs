@@ -501,6 +501,33 @@ impl Tls {
     }
 }
 
+/// A TLS acceptor for an HTTPS listener (the inference router) from a certificate chain and key
+/// (PEM): the operator's certificate for the router's public name, from any CA. HTTP/1.1 only,
+/// as the router speaks.
+pub fn https_acceptor(cert_pem: &str, key_pem: &str) -> Result<tokio_rustls::TlsAcceptor, PkiError> {
+    use rustls::pki_types::pem::PemObject as _;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
+        .collect::<Result<_, _>>()
+        .map_err(|e| PkiError::Invalid(format!("the router certificate is not PEM: {e}")))?;
+    if chain.is_empty() {
+        return Err(PkiError::Invalid(
+            "the router certificate file holds no certificate".into(),
+        ));
+    }
+    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes())
+        .map_err(|e| PkiError::Invalid(format!("the router key is not a PEM private key: {e}")))?;
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| PkiError::Invalid(e.to_string()))?
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .map_err(|e| PkiError::Invalid(format!("the router certificate and key do not go together: {e}")))?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config)))
+}
+
 /// Client TLS without a certificate of one's own: for token-authenticated `lanectl` and for an
 /// agent that has only a join token yet.
 pub fn client_without_identity(ca_pem: &str, server_name: &str) -> ClientTlsConfig {

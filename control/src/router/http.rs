@@ -39,7 +39,33 @@ pub struct RouterSettings {
     pub header_read_timeout: Duration,
     /// Open connections at most; more are closed at accept. Default 4096.
     pub max_connections: usize,
+    /// HTTPS, when the operator gave the router a certificate; `None`: plain HTTP.
+    pub tls: Option<HttpsSettings>,
 }
+
+/// The router's HTTPS certificate, loaded.
+#[derive(Clone)]
+pub struct HttpsSettings {
+    pub acceptor: tokio_rustls::TlsAcceptor,
+    /// Where the certificate came from (for logs and comparisons).
+    pub cert_path: std::path::PathBuf,
+}
+
+impl std::fmt::Debug for HttpsSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpsSettings")
+            .field("cert_path", &self.cert_path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PartialEq for HttpsSettings {
+    fn eq(&self, other: &Self) -> bool {
+        self.cert_path == other.cert_path
+    }
+}
+
+impl Eq for HttpsSettings {}
 
 impl Default for RouterSettings {
     fn default() -> Self {
@@ -48,6 +74,7 @@ impl Default for RouterSettings {
             max_body_bytes: 8 * 1024 * 1024,
             header_read_timeout: Duration::from_secs(5),
             max_connections: 4096,
+            tls: None,
         }
     }
 }
@@ -137,6 +164,7 @@ pub fn serve(
     let app = app(router, settings.max_body_bytes).merge(extra);
     let permits = Arc::new(Semaphore::new(settings.max_connections));
     let header_timeout = settings.header_read_timeout;
+    let tls = settings.tls.as_ref().map(|t| t.acceptor.clone());
     let (tx, mut rx) = watch::channel(false);
     let task = tokio::spawn(async move {
         let mut refused_logged = Instant::now() - Duration::from_secs(60);
@@ -163,20 +191,18 @@ pub fn serve(
             };
             let _ = stream.set_nodelay(true);
             let svc = TowerToHyperService::new(app.clone());
-            let mut stop = rx.clone();
+            let stop = rx.clone();
+            let tls = tls.clone();
             tokio::spawn(async move {
-                let conn = hyper::server::conn::http1::Builder::new()
-                    .timer(TokioTimer::new())
-                    .header_read_timeout(header_timeout)
-                    .keep_alive(true)
-                    .serve_connection(TokioIo::new(stream), svc);
-                let mut conn = std::pin::pin!(conn);
-                tokio::select! {
-                    _ = conn.as_mut() => {}
-                    _ = stop.changed() => {
-                        conn.as_mut().graceful_shutdown();
-                        let _ = tokio::time::timeout(Duration::from_secs(5), conn).await;
-                    }
+                match tls {
+                    None => serve_connection(TokioIo::new(stream), svc, header_timeout, stop).await,
+                    // The handshake gets the header timeout too: a client that opens a
+                    // connection and says nothing holds a permit no longer than that.
+                    Some(acceptor) => match tokio::time::timeout(header_timeout, acceptor.accept(stream)).await {
+                        Ok(Ok(tls)) => serve_connection(TokioIo::new(tls), svc, header_timeout, stop).await,
+                        Ok(Err(e)) => tracing::debug!(%peer, error = %e, "router TLS handshake failed"),
+                        Err(_) => tracing::debug!(%peer, "router TLS handshake timed out"),
+                    },
                 }
                 drop(permit);
             });
@@ -187,6 +213,32 @@ pub fn serve(
         shutdown: tx,
         task,
     })
+}
+
+/// Serves one HTTP/1.1 connection until it closes or the router stops (then gracefully, for up
+/// to 5 s).
+async fn serve_connection<I, S>(io: I, svc: S, header_timeout: Duration, mut stop: watch::Receiver<bool>)
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    S: hyper::service::HttpService<hyper::body::Incoming> + Send,
+    S::Future: Send + 'static,
+    S::ResBody: Send + 'static,
+    <S::ResBody as hyper::body::Body>::Data: Send,
+    <S::ResBody as hyper::body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_timeout)
+        .keep_alive(true)
+        .serve_connection(io, svc);
+    let mut conn = std::pin::pin!(conn);
+    tokio::select! {
+        _ = conn.as_mut() => {}
+        _ = stop.changed() => {
+            conn.as_mut().graceful_shutdown();
+            let _ = tokio::time::timeout(Duration::from_secs(5), conn).await;
+        }
+    }
 }
 
 /// What every response says about the request, as far as it is known.

@@ -457,3 +457,68 @@ async fn an_agent_with_only_a_join_token_gets_its_certificate() {
     assert!(kept.exists(), "the certificate is kept in the data dir");
     a.stop();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_router_serves_https_with_the_operators_certificate() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let root = tempfile::tempdir().unwrap();
+    let certs = root.path().join("certs");
+    make_certs(&certs);
+    // The router's certificate, for the address clients use (any CA; here the cluster's).
+    let ca = Ca::load_dir(&certs).unwrap();
+    let router_cert = ca.issue(Kind::Viewer, "router", &["127.0.0.1".into()], DAY).unwrap();
+    std::fs::write(certs.join("router.pem"), &router_cert.cert_pem).unwrap();
+    std::fs::write(certs.join("router.key"), &router_cert.key_pem).unwrap();
+    let mut n1 = Node::new(root.path(), 1);
+    n1.certs = Some(certs.clone());
+    n1.extra_args = vec![
+        "--router-tls-cert".into(),
+        certs.join("router.pem").display().to_string(),
+        "--router-tls-key".into(),
+        certs.join("router.key").display().to_string(),
+    ];
+    n1.start();
+
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(laneway_pki_der(ca.cert_pem())).unwrap();
+    let config =
+        rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let addr = n1.router_addr.clone();
+    let response = wait_for("the router answers over HTTPS", Duration::from_secs(20), || {
+        let (connector, addr) = (connector.clone(), addr.clone());
+        async move {
+            let tcp = tokio::net::TcpStream::connect(&addr).await.ok()?;
+            let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+            let mut tls = connector.connect(name, tcp).await.ok()?;
+            tls.write_all(b"GET /v2/health/live HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+                .await
+                .ok()?;
+            let mut out = String::new();
+            tls.read_to_string(&mut out).await.ok()?;
+            Some(out)
+        }
+    })
+    .await;
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    // Plain HTTP to the HTTPS router gets no HTTP answer.
+    let mut tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    tcp.write_all(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), tcp.read_to_end(&mut out)).await;
+    assert!(
+        !String::from_utf8_lossy(&out).starts_with("HTTP/1.1 200"),
+        "plaintext must not be served"
+    );
+}
+
+fn laneway_pki_der(pem: &str) -> rustls::pki_types::CertificateDer<'static> {
+    use rustls::pki_types::pem::PemObject as _;
+    rustls::pki_types::CertificateDer::from_pem_slice(pem.as_bytes()).unwrap()
+}
