@@ -94,7 +94,6 @@ pub struct AgentConfig {
     pub pool: String,
     pub labels: std::collections::BTreeMap<String, String>,
     pub data_dir: PathBuf,
-    pub join_token: String,
     /// Interval between heartbeats. Default 1 s.
     pub heartbeat: Duration,
     /// Host the routers dial to reach this node's replicas; empty = the hostname.
@@ -232,7 +231,7 @@ impl AgentFile {
                     .map_err(|e| bad("tls.ca", ca.display().to_string(), format!("a readable CA certificate ({e})")))?;
                 crate::identity::Credentials::Join {
                     ca_pem,
-                    token: join_token.clone(),
+                    token: join_token,
                 }
             }
             (Err(e), _) => return Err(bad("tls", "[ca, cert, key]", e.to_string())),
@@ -266,7 +265,6 @@ impl AgentFile {
             pool: self.pool.unwrap_or_else(|| "default".into()),
             labels: self.labels,
             data_dir,
-            join_token,
             heartbeat: Duration::from_millis(heartbeat_ms),
             replica_host: self.replica_host.unwrap_or_default(),
             results_store,

@@ -12,7 +12,7 @@ use laneway_proto::agent::JoinRequest;
 use tonic::transport::ClientTlsConfig;
 
 /// How this agent proves who it is.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub enum Credentials {
     /// Plaintext, no identity (`insecure_dev`).
     Insecure,
@@ -20,6 +20,17 @@ pub enum Credentials {
     Files(Tls),
     /// The cluster CA and a one-time join token: the agent gets its certificate itself.
     Join { ca_pem: String, token: String },
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the token.
+        match self {
+            Credentials::Insecure => f.write_str("Insecure"),
+            Credentials::Files(t) => f.debug_tuple("Files").field(t).finish(),
+            Credentials::Join { .. } => f.write_str("Join { token: <redacted> }"),
+        }
+    }
 }
 
 /// The agent's current identity, shared by its connections.
@@ -39,6 +50,19 @@ impl std::fmt::Debug for Identity {
             .field("node_id", &self.node_id)
             .finish_non_exhaustive()
     }
+}
+
+/// The file under `<data_dir>/tls/` that holds a joined agent's certificate and key.
+const KEPT: &str = "agent.pem";
+
+/// The certificate and the key of a kept pair.
+fn split_pair(text: &str) -> Option<(String, String)> {
+    const END: &str = "-----END CERTIFICATE-----";
+    let start = text.find("-----BEGIN CERTIFICATE-----")?;
+    let end = text.find(END)? + END.len();
+    let cert = text[start..end].to_string() + "\n";
+    let key = text[end..].trim_start().to_string();
+    (!key.is_empty()).then_some((cert, key))
 }
 
 /// Renew once less than this share of the certificate's life is left.
@@ -98,12 +122,21 @@ impl Identity {
                     *self.lock_current() = Some(tls);
                     return;
                 }
-                Err(JoinError::Redirect(leader)) => {
-                    if let Ok(tls) = self.join_once(&leader, ca_pem, token).await {
+                Err(JoinError::Redirect(leader)) => match self.join_once(&leader, ca_pem, token).await {
+                    Ok(tls) => {
+                        tracing::info!(node = %self.node_id, controller = %leader, "joined the cluster; certificate kept in {}", self.dir.display());
                         *self.lock_current() = Some(tls);
                         return;
                     }
-                }
+                    Err(JoinError::Refused(why)) => {
+                        tracing::error!(node = %self.node_id, reason = %why, "the controllers refused to let this node join; fix join_token or node_id and restart the agent");
+                        tokio::time::sleep(Duration::from_secs(30)).await;
+                    }
+                    Err(JoinError::Failed(why) | JoinError::Redirect(why)) => {
+                        tracing::warn!(controller = %leader, reason = %why, "join attempt at the leader failed");
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                },
                 Err(JoinError::Refused(why)) => {
                     tracing::error!(node = %self.node_id, reason = %why, "the controllers refused to let this node join; fix join_token or node_id and restart the agent");
                     tokio::time::sleep(Duration::from_secs(30)).await;
@@ -118,12 +151,14 @@ impl Identity {
     }
 
     fn load_kept(&self, ca_pem: &str) -> Result<Option<Tls>, String> {
-        let (cert, key) = (self.dir.join("agent.pem"), self.dir.join("agent.key"));
-        if !cert.exists() {
+        let path = self.dir.join(KEPT);
+        if !path.exists() {
             return Ok(None);
         }
-        let read = |p: &PathBuf| std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()));
-        let tls = Tls::from_pem(ca_pem.to_string(), read(&cert)?, read(&key)?).map_err(|e| e.to_string())?;
+        let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let (cert, key) =
+            split_pair(&text).ok_or_else(|| format!("{} holds no certificate and key", path.display()))?;
+        let tls = Tls::from_pem(ca_pem.to_string(), cert, key).map_err(|e| e.to_string())?;
         let id = tls.identity();
         if id.kind != laneway_pki::Kind::Agent || id.name != self.node_id {
             return Err(format!("it is for {id}, this agent is node {}", self.node_id));
@@ -169,14 +204,18 @@ impl Identity {
             .map_err(JoinError::Failed)
     }
 
-    /// Writes the key and certificate (key first, 0600; each by rename, so a crash leaves the
-    /// old pair or the new one) and returns the TLS material.
+    /// Checks that the key and certificate go together, writes both in one file (0600, by
+    /// rename: a crash leaves the old pair or the new one, never a mix) and returns the TLS
+    /// material.
     fn keep(&self, ca_pem: &str, cert_pem: &str, key_pem: &str) -> Result<Tls, String> {
         let tls =
             Tls::from_pem(ca_pem.to_string(), cert_pem.to_string(), key_pem.to_string()).map_err(|e| e.to_string())?;
         std::fs::create_dir_all(&self.dir).map_err(|e| format!("{}: {e}", self.dir.display()))?;
-        write_atomic(&self.dir.join("agent.key"), key_pem, 0o600)?;
-        write_atomic(&self.dir.join("agent.pem"), cert_pem, 0o644)?;
+        write_atomic(
+            &self.dir.join(KEPT),
+            &format!("{}\n{}", cert_pem.trim_end(), key_pem),
+            0o600,
+        )?;
         Ok(tls)
     }
 
@@ -280,10 +319,8 @@ mod tests {
             .sign_csr(&ask, laneway_pki::Kind::Agent, "gpu-1", Duration::from_secs(86_400))
             .unwrap();
         again.renewed(&renewed);
-        assert_eq!(
-            std::fs::read_to_string(dir.path().join("tls").join("agent.pem")).unwrap(),
-            renewed
-        );
+        let kept = std::fs::read_to_string(dir.path().join("tls").join(KEPT)).unwrap();
+        assert!(kept.starts_with(renewed.trim_end()), "the renewed certificate is kept");
         assert!(again.renewal_csr().is_none(), "a fresh certificate needs no renewal");
         // Another node's kept certificate is not taken for this one's.
         let other = Identity::new(

@@ -294,7 +294,7 @@ async fn session(
                 mig_capable: g.mig.capable,
             })
             .collect(),
-        join_token: cfg.join_token.clone(),
+        join_token: String::new(),
         replica_host: cfg.replica_host.clone(),
     };
     if let Err(status) = client.register(register).await {

@@ -70,23 +70,31 @@ impl AgentService for AgentGrpc {
                 ));
             };
             crate::fleet::validate_node_id(&r.node_id).map_err(Status::invalid_argument)?;
+            let sha256 = crate::registry::hash_key(&r.token);
+            let now = crate::jobs::unix_ms();
+            // Checked here first, so that a made-up or spent token costs no Raft entry (anyone
+            // reaching the listener may call Join); the commit checks again, in order.
+            let registered = self.ctx.sm.node_flags(&r.node_id).is_some();
+            self.ctx
+                .sm
+                .with_registry(|reg| reg.check_join_token(&sha256, &r.node_id, now, registered))
+                .map_err(Status::permission_denied)?;
+            let consume = Command::ConsumeJoinToken {
+                sha256,
+                node_id: r.node_id.clone(),
+                at_ms: now,
+            };
+            crate::command::check_allowed(&self.ctx.sm, &consume).map_err(Status::failed_precondition)?;
             // The request must be good before the token is spent on it.
             let cert = ca
                 .sign_csr(&r.csr_pem, laneway_pki::Kind::Agent, &r.node_id, AGENT_CERT_LIFETIME)
                 .map_err(|e| Status::invalid_argument(e.to_string()))?;
-            let (_, resp) = self
-                .ctx
-                .proposer
-                .propose(Command::ConsumeJoinToken {
-                    sha256: crate::registry::hash_key(&r.token),
-                    node_id: r.node_id.clone(),
-                    at_ms: crate::jobs::unix_ms(),
-                })
-                .await
-                .map_err(|e| match e.forward_to_leader::<crate::node::ControllerNode>() {
-                    Some(_) => not_leader(&self.ctx),
-                    None => Status::unavailable(format!("the join could not be committed: {e}")),
-                })?;
+            let (_, resp) = self.ctx.proposer.propose(consume).await.map_err(|e| match e
+                .forward_to_leader::<crate::node::ControllerNode>()
+            {
+                Some(_) => not_leader(&self.ctx),
+                None => Status::unavailable(format!("the join could not be committed: {e}")),
+            })?;
             if let Some(why) = resp.rejected {
                 tracing::warn!(node = %r.node_id, %why, "join refused");
                 return Err(Status::permission_denied(why));

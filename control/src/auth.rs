@@ -1,7 +1,9 @@
 //! Who may call what on a controller's gRPC listener.
 //!
 //! Callers are identified by the client certificate the TLS handshake verified against the
-//! cluster CA (see `laneway-pki`), never by anything in the message. Each service is wrapped in
+//! cluster CA (see `laneway-pki`), unless its serial was revoked, or, without a certificate,
+//! by an admin bearer token (`authorization: Bearer lwadm_…`) the cluster issued — never by
+//! anything in the message. Each service is wrapped in
 //! a [`Guarded`] layer that looks the method up in the service's table before the handler runs:
 //! a method missing from the table is refused (default deny), and a refusal is written to the
 //! audit log. The handler reads the identity back with [`caller`] where it must also check the
@@ -19,6 +21,7 @@ use tonic::server::NamedService;
 use tonic::Status;
 
 use crate::admin::audit::AuditLog;
+use crate::store::StateMachineStore;
 
 /// What a method needs of its caller.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,14 +84,17 @@ pub struct Guard {
     /// `false`: insecure development mode.
     secure: bool,
     audit: Option<Arc<AuditLog>>,
+    /// Where revoked certificates and admin tokens are looked up.
+    state: Option<StateMachineStore>,
 }
 
 impl Guard {
-    pub fn new(cluster: &str, secure: bool, audit: Option<Arc<AuditLog>>) -> Self {
+    pub fn new(cluster: &str, secure: bool, audit: Option<Arc<AuditLog>>, state: Option<StateMachineStore>) -> Self {
         Guard {
             cluster: cluster.to_string(),
             secure,
             audit,
+            state,
         }
     }
 
@@ -101,6 +107,7 @@ impl Guard {
                 secure: self.secure,
                 table,
                 audit: self.audit.clone(),
+                state: self.state.clone(),
             }),
         }
     }
@@ -118,7 +125,11 @@ struct Policy {
     secure: bool,
     table: MethodTable,
     audit: Option<Arc<AuditLog>>,
+    state: Option<StateMachineStore>,
 }
+
+/// What a call presented, checked: the identity, or why it does not count.
+type Presented = Option<Result<PeerIdentity, String>>;
 
 impl<S: NamedService> NamedService for Guarded<S> {
     const NAME: &'static str = S::NAME;
@@ -126,11 +137,48 @@ impl<S: NamedService> NamedService for Guarded<S> {
 
 impl Policy {
     /// The identity a call to `method` is made with, or why it is refused.
-    fn admit(
-        &self,
-        method: &str,
-        peer: Option<Result<PeerIdentity, laneway_pki::PkiError>>,
-    ) -> Result<Option<PeerIdentity>, Status> {
+    /// The identity a client certificate (DER) names, unless its serial was revoked.
+    fn identify_cert(&self, der: &[u8]) -> Result<PeerIdentity, String> {
+        let id = laneway_pki::identity_of(der).map_err(|e| e.to_string())?;
+        if let Some(state) = &self.state {
+            let serial = laneway_pki::serial_of(der).map_err(|e| e.to_string())?;
+            let (from, _) = laneway_pki::validity_der(der).map_err(|e| e.to_string())?;
+            let from_ms = from
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64);
+            let who = id.to_string();
+            // This serial, or any certificate of the same identity issued before a revocation
+            // (a renewal made with a stolen key included).
+            let revoked = state.with_registry(|r| {
+                r.revoked_certs.contains_key(&serial)
+                    || r.revoked_certs
+                        .values()
+                        .any(|c| c.identity == who && from_ms <= c.at_ms)
+            });
+            if revoked {
+                return Err(format!(
+                    "the certificate of {id} (serial {serial}) was revoked; get a new one issued"
+                ));
+            }
+        }
+        Ok(id)
+    }
+
+    /// The identity an admin bearer token stands for.
+    fn identify_token(&self, token: &str) -> Result<PeerIdentity, String> {
+        let Some(state) = &self.state else {
+            return Err("this listener accepts no bearer tokens".into());
+        };
+        let sha = crate::registry::hash_key(token);
+        let (role, name) = state.with_registry(|r| {
+            r.admin_token(&sha, crate::jobs::unix_ms())
+                .map(|(role, name)| (role.to_string(), name.to_string()))
+        })?;
+        let kind: Kind = role.parse().map_err(|e: laneway_pki::PkiError| e.to_string())?;
+        PeerIdentity::new(&self.cluster, kind, &name).map_err(|e| e.to_string())
+    }
+
+    fn admit(&self, method: &str, peer: Presented) -> Result<Option<PeerIdentity>, Status> {
         if !self.secure {
             return Ok(None);
         }
@@ -145,7 +193,7 @@ impl Policy {
                     access.needs()
                 )))
             }
-            Some(Err(e)) => return Err(Status::unauthenticated(format!("the client certificate is not usable: {e}"))),
+            Some(Err(e)) => return Err(Status::unauthenticated(format!("{method} refused: {e}"))),
             Some(Ok(id)) => id,
         };
         if id.cluster != self.cluster {
@@ -183,9 +231,21 @@ where
             .extensions()
             .get::<tonic::transport::server::TlsConnectInfo<tonic::transport::server::TcpConnectInfo>>();
         let remote = tls.and_then(|t| t.get_ref().remote_addr());
-        let peer = tls
+        let cert = tls
             .and_then(|t| t.peer_certs())
-            .and_then(|certs| certs.first().map(|c| laneway_pki::identity_of(c.as_ref())));
+            .and_then(|certs| certs.first().cloned());
+        let bearer = req
+            .headers()
+            .get(http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::to_string);
+        let peer: Presented = match (self.policy.secure, cert, bearer) {
+            (false, _, _) => None,
+            (true, Some(cert), _) => Some(self.policy.identify_cert(cert.as_ref())),
+            (true, None, Some(token)) => Some(self.policy.identify_token(&token)),
+            (true, None, None) => None,
+        };
         let who = peer.as_ref().and_then(|p| p.as_ref().ok()).cloned();
         match self.policy.admit(&method, peer) {
             Ok(id) => {
@@ -211,14 +271,14 @@ where
 pub fn admin_methods(method: &str) -> Option<Access> {
     use Access::*;
     Some(match method {
-        "Status" | "GetSetting" | "ReadIndex" | "ListNodes" | "ListRegistry" | "LaneStatus" | "Ledger" | "PlanMig"
+        "Status" | "GetSetting" | "ReadIndex" | "ListNodes" | "ListRegistry" | "LaneStatus" | "Ledger"
         | "ShowMigPlan" | "Events" | "Audit" => Read,
+        // PlanMig commits the plan it proposes.
         "PutSetting" | "DeleteSetting" | "Snapshot" | "SetNodeFlags" | "PutClass" | "PutModel" | "RemoveModel"
-        | "CreateTenant" | "RotateTenantKey" | "SetTenantLimit" | "SetPrice" | "SetMigLayout" | "ApplyMigPlan"
-        | "SetPoolTaints" => Operate,
-        "Init" | "AddLearner" | "Promote" | "Remove" | "FinalizeUpgrade" | "CreateJoinToken" | "RevokeJoinToken" => {
-            Administer
-        }
+        | "CreateTenant" | "RotateTenantKey" | "SetTenantLimit" | "SetPrice" | "SetMigLayout" | "PlanMig"
+        | "ApplyMigPlan" | "SetPoolTaints" => Operate,
+        "Init" | "AddLearner" | "Promote" | "Remove" | "FinalizeUpgrade" | "CreateJoinToken" | "CreateAdminToken"
+        | "RevokeToken" | "RevokeCertificate" => Administer,
         "ReportLoad" | "JobWrites" | "RecordUsage" => Internal,
         _ => return None,
     })
@@ -248,10 +308,11 @@ mod tests {
             secure: true,
             table,
             audit: None,
+            state: None,
         }
     }
 
-    fn id(kind: Kind, name: &str) -> Option<Result<PeerIdentity, laneway_pki::PkiError>> {
+    fn id(kind: Kind, name: &str) -> Presented {
         Some(Ok(PeerIdentity::new("prod", kind, name).unwrap()))
     }
 

@@ -53,7 +53,25 @@ pub struct AdminClient {
     preferred: Mutex<Option<String>>,
     /// TLS towards the controllers (`None`: plaintext, development clusters only).
     tls: Option<ClientTlsConfig>,
+    /// An admin bearer token sent with every call (for callers without a certificate).
+    bearer: Bearer,
 }
+
+/// Adds `authorization: Bearer …` to every call when a token is set.
+#[derive(Clone, Default)]
+pub struct Bearer(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+
+impl tonic::service::Interceptor for Bearer {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, Status> {
+        if let Some(v) = &self.0 {
+            req.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(req)
+    }
+}
+
+/// The admin API client type `call` hands to its closures.
+pub type Admin = AdminServiceClient<tonic::service::interceptor::InterceptedService<Channel, Bearer>>;
 
 impl AdminClient {
     /// `addrs`: `host:port` of one or more controllers.
@@ -65,7 +83,24 @@ impl AdminClient {
             channels: Mutex::default(),
             preferred: Mutex::default(),
             tls: None,
+            bearer: Bearer::default(),
         }
+    }
+
+    /// Authenticates every call with an admin bearer token (`lanectl token create --role`),
+    /// for callers without a client certificate. The token must be printable ASCII.
+    pub fn with_token(mut self, token: Option<&str>) -> Result<Self, ClientError> {
+        self.bearer =
+            Bearer(
+                token
+                    .map(|t| format!("Bearer {t}").parse())
+                    .transpose()
+                    .map_err(|_| ClientError::BadAddress {
+                        addr: String::new(),
+                        message: "the admin token holds characters a header cannot carry".into(),
+                    })?,
+            );
+        Ok(self)
     }
 
     /// Speaks TLS to the controllers (which must present a controller certificate of the
@@ -113,10 +148,10 @@ impl AdminClient {
     /// Calls one specific controller, without redirects or retries.
     pub async fn call_one<T, F, Fut>(&self, addr: &str, f: F) -> Result<T, ClientError>
     where
-        F: FnOnce(AdminServiceClient<Channel>) -> Fut,
+        F: FnOnce(Admin) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
-        let client = AdminServiceClient::new(self.channel(addr)?);
+        let client = AdminServiceClient::with_interceptor(self.channel(addr)?, self.bearer.clone());
         f(client)
             .await
             .map(|r| r.into_inner())
@@ -134,7 +169,7 @@ impl AdminClient {
     /// membership first). Non-idempotent submissions carry their own idempotency key.
     pub async fn call<T, F, Fut>(&self, mut f: F) -> Result<T, ClientError>
     where
-        F: FnMut(AdminServiceClient<Channel>) -> Fut,
+        F: FnMut(Admin) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
         if self.addrs.is_empty() {
@@ -154,7 +189,7 @@ impl AdminClient {
         let mut redirects = 0usize;
         let mut last;
         loop {
-            let client = AdminServiceClient::new(self.channel(&target)?);
+            let client = AdminServiceClient::with_interceptor(self.channel(&target)?, self.bearer.clone());
             match f(client).await {
                 Ok(r) => {
                     *self.preferred.lock().unwrap_or_else(|p| p.into_inner()) = Some(target);

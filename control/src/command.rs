@@ -213,8 +213,19 @@ pub enum Command {
         sha256: String,
         token: crate::registry::JoinToken,
     },
-    RevokeJoinToken {
+    /// Revoke a join or admin token.
+    RevokeToken {
         sha256: String,
+    },
+    /// A new admin bearer token (only its sha256 is replicated).
+    CreateAdminToken {
+        sha256: String,
+        token: crate::registry::AdminToken,
+    },
+    /// Refuse the certificate with this serial from now on.
+    RevokeCertificate {
+        serial: String,
+        cert: crate::registry::RevokedCert,
     },
     /// A host joins as `node_id` with the token whose sha256 this is: refused unless the token
     /// is known, unused, unrevoked, unexpired at `at_ms` and (when bound) for this node, and
@@ -308,7 +319,11 @@ impl Command {
             | Command::RemoveNodeRequest { .. }
             | Command::SetCapacityMark { .. }
             | Command::PutMigPlan(_) => 7,
-            Command::CreateJoinToken { .. } | Command::RevokeJoinToken { .. } | Command::ConsumeJoinToken { .. } => 8,
+            Command::CreateJoinToken { .. }
+            | Command::RevokeToken { .. }
+            | Command::ConsumeJoinToken { .. }
+            | Command::CreateAdminToken { .. }
+            | Command::RevokeCertificate { .. } => 8,
             Command::SetPrice { .. }
             | Command::RecordUsage(_)
             | Command::SetMigLayout { .. }
@@ -387,7 +402,11 @@ impl Command {
             Command::PutNodeRequest(r) => 256 + r.id.len() + r.models.iter().map(|m| m.len() + 4).sum::<usize>(),
             Command::RemoveNodeRequest { id } => id.len(),
             Command::PutMigPlan(p) => serde_json::to_vec(p).map_or(4096, |b| b.len()),
-            Command::CreateJoinToken { .. } | Command::RevokeJoinToken { .. } | Command::ConsumeJoinToken { .. } => 256,
+            Command::CreateJoinToken { .. }
+            | Command::RevokeToken { .. }
+            | Command::ConsumeJoinToken { .. }
+            | Command::CreateAdminToken { .. }
+            | Command::RevokeCertificate { .. } => 512,
             Command::SetCapacityMark { key, mark } => key.len() + mark.as_ref().map_or(0, |m| 64 + m.why.len()),
         }
     }
@@ -471,7 +490,30 @@ impl Command {
                 Some(n) => validate_node_id(n).map_err(CommandError::InvalidNode),
                 None => Ok(()),
             },
-            Command::RevokeJoinToken { .. } => Ok(()),
+            Command::RevokeToken { .. } => Ok(()),
+            Command::CreateAdminToken { token, .. } => {
+                let kind: laneway_pki::Kind = token
+                    .role
+                    .parse()
+                    .map_err(|e: laneway_pki::PkiError| CommandError::Invalid(e.to_string()))?;
+                if !kind.is_role() {
+                    return Err(CommandError::Invalid(format!(
+                        "an admin token's role is viewer, operator or admin, not {kind}"
+                    )));
+                }
+                laneway_pki::PeerIdentity::new("x", kind, &token.name)
+                    .map(|_| ())
+                    .map_err(|e| CommandError::Invalid(e.to_string()))
+            }
+            Command::RevokeCertificate { serial, .. } => {
+                if serial.is_empty() || serial.len() > 64 || !serial.chars().all(|c| c.is_ascii_hexdigit()) {
+                    Err(CommandError::Invalid(format!(
+                        "certificate serial {serial:?}: hex digits, as `lanectl certs show` prints"
+                    )))
+                } else {
+                    Ok(())
+                }
+            }
             Command::ConsumeJoinToken { node_id, .. } => validate_node_id(node_id).map_err(CommandError::InvalidNode),
             Command::SetCapacityMark { key, .. } => {
                 if key.is_empty() || key.len() > 256 || !key.contains('@') {

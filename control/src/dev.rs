@@ -162,7 +162,6 @@ async fn start_agents(controller: &str, data_dir: &std::path::Path) -> Result<Ve
             .into_iter()
             .collect(),
             data_dir: data_dir.join("agents").join(node),
-            join_token: String::new(),
             heartbeat: Duration::from_secs(1),
             replica_host: "127.0.0.1".into(),
             results_store: data_dir.join("results").display().to_string(),

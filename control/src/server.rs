@@ -224,7 +224,12 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         .max_decoding_message_size(cfg.max_admin_request_bytes);
     let agent_svc = AgentServiceServer::new(AgentGrpc::new(ctx.clone()).with_audit(audit.clone()))
         .max_decoding_message_size(cfg.max_admin_request_bytes);
-    let guard = auth::Guard::new(&cfg.cluster_name, cfg.tls.is_some(), Some(audit.clone()));
+    let guard = auth::Guard::new(
+        &cfg.cluster_name,
+        cfg.tls.is_some(),
+        Some(audit.clone()),
+        Some(sm.clone()),
+    );
     let mut grpc = tonic::transport::Server::builder();
     match &cfg.tls {
         Some(tls) => {

@@ -181,6 +181,18 @@ pub fn identity_of(cert_der: &[u8]) -> Result<PeerIdentity, PkiError> {
     })
 }
 
+/// A certificate's serial number (DER), as lowercase hex: what `lanectl certs revoke` names.
+pub fn serial_of(cert_der: &[u8]) -> Result<String, PkiError> {
+    let (_, cert) = x509_parser::parse_x509_certificate(cert_der)
+        .map_err(|e| PkiError::Invalid(format!("unreadable certificate: {e}")))?;
+    Ok(hex::encode(cert.raw_serial()))
+}
+
+/// [`serial_of`] for a PEM certificate.
+pub fn serial_of_pem(cert_pem: &str) -> Result<String, PkiError> {
+    serial_of(&first_cert_der(cert_pem)?)
+}
+
 /// The identity a certificate (PEM) names.
 pub fn identity_of_pem(cert_pem: &str) -> Result<PeerIdentity, PkiError> {
     identity_of(&first_cert_der(cert_pem)?)
@@ -197,8 +209,12 @@ pub fn not_before(cert_pem: &str) -> Result<SystemTime, PkiError> {
 }
 
 fn validity(cert_pem: &str) -> Result<(SystemTime, SystemTime), PkiError> {
-    let der = first_cert_der(cert_pem)?;
-    let (_, cert) = x509_parser::parse_x509_certificate(&der)
+    validity_der(&first_cert_der(cert_pem)?)
+}
+
+/// When a certificate (DER) starts and stops being valid.
+pub fn validity_der(der: &[u8]) -> Result<(SystemTime, SystemTime), PkiError> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der)
         .map_err(|e| PkiError::Invalid(format!("unreadable certificate: {e}")))?;
     let at = |t: i64| SystemTime::UNIX_EPOCH + Duration::from_secs(t.max(0) as u64);
     Ok((
@@ -462,7 +478,16 @@ impl Tls {
                 humantime_like(expires)
             )));
         }
-        KeyPair::from_pem(&key_pem).map_err(|e| PkiError::Invalid(format!("the private key is not usable: {e}")))?;
+        let key = KeyPair::from_pem(&key_pem)
+            .map_err(|e| PkiError::Invalid(format!("the private key is not usable: {e}")))?;
+        let der = first_cert_der(&cert_pem)?;
+        let (_, cert) = x509_parser::parse_x509_certificate(&der)
+            .map_err(|e| PkiError::Invalid(format!("unreadable certificate: {e}")))?;
+        if cert.public_key().subject_public_key.data.as_ref() != key.public_key_raw() {
+            return Err(PkiError::Invalid(format!(
+                "the private key does not belong to the certificate for {identity}: install the key it was issued for"
+            )));
+        }
         first_cert_der(&ca_pem)?;
         Ok(Tls {
             ca_pem,

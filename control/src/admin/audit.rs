@@ -39,7 +39,13 @@ pub struct AuditLog {
     path: PathBuf,
     controller: u64,
     file: Mutex<std::fs::File>,
+    /// Refusals written in the current second, and refusals not written since the last one
+    /// that was: anyone who reaches the port can be refused, and must not fill the disk.
+    refusals: Mutex<(u64, u32, u64)>,
 }
+
+/// Refused calls recorded per second at most; the rest are counted into the next entry.
+const REFUSALS_PER_SECOND: u32 = 20;
 
 impl std::fmt::Debug for AuditLog {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -58,6 +64,7 @@ impl AuditLog {
             path: path.to_path_buf(),
             controller,
             file: Mutex::new(file),
+            refusals: Mutex::new((0, 0, 0)),
         })
     }
 
@@ -82,6 +89,25 @@ impl AuditLog {
     ) {
         let addr = remote.map_or_else(|| "unknown".into(), |a| a.to_string());
         let now = crate::jobs::unix_ms();
+        let suppressed = {
+            let mut r = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
+            let second = now / 1000;
+            if r.0 != second {
+                *r = (second, 0, r.2);
+            }
+            if r.1 >= REFUSALS_PER_SECOND {
+                r.2 += 1;
+                return;
+            }
+            r.1 += 1;
+            std::mem::take(&mut r.2)
+        };
+        let mut message = status.message().to_string();
+        if suppressed > 0 {
+            message.push_str(&format!(
+                " ({suppressed} more refusals before this one were not recorded: over {REFUSALS_PER_SECOND} a second)"
+            ));
+        }
         self.record(&Entry {
             unix_ms: now,
             at: rfc3339(now),
@@ -90,7 +116,7 @@ impl AuditLog {
             call: "refused",
             target: method.to_string(),
             result: format!("{:?}", status.code()),
-            message: Some(status.message().to_string()),
+            message: Some(message),
             ms: 0,
         });
     }

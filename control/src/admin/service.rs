@@ -13,9 +13,9 @@ use laneway_proto::admin::{
     SnapshotRequest, StatusRequest, WriteReply,
 };
 use laneway_proto::admin::{
-    ApplyMigPlanRequest, AuditRequest, CreateJoinTokenRequest, EventsRequest, FinalizeUpgradeReply,
-    FinalizeUpgradeRequest, JoinTokenReply, MemberFormat, PlanMigRequest, RevokeJoinTokenRequest, SetMigLayoutRequest,
-    SetPoolTaintsRequest,
+    ApplyMigPlanRequest, AuditRequest, CreateAdminTokenRequest, CreateJoinTokenRequest, EventsRequest,
+    FinalizeUpgradeReply, FinalizeUpgradeRequest, JoinTokenReply, MemberFormat, PlanMigRequest,
+    RevokeCertificateRequest, RevokeTokenRequest, SetMigLayoutRequest, SetPoolTaintsRequest,
 };
 use laneway_proto::admin::{
     CreateTenantRequest, DocumentsReply, JobWriteReply, JobWritesReply, JobWritesRequest, LaneStatusRequest,
@@ -611,6 +611,20 @@ impl AdminService for AdminGrpc {
                 .map(|(pool, taints)| to_json(&serde_json::json!({"pool": pool, "taints": taints})))
                 .collect(),
             "node-requests" => r.node_requests.values().map(to_json).collect(),
+            "admin-tokens" => r
+                .admin_tokens
+                .iter()
+                .map(|(sha, t)| {
+                    let mut v = serde_json::to_value(t).expect("admin token serializes");
+                    v["id"] = serde_json::json!(&sha[..crate::registry::JOIN_TOKEN_ID_CHARS]);
+                    to_json(&v)
+                })
+                .collect(),
+            "revoked" => r
+                .revoked_certs
+                .iter()
+                .map(|(serial, c)| to_json(&serde_json::json!({"serial": serial, "identity": c.identity, "at_ms": c.at_ms})))
+                .collect(),
             // The token's hash stays inside: its id is a prefix of the hash.
             "join-tokens" => r
                 .join_tokens
@@ -734,26 +748,78 @@ impl AdminService for AdminGrpc {
         .await
     }
 
-    async fn revoke_join_token(&self, req: Request<RevokeJoinTokenRequest>) -> Result<Response<WriteReply>, Status> {
-        self.audited("revoke_join_token", super::audit::Caller::of(&req), async move {
+    async fn revoke_token(&self, req: Request<RevokeTokenRequest>) -> Result<Response<WriteReply>, Status> {
+        self.audited("revoke_token", super::audit::Caller::of(&req), async move {
             let id = req.into_inner().id;
-            let matching: Vec<String> = self
-                .sm
-                .registry()
-                .join_tokens
-                .keys()
-                .filter(|sha| !id.is_empty() && sha.starts_with(&id))
-                .cloned()
-                .collect();
+            let matching: Vec<String> = self.sm.with_registry(|r| {
+                r.join_tokens
+                    .keys()
+                    .chain(r.admin_tokens.keys())
+                    .filter(|sha| id.len() >= 6 && sha.starts_with(&id))
+                    .cloned()
+                    .collect()
+            });
             let [sha256] = matching.as_slice() else {
                 return Err(AdminError::InvalidArgument(format!(
-                    "{} join tokens have the id {id:?}; give the id `lanectl token list` shows",
+                    "{} tokens have the id {id:?}; give the id `lanectl token list` shows",
                     matching.len()
                 ))
                 .into());
             };
             Ok(Response::new(
-                self.write(Command::RevokeJoinToken { sha256: sha256.clone() }).await?,
+                self.write(Command::RevokeToken { sha256: sha256.clone() }).await?,
+            ))
+        })
+        .await
+    }
+
+    async fn create_admin_token(
+        &self,
+        req: Request<CreateAdminTokenRequest>,
+    ) -> Result<Response<JoinTokenReply>, Status> {
+        self.audited("create_admin_token", super::audit::Caller::of(&req), async move {
+            let r = req.into_inner();
+            if !(60_000..=400 * 86_400_000).contains(&r.ttl_ms) {
+                return Err(AdminError::InvalidArgument(format!(
+                    "ttl {} ms: an admin token lives between 1 minute and 400 days",
+                    r.ttl_ms
+                ))
+                .into());
+            }
+            let token = format!("lwadm_{}", &new_api_key()[3..]);
+            let sha256 = hash_key(&token);
+            let now = crate::jobs::unix_ms();
+            let record = crate::registry::AdminToken {
+                name: r.name,
+                role: r.role,
+                created_ms: now,
+                expires_ms: now + r.ttl_ms,
+                revoked: false,
+            };
+            self.write(Command::CreateAdminToken {
+                sha256: sha256.clone(),
+                token: record.clone(),
+            })
+            .await?;
+            Ok(Response::new(JoinTokenReply {
+                token,
+                id: sha256[..crate::registry::JOIN_TOKEN_ID_CHARS].to_string(),
+                expires_unix_ms: record.expires_ms,
+            }))
+        })
+        .await
+    }
+
+    async fn revoke_certificate(&self, req: Request<RevokeCertificateRequest>) -> Result<Response<WriteReply>, Status> {
+        self.audited("revoke_certificate", super::audit::Caller::of(&req), async move {
+            let r = req.into_inner();
+            let cert = crate::registry::RevokedCert {
+                identity: r.identity,
+                at_ms: crate::jobs::unix_ms(),
+            };
+            Ok(Response::new(
+                self.write(Command::RevokeCertificate { serial: r.serial, cert })
+                    .await?,
             ))
         })
         .await
@@ -1040,29 +1106,32 @@ impl AdminService for AdminGrpc {
         .await
     }
 
-    async fn plan_mig(&self, _req: Request<PlanMigRequest>) -> Result<Response<DocumentsReply>, Status> {
-        self.linearizable_barrier().await?;
-        let (fleet, registry) = (self.sm.fleet(), self.sm.registry());
-        let (gpus, notes) = crate::scheduler::mig_plan::propose(&fleet, &registry);
-        if gpus.is_empty() {
-            return Err(AdminError::FailedPrecondition(
-                "no MIG-capable GPU on a schedulable node: there is nothing to plan (`lanectl mig list` shows the GPUs)"
-                    .into(),
-            )
-            .into());
-        }
-        let plan = crate::scheduler::mig_plan::MigPlan {
-            version: registry.mig_plan.as_ref().map_or(1, |p| p.version + 1),
-            created_ms: crate::jobs::unix_ms(),
-            gpus,
-            notes,
-            applied_ms: None,
-        };
-        let w = self.write(Command::PutMigPlan(plan.clone())).await?;
-        Ok(Response::new(DocumentsReply {
-            json: vec![to_json(&plan)],
-            applied_index: w.log_index,
-        }))
+    async fn plan_mig(&self, req: Request<PlanMigRequest>) -> Result<Response<DocumentsReply>, Status> {
+        self.audited("plan_mig", super::audit::Caller::of(&req), async move {
+            self.linearizable_barrier().await?;
+            let (fleet, registry) = (self.sm.fleet(), self.sm.registry());
+            let (gpus, notes) = crate::scheduler::mig_plan::propose(&fleet, &registry);
+            if gpus.is_empty() {
+                return Err(AdminError::FailedPrecondition(
+                    "no MIG-capable GPU on a schedulable node: there is nothing to plan (`lanectl mig list` shows the GPUs)"
+                        .into(),
+                )
+                .into());
+            }
+            let plan = crate::scheduler::mig_plan::MigPlan {
+                version: registry.mig_plan.as_ref().map_or(1, |p| p.version + 1),
+                created_ms: crate::jobs::unix_ms(),
+                gpus,
+                notes,
+                applied_ms: None,
+            };
+            let w = self.write(Command::PutMigPlan(plan.clone())).await?;
+            Ok(Response::new(DocumentsReply {
+                json: vec![to_json(&plan)],
+                applied_index: w.log_index,
+            }))
+        })
+        .await
     }
 
     async fn show_mig_plan(&self, _req: Request<PlanMigRequest>) -> Result<Response<DocumentsReply>, Status> {

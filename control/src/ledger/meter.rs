@@ -252,7 +252,7 @@ pub async fn run(ctx: crate::context::Context) {
 /// At shutdown, after the router stopped taking requests: commits what it served and has
 /// not reported, for up to `within`.
 pub async fn flush(ctx: &crate::context::Context, within: Duration) {
-    let leaders = crate::client::AdminClient::new(Vec::new()).with_call_timeout(Duration::from_millis(500));
+    let leaders = ctx.controllers_client(Duration::from_millis(500));
     let deadline = tokio::time::Instant::now() + within;
     loop {
         match send_once(ctx, &leaders).await {

@@ -391,6 +391,33 @@ pub struct Registry {
     /// Node ids that joined with a token, and when (ms): they can never join again.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub joined: BTreeMap<String, u64>,
+    /// Bearer tokens of the admin API, by the sha256 (hex) of the token.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub admin_tokens: BTreeMap<String, AdminToken>,
+    /// Certificates refused from now on, by serial (hex).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub revoked_certs: BTreeMap<String, RevokedCert>,
+}
+
+/// A bearer token of the admin API with a role (ADR 0013).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AdminToken {
+    /// Who holds it; calls made with it are audited as `role:name`.
+    pub name: String,
+    /// viewer, operator or admin.
+    pub role: String,
+    pub created_ms: u64,
+    pub expires_ms: u64,
+    #[serde(default)]
+    pub revoked: bool,
+}
+
+/// A revoked certificate.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RevokedCert {
+    /// `kind:name`, for the record.
+    pub identity: String,
+    pub at_ms: u64,
 }
 
 /// How long a join token's id is: a prefix of its sha256, enough to tell tokens apart.
@@ -412,10 +439,46 @@ pub struct JoinToken {
 }
 
 impl Registry {
-    /// A host joining as `node_id` with the token hashing to `sha256`, at `at_ms`.
-    pub fn consume_join_token(&mut self, sha256: &str, node_id: &str, at_ms: u64) -> Result<(), String> {
+    /// The role and name an admin token (by its sha256) stands for at `now_ms`, or why it is
+    /// refused.
+    pub fn admin_token(&self, sha256: &str, now_ms: u64) -> Result<(&str, &str), String> {
         let id = &sha256[..JOIN_TOKEN_ID_CHARS.min(sha256.len())];
-        let Some(t) = self.join_tokens.get_mut(sha256) else {
+        let t = self
+            .admin_tokens
+            .get(sha256)
+            .ok_or("the bearer token is not known to this cluster; make one with `lanectl token create --role`")?;
+        if t.revoked {
+            return Err(format!("admin token {id} ({}) was revoked", t.name));
+        }
+        if now_ms >= t.expires_ms {
+            return Err(format!("admin token {id} ({}) has expired; make a new one", t.name));
+        }
+        Ok((&t.role, &t.name))
+    }
+
+    /// Marks the join or admin token with this sha256 revoked.
+    pub fn revoke_token(&mut self, sha256: &str) -> Result<(), String> {
+        if let Some(t) = self.join_tokens.get_mut(sha256) {
+            t.revoked = true;
+        } else if let Some(t) = self.admin_tokens.get_mut(sha256) {
+            t.revoked = true;
+        } else {
+            return Err("no such token; `lanectl token list` shows them".into());
+        }
+        Ok(())
+    }
+
+    /// Whether a host may join as `node_id` with the token hashing to `sha256` at `at_ms`
+    /// (`registered`: the node id is in the fleet already), without changing anything.
+    ///
+    /// A token works for one node id, until it expires: the same node may ask again with it
+    /// (its first answer may have been lost), no other may. A node id already in the cluster
+    /// (joined before, or registered with a certificate from `lanectl certs issue`) is never
+    /// taken by a new host; only a token an admin bound to that id (`--node`) gives it a new
+    /// certificate, for the same host after it lost its key.
+    pub fn check_join_token(&self, sha256: &str, node_id: &str, at_ms: u64, registered: bool) -> Result<(), String> {
+        let id = &sha256[..JOIN_TOKEN_ID_CHARS.min(sha256.len())];
+        let Some(t) = self.join_tokens.get(sha256) else {
             return Err("the join token is not known to this cluster; create one with `lanectl token create`".into());
         };
         if t.revoked {
@@ -423,25 +486,42 @@ impl Registry {
                 "join token {id} was revoked; create a new one with `lanectl token create`"
             ));
         }
-        if let Some(by) = &t.used_by {
-            return Err(format!(
-                "join token {id} was already used (by node {by}): tokens are one-time; create a new one"
-            ));
-        }
         if at_ms >= t.expires_ms {
             return Err(format!(
                 "join token {id} has expired; create a new one with `lanectl token create --ttl 1h`"
             ));
         }
-        if let Some(only) = t.node_id.as_ref().filter(|n| *n != node_id) {
-            return Err(format!("join token {id} is for node {only}, not {node_id}"));
+        match &t.used_by {
+            Some(by) if by == node_id => return Ok(()),
+            Some(by) => {
+                return Err(format!(
+                    "join token {id} was already used (by node {by}): a token lets one node in; create a new one"
+                ))
+            }
+            None => {}
         }
-        if self.joined.contains_key(node_id) {
-            return Err(format!(
-                "node id {node_id} has joined before and node ids are never reused: give this host a new node id"
-            ));
+        match &t.node_id {
+            Some(only) if only != node_id => Err(format!("join token {id} is for node {only}, not {node_id}")),
+            Some(_) => Ok(()),
+            None if registered || self.joined.contains_key(node_id) => Err(format!(
+                "node id {node_id} is already in this cluster and node ids are never reused: give this host a new node id (to re-key the same host, an admin makes a token bound to it: `lanectl token create --node {node_id}`)"
+            )),
+            None => Ok(()),
         }
-        t.used_by = Some(node_id.to_string());
+    }
+
+    /// Spends the token on `node_id` (see [`Registry::check_join_token`]).
+    pub fn consume_join_token(
+        &mut self,
+        sha256: &str,
+        node_id: &str,
+        at_ms: u64,
+        registered: bool,
+    ) -> Result<(), String> {
+        self.check_join_token(sha256, node_id, at_ms, registered)?;
+        if let Some(t) = self.join_tokens.get_mut(sha256) {
+            t.used_by = Some(node_id.to_string());
+        }
         self.joined.insert(node_id.to_string(), at_ms);
         Ok(())
     }
@@ -829,23 +909,32 @@ mod tests {
         r.join_tokens.insert("a".repeat(64), token(1_000, None));
         r.join_tokens.insert("b".repeat(64), token(1_000, Some("n2")));
         r.join_tokens.insert("c".repeat(64), token(5_000, None));
-        let e = r.consume_join_token(&"a".repeat(64), "n1", 1_000).unwrap_err();
+        let e = r.consume_join_token(&"a".repeat(64), "n1", 1_000, false).unwrap_err();
         assert!(e.contains("expired"), "{e}");
-        let e = r.consume_join_token(&"b".repeat(64), "n1", 10).unwrap_err();
+        let e = r.consume_join_token(&"b".repeat(64), "n1", 10, false).unwrap_err();
         assert!(e.contains("is for node n2"), "{e}");
-        r.consume_join_token(&"a".repeat(64), "n1", 999).unwrap();
-        let e = r.consume_join_token(&"a".repeat(64), "n3", 999).unwrap_err();
+        r.consume_join_token(&"a".repeat(64), "n1", 999, false).unwrap();
+        r.consume_join_token(&"a".repeat(64), "n1", 999, true)
+            .expect("the same node may ask again (its answer may have been lost)");
+        let e = r.consume_join_token(&"a".repeat(64), "n3", 999, false).unwrap_err();
         assert!(e.contains("already used (by node n1)"), "{e}");
-        let e = r.consume_join_token(&"c".repeat(64), "n1", 10).unwrap_err();
+        let e = r.consume_join_token(&"c".repeat(64), "n1", 10, false).unwrap_err();
         assert!(e.contains("never reused"), "{e}");
+        let e = r.consume_join_token(&"c".repeat(64), "n9", 10, true).unwrap_err();
+        assert!(
+            e.contains("never reused"),
+            "a node registered with a certificate is not taken: {e}"
+        );
+        // A token an admin bound to n2 re-keys it even though it is registered.
+        r.consume_join_token(&"b".repeat(64), "n2", 10, true).unwrap();
         r.join_tokens.get_mut(&"c".repeat(64)).unwrap().revoked = true;
-        let e = r.consume_join_token(&"c".repeat(64), "n4", 10).unwrap_err();
+        let e = r.consume_join_token(&"c".repeat(64), "n4", 10, false).unwrap_err();
         assert!(e.contains("revoked"), "{e}");
         assert!(r
-            .consume_join_token(&"d".repeat(64), "n5", 10)
+            .consume_join_token(&"d".repeat(64), "n5", 10, false)
             .unwrap_err()
             .contains("not known"));
-        assert_eq!(r.joined.keys().collect::<Vec<_>>(), ["n1"]);
+        assert_eq!(r.joined.keys().collect::<Vec<_>>(), ["n1", "n2"]);
     }
 
     fn class(name: &str, lane: LaneKind, budget: f64) -> Class {

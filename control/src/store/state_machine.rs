@@ -244,16 +244,26 @@ impl AppState {
                 self.registry.join_tokens.insert(sha256.clone(), token.clone());
                 CommandResponse::default()
             }
-            Command::RevokeJoinToken { sha256 } => match self.registry.join_tokens.get_mut(sha256) {
-                Some(t) => {
-                    t.revoked = true;
-                    CommandResponse::default()
+            Command::RevokeToken { sha256 } => refused(self.registry.revoke_token(sha256)),
+            Command::CreateAdminToken { sha256, token } => {
+                if self.registry.admin_tokens.contains_key(sha256) {
+                    return refused(Err("this admin token exists already".into()));
                 }
-                None => refused(Err("no such join token; `lanectl token list` shows them".into())),
-            },
-            Command::ConsumeJoinToken { sha256, node_id, at_ms } => {
-                refused(self.registry.consume_join_token(sha256, node_id, *at_ms))
+                self.registry.admin_tokens.insert(sha256.clone(), token.clone());
+                CommandResponse::default()
             }
+            Command::RevokeCertificate { serial, cert } => {
+                self.registry
+                    .revoked_certs
+                    .insert(serial.to_ascii_lowercase(), cert.clone());
+                CommandResponse::default()
+            }
+            Command::ConsumeJoinToken { sha256, node_id, at_ms } => refused(self.registry.consume_join_token(
+                sha256,
+                node_id,
+                *at_ms,
+                self.fleet.nodes.contains_key(node_id),
+            )),
             Command::RecordUsage(report) => {
                 let pct = self.cost_regression_pct();
                 self.ledger.apply_report(report, &self.fleet, pct);
@@ -361,6 +371,8 @@ impl AppState {
             "migplan" => r.mig_plan.as_ref().map(json),
             "jointoken" => r.join_tokens.get(name).map(json),
             "joined" => r.joined.get(name).map(json),
+            "admintoken" => r.admin_tokens.get(name).map(json),
+            "revokedcert" => r.revoked_certs.get(name).map(json),
             _ => None,
         }
     }
@@ -419,6 +431,14 @@ impl AppState {
                 .joined
                 .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
                 .map(|_| ()),
+            "admintoken" => r
+                .admin_tokens
+                .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
+                .map(|_| ()),
+            "revokedcert" => r
+                .revoked_certs
+                .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
+                .map(|_| ()),
             _ => return Err(format!("unknown registry key {key:?}")),
         };
         Ok(())
@@ -441,7 +461,9 @@ impl AppState {
             .chain(r.capacity_marks.keys().map(|k| format!("capacity/{k}")))
             .chain(r.mig_plan.iter().map(|_| "migplan/latest".to_string()))
             .chain(r.join_tokens.keys().map(|k| format!("jointoken/{k}")))
-            .chain(r.joined.keys().map(|k| format!("joined/{k}")));
+            .chain(r.joined.keys().map(|k| format!("joined/{k}")))
+            .chain(r.admin_tokens.keys().map(|k| format!("admintoken/{k}")))
+            .chain(r.revoked_certs.keys().map(|k| format!("revokedcert/{k}")));
         keys.filter_map(|k| self.registry_value(&k).map(|v| (k, v))).collect()
     }
 
@@ -898,6 +920,12 @@ impl StateMachineStore {
         self.read().state.registry.clone()
     }
 
+    /// Reads the registry in place (for checks on every call, where a copy would cost more
+    /// than the check).
+    pub fn with_registry<R>(&self, f: impl FnOnce(&Registry) -> R) -> R {
+        f(&self.read().state.registry)
+    }
+
     /// Index of the last applied entry.
     pub fn applied_index(&self) -> u64 {
         self.read().last_applied.map_or(0, |l| l.index)
@@ -1163,7 +1191,14 @@ fn record_touched(command: &Command, t: &mut Touched) {
         Command::RemoveNodeRequest { id } => key(format!("noderequest/{id}")),
         Command::SetCapacityMark { key: k, .. } => key(format!("capacity/{k}")),
         Command::PutMigPlan(_) => key("migplan/latest".into()),
-        Command::CreateJoinToken { sha256, .. } | Command::RevokeJoinToken { sha256 } => key(format!("jointoken/{sha256}")),
+        Command::CreateJoinToken { sha256, .. } => key(format!("jointoken/{sha256}")),
+        // One of the two maps holds it; the other key is absent and its flush a no-op delete.
+        Command::RevokeToken { sha256 } => {
+            key(format!("jointoken/{sha256}"));
+            key(format!("admintoken/{sha256}"));
+        }
+        Command::CreateAdminToken { sha256, .. } => key(format!("admintoken/{sha256}")),
+        Command::RevokeCertificate { serial, .. } => key(format!("revokedcert/{}", serial.to_ascii_lowercase())),
         Command::ConsumeJoinToken { sha256, node_id, .. } => {
             key(format!("jointoken/{sha256}"));
             key(format!("joined/{node_id}"));

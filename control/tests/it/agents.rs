@@ -84,7 +84,6 @@ pub async fn agent_with(
         pool: product.to_lowercase(),
         labels: Default::default(),
         data_dir: dir.join(name),
-        join_token: String::new(),
         heartbeat: Duration::from_millis(300),
         replica_host: "127.0.0.1".into(),
         results_store: dir.join("results").display().to_string(),

@@ -7,7 +7,8 @@ use std::time::Duration;
 use laneway_pki::{Ca, Kind};
 use laneway_proto::admin::admin_service_client::AdminServiceClient;
 use laneway_proto::admin::{
-    AddLearnerRequest, CreateJoinTokenRequest, PromoteRequest, PutSettingRequest, RevokeJoinTokenRequest, StatusRequest,
+    AddLearnerRequest, CreateAdminTokenRequest, CreateJoinTokenRequest, PromoteRequest, PutSettingRequest,
+    RevokeCertificateRequest, RevokeTokenRequest, StatusRequest,
 };
 use laneway_proto::agent::agent_service_client::AgentServiceClient;
 use laneway_proto::agent::{Heartbeat, JoinRequest, RegisterRequest};
@@ -242,6 +243,78 @@ async fn an_mtls_cluster_refuses_every_call_a_certificate_does_not_allow() {
     };
     assert!(refused, "a controller answering for another node id must be refused");
 
+    // A viewer bearer token (for a tool without a certificate) reads, cannot write, and stops
+    // working when revoked.
+    let t = admin
+        .call(|mut c| async move {
+            c.create_admin_token(CreateAdminTokenRequest {
+                role: "viewer".into(),
+                name: "grafana".into(),
+                ttl_ms: 3_600_000,
+            })
+            .await
+        })
+        .await
+        .unwrap();
+    let ca_pem = std::fs::read_to_string(certs.join("ca.pem")).unwrap();
+    let with_token = laneway_control::client::AdminClient::new(vec![n1.addr.clone()])
+        .with_tls(Some(laneway_pki::client_without_identity(
+            &ca_pem,
+            laneway_pki::ANY_CONTROLLER,
+        )))
+        .with_token(Some(&t.token))
+        .unwrap();
+    with_token
+        .call(|mut c| async move { c.status(StatusRequest {}).await })
+        .await
+        .expect("a viewer token reads");
+    let e = with_token
+        .call(|mut c| async move {
+            c.put_setting(PutSettingRequest {
+                key: "a".into(),
+                value: "4".into(),
+            })
+            .await
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(Code::PermissionDenied), "{e}");
+    admin
+        .call(|mut c| {
+            let id = t.id.clone();
+            async move { c.revoke_token(RevokeTokenRequest { id }).await }
+        })
+        .await
+        .unwrap();
+    let e = with_token
+        .call(|mut c| async move { c.status(StatusRequest {}).await })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(Code::Unauthenticated), "{e}");
+    assert!(e.to_string().contains("revoked"), "{e}");
+
+    // A revoked certificate is refused from the next call on.
+    let serial = laneway_pki::serial_of_pem(&std::fs::read_to_string(certs.join("operator-ops.pem")).unwrap()).unwrap();
+    admin
+        .call(|mut c| {
+            let serial = serial.clone();
+            async move {
+                c.revoke_certificate(RevokeCertificateRequest {
+                    serial,
+                    identity: "operator:ops".into(),
+                })
+                .await
+            }
+        })
+        .await
+        .unwrap();
+    let e = as_ops
+        .call(|mut c| async move { c.status(StatusRequest {}).await })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(Code::Unauthenticated), "{e}");
+    assert!(e.to_string().contains("was revoked"), "{e}");
+
     // Refusals are in the audit log with the identity that tried.
     let audit = std::fs::read_to_string(n1.dir.join("data").join("audit.log")).unwrap();
     assert!(audit.contains("viewer:dash@"), "{audit}");
@@ -342,6 +415,9 @@ async fn agents_join_once_with_a_token_and_renew_over_their_heartbeats() {
         .await
         .expect("a fresh token joins");
     assert_eq!(laneway_pki::identity_of_pem(&cert).unwrap().to_string(), "agent:gpu-j");
+    join(&n1.addr, &certs, &t.token, "gpu-j")
+        .await
+        .expect("the same node may ask again with its token (its first answer may have been lost)");
     let e = join(&n1.addr, &certs, &t.token, "gpu-k").await.unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied);
     assert!(e.message().contains("already used"), "{}", e.message());
@@ -355,7 +431,7 @@ async fn agents_join_once_with_a_token_and_renew_over_their_heartbeats() {
     admin
         .call(|mut c| {
             let id = revoked.id.clone();
-            async move { c.revoke_join_token(RevokeJoinTokenRequest { id }).await }
+            async move { c.revoke_token(RevokeTokenRequest { id }).await }
         })
         .await
         .unwrap();
@@ -367,6 +443,18 @@ async fn agents_join_once_with_a_token_and_renew_over_their_heartbeats() {
     assert!(e.message().contains("is for node gpu-x"), "{}", e.message());
     let e = join(&n1.addr, &certs, "lwjoin_guess", "gpu-z").await.unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied);
+
+    // A node registered with an issued certificate is never taken over with a token.
+    let mut issued = AgentServiceClient::new(
+        channel(&n1.addr, &certs, "agent-gpu-a", laneway_pki::ANY_CONTROLLER)
+            .await
+            .unwrap(),
+    );
+    issued.register(register("gpu-a")).await.unwrap();
+    let e = join(&n1.addr, &certs, &token("").await.token, "gpu-a")
+        .await
+        .unwrap_err();
+    assert!(e.message().contains("already in this cluster"), "{}", e.message());
 
     // The joined certificate registers its node, and a heartbeat renews it.
     let ca = std::fs::read_to_string(certs.join("ca.pem")).unwrap();

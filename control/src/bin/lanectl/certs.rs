@@ -61,8 +61,39 @@ pub enum CertsCmd {
         #[arg(long, default_value = "365d", value_parser = humantime::parse_duration)]
         valid_for: Duration,
     },
-    /// The identity and expiry of a certificate file.
+    /// The identity, serial and expiry of a certificate file.
     Show { cert: PathBuf },
+    /// Refuse a certificate from now on (a leaked key, a person who left, a host retired):
+    /// every controller refuses calls made with it. Needs the cluster (admin).
+    Revoke {
+        /// The certificate file; or give --serial.
+        cert: Option<PathBuf>,
+        /// The serial number (hex), as `certs show` prints it.
+        #[arg(long, conflicts_with = "cert")]
+        serial: Option<String>,
+    },
+}
+
+impl CertsCmd {
+    /// Whether this command talks to the cluster (the others are offline).
+    pub fn needs_cluster(&self) -> bool {
+        matches!(self, CertsCmd::Revoke { .. })
+    }
+}
+
+/// `certs revoke`: the serial (and identity, for the record) to refuse.
+pub fn revocation(cert: Option<PathBuf>, serial: Option<String>) -> anyhow::Result<(String, String)> {
+    match (cert, serial) {
+        (Some(path), _) => {
+            let pem = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+            Ok((
+                laneway_pki::serial_of_pem(&pem)?,
+                laneway_pki::identity_of_pem(&pem)?.to_string(),
+            ))
+        }
+        (None, Some(serial)) => Ok((serial.to_ascii_lowercase(), String::new())),
+        (None, None) => anyhow::bail!("give the certificate file or --serial"),
+    }
 }
 
 pub fn run(cmd: CertsCmd) -> anyhow::Result<serde_json::Value> {
@@ -150,12 +181,14 @@ pub fn run(cmd: CertsCmd) -> anyhow::Result<serde_json::Value> {
             }
             Ok(serde_json::json!({"cluster": cluster, "dir": dir, "created": created}))
         }
+        CertsCmd::Revoke { .. } => anyhow::bail!("`certs revoke` talks to the cluster"),
         CertsCmd::Show { cert } => {
             let pem = std::fs::read_to_string(&cert).with_context(|| format!("cannot read {}", cert.display()))?;
             let id = laneway_pki::identity_of_pem(&pem)?;
             let expires = laneway_pki::not_after(&pem)?;
             Ok(serde_json::json!({
                 "identity": id.to_string(),
+                "serial": laneway_pki::serial_of_pem(&pem)?,
                 "uri": id.uri(),
                 "cluster": id.cluster,
                 "expires": humantime::format_rfc3339_seconds(expires).to_string(),

@@ -50,6 +50,10 @@ struct Cli {
     /// Your private key.
     #[arg(long, env = "LANECTL_TLS_KEY", global = true)]
     tls_key: Option<std::path::PathBuf>,
+    /// An admin bearer token (`lanectl token create --role`), instead of a certificate; with
+    /// --tls-ca.
+    #[arg(long, env = "LANECTL_TOKEN", global = true, hide_env_values = true)]
+    token: Option<String>,
     #[command(subcommand)]
     command: Cmd,
 }
@@ -238,12 +242,21 @@ fn main() -> ExitCode {
     }
 }
 
-/// TLS towards the controllers, set once from the flags.
-static TLS: std::sync::OnceLock<Option<tonic::transport::ClientTlsConfig>> = std::sync::OnceLock::new();
+/// TLS towards the controllers and the bearer token, set once from the flags.
+static TLS: std::sync::OnceLock<(Option<tonic::transport::ClientTlsConfig>, Option<String>)> =
+    std::sync::OnceLock::new();
 
 /// A client of the controllers at `addrs`, over TLS when `--tls-ca` was given.
 pub fn admin_client(addrs: Vec<String>) -> AdminClient {
-    AdminClient::new(addrs).with_tls(TLS.get().cloned().flatten())
+    let (tls, token) = TLS.get().cloned().unwrap_or_default();
+    let client = AdminClient::new(addrs).with_tls(tls);
+    match client.with_token(token.as_deref()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("lanectl: {e}");
+            std::process::exit(2);
+        }
+    }
 }
 
 fn client_tls(cli: &Cli) -> anyhow::Result<Option<tonic::transport::ClientTlsConfig>> {
@@ -262,7 +275,10 @@ fn client_tls(cli: &Cli) -> anyhow::Result<Option<tonic::transport::ClientTlsCon
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
-    if let Cmd::Certs(cmd) = cli.command {
+    if matches!(&cli.command, Cmd::Certs(c) if !c.needs_cluster()) {
+        let Cmd::Certs(cmd) = cli.command else {
+            unreachable!("matched above")
+        };
         let out = cli.output;
         let r = certs::run(cmd)?;
         print(out, r.clone(), || {
@@ -277,7 +293,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         });
         return Ok(());
     }
-    let _ = TLS.set(client_tls(&cli)?);
+    if cli.token.is_some() && cli.tls_ca.is_none() {
+        anyhow::bail!("--token needs --tls-ca: a bearer token is only ever sent over TLS");
+    }
+    let _ = TLS.set((client_tls(&cli)?, cli.token.clone()));
     if let Cmd::Job(args) = cli.command {
         return job::run(cli.output, args).await;
     }
@@ -418,7 +437,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 format!("committed at index {}", r.log_index)
             });
         }
-        Cmd::Plan { .. } | Cmd::Job(_) | Cmd::Certs(_) => unreachable!("handled before connecting"),
+        Cmd::Plan { .. } | Cmd::Job(_) => unreachable!("handled before connecting"),
         Cmd::Lane(c) => registry::lane(&client, out, c).await?,
         Cmd::Price(c) => ledger::price(&client, out, c).await?,
         Cmd::Mig(c) => mig::mig(&client, out, c).await?,
@@ -450,6 +469,22 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Cmd::Audit { since, limit } => audit::audit(&client, &cli.addr, out, &since, limit).await?,
         Cmd::Token(c) => token::run(&client, out, c).await?,
+        Cmd::Certs(certs::CertsCmd::Revoke { cert, serial }) => {
+            let (serial, identity) = certs::revocation(cert, serial)?;
+            client
+                .call(|mut c| {
+                    let (serial, identity) = (serial.clone(), identity.clone());
+                    async move {
+                        c.revoke_certificate(laneway_proto::admin::RevokeCertificateRequest { serial, identity })
+                            .await
+                    }
+                })
+                .await?;
+            print(out, json!({"revoked": serial, "identity": identity}), || {
+                format!("certificate {serial} ({identity}) revoked: every controller refuses it from now on")
+            });
+        }
+        Cmd::Certs(_) => unreachable!("offline certs commands are handled before connecting"),
         Cmd::Ledger { by, since } => ledger::ledger(&client, out, &by, &since).await?,
         Cmd::Model(c) => registry::model(&client, out, c).await?,
         Cmd::Tenant(c) => registry::tenant(&client, out, c).await?,

@@ -4,32 +4,71 @@ use std::time::Duration;
 
 use clap::Subcommand;
 use laneway_control::client::AdminClient;
-use laneway_proto::admin::{CreateJoinTokenRequest, RevokeJoinTokenRequest};
+use laneway_proto::admin::{CreateAdminTokenRequest, CreateJoinTokenRequest, RevokeTokenRequest};
 use serde_json::json;
 
 use crate::Output;
 
 #[derive(Subcommand)]
 pub enum TokenCmd {
-    /// A one-time token a new host joins with (`join_token` in its agent config, with
-    /// `[tls] ca`); printed once, only its hash is kept.
+    /// A one-time join token a new host joins with (`join_token` in its agent config, with
+    /// `[tls] ca`); or, with --role, an admin bearer token for a tool without a certificate.
+    /// Printed once; only its hash is kept.
     Create {
-        /// How long it may be used (1m .. 7d).
-        #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
-        ttl: Duration,
-        /// Only this node id may join with it.
-        #[arg(long)]
+        /// How long it may be used (join: 1m .. 7d, default 1h; admin: up to 400d).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        ttl: Option<Duration>,
+        /// Join token: only this node id may join with it.
+        #[arg(long, conflicts_with = "role")]
         node: Option<String>,
+        /// Admin token: viewer, operator or admin.
+        #[arg(long, requires = "name")]
+        role: Option<String>,
+        /// Admin token: who holds it (the audit log's `who`).
+        #[arg(long, requires = "role")]
+        name: Option<String>,
     },
-    /// Tokens: id, node, expiry, who used it, revoked.
+    /// Join and admin tokens: id, node or role, expiry, use, revoked.
     List,
-    /// Refuse a token from now on.
+    /// Refuse a join or admin token from now on.
     Revoke { id: String },
 }
 
 pub async fn run(client: &AdminClient, out: Output, cmd: TokenCmd) -> anyhow::Result<()> {
     match cmd {
-        TokenCmd::Create { ttl, node } => {
+        TokenCmd::Create {
+            ttl,
+            node,
+            role: Some(role),
+            name: Some(name),
+        } => {
+            let _ = node;
+            let ttl = ttl.unwrap_or(Duration::from_secs(90 * 86_400));
+            let r = client
+                .call(|mut c| {
+                    let (role, name) = (role.clone(), name.clone());
+                    async move {
+                        c.create_admin_token(CreateAdminTokenRequest {
+                            role,
+                            name,
+                            ttl_ms: ttl.as_millis() as u64,
+                        })
+                        .await
+                    }
+                })
+                .await?;
+            let expires =
+                humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_millis(r.expires_unix_ms));
+            crate::print(
+                out,
+                json!({"token": r.token, "id": r.id, "role": role, "name": name, "expires": expires.to_string()}),
+                || {
+                    format!("{}\n(id {}, {role}:{name}, expires {expires}; it is not shown again; use it as LANECTL_TOKEN with LANECTL_TLS_CA)", r.token, r.id)
+                },
+            );
+        }
+        TokenCmd::Create { ttl, node, .. } => {
+            let ttl = ttl.unwrap_or(Duration::from_secs(3600));
             let r = client
                 .call(|mut c| {
                     let node_id = node.clone().unwrap_or_default();
@@ -56,11 +95,20 @@ pub async fn run(client: &AdminClient, out: Output, cmd: TokenCmd) -> anyhow::Re
             );
         }
         TokenCmd::List => {
-            let tokens = crate::registry::list(client, "join-tokens").await?;
+            let mut tokens = crate::registry::list(client, "join-tokens").await?;
+            for mut t in crate::registry::list(client, "admin-tokens").await? {
+                t["node_id"] = json!(format!(
+                    "{}:{}",
+                    t["role"].as_str().unwrap_or("?"),
+                    t["name"].as_str().unwrap_or("?")
+                ));
+                t["used_by"] = json!("(admin token)");
+                tokens.push(t);
+            }
             let text = || {
                 let mut s = format!(
                     "{:<14} {:<16} {:<22} {:<16} {}\n",
-                    "ID", "NODE", "EXPIRES", "USED BY", "REVOKED"
+                    "ID", "FOR", "EXPIRES", "USED BY", "REVOKED"
                 );
                 for t in &tokens {
                     let expires = t["expires_ms"]
@@ -87,10 +135,10 @@ pub async fn run(client: &AdminClient, out: Output, cmd: TokenCmd) -> anyhow::Re
             client
                 .call(|mut c| {
                     let id = id.clone();
-                    async move { c.revoke_join_token(RevokeJoinTokenRequest { id }).await }
+                    async move { c.revoke_token(RevokeTokenRequest { id }).await }
                 })
                 .await?;
-            crate::print(out, json!({"revoked": id}), || format!("join token {id} revoked"));
+            crate::print(out, json!({"revoked": id}), || format!("token {id} revoked"));
         }
     }
     Ok(())
