@@ -27,6 +27,9 @@ use batcher::Batcher;
 pub const GPU_MS_HEADER: &str = "x-laneway-gpu-ms";
 /// Response header: size of the batch the request ran in.
 pub const BATCH_SIZE_HEADER: &str = "x-laneway-batch-size";
+/// Request header: how long the router's caller still waits, ms (the router's
+/// `TIMEOUT_HEADER`).
+pub const TIMEOUT_HEADER: &str = "x-laneway-timeout-ms";
 
 /// Failure knobs, for tests and chaos.
 #[derive(Debug, Clone, Default)]
@@ -110,6 +113,8 @@ struct AppState {
     batcher: Batcher,
     started: Instant,
     served: AtomicU64,
+    /// Requests given up at the router's deadline.
+    abandoned: AtomicU64,
     /// Requests taken and not yet answered.
     in_flight: AtomicU64,
     rng: Mutex<StdRng>,
@@ -137,9 +142,10 @@ impl Drop for InFlight<'_> {
 /// Prometheus text: requests in flight and served, as a real model server reports them.
 async fn metrics(State(s): State<Arc<AppState>>) -> String {
     format!(
-        "# TYPE {IN_FLIGHT_METRIC} gauge\n{IN_FLIGHT_METRIC} {}\n# TYPE laneway_sim_requests counter\nlaneway_sim_requests_total {}\n",
+        "# TYPE {IN_FLIGHT_METRIC} gauge\n{IN_FLIGHT_METRIC} {}\n# TYPE laneway_sim_requests counter\nlaneway_sim_requests_total {}\n# TYPE laneway_sim_abandoned counter\nlaneway_sim_abandoned_total {}\n",
         s.in_flight.load(Ordering::SeqCst),
-        s.served.load(Ordering::SeqCst)
+        s.served.load(Ordering::SeqCst),
+        s.abandoned.load(Ordering::SeqCst)
     )
 }
 
@@ -152,6 +158,7 @@ pub fn app(cfg: SimModelConfig) -> Result<Router, SimModelError> {
         cfg,
         started: Instant::now(),
         served: AtomicU64::new(0),
+        abandoned: AtomicU64::new(0),
         in_flight: AtomicU64::new(0),
     });
     Ok(Router::new()
@@ -250,7 +257,12 @@ async fn model_ready(State(s): State<Arc<AppState>>, Path(model): Path<String>) 
     }
 }
 
-async fn infer(State(s): State<Arc<AppState>>, Path(model): Path<String>, body: axum::body::Bytes) -> Response {
+async fn infer(
+    State(s): State<Arc<AppState>>,
+    Path(model): Path<String>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
     if let Err(r) = check_model(&s, &model) {
         return r;
     }
@@ -284,7 +296,31 @@ async fn infer(State(s): State<Arc<AppState>>, Path(model): Path<String>, body: 
         let mut rng = s.rng.lock().unwrap_or_else(|p| p.into_inner());
         rng.random_bool(s.cfg.faults.error_rate)
     };
-    let Some(result) = s.batcher.infer().await else {
+    // The router says how long its caller still waits: past that, nobody reads the answer,
+    // so a real model server stops working on it.
+    let deadline = headers
+        .get(TIMEOUT_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .map(Duration::from_millis);
+    let work = s.batcher.infer();
+    let outcome = match deadline {
+        Some(d) => match tokio::time::timeout(d, work).await {
+            Ok(r) => r,
+            Err(_) => {
+                s.abandoned.fetch_add(1, Ordering::SeqCst);
+                return error(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    format!(
+                        "the router's deadline ({} ms) passed before the answer; stopped",
+                        d.as_millis()
+                    ),
+                );
+            }
+        },
+        None => work.await,
+    };
+    let Some(result) = outcome else {
         return error(StatusCode::SERVICE_UNAVAILABLE, "the simulated GPU stopped".into());
     };
     let mut headers = HeaderMap::new();

@@ -56,6 +56,26 @@ fn parse_document<T: serde::de::DeserializeOwned>(what: &str, json: &str) -> Res
     })
 }
 
+/// A new secret token (`prefix` and 256 random bits), its sha256 (all that is stored) and the
+/// time now, once its lifetime is between a minute and `max_ms` (`range` says so otherwise).
+fn mint_token(prefix: &str, ttl_ms: u64, max_ms: u64, range: &str) -> Result<(String, String, u64), AdminError> {
+    if !(60_000..=max_ms).contains(&ttl_ms) {
+        return Err(AdminError::InvalidArgument(format!("ttl {ttl_ms} ms: {range}")));
+    }
+    let token = format!("{prefix}{}", &new_api_key()[3..]);
+    let sha256 = hash_key(&token);
+    Ok((token, sha256, crate::jobs::unix_ms()))
+}
+
+/// The answer that shows a token once, with its id (a prefix of its sha256).
+fn token_reply(token: String, sha256: &str, expires_ms: u64) -> JoinTokenReply {
+    JoinTokenReply {
+        token,
+        id: sha256[..crate::registry::JOIN_TOKEN_ID_CHARS].to_string(),
+        expires_unix_ms: expires_ms,
+    }
+}
+
 /// How long `add` waits for a new learner to catch up before giving up.
 const LEARNER_CATCH_UP_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a follower waits to apply up to a read index before giving up on a read.
@@ -717,16 +737,12 @@ impl AdminService for AdminGrpc {
     ) -> Result<Response<JoinTokenReply>, Status> {
         self.audited("create_join_token", super::audit::Caller::of(&req), async move {
             let r = req.into_inner();
-            if !(60_000..=7 * 86_400_000).contains(&r.ttl_ms) {
-                return Err(AdminError::InvalidArgument(format!(
-                    "ttl {} ms: a join token lives between 1 minute and 7 days",
-                    r.ttl_ms
-                ))
-                .into());
-            }
-            let token = format!("lwjoin_{}", &new_api_key()[3..]);
-            let sha256 = hash_key(&token);
-            let now = crate::jobs::unix_ms();
+            let (token, sha256, now) = mint_token(
+                "lwjoin_",
+                r.ttl_ms,
+                7 * 86_400_000,
+                "a join token lives between 1 minute and 7 days",
+            )?;
             let record = crate::registry::JoinToken {
                 created_ms: now,
                 expires_ms: now + r.ttl_ms,
@@ -734,16 +750,13 @@ impl AdminService for AdminGrpc {
                 used_by: None,
                 revoked: false,
             };
+            let expires_ms = record.expires_ms;
             self.write(Command::CreateJoinToken {
                 sha256: sha256.clone(),
-                token: record.clone(),
+                token: record,
             })
             .await?;
-            Ok(Response::new(JoinTokenReply {
-                token,
-                id: sha256[..crate::registry::JOIN_TOKEN_ID_CHARS].to_string(),
-                expires_unix_ms: record.expires_ms,
-            }))
+            Ok(Response::new(token_reply(token, &sha256, expires_ms)))
         })
         .await
     }
@@ -779,16 +792,12 @@ impl AdminService for AdminGrpc {
     ) -> Result<Response<JoinTokenReply>, Status> {
         self.audited("create_admin_token", super::audit::Caller::of(&req), async move {
             let r = req.into_inner();
-            if !(60_000..=400 * 86_400_000).contains(&r.ttl_ms) {
-                return Err(AdminError::InvalidArgument(format!(
-                    "ttl {} ms: an admin token lives between 1 minute and 400 days",
-                    r.ttl_ms
-                ))
-                .into());
-            }
-            let token = format!("lwadm_{}", &new_api_key()[3..]);
-            let sha256 = hash_key(&token);
-            let now = crate::jobs::unix_ms();
+            let (token, sha256, now) = mint_token(
+                "lwadm_",
+                r.ttl_ms,
+                400 * 86_400_000,
+                "an admin token lives between 1 minute and 400 days",
+            )?;
             let record = crate::registry::AdminToken {
                 name: r.name,
                 role: r.role,
@@ -796,16 +805,13 @@ impl AdminService for AdminGrpc {
                 expires_ms: now + r.ttl_ms,
                 revoked: false,
             };
+            let expires_ms = record.expires_ms;
             self.write(Command::CreateAdminToken {
                 sha256: sha256.clone(),
-                token: record.clone(),
+                token: record,
             })
             .await?;
-            Ok(Response::new(JoinTokenReply {
-                token,
-                id: sha256[..crate::registry::JOIN_TOKEN_ID_CHARS].to_string(),
-                expires_unix_ms: record.expires_ms,
-            }))
+            Ok(Response::new(token_reply(token, &sha256, expires_ms)))
         })
         .await
     }

@@ -648,14 +648,12 @@ async fn dispatch(
             .await;
         match r {
             Err(ForwardError::NotDelivered(why)) if !retried => {
-                // Never reached the replica: safe to send once more, elsewhere.
-                router.eject(&guard.slot, &why);
-                let failed = guard.slot.name.clone();
-                match router.pick(route, Some(&failed), Instant::now()) {
+                // Never reached the replica: safe to send once more, elsewhere, if the lane's
+                // retry budget allows.
+                match router.retry_elsewhere(route, &guard.slot, &why) {
                     Some(other) => {
                         guard = super::lane::SlotGuard::new(other, route.lane.clone());
                         retried = true;
-                        route.lane.lock().counters.retried += 1;
                     }
                     None => break Err(ForwardError::NotDelivered(why)),
                 }
@@ -670,6 +668,9 @@ async fn dispatch(
     let mut resp = match outcome {
         Ok(f) => {
             route.lane.lock().counters.completed += 1;
+            if f.status.is_success() {
+                guard.slot.succeeded();
+            }
             record.gpu_ms = f.gpu_ms;
             let mut r = (f.status, f.body).into_response();
             if let Some(ct) = f.content_type {
@@ -935,6 +936,160 @@ mod tests {
             assert_eq!(r.headers()["x-laneway-replica"], "n1/live");
         }
         assert_eq!(lane.lock().counters.retried, 1);
+        server.stop().await;
+    }
+
+    /// Sends one inference request for `whisper` through `server`.
+    async fn infer_once(server: &RouterServer) -> reqwest::Response {
+        reqwest::Client::new()
+            .post(format!("http://{}/v2/models/whisper/infer", server.addr))
+            .bearer_auth("k")
+            .body(r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    /// A model slower than the lane's timeout: every request is answered by the deadline, none
+    /// is retried (the replica got it and may be working on it), and the replica stops working
+    /// on what nobody waits for any more (the deadline travels with the request).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_slow_model_never_turns_into_a_retry_storm_and_no_request_outlives_its_deadline() {
+        use laneway_agent::sim_model::{self, SimModelConfig};
+        let slow = |_| {
+            sim_model::app(SimModelConfig {
+                model: "whisper".into(),
+                product: "L4".into(),
+                service_ms: [("L4".to_string(), 3_000.0)].into(),
+                max_batch: 4,
+                batch_window: Duration::from_millis(1),
+                faults: Default::default(),
+            })
+            .unwrap()
+        };
+        let mut addrs = Vec::new();
+        for app in (0..2).map(slow) {
+            let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            addrs.push(l.local_addr().unwrap());
+            tokio::spawn(async move { axum::serve(l, app).await });
+        }
+        let (router, _dir) = router_with(&[("a", addrs[0]), ("b", addrs[1])]);
+        let lane = router.table().models["whisper"].lane.clone();
+        let server = serve(
+            router,
+            axum::Router::new(),
+            TcpListener::bind("127.0.0.1:0").await.unwrap(),
+            &RouterSettings::default(),
+        )
+        .unwrap();
+        let timeout = Duration::from_millis(1_000);
+        let mut calls = tokio::task::JoinSet::new();
+        for _ in 0..16 {
+            let addr = server.addr;
+            calls.spawn(async move {
+                let started = tokio::time::Instant::now();
+                let r = reqwest::Client::new()
+                    .post(format!("http://{addr}/v2/models/whisper/infer"))
+                    .bearer_auth("k")
+                    .body(r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#)
+                    .send()
+                    .await
+                    .unwrap();
+                (r.status(), started.elapsed())
+            });
+        }
+        while let Some(r) = calls.join_next().await {
+            let (status, took) = r.unwrap();
+            assert!(!status.is_success(), "a 3 s model cannot answer in 1 s");
+            assert!(took < timeout + Duration::from_millis(750), "answered after {took:?}");
+        }
+        let c = lane.lock().counters;
+        assert_eq!(c.retried, 0, "a request a replica received is never sent again");
+        // Each replica took at most its 4 slots, then was ejected; it gave all of them up at
+        // the deadline.
+        let mut served = 0;
+        for a in &addrs {
+            let text = reqwest::get(format!("http://{a}/metrics"))
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            let value = |name: &str| -> u64 {
+                text.lines()
+                    .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+                    .unwrap_or_else(|| panic!("{name} in {text}"))
+            };
+            let (got, abandoned) = (
+                value("laneway_sim_requests_total"),
+                value("laneway_sim_abandoned_total"),
+            );
+            assert!(got <= 4, "{a}: {got} requests");
+            assert_eq!(abandoned, got, "{a}: the replica stopped each one at the deadline");
+            served += got;
+        }
+        assert!((1..=8).contains(&served), "{served} reached the replicas");
+        server.stop().await;
+    }
+
+    /// Replicas that refuse connections: each request may be retried once, but the lane's
+    /// budget keeps retries to a tenth of the requests plus a burst, and a replica that keeps
+    /// failing is skipped for longer each time.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_retry_budget_caps_retries_under_failing_replicas() {
+        use laneway_agent::sim_model::{self, SimModelConfig};
+        let sim = sim_model::app(SimModelConfig {
+            model: "whisper".into(),
+            product: "L4".into(),
+            service_ms: [("L4".to_string(), 1.0)].into(),
+            max_batch: 4,
+            batch_window: Duration::from_millis(1),
+            faults: Default::default(),
+        })
+        .unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let live = l.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(l, sim).await });
+        // Forty replicas whose ports are closed, one that answers.
+        let dead: Vec<(String, SocketAddr)> = (0..40)
+            .map(|i| {
+                let a = std::net::TcpListener::bind("127.0.0.1:0")
+                    .unwrap()
+                    .local_addr()
+                    .unwrap();
+                (format!("dead{i}"), a)
+            })
+            .collect();
+        let mut all: Vec<(&str, SocketAddr)> = dead.iter().map(|(n, a)| (n.as_str(), *a)).collect();
+        all.push(("live", live));
+        let (router, _dir) = router_with(&all);
+        let lane = router.table().models["whisper"].lane.clone();
+        let server = serve(
+            router,
+            axum::Router::new(),
+            TcpListener::bind("127.0.0.1:0").await.unwrap(),
+            &RouterSettings::default(),
+        )
+        .unwrap();
+        let mut bad_gateway = 0;
+        for _ in 0..60 {
+            let r = infer_once(&server).await;
+            if r.status() == StatusCode::BAD_GATEWAY {
+                bad_gateway += 1;
+            }
+        }
+        let c = lane.lock().counters;
+        assert!(
+            c.retried <= u64::from(super::super::lane::RETRY_BUDGET_BURST) + c.admitted / 10,
+            "{} retries for {} requests",
+            c.retried,
+            c.admitted
+        );
+        assert!(c.retry_denied > 0, "the budget ran out: {c:?}");
+        assert!(
+            bad_gateway >= c.retry_denied,
+            "a request the budget did not retry failed, and said so"
+        );
         server.stop().await;
     }
 

@@ -41,6 +41,8 @@ pub struct LaneCounters {
     pub failed: u64,
     /// Requests retried on another replica because the first never received them.
     pub retried: u64,
+    /// Retries not made because the lane's retry budget was spent (the request failed 502).
+    pub retry_denied: u64,
     /// Durable: new jobs refused by the overload policy (503 with the drain estimate).
     pub shed: u64,
 }
@@ -55,9 +57,35 @@ pub struct LaneState {
     pub counters: LaneCounters,
     /// Expected wait ÷ budget at the last admission decision.
     pub pressure: f64,
+    /// The retry budget, in tenths of a retry: each admitted request earns one tenth, up to
+    /// [`RETRY_BUDGET_BURST`] retries; a retry spends ten. Retries stay under a tenth of the
+    /// requests (plus the burst), so failing replicas cannot multiply the load on the healthy
+    /// ones.
+    pub retry_tenths: u32,
 }
 
+/// Retries that may be saved up (and spent at once, e.g. when a replica dies).
+pub const RETRY_BUDGET_BURST: u32 = 10;
+
 impl LaneState {
+    /// A request got a slot: count it, and earn its share of a retry.
+    pub fn admitted(&mut self) {
+        self.counters.admitted += 1;
+        self.retry_tenths = (self.retry_tenths + 1).min(RETRY_BUDGET_BURST * 10);
+    }
+
+    /// Spends a retry if the budget has one; counts the retry, or the refusal.
+    pub fn take_retry(&mut self) -> bool {
+        if self.retry_tenths >= 10 {
+            self.retry_tenths -= 10;
+            self.counters.retried += 1;
+            true
+        } else {
+            self.counters.retry_denied += 1;
+            false
+        }
+    }
+
     /// Live waiters in the queue.
     pub fn depth(&self) -> usize {
         self.waiting.values().sum()
@@ -107,7 +135,7 @@ impl LaneState {
             self.forget_waiter_count(&w.model);
             match w.tx.send(slot) {
                 Ok(()) => {
-                    self.counters.admitted += 1;
+                    self.admitted();
                     return None;
                 }
                 // Closed between the check and the send: impossible under the lock, but keep
@@ -154,6 +182,7 @@ impl Lane {
                 overload: OverloadState::new(now),
                 counters: LaneCounters::default(),
                 pressure: 0.0,
+                retry_tenths: RETRY_BUDGET_BURST * 10,
             }),
         }
     }
@@ -244,6 +273,24 @@ pub const SHORT_WINDOW: Duration = Duration::from_secs(1);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_retry_budget_is_a_tenth_of_the_requests_plus_a_burst() {
+        let lane = Lane::new("speech", LaneKind::Sync, Instant::now());
+        let mut s = lane.lock();
+        for _ in 0..50 {
+            s.admitted();
+        }
+        // Saved up to the burst, no further.
+        let spent = (0..20).filter(|_| s.take_retry()).count();
+        assert_eq!(spent, RETRY_BUDGET_BURST as usize);
+        for _ in 0..30 {
+            s.admitted();
+        }
+        let spent = (0..20).filter(|_| s.take_retry()).count();
+        assert_eq!(spent, 3, "30 requests earn 3 retries");
+        assert_eq!((s.counters.retried, s.counters.retry_denied), (13, 27));
+    }
 
     fn slot(model: &str) -> Arc<ReplicaSlot> {
         crate::router::table::test_slot(model, 2)

@@ -286,13 +286,12 @@ impl Call {
             let r = self.send(&guard, body.clone(), traceparent.as_ref(), deadline).await;
             match r {
                 Err(ForwardError::NotDelivered(why)) if !retried => {
-                    // Never reached the replica: safe to send once more, elsewhere.
-                    self.router.eject(&guard.slot, &why);
-                    match self.router.pick(&self.route, Some(&guard.slot.name), Instant::now()) {
+                    // Never reached the replica: safe to send once more, elsewhere, if the
+                    // lane's retry budget allows.
+                    match self.router.retry_elsewhere(&self.route, &guard.slot, &why) {
                         Some(other) => {
                             guard = SlotGuard::new(other, self.route.lane.clone());
                             retried = true;
-                            self.route.lane.lock().counters.retried += 1;
                         }
                         None => break Err(ForwardError::NotDelivered(why)),
                     }
@@ -303,7 +302,12 @@ impl Call {
         self.record.replica = Some(guard.slot.name.clone());
         self.record.product = Some(guard.slot.product.clone());
         let resp = match outcome {
-            Ok(resp) => resp,
+            Ok(resp) => {
+                if resp.status().is_success() {
+                    guard.slot.succeeded();
+                }
+                resp
+            }
             Err(e) => {
                 self.route.lane.lock().counters.failed += 1;
                 let (status, msg) = match &e {
@@ -427,7 +431,11 @@ impl Call {
             .map_err(|e| ForwardError::NotDelivered(format!("endpoint {:?}: {e}", guard.slot.endpoint)))?;
         let mut req = hyper::Request::post(uri)
             .header(axum::http::header::CONTENT_TYPE, "application/json")
-            .header("x-request-id", self.meta.request_id.as_str());
+            .header("x-request-id", self.meta.request_id.as_str())
+            .header(
+                super::TIMEOUT_HEADER,
+                super::replica_timeout_ms(deadline.saturating_duration_since(Instant::now())).to_string(),
+            );
         if let Some(tp) = traceparent {
             req = req.header("traceparent", tp);
         }

@@ -42,8 +42,21 @@ use table::{ModelRoute, ReplicaSlot, Table, TenantRoute};
 /// started, which takes at least this long.
 pub const NO_REPLICA_RETRY: Duration = Duration::from_secs(10);
 /// How long a replica that failed a request is skipped (the heartbeats usually report it
-/// before this runs out).
+/// before this runs out); each further failure in a row doubles it, up to [`EJECT_MAX`], and
+/// a success resets it.
 pub const EJECT_FOR: Duration = Duration::from_secs(5);
+/// The longest a replica is skipped after failures in a row.
+pub const EJECT_MAX: Duration = Duration::from_secs(60);
+/// Request header: the time the router still gives the replica, ms. A replica that honours it
+/// stops working on a request nobody waits for any more.
+pub const TIMEOUT_HEADER: &str = "x-laneway-timeout-ms";
+
+/// What the replica is told it has of the router's `left`: a little less (a tenth, at most
+/// 50 ms), so that it gives up and says so before the router stops listening.
+pub fn replica_timeout_ms(left: Duration) -> u64 {
+    left.saturating_sub((left / 10).min(Duration::from_millis(50)))
+        .as_millis() as u64
+}
 /// Request records kept for `lanectl lane show` and the meter.
 pub const RECORDS_KEPT: usize = 4096;
 /// Response header: GPU milliseconds the replica reports for the request.
@@ -307,10 +320,22 @@ impl Router {
         now.saturating_duration_since(self.epoch).as_millis() as u64
     }
 
-    /// Marks a replica failed: skipped by this router for [`EJECT_FOR`].
+    /// Marks a replica failed: skipped by this router for [`EJECT_FOR`], doubled for each
+    /// failure in a row.
     pub fn eject(&self, slot: &ReplicaSlot, why: &str) {
-        tracing::warn!(replica = %slot.name, endpoint = %slot.endpoint, %why, "replica failed a request; skipping it");
-        slot.eject(self.now_ms(Instant::now() + EJECT_FOR));
+        let skip = slot.failed(self.now_ms(Instant::now()), EJECT_FOR, EJECT_MAX);
+        tracing::warn!(replica = %slot.name, endpoint = %slot.endpoint, %why, skip_ms = skip.as_millis() as u64, "replica failed a request; skipping it");
+    }
+
+    /// A request never reached `failed` (nothing was sent): eject it and, if the lane's retry
+    /// budget allows, pick another replica to send it to once.
+    pub fn retry_elsewhere(&self, route: &ModelRoute, failed: &ReplicaSlot, why: &str) -> Option<Arc<ReplicaSlot>> {
+        self.eject(failed, why);
+        if !route.lane.lock().take_retry() {
+            tracing::warn!(model = %route.name, replica = %failed.name, "retry budget spent: not retrying");
+            return None;
+        }
+        self.pick(route, Some(&failed.name), Instant::now())
     }
 
     /// Power of two choices on in-flight among the model's usable replicas, never above a
@@ -466,7 +491,7 @@ impl Router {
             LaneKind::Durable => Err(Refusal::Durable),
             LaneKind::Sync => {
                 if let Some(slot) = self.pick_near(route, affinity, now) {
-                    lane.lock().counters.admitted += 1;
+                    lane.lock().admitted();
                     return Ok(Admitted {
                         guard: SlotGuard::new(slot, lane),
                         queued: Duration::ZERO,
@@ -505,7 +530,7 @@ impl Router {
             let params = degraded.map(|d| d.parameters.clone());
             if s.waiting_for(&route.name) == 0 {
                 if let Some(slot) = self.pick_near(route, affinity, now) {
-                    s.counters.admitted += 1;
+                    s.admitted();
                     s.pressure = 0.0;
                     s.overload.observe(now, 0.0, short);
                     drop(s);
@@ -619,7 +644,8 @@ impl Router {
             tracing::debug_span!(target: "laneway_trace", "dispatch", replica = %slot.name, otel.kind = "client");
         let mut req = hyper::Request::post(slot.infer_uri.clone())
             .header(CONTENT_TYPE, "application/json")
-            .header("x-request-id", request_id);
+            .header("x-request-id", request_id)
+            .header(TIMEOUT_HEADER, replica_timeout_ms(timeout).to_string());
         // The replica continues this dispatch's span when traces are exported, else the
         // client's trace as it came.
         let mut trace_headers = hyper::HeaderMap::new();

@@ -60,6 +60,25 @@ async fn channel(addr: &str, dir: &Path, file: &str, server_name: &str) -> Resul
         .await
 }
 
+/// `client` (a viewer) reads the cluster's status and is refused a write.
+async fn reads_but_cannot_write(client: &laneway_control::client::AdminClient, who: &str) {
+    client
+        .call(|mut c| async move { c.status(StatusRequest {}).await })
+        .await
+        .unwrap_or_else(|e| panic!("{who} must read: {e}"));
+    let e = client
+        .call(|mut c| async move {
+            c.put_setting(PutSettingRequest {
+                key: "a".into(),
+                value: "viewer".into(),
+            })
+            .await
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(Code::PermissionDenied), "{who}: {e}");
+}
+
 fn register(node_id: &str) -> RegisterRequest {
     RegisterRequest {
         node_id: node_id.into(),
@@ -142,21 +161,7 @@ async fn an_mtls_cluster_refuses_every_call_a_certificate_does_not_allow() {
         .expect("an operator changes settings");
     let as_viewer = laneway_control::client::AdminClient::new(vec![n1.addr.clone()])
         .with_tls(Some(client_tls(&certs, "viewer-dash")));
-    as_viewer
-        .call(|mut c| async move { c.status(StatusRequest {}).await })
-        .await
-        .expect("a viewer reads");
-    let e = as_viewer
-        .call(|mut c| async move {
-            c.put_setting(PutSettingRequest {
-                key: "a".into(),
-                value: "2".into(),
-            })
-            .await
-        })
-        .await
-        .unwrap_err();
-    assert_eq!(e.code(), Some(Code::PermissionDenied), "{e}");
+    reads_but_cannot_write(&as_viewer, "a viewer certificate").await;
     let e = as_viewer
         .call(|mut c| async move { c.promote(PromoteRequest { node_id: 2 }).await })
         .await
@@ -264,21 +269,7 @@ async fn an_mtls_cluster_refuses_every_call_a_certificate_does_not_allow() {
         )))
         .with_token(Some(&t.token))
         .unwrap();
-    with_token
-        .call(|mut c| async move { c.status(StatusRequest {}).await })
-        .await
-        .expect("a viewer token reads");
-    let e = with_token
-        .call(|mut c| async move {
-            c.put_setting(PutSettingRequest {
-                key: "a".into(),
-                value: "4".into(),
-            })
-            .await
-        })
-        .await
-        .unwrap_err();
-    assert_eq!(e.code(), Some(Code::PermissionDenied), "{e}");
+    reads_but_cannot_write(&with_token, "a viewer token").await;
     admin
         .call(|mut c| {
             let id = t.id.clone();

@@ -57,11 +57,10 @@ pub async fn run(client: &AdminClient, out: Output, cmd: TokenCmd) -> anyhow::Re
                     }
                 })
                 .await?;
-            let expires =
-                humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_millis(r.expires_unix_ms));
+            let expires = at(r.expires_unix_ms);
             crate::print(
                 out,
-                json!({"token": r.token, "id": r.id, "role": role, "name": name, "expires": expires.to_string()}),
+                json!({"token": r.token, "id": r.id, "role": role, "name": name, "expires": expires}),
                 || {
                     format!("{}\n(id {}, {role}:{name}, expires {expires}; it is not shown again; use it as LANECTL_TOKEN with LANECTL_TLS_CA)", r.token, r.id)
                 },
@@ -81,18 +80,13 @@ pub async fn run(client: &AdminClient, out: Output, cmd: TokenCmd) -> anyhow::Re
                     }
                 })
                 .await?;
-            let expires =
-                humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_millis(r.expires_unix_ms));
-            crate::print(
-                out,
-                json!({"token": r.token, "id": r.id, "expires": expires.to_string()}),
-                || {
-                    format!(
-                        "{}\n(id {}, one-time, expires {expires}; it is not shown again)",
-                        r.token, r.id
-                    )
-                },
-            );
+            let expires = at(r.expires_unix_ms);
+            crate::print(out, json!({"token": r.token, "id": r.id, "expires": expires}), || {
+                format!(
+                    "{}\n(id {}, one-time, expires {expires}; it is not shown again)",
+                    r.token, r.id
+                )
+            });
         }
         TokenCmd::List => {
             let mut tokens = crate::registry::list(client, "join-tokens").await?;
@@ -111,13 +105,7 @@ pub async fn run(client: &AdminClient, out: Output, cmd: TokenCmd) -> anyhow::Re
                     "ID", "FOR", "EXPIRES", "USED BY", "REVOKED"
                 );
                 for t in &tokens {
-                    let expires = t["expires_ms"]
-                        .as_u64()
-                        .map(|ms| {
-                            humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_millis(ms))
-                                .to_string()
-                        })
-                        .unwrap_or_default();
+                    let expires = t["expires_ms"].as_u64().map(at).unwrap_or_default();
                     s.push_str(&format!(
                         "{:<14} {:<16} {:<22} {:<16} {}\n",
                         t["id"].as_str().unwrap_or(""),
@@ -142,4 +130,9 @@ pub async fn run(client: &AdminClient, out: Output, cmd: TokenCmd) -> anyhow::Re
         }
     }
     Ok(())
+}
+
+/// A Unix time in ms, as RFC 3339 to the second.
+fn at(unix_ms: u64) -> String {
+    humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_millis(unix_ms)).to_string()
 }
