@@ -54,9 +54,9 @@ impl Access {
 
     fn needs(self) -> &'static str {
         match self {
-            Access::Read => "a viewer, operator or admin certificate",
-            Access::Operate => "an operator or admin certificate",
-            Access::Administer => "an admin certificate",
+            Access::Read => "the viewer, operator or admin role (a certificate or an admin token)",
+            Access::Operate => "the operator or admin role",
+            Access::Administer => "the admin role",
             Access::Internal => "a controller certificate",
             Access::Agent => "an agent certificate",
             Access::Token => "a join token",
@@ -189,7 +189,7 @@ impl Policy {
             None if access == Access::Token => return Ok(None),
             None => {
                 return Err(Status::unauthenticated(format!(
-                    "{method} needs {}; this connection presented none (lanectl: --tls-cert and --tls-key, from `lanectl certs issue`)",
+                    "{method} needs {}; this connection presented no certificate and no token (lanectl: --tls-cert and --tls-key from `lanectl certs issue`, or --token from `lanectl token create --role`)",
                     access.needs()
                 )))
             }
