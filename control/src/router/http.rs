@@ -668,9 +668,6 @@ async fn dispatch(
     let mut resp = match outcome {
         Ok(f) => {
             route.lane.lock().counters.completed += 1;
-            if f.status.is_success() {
-                guard.slot.succeeded();
-            }
             record.gpu_ms = f.gpu_ms;
             let mut r = (f.status, f.body).into_response();
             if let Some(ct) = f.content_type {

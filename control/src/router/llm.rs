@@ -302,12 +302,7 @@ impl Call {
         self.record.replica = Some(guard.slot.name.clone());
         self.record.product = Some(guard.slot.product.clone());
         let resp = match outcome {
-            Ok(resp) => {
-                if resp.status().is_success() {
-                    guard.slot.succeeded();
-                }
-                resp
-            }
+            Ok(resp) => resp,
             Err(e) => {
                 self.route.lane.lock().counters.failed += 1;
                 let (status, msg) = match &e {

@@ -42,11 +42,8 @@ use table::{ModelRoute, ReplicaSlot, Table, TenantRoute};
 /// started, which takes at least this long.
 pub const NO_REPLICA_RETRY: Duration = Duration::from_secs(10);
 /// How long a replica that failed a request is skipped (the heartbeats usually report it
-/// before this runs out); each further failure in a row doubles it, up to [`EJECT_MAX`], and
-/// a success resets it.
+/// before this runs out).
 pub const EJECT_FOR: Duration = Duration::from_secs(5);
-/// The longest a replica is skipped after failures in a row.
-pub const EJECT_MAX: Duration = Duration::from_secs(60);
 /// Request header: the time the router still gives the replica, ms. A replica that honours it
 /// stops working on a request nobody waits for any more.
 pub const TIMEOUT_HEADER: &str = "x-laneway-timeout-ms";
@@ -320,11 +317,10 @@ impl Router {
         now.saturating_duration_since(self.epoch).as_millis() as u64
     }
 
-    /// Marks a replica failed: skipped by this router for [`EJECT_FOR`], doubled for each
-    /// failure in a row.
+    /// Marks a replica failed: skipped by this router for [`EJECT_FOR`].
     pub fn eject(&self, slot: &ReplicaSlot, why: &str) {
-        let skip = slot.failed(self.now_ms(Instant::now()), EJECT_FOR, EJECT_MAX);
-        tracing::warn!(replica = %slot.name, endpoint = %slot.endpoint, %why, skip_ms = skip.as_millis() as u64, "replica failed a request; skipping it");
+        tracing::warn!(replica = %slot.name, endpoint = %slot.endpoint, %why, "replica failed a request; skipping it");
+        slot.eject(self.now_ms(Instant::now() + EJECT_FOR));
     }
 
     /// A request never reached `failed` (nothing was sent): eject it and, if the lane's retry

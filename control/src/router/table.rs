@@ -35,8 +35,6 @@ pub struct ReplicaSlot {
     pub in_flight: AtomicU32,
     /// Skip this replica until this many ms after the router started (0 = not ejected).
     ejected_until_ms: AtomicU64,
-    /// Failed requests in a row (reset by a success): how long the next ejection lasts.
-    failures: AtomicU32,
 }
 
 impl ReplicaSlot {
@@ -64,20 +62,6 @@ impl ReplicaSlot {
     /// Marks the replica failed: skipped until `until_ms` or until the table drops it.
     pub fn eject(&self, until_ms: u64) {
         self.ejected_until_ms.fetch_max(until_ms, Ordering::AcqRel);
-    }
-
-    /// A request failed on this replica at `now_ms`: skip it for `base`, doubled for every
-    /// failure in a row before this one, at most `max`. Returns how long.
-    pub fn failed(&self, now_ms: u64, base: Duration, max: Duration) -> Duration {
-        let before = self.failures.fetch_add(1, Ordering::AcqRel).min(16);
-        let skip = base.saturating_mul(1 << before).min(max);
-        self.eject(now_ms + skip.as_millis() as u64);
-        skip
-    }
-
-    /// A request succeeded: the next failure starts from the base interval again.
-    pub fn succeeded(&self) {
-        self.failures.store(0, Ordering::Release);
     }
 }
 
@@ -213,7 +197,6 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &Table) -> Table {
                     infer_uri,
                     in_flight: AtomicU32::new(0),
                     ejected_until_ms: AtomicU64::new(0),
-                    failures: AtomicU32::new(0),
                 })
             });
             by_model.entry(model.name.as_str()).or_default().push(slot);
@@ -332,7 +315,6 @@ pub fn test_slot_named(name: &str, max_in_flight: u32) -> Arc<ReplicaSlot> {
         infer_uri: s.infer_uri.clone(),
         in_flight: AtomicU32::new(0),
         ejected_until_ms: AtomicU64::new(0),
-        failures: AtomicU32::new(0),
     })
 }
 
@@ -367,7 +349,6 @@ pub fn test_slot(model: &str, max_in_flight: u32) -> Arc<ReplicaSlot> {
         infer_uri: hyper::Uri::from_static("http://127.0.0.1:1/"),
         in_flight: AtomicU32::new(0),
         ejected_until_ms: AtomicU64::new(0),
-        failures: AtomicU32::new(0),
     })
 }
 
@@ -375,17 +356,6 @@ pub fn test_slot(model: &str, max_in_flight: u32) -> Arc<ReplicaSlot> {
 mod tests {
     use super::*;
     use crate::registry::ReplicaRecord;
-
-    #[test]
-    fn failures_in_a_row_eject_for_longer_and_a_success_starts_over() {
-        let slot = test_slot("m", 1);
-        let (base, max) = (Duration::from_secs(5), Duration::from_secs(60));
-        let skips: Vec<u64> = (0..6).map(|_| slot.failed(1_000, base, max).as_secs()).collect();
-        assert_eq!(skips, [5, 10, 20, 40, 60, 60]);
-        assert!(slot.is_ejected(60_999) && !slot.is_ejected(61_000));
-        slot.succeeded();
-        assert_eq!(slot.failed(100_000, base, max), base);
-    }
 
     fn setup() -> (Fleet, Registry) {
         let (fleet, mut reg) = test_fixture();
