@@ -874,20 +874,7 @@ mod tests {
     /// replica and the dead one is skipped from then on.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_request_that_never_reached_its_replica_is_retried_elsewhere() {
-        use laneway_agent::sim_model::{self, SimModelConfig};
-
-        let sim = sim_model::app(SimModelConfig {
-            model: "whisper".into(),
-            product: "L4".into(),
-            service_ms: [("L4".to_string(), 5.0)].into(),
-            max_batch: 4,
-            batch_window: Duration::from_millis(1),
-            faults: Default::default(),
-        })
-        .unwrap();
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let live = l.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(l, sim).await });
+        let live = sim_replica(5.0).await;
         let dead = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -936,6 +923,25 @@ mod tests {
         server.stop().await;
     }
 
+    /// A simulated `whisper` replica on L4 taking `service_ms` per batch (max 4), serving on a
+    /// free port.
+    async fn sim_replica(service_ms: f64) -> SocketAddr {
+        use laneway_agent::sim_model::{self, SimModelConfig};
+        let sim = sim_model::app(SimModelConfig {
+            model: "whisper".into(),
+            product: "L4".into(),
+            service_ms: [("L4".to_string(), service_ms)].into(),
+            max_batch: 4,
+            batch_window: Duration::from_millis(1),
+            faults: Default::default(),
+        })
+        .unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(l, sim).await });
+        addr
+    }
+
     /// Sends one inference request for `whisper` through `server`.
     async fn infer_once(server: &RouterServer) -> reqwest::Response {
         reqwest::Client::new()
@@ -952,24 +958,7 @@ mod tests {
     /// on what nobody waits for any more (the deadline travels with the request).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_slow_model_never_turns_into_a_retry_storm_and_no_request_outlives_its_deadline() {
-        use laneway_agent::sim_model::{self, SimModelConfig};
-        let slow = |_| {
-            sim_model::app(SimModelConfig {
-                model: "whisper".into(),
-                product: "L4".into(),
-                service_ms: [("L4".to_string(), 3_000.0)].into(),
-                max_batch: 4,
-                batch_window: Duration::from_millis(1),
-                faults: Default::default(),
-            })
-            .unwrap()
-        };
-        let mut addrs = Vec::new();
-        for app in (0..2).map(slow) {
-            let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-            addrs.push(l.local_addr().unwrap());
-            tokio::spawn(async move { axum::serve(l, app).await });
-        }
+        let addrs = [sim_replica(3_000.0).await, sim_replica(3_000.0).await];
         let (router, _dir) = router_with(&[("a", addrs[0]), ("b", addrs[1])]);
         let lane = router.table().models["whisper"].lane.clone();
         let server = serve(
@@ -1034,19 +1023,7 @@ mod tests {
     /// failing is skipped for longer each time.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_retry_budget_caps_retries_under_failing_replicas() {
-        use laneway_agent::sim_model::{self, SimModelConfig};
-        let sim = sim_model::app(SimModelConfig {
-            model: "whisper".into(),
-            product: "L4".into(),
-            service_ms: [("L4".to_string(), 1.0)].into(),
-            max_batch: 4,
-            batch_window: Duration::from_millis(1),
-            faults: Default::default(),
-        })
-        .unwrap();
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let live = l.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(l, sim).await });
+        let live = sim_replica(1.0).await;
         // Forty replicas whose ports are closed, one that answers.
         let dead: Vec<(String, SocketAddr)> = (0..40)
             .map(|i| {

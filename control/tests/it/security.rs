@@ -105,29 +105,8 @@ async fn an_mtls_cluster_refuses_every_call_a_certificate_does_not_allow() {
     make_certs(&certs);
     let mut n1 = Node::new(root.path(), 1);
     n1.certs = Some(certs.clone());
-    n1.start();
+    start_leader(&mut n1).await;
     let admin = n1.client().with_retry_for(Duration::from_secs(15));
-    wait_for("node 1 answers over mTLS", Duration::from_secs(20), || async {
-        admin
-            .call_one(&n1.addr, |mut c| async move { c.status(StatusRequest {}).await })
-            .await
-            .ok()
-    })
-    .await;
-    admin
-        .call_one(&n1.addr, |mut c| async move {
-            c.init(laneway_proto::admin::InitRequest {}).await
-        })
-        .await
-        .expect("an admin initializes the cluster");
-    wait_for("node 1 leads", Duration::from_secs(20), || async {
-        let s = admin
-            .call(|mut c| async move { c.status(StatusRequest {}).await })
-            .await
-            .ok()?;
-        (s.leader_id == 1).then_some(())
-    })
-    .await;
 
     // Raft over mTLS: a second controller joins and replicates.
     let mut n2 = Node::new(root.path(), 2);
@@ -318,6 +297,12 @@ async fn leading_node(root: &Path, certs: &Path) -> Node {
     let mut n1 = Node::new(root, 1);
     n1.certs = Some(certs.to_path_buf());
     n1.extra_args = vec!["--tls-ca-key".into(), certs.join("ca.key").display().to_string()];
+    start_leader(&mut n1).await;
+    n1
+}
+
+/// Starts `n1` (configured for mTLS) and initializes it as its cluster's only voter.
+async fn start_leader(n1: &mut Node) {
     n1.start();
     let admin = n1.client().with_retry_for(Duration::from_secs(15));
     wait_for("node 1 answers over mTLS", Duration::from_secs(20), || async {
@@ -341,7 +326,6 @@ async fn leading_node(root: &Path, certs: &Path) -> Node {
         (s.leader_id == 1).then_some(())
     })
     .await;
-    n1
 }
 
 /// `Join` over TLS without a client certificate, as a new host does.
