@@ -598,6 +598,17 @@ pub(super) fn refusal_response(refusal: &Refusal, route: &ModelRoute, meta: &Met
             ),
             super::NO_REPLICA_RETRY,
         ),
+        Refusal::AllEjected => with_retry_after(
+            error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "every replica of {} failed a recent request and is skipped until it answers a health probe; retry after the Retry-After",
+                    route.name
+                ),
+                meta,
+            ),
+            super::table::PROBE_EVERY.max(Duration::from_secs(1)),
+        ),
         Refusal::Durable => error(
             StatusCode::NOT_IMPLEMENTED,
             format!(
@@ -668,6 +679,9 @@ async fn dispatch(
     let mut resp = match outcome {
         Ok(f) => {
             route.lane.lock().counters.completed += 1;
+            if super::fails_replica(f.status) {
+                router.eject(&guard.slot, &format!("answered {}", f.status));
+            }
             record.gpu_ms = f.gpu_ms;
             let mut r = (f.status, f.body).into_response();
             if let Some(ct) = f.content_type {
@@ -926,6 +940,14 @@ mod tests {
     /// A simulated `whisper` replica on L4 taking `service_ms` per batch (max 4), serving on a
     /// free port.
     async fn sim_replica(service_ms: f64) -> SocketAddr {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(sim_replica_on(l, service_ms));
+        addr
+    }
+
+    /// [`sim_replica`] on `l`; runs until the test ends.
+    async fn sim_replica_on(l: TcpListener, service_ms: f64) {
         use laneway_agent::sim_model::{self, SimModelConfig};
         let sim = sim_model::app(SimModelConfig {
             model: "whisper".into(),
@@ -936,10 +958,7 @@ mod tests {
             faults: Default::default(),
         })
         .unwrap();
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(l, sim).await });
-        addr
+        let _ = axum::serve(l, sim).await;
     }
 
     /// Sends one inference request for `whisper` through `server`.
@@ -1064,6 +1083,90 @@ mod tests {
             bad_gateway >= c.retry_denied,
             "a request the budget did not retry failed, and said so"
         );
+        server.stop().await;
+    }
+
+    /// A replica whose server died is ejected; once it is back on its port the router's
+    /// probe readmits it, long before its ejection interval runs out.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replica_that_comes_back_is_readmitted_by_its_probe() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = port.local_addr().unwrap();
+        drop(port);
+        let (router, _dir) = router_with(&[("a", addr)]);
+        let _pump = router.start();
+        let server = serve(
+            router,
+            axum::Router::new(),
+            TcpListener::bind("127.0.0.1:0").await.unwrap(),
+            &RouterSettings::default(),
+        )
+        .unwrap();
+        assert_eq!(infer_once(&server).await.status(), StatusCode::BAD_GATEWAY);
+        let r = infer_once(&server).await;
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE, "skipped while ejected");
+        assert!(r.text().await.unwrap().contains("health probe"));
+        // Let a probe find it down, then bring it back on the same port.
+        tokio::time::sleep(super::super::table::PROBE_EVERY * 2).await;
+        let back = sim_replica_on(TcpListener::bind(addr).await.unwrap(), 1.0);
+        tokio::spawn(back);
+        let started = tokio::time::Instant::now();
+        while infer_once(&server).await.status() != StatusCode::OK {
+            assert!(
+                started.elapsed() < super::super::table::EJECT_FOR - Duration::from_millis(500),
+                "not readmitted before its interval ran out"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        server.stop().await;
+    }
+
+    /// A replica that answers its health check but keeps failing requests: readmitted once
+    /// after its first failure, then skipped for its whole (doubled) interval — it gets no
+    /// request in that time.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replica_that_keeps_failing_gets_no_traffic_until_its_interval_passes() {
+        let addr = sim_replica(3_000.0).await;
+        let (router, _dir) = router_with(&[("a", addr)]);
+        let _pump = router.start();
+        let slot = router.table().models["whisper"].replicas[0].clone();
+        let server = serve(
+            router.clone(),
+            axum::Router::new(),
+            TcpListener::bind("127.0.0.1:0").await.unwrap(),
+            &RouterSettings::default(),
+        )
+        .unwrap();
+        let got = || async move {
+            let text = reqwest::get(format!("http://{addr}/metrics"))
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            text.lines()
+                .find_map(|l| l.strip_prefix("laneway_sim_requests_total")?.trim().parse::<u64>().ok())
+                .unwrap()
+        };
+        assert_eq!(infer_once(&server).await.status(), StatusCode::GATEWAY_TIMEOUT);
+        // First failure: its health answers, so the probe lets it back in.
+        let started = tokio::time::Instant::now();
+        while slot.is_ejected(router.now_ms(tokio::time::Instant::now())) {
+            assert!(
+                started.elapsed() < super::super::table::EJECT_FOR,
+                "the first probe readmits it"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(infer_once(&server).await.status(), StatusCode::GATEWAY_TIMEOUT);
+        assert_eq!(got().await, 2);
+        // Second failure in a row: 10 s out, whatever its health check says.
+        for _ in 0..15 {
+            assert_eq!(infer_once(&server).await.status(), StatusCode::SERVICE_UNAVAILABLE);
+            tokio::time::sleep(super::super::table::PROBE_EVERY / 5).await;
+        }
+        assert!(slot.is_ejected(router.now_ms(tokio::time::Instant::now())));
+        assert_eq!(got().await, 2, "no request reached it while it was ejected");
         server.stop().await;
     }
 

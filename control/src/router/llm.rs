@@ -339,6 +339,9 @@ impl Call {
             }
         };
         let (parts, upstream) = resp.into_parts();
+        if !super::fails_replica(parts.status) {
+            guard.slot.health.answered();
+        }
         if self.stream && parts.status.is_success() {
             return self.relay(parts, upstream, guard, started, deadline);
         }
@@ -363,7 +366,7 @@ impl Call {
             }
         };
         let elapsed = started.elapsed();
-        if parts.status.is_server_error() {
+        if super::fails_replica(parts.status) {
             self.router.eject(&guard.slot, &format!("answered {}", parts.status));
         }
         {

@@ -41,9 +41,6 @@ use table::{ModelRoute, ReplicaSlot, Table, TenantRoute};
 /// Retry-After when a model has no ready replica at all: a replica has to be placed and
 /// started, which takes at least this long.
 pub const NO_REPLICA_RETRY: Duration = Duration::from_secs(10);
-/// How long a replica that failed a request is skipped (the heartbeats usually report it
-/// before this runs out).
-pub const EJECT_FOR: Duration = Duration::from_secs(5);
 /// Request header: the time the router still gives the replica, ms. A replica that honours it
 /// stops working on a request nobody waits for any more.
 pub const TIMEOUT_HEADER: &str = "x-laneway-timeout-ms";
@@ -73,6 +70,9 @@ pub enum Refusal {
     Expired { waited: Duration },
     /// No ready replica of the model anywhere: 503.
     NoReplica,
+    /// Every replica of the model failed recently and is skipped until it answers a probe or
+    /// its interval passes: 503.
+    AllEjected,
     /// Durable lanes take jobs, not synchronous requests.
     Durable,
 }
@@ -91,6 +91,12 @@ pub struct Forwarded {
     pub body: Bytes,
     pub content_type: Option<HeaderValue>,
     pub gpu_ms: Option<f64>,
+}
+
+/// Whether an answer counts against its replica: a server error, except 503, which is a
+/// replica saying it is busy (backpressure, not a fault).
+pub fn fails_replica(status: StatusCode) -> bool {
+    status.is_server_error() && status != StatusCode::SERVICE_UNAVAILABLE
 }
 
 /// Why forwarding failed.
@@ -258,7 +264,11 @@ impl Router {
                         }
                         router.rebuild();
                     }
-                    _ = tick.tick() => router.pump(Instant::now()),
+                    _ = tick.tick() => {
+                        let now = Instant::now();
+                        router.pump(now);
+                        router.probe_ejected(now);
+                    }
                 }
             }
         })
@@ -317,10 +327,45 @@ impl Router {
         now.saturating_duration_since(self.epoch).as_millis() as u64
     }
 
-    /// Marks a replica failed: skipped by this router for [`EJECT_FOR`].
+    /// Marks a replica failed: skipped by this router for a growing interval (see
+    /// [`table::Health`]), or until it answers a probe.
     pub fn eject(&self, slot: &ReplicaSlot, why: &str) {
-        tracing::warn!(replica = %slot.name, endpoint = %slot.endpoint, %why, "replica failed a request; skipping it");
-        slot.eject(self.now_ms(Instant::now() + EJECT_FOR));
+        let interval = slot.health.eject(self.now_ms(Instant::now()));
+        tracing::warn!(replica = %slot.name, endpoint = %slot.endpoint, %why, skip_s = interval.as_secs(), "replica failed a request; skipping it");
+    }
+
+    /// Probes every ejected replica that is due (one probe at a time each, every
+    /// [`table::PROBE_EVERY`]) and readmits the ones [`table::Health::probed`] allows.
+    fn probe_ejected(self: &Arc<Self>, now: Instant) {
+        let now_ms = self.now_ms(now);
+        let table = self.table();
+        for slot in table.models.values().flat_map(|m| m.replicas.iter()) {
+            if !slot.health.probe_due(now_ms) {
+                continue;
+            }
+            let (router, slot) = (self.clone(), slot.clone());
+            tokio::spawn(async move {
+                let ok = router.probe(&slot.health_uri).await;
+                if slot.health.probed(ok, router.now_ms(Instant::now())) {
+                    tracing::info!(replica = %slot.name, endpoint = %slot.endpoint, "replica answered its health probe; routing to it again");
+                    router.pump(Instant::now());
+                }
+            });
+        }
+    }
+
+    /// Whether `uri` answers 2xx within [`table::PROBE_TIMEOUT`].
+    async fn probe(&self, uri: &hyper::Uri) -> bool {
+        let Ok(req) = hyper::Request::get(uri.clone()).body(Full::new(Bytes::new())) else {
+            return false;
+        };
+        let answer = async {
+            let resp = self.client.request(req).await.ok()?;
+            let status = resp.status();
+            resp.into_body().collect().await.ok()?;
+            Some(status.is_success())
+        };
+        matches!(tokio::time::timeout(table::PROBE_TIMEOUT, answer).await, Ok(Some(true)))
     }
 
     /// A request never reached `failed` (nothing was sent): eject it and, if the lane's retry
@@ -498,6 +543,10 @@ impl Router {
                 *self.sync_refusal.lock().unwrap_or_else(|p| p.into_inner()) = Some((now, class.protection_rank));
                 if route.replicas.is_empty() {
                     return Err(Refusal::NoReplica);
+                }
+                let now_ms = self.now_ms(now);
+                if route.replicas.iter().all(|s| s.is_ejected(now_ms)) {
+                    return Err(Refusal::AllEjected);
                 }
                 Err(Refusal::NoSlot {
                     retry_after: sync_retry_after(route.min_service()),
@@ -678,6 +727,9 @@ impl Router {
                 .await
                 .map_err(|e| ForwardError::Failed(format!("reading the answer: {e}")))?
                 .to_bytes();
+            if !fails_replica(parts.status) {
+                slot.health.answered();
+            }
             let gpu_ms = parts
                 .headers
                 .get(GPU_MS_HEADER)

@@ -4,7 +4,7 @@
 //! accounting or empties a queue.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,9 +32,99 @@ pub struct ReplicaSlot {
     pub service: Duration,
     /// `http://endpoint/v2/models/<model>/infer`.
     pub infer_uri: hyper::Uri,
+    /// `http://endpoint<runtime.health_path>`: what the router probes while the replica is
+    /// ejected.
+    pub health_uri: hyper::Uri,
     pub in_flight: AtomicU32,
+    pub health: Health,
+}
+
+/// A replica's standing with this router: ejected after a failure for an interval that grows
+/// with consecutive failures, and probed while ejected.
+///
+/// A probe's answer readmits the replica early in two cases only, so that a replica that
+/// answers its health check but fails requests still sits out its interval:
+/// - a probe failed first: the ejection was about reaching it (a crashed and restarted
+///   server, or this router cut off from it), and that is over;
+/// - it is the first ejection since the replica last answered: one failure is not yet a
+///   pattern.
+#[derive(Debug, Default)]
+pub struct Health {
     /// Skip this replica until this many ms after the router started (0 = not ejected).
     ejected_until_ms: AtomicU64,
+    /// Ejections since the replica last answered a request.
+    streak: AtomicU32,
+    /// A probe failed during the current ejection.
+    probe_failed: AtomicBool,
+    /// A probe is in flight.
+    probing: AtomicBool,
+    /// No probe before this many ms after the router started.
+    next_probe_ms: AtomicU64,
+}
+
+/// The first ejection's interval; each consecutive one doubles it, up to [`EJECT_MAX`].
+pub const EJECT_FOR: Duration = Duration::from_secs(5);
+/// The longest ejection.
+pub const EJECT_MAX: Duration = Duration::from_secs(60);
+/// How often an ejected replica is probed.
+pub const PROBE_EVERY: Duration = Duration::from_millis(500);
+/// How long a probe waits for the health answer.
+pub const PROBE_TIMEOUT: Duration = Duration::from_millis(300);
+
+impl Health {
+    pub fn is_ejected(&self, now_ms: u64) -> bool {
+        self.ejected_until_ms.load(Ordering::Acquire) > now_ms
+    }
+
+    /// Records a failure at `now_ms`: skipped for [`EJECT_FOR`] doubled for each ejection
+    /// since it last answered, at most [`EJECT_MAX`]. Returns the interval.
+    pub fn eject(&self, now_ms: u64) -> Duration {
+        let streak = self.streak.fetch_add(1, Ordering::AcqRel) + 1;
+        let interval = EJECT_FOR.saturating_mul(1 << (streak - 1).min(8)).min(EJECT_MAX);
+        self.probe_failed.store(false, Ordering::Release);
+        self.next_probe_ms
+            .store(now_ms + PROBE_EVERY.as_millis() as u64, Ordering::Release);
+        self.ejected_until_ms
+            .fetch_max(now_ms + interval.as_millis() as u64, Ordering::AcqRel);
+        interval
+    }
+
+    /// The replica answered a request: its next failure starts a fresh streak.
+    pub fn answered(&self) {
+        if self.streak.load(Ordering::Acquire) != 0 {
+            self.streak.store(0, Ordering::Release);
+        }
+    }
+
+    /// Whether a probe is due at `now_ms`; if so, claims it (one probe at a time).
+    pub fn probe_due(&self, now_ms: u64) -> bool {
+        self.is_ejected(now_ms)
+            && self.next_probe_ms.load(Ordering::Acquire) <= now_ms
+            && !self.probing.swap(true, Ordering::AcqRel)
+    }
+
+    /// A probe's result at `now_ms`. Returns whether it readmitted the replica.
+    pub fn probed(&self, ok: bool, now_ms: u64) -> bool {
+        self.next_probe_ms
+            .store(now_ms + PROBE_EVERY.as_millis() as u64, Ordering::Release);
+        self.probing.store(false, Ordering::Release);
+        if !ok {
+            self.probe_failed.store(true, Ordering::Release);
+            return false;
+        }
+        if !self.is_ejected(now_ms) {
+            return false;
+        }
+        let unreachable_then_back = self.probe_failed.swap(false, Ordering::AcqRel);
+        if unreachable_then_back {
+            // Whatever failed was the way to it, and that is over: a clean slate.
+            self.streak.store(0, Ordering::Release);
+        } else if self.streak.load(Ordering::Acquire) > 1 {
+            return false;
+        }
+        self.ejected_until_ms.store(0, Ordering::Release);
+        true
+    }
 }
 
 impl ReplicaSlot {
@@ -56,12 +146,7 @@ impl ReplicaSlot {
     }
 
     pub fn is_ejected(&self, now_ms: u64) -> bool {
-        self.ejected_until_ms.load(Ordering::Acquire) > now_ms
-    }
-
-    /// Marks the replica failed: skipped until `until_ms` or until the table drops it.
-    pub fn eject(&self, until_ms: u64) {
-        self.ejected_until_ms.fetch_max(until_ms, Ordering::AcqRel);
+        self.health.is_ejected(now_ms)
     }
 }
 
@@ -183,6 +268,13 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &Table) -> Table {
                 unroutable.push((name, format!("endpoint {:?} is not host:port", r.endpoint)));
                 continue;
             };
+            let Ok(health_uri) = format!("http://{}{}", r.endpoint, model.runtime.health_path).parse() else {
+                unroutable.push((
+                    name,
+                    format!("health path {:?} is not a URI path", model.runtime.health_path),
+                ));
+                continue;
+            };
             let key = format!("{name}@{}#{}", r.endpoint, profile.max_batch);
             let slot = previous.get(&key).cloned().unwrap_or_else(|| {
                 Arc::new(ReplicaSlot {
@@ -195,8 +287,9 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &Table) -> Table {
                     max_in_flight: profile.max_batch,
                     service: profile.service_ms.as_duration(),
                     infer_uri,
+                    health_uri,
                     in_flight: AtomicU32::new(0),
-                    ejected_until_ms: AtomicU64::new(0),
+                    health: Health::default(),
                 })
             });
             by_model.entry(model.name.as_str()).or_default().push(slot);
@@ -313,8 +406,9 @@ pub fn test_slot_named(name: &str, max_in_flight: u32) -> Arc<ReplicaSlot> {
         max_in_flight,
         service: s.service,
         infer_uri: s.infer_uri.clone(),
+        health_uri: s.health_uri.clone(),
         in_flight: AtomicU32::new(0),
-        ejected_until_ms: AtomicU64::new(0),
+        health: Health::default(),
     })
 }
 
@@ -347,8 +441,9 @@ pub fn test_slot(model: &str, max_in_flight: u32) -> Arc<ReplicaSlot> {
         max_in_flight,
         service: Duration::from_millis(10),
         infer_uri: hyper::Uri::from_static("http://127.0.0.1:1/"),
+        health_uri: hyper::Uri::from_static("http://127.0.0.1:1/v2/health/ready"),
         in_flight: AtomicU32::new(0),
-        ejected_until_ms: AtomicU64::new(0),
+        health: Health::default(),
     })
 }
 
@@ -395,6 +490,52 @@ mod tests {
             t3.models["whisper"].replicas.is_empty(),
             "a down node's replicas do not route"
         );
+    }
+
+    #[test]
+    fn ejection_grows_with_consecutive_failures_and_an_answer_resets_it() {
+        let h = Health::default();
+        let secs: Vec<u64> = (0..6).map(|_| h.eject(0).as_secs()).collect();
+        assert_eq!(secs, [5, 10, 20, 40, 60, 60]);
+        assert!(h.is_ejected(59_999) && !h.is_ejected(60_000));
+        h.answered();
+        assert_eq!(h.eject(100_000), EJECT_FOR, "a fresh streak after an answer");
+    }
+
+    #[test]
+    fn a_probe_readmits_after_one_failure_or_after_being_unreachable_only() {
+        let h = Health::default();
+        let t = 1_000;
+        h.eject(t);
+        assert!(!h.probe_due(t), "not before PROBE_EVERY");
+        let t = t + PROBE_EVERY.as_millis() as u64;
+        assert!(h.probe_due(t));
+        assert!(!h.probe_due(t), "one probe at a time");
+        assert!(h.probed(true, t), "one failure is not a pattern: readmitted");
+        assert!(!h.is_ejected(t));
+
+        // Failed again before answering anything: it sits out its 10 s even though its
+        // health check answers.
+        assert_eq!(h.eject(t), Duration::from_secs(10));
+        let t = t + PROBE_EVERY.as_millis() as u64;
+        assert!(h.probe_due(t));
+        assert!(!h.probed(true, t));
+        assert!(h.is_ejected(t));
+
+        // Its probe fails (it crashed, or the way to it broke), then answers: the ejection
+        // was about reaching it, and that is over.
+        let t = t + PROBE_EVERY.as_millis() as u64;
+        assert!(h.probe_due(t));
+        assert!(!h.probed(false, t));
+        let t = t + PROBE_EVERY.as_millis() as u64;
+        assert!(h.probe_due(t));
+        assert!(h.probed(true, t));
+        assert!(!h.is_ejected(t));
+        assert_eq!(h.eject(t), EJECT_FOR, "a clean slate after coming back");
+
+        // A replica that is not ejected is not probed.
+        let idle = Health::default();
+        assert!(!idle.probe_due(u64::MAX / 2));
     }
 
     #[test]
