@@ -276,7 +276,7 @@ pub fn admin_methods(method: &str) -> Option<Access> {
         // PlanMig commits the plan it proposes.
         "PutSetting" | "DeleteSetting" | "Snapshot" | "SetNodeFlags" | "PutClass" | "PutModel" | "RemoveModel"
         | "CreateTenant" | "RotateTenantKey" | "SetTenantLimit" | "SetPrice" | "SetMigLayout" | "PlanMig"
-        | "ApplyMigPlan" | "SetPoolTaints" => Operate,
+        | "ApplyMigPlan" | "SetPoolTaints" | "DeployModel" | "StartRollout" | "UpdateRollout" => Operate,
         "Init" | "AddLearner" | "Promote" | "Remove" | "FinalizeUpgrade" | "CreateJoinToken" | "CreateAdminToken"
         | "RevokeToken" | "RevokeCertificate" => Administer,
         "ReportLoad" | "JobWrites" | "RecordUsage" => Internal,

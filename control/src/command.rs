@@ -17,10 +17,10 @@ use crate::registry::{Class, DesiredReplica, Model, ReplicaRecord, Tenant, Tenan
 /// Highest command format this binary can apply. Format 2 added the registry commands, format 3
 /// the durable job queue, format 4 spot preemption notices, format 5 the ledger (prices and
 /// usage reports), format 6 language-model lanes (token policies, specs, limits and usage), format 7 the slow
-/// loop's node requests and capacity marks, format 8 join tokens; a command is written with the lowest format that can express it
+/// loop's node requests and capacity marks, format 8 join tokens, format 9 model versions and rollouts; a command is written with the lowest format that can express it
 /// ([`Command::format`]), so an older controller keeps applying what it knows and stops only
 /// at the first command it cannot understand.
-pub const COMMAND_FORMAT: u32 = 8;
+pub const COMMAND_FORMAT: u32 = 9;
 
 /// The cluster setting holding the highest command format every member can apply, written at
 /// `cluster init` and raised by `lanectl cluster finalize-upgrade` once every member runs a
@@ -235,6 +235,20 @@ pub enum Command {
         node_id: String,
         at_ms: u64,
     },
+    /// A version of a model (`lanectl model deploy`): the first of its name is an ordinary
+    /// model, a later one the idle entry `name@version` (ADR 0015).
+    DeployVersion(Model),
+    /// Starts a canary rollout.
+    StartRollout(crate::registry::rollout::Rollout),
+    /// Moves a rollout on: a step the loop judged, or an operator's promote, abort, pause or
+    /// resume. With `expect_step`, only if the rollout is still at that step.
+    UpdateRollout {
+        model: String,
+        expect_step: Option<usize>,
+        action: crate::registry::rollout::RolloutAction,
+        at_ms: u64,
+        message: String,
+    },
 }
 
 /// What applying one log entry produced.
@@ -296,6 +310,8 @@ impl Command {
                 6
             }
             Command::SetTenantLimit { limit: Some(l), .. } if l.tokens_per_min.is_some() => 6,
+            // Requests over the objective are counted for rollouts (format 9).
+            Command::RecordUsage(r) if r.rows.iter().any(|u| u.slow > 0) => 9,
             Command::RecordUsage(r) if r.rows.iter().any(|u| u.input_tokens > 0 || u.output_tokens > 0) => 6,
             Command::PutClass(c) if c.slo_p99_ms.is_some() || !c.tolerations.is_empty() => 5,
             Command::PutModel(m) if m.runtime.in_flight.is_some() => 5,
@@ -324,6 +340,7 @@ impl Command {
             | Command::ConsumeJoinToken { .. }
             | Command::CreateAdminToken { .. }
             | Command::RevokeCertificate { .. } => 8,
+            Command::DeployVersion(_) | Command::StartRollout(_) | Command::UpdateRollout { .. } => 9,
             Command::SetPrice { .. }
             | Command::RecordUsage(_)
             | Command::SetMigLayout { .. }
@@ -407,6 +424,11 @@ impl Command {
             | Command::ConsumeJoinToken { .. }
             | Command::CreateAdminToken { .. }
             | Command::RevokeCertificate { .. } => 512,
+            Command::DeployVersion(m) => serde_json::to_vec(m).map_or(4096, |b| b.len()),
+            Command::StartRollout(r) => {
+                512 + r.steps.len() * 4 + r.events.iter().map(|e| e.message.len() + 16).sum::<usize>()
+            }
+            Command::UpdateRollout { model, message, .. } => 64 + model.len() + message.len(),
             Command::SetCapacityMark { key, mark } => key.len() + mark.as_ref().map_or(0, |m| 64 + m.why.len()),
         }
     }
@@ -515,6 +537,15 @@ impl Command {
                 }
             }
             Command::ConsumeJoinToken { node_id, .. } => validate_node_id(node_id).map_err(CommandError::InvalidNode),
+            Command::DeployVersion(m) => m.validate().map_err(CommandError::Invalid),
+            Command::StartRollout(r) => r.validate().map_err(CommandError::Invalid),
+            Command::UpdateRollout { model, message, .. } => {
+                crate::registry::validate_name("model", model).map_err(CommandError::Invalid)?;
+                if message.len() > 4096 {
+                    return Err(CommandError::Invalid("a rollout note is 4096 bytes at most".into()));
+                }
+                Ok(())
+            }
             Command::SetCapacityMark { key, .. } => {
                 if key.is_empty() || key.len() > 256 || !key.contains('@') {
                     Err(CommandError::Invalid(format!("capacity key {key:?}: product@region")))

@@ -43,6 +43,8 @@ pub struct DevController {
     pub router_addr: Option<std::net::SocketAddr>,
     /// API key of the `dev` tenant (rotated on every start; only its hash is stored).
     pub api_key: String,
+    /// Model files of later whisper versions to try a rollout with (replicas running only).
+    pub rollout_examples: Vec<PathBuf>,
     _temp: Option<tempfile::TempDir>,
 }
 
@@ -230,6 +232,57 @@ fn with_sim_runtime(registry: &mut DevRegistry) -> bool {
         ));
     }
     true
+}
+
+/// Writes two later versions of whisper next to the data: version 2, as fast as version 1,
+/// and version 3, three times the GPU time per request (under the lane's objective, so only its
+/// cost gives it away). `lanectl model deploy` + `lanectl rollout start` show a promotion and
+/// an automatic rollback.
+fn write_rollout_examples(registry: &DevRegistry, dir: &std::path::Path) -> Result<Vec<PathBuf>, DevError> {
+    let Some(v1) = registry.model.iter().find(|m| m.name == "whisper") else {
+        return Ok(Vec::new());
+    };
+    let mut versions = DevRegistry {
+        class: Vec::new(),
+        model: vec![
+            crate::registry::Model {
+                version: "2".into(),
+                ..v1.clone()
+            },
+            crate::registry::Model {
+                version: "3".into(),
+                profiles: v1
+                    .profiles
+                    .iter()
+                    .map(|(p, prof)| {
+                        let slower = crate::registry::Millis::from_ms(prof.service_ms.as_ms() * 3.0);
+                        (
+                            p.clone(),
+                            crate::registry::Profile {
+                                service_ms: slower,
+                                ..prof.clone()
+                            },
+                        )
+                    })
+                    .collect(),
+                ..v1.clone()
+            },
+        ],
+    };
+    with_sim_runtime(&mut versions);
+    std::fs::create_dir_all(dir).map_err(|e| DevError::Other(format!("{}: {e}", dir.display())))?;
+    let mut files = Vec::new();
+    for (m, name) in versions
+        .model
+        .iter()
+        .zip(["whisper-v2.json", "whisper-v3-3x-gpu-time.json"])
+    {
+        let path = dir.join(name);
+        let json = serde_json::to_string_pretty(m).map_err(|e| DevError::Other(e.to_string()))?;
+        std::fs::write(&path, json).map_err(|e| DevError::Other(format!("{}: {e}", path.display())))?;
+        files.push(path);
+    }
+    Ok(files)
 }
 
 /// The simulated LLM server's command for a language model: decode throughput from the
@@ -456,6 +509,11 @@ pub async fn start(args: DevArgs) -> Result<DevController, DevError> {
     let mut registry: DevRegistry =
         toml::from_str(DEV_REGISTRY).map_err(|e| DevError::Other(format!("dev registry: {e}")))?;
     let replicas_running = with_sim_runtime(&mut registry);
+    let rollout_examples = if replicas_running {
+        write_rollout_examples(&registry, &data_dir.join("examples"))?
+    } else {
+        Vec::new()
+    };
     let api_key = register_examples(&controller, &registry).await?;
     let agents = start_agents(&controller.advertise, &data_dir).await?;
     set_mig_layouts(&controller).await?;
@@ -467,6 +525,7 @@ pub async fn start(args: DevArgs) -> Result<DevController, DevError> {
         }
     }
     Ok(DevController {
+        rollout_examples,
         router_addr: controller.router_addr,
         controller,
         data_dir,

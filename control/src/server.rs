@@ -247,6 +247,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
             tokio::join!(
                 crate::scheduler::warm_floor_loop::run(ctx.clone()),
                 crate::scheduler::warm_floor_loop::report(ctx.clone()),
+                crate::scheduler::rollout_loop::run(ctx.clone()),
                 crate::ledger::meter::run(ctx.clone()),
                 crate::observe::history::run(ctx.clone()),
                 crate::jobs::dispatcher::run(ctx)

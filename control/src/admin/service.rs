@@ -15,7 +15,7 @@ use laneway_proto::admin::{
 use laneway_proto::admin::{
     ApplyMigPlanRequest, AuditRequest, CreateAdminTokenRequest, CreateJoinTokenRequest, EventsRequest,
     FinalizeUpgradeReply, FinalizeUpgradeRequest, JoinTokenReply, MemberFormat, PlanMigRequest,
-    RevokeCertificateRequest, RevokeTokenRequest, SetMigLayoutRequest, SetPoolTaintsRequest,
+    RevokeCertificateRequest, RevokeTokenRequest, SetMigLayoutRequest, SetPoolTaintsRequest, UpdateRolloutRequest,
 };
 use laneway_proto::admin::{
     CreateTenantRequest, DocumentsReply, JobWriteReply, JobWritesReply, JobWritesRequest, LaneStatusRequest,
@@ -603,6 +603,65 @@ impl AdminService for AdminGrpc {
         .await
     }
 
+    async fn deploy_model(&self, req: Request<PutDocumentRequest>) -> Result<Response<WriteReply>, Status> {
+        self.audited("deploy_model", super::audit::Caller::of_document(&req), async move {
+            let model: Model = parse_document("model", &req.into_inner().json)?;
+            Ok(Response::new(self.write(Command::DeployVersion(model)).await?))
+        })
+        .await
+    }
+
+    async fn start_rollout(&self, req: Request<PutDocumentRequest>) -> Result<Response<WriteReply>, Status> {
+        let caller = super::audit::Caller::of(&req);
+        let by = caller.who.clone();
+        self.audited("start_rollout", caller, async move {
+            let spec: crate::registry::rollout::RolloutRequest = parse_document("rollout", &req.into_inner().json)?;
+            let rollout = self
+                .sm
+                .with_registry(|r| spec.rollout(r, crate::jobs::unix_ms(), &by))
+                .map_err(AdminError::InvalidArgument)?;
+            Ok(Response::new(self.write(Command::StartRollout(rollout)).await?))
+        })
+        .await
+    }
+
+    async fn update_rollout(&self, req: Request<UpdateRolloutRequest>) -> Result<Response<WriteReply>, Status> {
+        let caller = super::audit::Caller::of(&req);
+        let by = caller.who.clone();
+        self.audited("update_rollout", caller, async move {
+            let r = req.into_inner();
+            let action =
+                crate::registry::rollout::RolloutAction::parse(&r.action).map_err(AdminError::InvalidArgument)?;
+            if matches!(
+                action,
+                crate::registry::rollout::RolloutAction::Advance | crate::registry::rollout::RolloutAction::RollBack
+            ) {
+                return Err(AdminError::InvalidArgument(format!(
+                    "{:?} is the rollout loop's to decide; an operator may promote, abort, pause or resume",
+                    r.action
+                ))
+                .into());
+            }
+            let reason = if r.reason.is_empty() {
+                "no reason given".into()
+            } else {
+                r.reason
+            };
+            let message = format!("{} by {by}: {reason}", r.action);
+            Ok(Response::new(
+                self.write(Command::UpdateRollout {
+                    model: r.model,
+                    expect_step: None,
+                    action,
+                    at_ms: crate::jobs::unix_ms(),
+                    message,
+                })
+                .await?,
+            ))
+        })
+        .await
+    }
+
     async fn remove_model(&self, req: Request<NameRequest>) -> Result<Response<WriteReply>, Status> {
         self.audited("remove_model", super::audit::Caller::of(&req), async move {
             let name = req.into_inner().name;
@@ -619,6 +678,23 @@ impl AdminService for AdminGrpc {
         let docs: Vec<String> = match kind.as_str() {
             "classes" => r.classes.values().map(to_json).collect(),
             "models" => r.models.values().map(to_json).collect(),
+            // With the numbers the leader judges by, and what it would decide now.
+            "rollouts" => r
+                .rollouts
+                .values()
+                .map(|ro| {
+                    let mut v = serde_json::to_value(ro).expect("rollouts serialize");
+                    if ro.state == crate::registry::rollout::RolloutState::Running {
+                        let a = crate::scheduler::rollout_loop::assess(&self.sm, ro, crate::jobs::unix_ms());
+                        v["now"] = serde_json::json!({
+                            "new_version": a.canary,
+                            "serving_version": a.baseline,
+                            "judgement": a.verdict.describe(),
+                        });
+                    }
+                    to_json(&v)
+                })
+                .collect(),
             // The key hash never leaves the controllers.
             "tenants" => r
                 .tenants

@@ -167,6 +167,16 @@ fn main() -> ExitCode {
                         dev.api_key
                     );
                 }
+                if let (Some(r), [fast, costly, ..]) = (dev.router_addr, dev.rollout_examples.as_slice()) {
+                    println!("A canary rollout (ADR 0015): traffic in the background, then a version that costs 3x the GPU time per request");
+                    println!(
+                        "  while sleep 0.05; do curl -s -o /dev/null -H 'Authorization: Bearer {}' -d '{{\"inputs\":[{{\"name\":\"audio\",\"shape\":[1],\"datatype\":\"FP32\",\"data\":[0.5]}}]}}' http://{r}/v2/models/whisper/infer; done &",
+                        dev.api_key
+                    );
+                    println!("  lanectl --addr {addr} model deploy {}", costly.display());
+                    println!("  lanectl --addr {addr} rollout start whisper --version 3 --canary 10,50,100 --bake 15s");
+                    println!("  lanectl --addr {addr} rollout status whisper --watch      (rolled back on cost; {} is a good version 2)", fast.display());
+                }
                 println!("Press Ctrl-C to stop.");
                 stop_requested().await;
                 // Not println!: stdout may be a closed pipe by now (`laneway-control dev | head`),

@@ -428,6 +428,7 @@ fn durable_fleet(nodes: usize) -> AppState {
             runtime: Default::default(),
             weights: vec![],
             llm: None,
+            serves: None,
         })
         .unwrap();
     for n in 0..nodes {

@@ -38,6 +38,7 @@ struct Sums {
     gpu_us: u64,
     input_tokens: u64,
     output_tokens: u64,
+    slow: u64,
 }
 
 /// Usage this router served and has not yet reported.
@@ -72,8 +73,9 @@ impl Meter {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Counts one request the router answered.
-    pub fn add(&self, rec: &RequestRecord) {
+    /// Counts one request the router answered; `slow`: it took longer than its lane's
+    /// objective.
+    pub fn add(&self, rec: &RequestRecord, slow: bool) {
         let node = rec
             .replica
             .as_deref()
@@ -99,6 +101,7 @@ impl Meter {
         let sums = s.rows.entry(key).or_default();
         sums.requests += 1;
         sums.ok += u64::from((200..300).contains(&rec.status));
+        sums.slow += u64::from(slow);
         sums.gpu_us = sums.gpu_us.saturating_add(gpu_us);
         // Tokens count only for requests a replica worked on (a refused request's estimate is
         // not usage).
@@ -136,6 +139,7 @@ impl Meter {
                 gpu_us: v.gpu_us,
                 input_tokens: v.input_tokens,
                 output_tokens: v.output_tokens,
+                slow: v.slow,
             })
             .collect();
         s.seq += 1;
@@ -185,7 +189,16 @@ pub async fn send_once(ctx: &crate::context::Context, leaders: &crate::client::A
     };
     let seq = report.seq;
     let requests: u64 = report.rows.iter().map(|r| r.requests).sum();
-    let command = crate::command::Command::RecordUsage(report);
+    let mut command = crate::command::Command::RecordUsage(report);
+    if crate::command::check_allowed(&ctx.sm, &command).is_err() {
+        // A cluster not yet finalized at format 9 cannot count slow requests: they are left
+        // out (rollouts need format 9 anyway) rather than holding back the usage itself.
+        if let crate::command::Command::RecordUsage(r) = &mut command {
+            for u in &mut r.rows {
+                u.slow = 0;
+            }
+        }
+    }
     if let Err(e) = crate::command::check_allowed(&ctx.sm, &command) {
         // Not yet: the report stays pending (and usage keeps adding up in the meter) until
         // the upgrade is finalized.

@@ -159,6 +159,10 @@ pub struct Usage {
     pub input_tokens: u64,
     #[serde(default, skip_serializing_if = "is_zero")]
     pub output_tokens: u64,
+    /// Requests slower than their lane's objective (`slo_p99_ms`, else its timeout): what a
+    /// rollout judges a version's latency on.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub slow: u64,
 }
 
 /// A router's usage since its previous report. `(reporter, incarnation, seq)` makes applying
@@ -217,6 +221,9 @@ pub struct Counts {
     pub input_tokens: u64,
     #[serde(default, skip_serializing_if = "is_zero")]
     pub output_tokens: u64,
+    /// Requests slower than their lane's objective.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub slow: u64,
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -232,6 +239,7 @@ impl Counts {
         self.unpriced_gpu_us = self.unpriced_gpu_us.saturating_add(o.unpriced_gpu_us);
         self.input_tokens = self.input_tokens.saturating_add(o.input_tokens);
         self.output_tokens = self.output_tokens.saturating_add(o.output_tokens);
+        self.slow = self.slow.saturating_add(o.slow);
     }
 }
 
@@ -426,6 +434,37 @@ impl Ledger {
         self.fold(at_ms);
     }
 
+    /// What each version of `model` served in the buckets that reach past `since_ms`, by
+    /// version: requests that reached a replica, their errors and slow answers, GPU time and
+    /// cost. Whole buckets (a minute, or an hour once folded): a rollout's baseline may include
+    /// a little from before it started, its new version nothing.
+    pub fn version_signals(
+        &self,
+        model: &str,
+        since_ms: u64,
+    ) -> BTreeMap<String, crate::registry::rollout::VersionSignals> {
+        let mut out: BTreeMap<String, crate::registry::rollout::VersionSignals> = BTreeMap::new();
+        let hours = self.hours.range(since_ms.saturating_sub(HOUR_MS - 1)..);
+        let minutes = self.minutes.range(since_ms.saturating_sub(MINUTE_MS - 1)..);
+        for row in hours.chain(minutes).flat_map(|(_, b)| b.iter()) {
+            // Only what reached a card: refusals and sheds say nothing about a version.
+            if row.key.model != model || row.key.product.is_empty() {
+                continue;
+            }
+            let s = out.entry(row.key.version.clone()).or_default();
+            let c = &row.counts;
+            s.requests = s.requests.saturating_add(c.requests);
+            s.errors = s.errors.saturating_add(c.requests.saturating_sub(c.ok));
+            s.slow = s.slow.saturating_add(c.slow);
+            s.gpu_us = s.gpu_us.saturating_add(c.gpu_us);
+            s.cost_nanos = s.cost_nanos.saturating_add(c.cost_nanos);
+            let p = s.by_product.entry(row.key.product.clone()).or_default();
+            p.0 = p.0.saturating_add(c.requests);
+            p.1 = p.1.saturating_add(c.gpu_us);
+        }
+        out
+    }
+
     fn price_row(&self, u: &Usage, nodes: &Fleet) -> (RowKey, Counts) {
         let placed = u.node.as_deref().and_then(|n| pool_and_tier(nodes, n));
         let product = u.product.clone().unwrap_or_default();
@@ -435,6 +474,7 @@ impl Ledger {
             gpu_us: u.gpu_us,
             input_tokens: u.input_tokens,
             output_tokens: u.output_tokens,
+            slow: u.slow,
             ..Counts::default()
         };
         let (pool, tier) = match &placed {

@@ -64,6 +64,7 @@ fn usage(
         gpu_us,
         input_tokens: 0,
         output_tokens: 0,
+        slow: 0,
     }
 }
 
@@ -272,6 +273,38 @@ fn a_price_change_applies_from_then_on_and_unpriced_time_is_shown_not_hidden() {
     let r = report(&l, &f, By::Lane, T0 - HOUR_MS, T0 + 2);
     assert!((r.total.cost_usd - 0.80).abs() < 1e-9, "{:?}", r.total);
     assert_eq!(r.total.unpriced_gpu_seconds, 3600.0, "the earlier hour is not repriced");
+}
+
+/// What a rollout judges: per version, only requests that reached a card, from the buckets
+/// that reach past its start.
+#[test]
+fn version_signals_count_what_reached_a_card_since_the_rollout_started() {
+    let mut l = priced();
+    let f = fleet();
+    let v = |version: &str, node: Option<&str>, requests: u64, ok: u64, slow: u64| Usage {
+        version: version.into(),
+        ok,
+        slow,
+        ..usage("speech", "echo", "t", node, "L4", requests, requests * 1_000)
+    };
+    l.record(T0 - 10 * MINUTE_MS, &[v("1", Some("l1"), 500, 500, 0)], &f, 20);
+    l.record(
+        T0 + 1_000,
+        &[
+            v("1", Some("l1"), 100, 99, 1),
+            v("2", Some("l1"), 40, 36, 5),
+            // Refused before reaching a replica: says nothing about the version.
+            v("2", None, 30, 0, 0),
+        ],
+        &f,
+        20,
+    );
+    let s = l.version_signals("echo", T0);
+    assert_eq!(s["1"].requests, 100, "the bucket of ten minutes before is not counted");
+    assert_eq!((s["2"].requests, s["2"].errors, s["2"].slow), (40, 4, 5));
+    assert_eq!(s["2"].gpu_us, 40_000);
+    assert!(s["2"].cost_nanos > 0, "L4 on-demand is priced");
+    assert!(l.version_signals("other", T0).is_empty());
 }
 
 #[test]

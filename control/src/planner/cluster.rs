@@ -221,6 +221,7 @@ mod tests {
             runtime: Default::default(),
             weights: vec![],
             llm: None,
+            serves: None,
         }
     }
 

@@ -822,6 +822,7 @@ mod tests {
             runtime: Default::default(),
             weights: vec![],
             llm: None,
+            serves: None,
         };
         r.put_model(&model("whisper", "speech", vec![("L4", 10), ("H100-80GB", 10)]))
             .unwrap();

@@ -6,9 +6,13 @@
 //! Units are integers in the replicated state (the state is compared and hashed byte for byte):
 //! times in microseconds behind [`Millis`], which reads and writes as fractional milliseconds.
 
+pub mod rollout;
+
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
+
+use rollout::{Rollout, RolloutAction, RolloutState};
 
 /// Longest class, model or tenant name.
 pub const MAX_NAME: usize = 63;
@@ -270,6 +274,17 @@ pub struct Model {
     /// A language model: served on the OpenAI-compatible paths, admitted by tokens.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub llm: Option<LlmSpec>,
+    /// Set on a later version's entry (`name@version`, see [`rollout`]): the public model name
+    /// it is a version of. Never given in a model file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serves: Option<String>,
+}
+
+impl Model {
+    /// The name clients use (and the model server serves).
+    pub fn public_name(&self) -> &str {
+        self.serves.as_deref().unwrap_or(&self.name)
+    }
 }
 
 /// What the router needs to know of a language model.
@@ -397,6 +412,13 @@ pub struct Registry {
     /// Certificates refused from now on, by serial (hex).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub revoked_certs: BTreeMap<String, RevokedCert>,
+    /// Public model name → the entry serving it, once a rollout promoted a later version
+    /// (absent: the entry of the same name).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub serving: BTreeMap<String, String>,
+    /// Public model name → its latest rollout (kept when it ends, for `lanectl rollout status`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub rollouts: BTreeMap<String, Rollout>,
 }
 
 /// A bearer token of the admin API with a role (ADR 0013).
@@ -787,7 +809,208 @@ impl Registry {
         Ok(())
     }
 
+    /// The entry that serves the public model `name` (stable traffic).
+    pub fn serving_entry<'a>(&'a self, name: &'a str) -> &'a str {
+        self.serving.get(name).map_or(name, String::as_str)
+    }
+
+    /// The rollout of `name` that is running or paused.
+    pub fn active_rollout(&self, name: &str) -> Option<&Rollout> {
+        self.rollouts.get(name).filter(|r| r.state.is_active())
+    }
+
+    /// Whether `m`'s replicas are placed: it serves its model, or a running rollout is moving
+    /// traffic to it. Other versions are kept as specifications only, costing no GPU.
+    pub fn is_placed(&self, m: &Model) -> bool {
+        let public = m.public_name();
+        self.serving_entry(public) == m.name || self.active_rollout(public).is_some_and(|r| r.to == m.name)
+    }
+
+    /// Deploys a version of a model (`lanectl model deploy`): the first version of a name is
+    /// an ordinary model; a later one becomes the entry `name@version`, idle until a rollout
+    /// moves traffic to it. Versions are immutable: deploying one again with another
+    /// specification is refused. Returns the entry key.
+    pub fn deploy_version(&mut self, model: &Model) -> Result<String, String> {
+        if model.serves.is_some() {
+            return Err(format!(
+                "model {}: `serves` is set by the registry, not in a model file; remove it",
+                model.name
+            ));
+        }
+        validate_name("version", &model.version)?;
+        let Some(current) = self.models.get(self.serving_entry(&model.name)) else {
+            self.put_model(model)?;
+            return Ok(model.name.clone());
+        };
+        if current.class != model.class {
+            return Err(format!(
+                "model {} is in class {}, this version says {}: a version changes the model, not its lane; keep class = {:?}",
+                model.name, current.class, model.class, current.class
+            ));
+        }
+        let existing = self
+            .models
+            .values()
+            .find(|m| m.public_name() == model.name && m.version == model.version);
+        if let Some(e) = existing {
+            let same = Model {
+                name: e.public_name().to_string(),
+                serves: None,
+                ..e.clone()
+            } == *model;
+            return if same {
+                Ok(e.name.clone())
+            } else {
+                Err(format!(
+                    "version {} of {} is already deployed with another specification; versions are immutable: give this one a new version",
+                    model.version, model.name
+                ))
+            };
+        }
+        model.validate()?;
+        let key = rollout::entry_key(&model.name, &model.version);
+        if self.models.len() >= MAX_ENTRIES {
+            return Err(format!("{MAX_ENTRIES} models already; retire old versions first"));
+        }
+        self.models.insert(
+            key.clone(),
+            Model {
+                name: key.clone(),
+                serves: Some(model.name.clone()),
+                ..model.clone()
+            },
+        );
+        Ok(key)
+    }
+
+    /// Starts a rollout (validated against the registry as it is when applied).
+    pub fn start_rollout(&mut self, r: &Rollout) -> Result<(), String> {
+        r.validate()?;
+        if let Some(a) = self.active_rollout(&r.model) {
+            return Err(format!(
+                "{} is already rolling out version {} ({}); promote or abort it first",
+                r.model,
+                a.to_version,
+                a.state.as_str()
+            ));
+        }
+        let Some(to) = self.models.get(&r.to) else {
+            return Err(format!(
+                "no version {} of {}; `lanectl model deploy FILE` deploys it first",
+                r.to_version, r.model
+            ));
+        };
+        if to.public_name() != r.model {
+            return Err(format!("{} is not a version of {}", r.to, r.model));
+        }
+        let class = self.classes.get(&to.class);
+        if class.is_some_and(|c| c.lane == LaneKind::Durable) {
+            return Err(format!(
+                "{} is in a durable class: rollouts split synchronous traffic (sync and bounded lanes); jobs are not split between versions yet",
+                r.model
+            ));
+        }
+        let serving = self.serving_entry(&r.model);
+        if serving == r.to {
+            return Err(format!("version {} already serves {}", r.to_version, r.model));
+        }
+        if serving != r.from {
+            return Err(format!(
+                "{} is served by {serving}, not {}: start the rollout again",
+                r.model, r.from
+            ));
+        }
+        self.rollouts.insert(r.model.clone(), r.clone());
+        Ok(())
+    }
+
+    /// Moves a rollout on. `expect_step`: only if it is still at that step (the loop judged that
+    /// step; a retried or stale proposal does nothing).
+    pub fn update_rollout(
+        &mut self,
+        model: &str,
+        expect_step: Option<usize>,
+        action: RolloutAction,
+        at_ms: u64,
+        message: &str,
+    ) -> Result<(), String> {
+        let Some(r) = self.rollouts.get_mut(model) else {
+            return Err(format!("{model} has no rollout; `lanectl rollout start` starts one"));
+        };
+        if !r.state.is_active() {
+            return Err(format!(
+                "the rollout of {model} to version {} has ended ({}); start a new one",
+                r.to_version,
+                r.state.as_str()
+            ));
+        }
+        if expect_step.is_some_and(|s| s != r.step) {
+            return Err(format!(
+                "the rollout of {model} is at step {}, not {}: already moved on",
+                r.step,
+                expect_step.unwrap_or_default()
+            ));
+        }
+        let mut promoted = false;
+        match action {
+            RolloutAction::Advance if r.state == RolloutState::Running && r.step + 1 < r.steps.len() => {
+                r.step += 1;
+                r.step_started_ms = at_ms;
+            }
+            RolloutAction::Advance => {
+                return Err(format!(
+                    "the rollout of {model} cannot advance now ({})",
+                    r.state.as_str()
+                ))
+            }
+            RolloutAction::Promote => {
+                r.state = RolloutState::Promoted;
+                r.step = r.steps.len() - 1;
+                promoted = true;
+            }
+            RolloutAction::RollBack => r.state = RolloutState::RolledBack,
+            RolloutAction::Abort => r.state = RolloutState::Aborted,
+            RolloutAction::Pause => r.state = RolloutState::Paused,
+            RolloutAction::Resume => {
+                r.state = RolloutState::Running;
+                // The step bakes again from now: what it served while held is still counted.
+                r.step_started_ms = at_ms;
+            }
+        }
+        r.note(at_ms, message.to_string());
+        if promoted {
+            let to = r.to.clone();
+            if to == model {
+                self.serving.remove(model);
+            } else {
+                self.serving.insert(model.to_string(), to);
+            }
+        }
+        Ok(())
+    }
+
     pub fn remove_model(&mut self, name: &str) -> Result<(), String> {
+        if let Some(m) = self.models.get(name) {
+            let public = m.public_name();
+            if self.serving_entry(public) == name
+                && self
+                    .models
+                    .values()
+                    .any(|o| o.public_name() == public && o.name != name)
+            {
+                return Err(format!(
+                    "{name} serves {public} while other versions exist; roll out another version first"
+                ));
+            }
+            if self
+                .active_rollout(public)
+                .is_some_and(|r| r.to == name || r.from == name)
+            {
+                return Err(format!(
+                    "{name} is in the running rollout of {public}; promote or abort it first"
+                ));
+            }
+        }
         self.models
             .remove(name)
             .map(|_| ())
@@ -1009,6 +1232,7 @@ mod tests {
             runtime: Runtime::default(),
             weights: vec![],
             llm: None,
+            serves: None,
         }
     }
 

@@ -325,7 +325,7 @@ pub(super) fn authenticate(table: &Table, headers: &HeaderMap, meta: &Meta) -> R
 }
 
 pub(super) fn lookup(table: &Table, model: &str, meta: &mut Meta) -> Result<Arc<ModelRoute>, Response> {
-    let route = table.models.get(model).cloned().ok_or_else(|| {
+    let route = table.route(model).ok_or_else(|| {
         error(
             StatusCode::NOT_FOUND,
             format!("model {model:?} is not registered; `lanectl model list` shows the models"),

@@ -150,7 +150,7 @@ impl RequestRecord {
             unix_ms: crate::jobs::unix_ms(),
             lane: route.class.lane.to_string(),
             class: route.class.name.clone(),
-            model: route.name.clone(),
+            model: route.public.clone(),
             version: route.version.clone(),
             tenant: tenant.to_string(),
             status: 0,
@@ -759,7 +759,14 @@ impl Router {
 
     /// Meters a request and keeps its record (the newest [`RECORDS_KEPT`]).
     pub fn record(&self, rec: RequestRecord) {
-        self.meter.add(&rec);
+        // Slower than the lane's objective (its timeout when it sets none): what a rollout
+        // judges a version's latency on. Only answers a replica gave count.
+        let slow = rec.replica.is_some()
+            && self.table().classes.get(&rec.class).is_some_and(|c| {
+                let objective = c.slo_p99_ms.unwrap_or(c.request_timeout_ms).as_ms();
+                rec.queue_ms + rec.service_ms > objective
+            });
+        self.meter.add(&rec, slow);
         self.histograms.observe(&rec);
         tracing::debug!(target: "laneway::request", request_id = %rec.request_id, lane = %rec.lane, model = %rec.model, tenant = %rec.tenant, status = rec.status, replica = ?rec.replica, queue_ms = rec.queue_ms, service_ms = rec.service_ms, gpu_ms = ?rec.gpu_ms, "request");
         let mut r = self.records.lock().unwrap_or_else(|p| p.into_inner());
@@ -909,6 +916,7 @@ mod tests {
     fn route(class: Arc<Class>, slots: u32) -> ModelRoute {
         ModelRoute {
             name: "m".into(),
+            public: "m".into(),
             version: "1".into(),
             lane: Arc::new(Lane::new(&class.name, class.lane, Instant::now())),
             class_header: HeaderValue::from_static("c"),

@@ -153,7 +153,10 @@ impl ReplicaSlot {
 /// A model as the request path sees it.
 #[derive(Debug)]
 pub struct ModelRoute {
+    /// Registry entry: the model's name, or `name@version` for a later version.
     pub name: String,
+    /// The name clients use and the model server serves.
+    pub public: String,
     pub version: String,
     pub class: Arc<Class>,
     /// The class's lane on this router (shared by every model of the class).
@@ -196,7 +199,11 @@ impl TenantRoute {
 /// Everything the request path reads, immutable once built.
 #[derive(Debug, Default)]
 pub struct Table {
+    /// By registry entry: a model's name, or `name@version` for a later version.
     pub models: HashMap<String, Arc<ModelRoute>>,
+    /// Public names whose traffic does not simply go to the entry of the same name: a later
+    /// version serves it, or a rollout sends part of it to the new version.
+    pub splits: HashMap<String, Split>,
     /// sha256 of the API key → tenant.
     pub tenants: HashMap<String, Arc<TenantRoute>>,
     pub classes: HashMap<String, Arc<Class>>,
@@ -204,6 +211,30 @@ pub struct Table {
     pub lanes: HashMap<String, Arc<Lane>>,
     /// Replicas the registry knows but the router cannot use, with why (for operators).
     pub unroutable: Vec<(String, String)>,
+}
+
+/// Where a public model name's requests go.
+#[derive(Debug)]
+pub struct Split {
+    pub stable: Arc<ModelRoute>,
+    /// The version being rolled out and the percent of requests it gets.
+    pub canary: Option<(u8, Arc<ModelRoute>)>,
+}
+
+impl Table {
+    /// The route a request for `name` takes: its serving version, or for the share a rollout
+    /// gives the new version, that one. `name@version` addresses one version directly.
+    pub fn route(&self, name: &str) -> Option<Arc<ModelRoute>> {
+        let Some(split) = self.splits.get(name) else {
+            return self.models.get(name).cloned();
+        };
+        // Until the new version has a ready replica its share stays on the serving version:
+        // a rollout never turns into refusals while its replicas start.
+        Some(match &split.canary {
+            Some((pct, canary)) if !canary.replicas.is_empty() && rand::random_range(0..100u8) < *pct => canary.clone(),
+            _ => split.stable.clone(),
+        })
+    }
 }
 
 /// Builds the table. `previous` supplies slots to keep (same replica, endpoint and limits) and
@@ -264,7 +295,7 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &Table) -> Table {
                 ));
                 continue;
             };
-            let Ok(infer_uri) = format!("http://{}/v2/models/{}/infer", r.endpoint, model.name).parse() else {
+            let Ok(infer_uri) = format!("http://{}/v2/models/{}/infer", r.endpoint, model.public_name()).parse() else {
                 unroutable.push((name, format!("endpoint {:?} is not host:port", r.endpoint)));
                 continue;
             };
@@ -295,7 +326,7 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &Table) -> Table {
             by_model.entry(model.name.as_str()).or_default().push(slot);
         }
     }
-    let models = registry
+    let models: HashMap<String, Arc<ModelRoute>> = registry
         .models
         .values()
         .filter_map(|m| {
@@ -304,6 +335,7 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &Table) -> Table {
                 m.name.clone(),
                 Arc::new(ModelRoute {
                     name: m.name.clone(),
+                    public: m.public_name().to_string(),
                     version: m.version.clone(),
                     lane: lanes.get(&m.class)?.clone(),
                     class_header: HeaderValue::from_str(&class.name).unwrap_or(HeaderValue::from_static("invalid")),
@@ -312,6 +344,23 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &Table) -> Table {
                     llm: m.llm.clone(),
                 }),
             ))
+        })
+        .collect();
+    // Every public name (its first version's entry may have been removed since a later one
+    // took over).
+    let public: std::collections::BTreeSet<&str> = registry.models.values().map(|m| m.public_name()).collect();
+    let splits = public
+        .into_iter()
+        .filter_map(|name| {
+            let serving = registry.serving_entry(name);
+            let canary = registry
+                .active_rollout(name)
+                .and_then(|r| Some((r.weight(), models.get(&r.to)?.clone())));
+            if serving == name && canary.is_none() {
+                return None;
+            }
+            let stable = models.get(serving)?.clone();
+            Some((name.to_string(), Split { stable, canary }))
         })
         .collect();
     let tenants = registry
@@ -329,6 +378,7 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &Table) -> Table {
         .collect();
     Table {
         models,
+        splits,
         tenants,
         classes,
         lanes,
@@ -387,6 +437,7 @@ pub fn test_fixture() -> (Fleet, Registry) {
         runtime: Default::default(),
         weights: vec![],
         llm: None,
+        serves: None,
     })
     .unwrap();
     (fleet, reg)
@@ -418,6 +469,7 @@ impl ModelRoute {
     pub fn clone_for_test(&self) -> ModelRoute {
         ModelRoute {
             name: self.name.clone(),
+            public: self.public.clone(),
             version: self.version.clone(),
             class: self.class.clone(),
             lane: self.lane.clone(),
@@ -490,6 +542,118 @@ mod tests {
             t3.models["whisper"].replicas.is_empty(),
             "a down node's replicas do not route"
         );
+    }
+
+    /// Versions and a rollout as the registry and the router see them.
+    #[test]
+    fn a_rollout_splits_a_models_traffic_and_a_promotion_moves_it() {
+        use crate::registry::rollout::{RolloutAction, RolloutRequest};
+        let (fleet, mut reg) = test_fixture();
+        let v1 = reg.models["whisper"].clone();
+        let v2 = crate::registry::Model {
+            version: "2".into(),
+            ..v1.clone()
+        };
+        assert_eq!(reg.deploy_version(&v2).unwrap(), "whisper@2");
+        assert_eq!(
+            reg.deploy_version(&v2).unwrap(),
+            "whisper@2",
+            "deploying it again is a no-op"
+        );
+        let changed = crate::registry::Model {
+            runtime: crate::registry::Runtime {
+                health_path: "/other".into(),
+                ..v2.runtime.clone()
+            },
+            ..v2.clone()
+        };
+        assert!(reg.deploy_version(&changed).unwrap_err().contains("immutable"));
+        let other_class = crate::registry::Model {
+            class: "other".into(),
+            version: "3".into(),
+            ..v1.clone()
+        };
+        assert!(reg.deploy_version(&other_class).unwrap_err().contains("not its lane"));
+        assert!(reg.is_placed(&reg.models["whisper"]));
+        assert!(!reg.is_placed(&reg.models["whisper@2"]), "idle until a rollout");
+
+        let start = |reg: &crate::registry::Registry, steps: Vec<u8>| {
+            RolloutRequest {
+                model: "whisper".into(),
+                version: "2".into(),
+                steps,
+                bake_s: 10,
+                guards: Default::default(),
+            }
+            .rollout(reg, 1_000, "admin:test")
+            .unwrap()
+        };
+        let r = start(&reg, vec![25, 100]);
+        assert_eq!((r.from.as_str(), r.to.as_str()), ("whisper", "whisper@2"));
+        reg.start_rollout(&r).unwrap();
+        assert!(reg.start_rollout(&r).unwrap_err().contains("already rolling out"));
+        assert!(reg.is_placed(&reg.models["whisper@2"]), "placed while it rolls out");
+        let replica = |id: &str, model: &str, port: u16| crate::registry::ReplicaRecord {
+            id: id.into(),
+            model: model.into(),
+            device: "GPU-1".into(),
+            state: "ready".into(),
+            endpoint: format!("127.0.0.1:{port}"),
+        };
+        reg.set_node_replicas("n1", &[replica("a", "whisper", 9001), replica("b", "whisper@2", 9002)]);
+        let t = build(&fleet, &reg, &Table::default());
+        let canary = &t.models["whisper@2"];
+        assert_eq!(canary.public, "whisper");
+        assert_eq!(
+            canary.replicas[0].infer_uri.path(),
+            "/v2/models/whisper/infer",
+            "every version serves the public name"
+        );
+        let to_v2 = (0..4000)
+            .filter(|_| t.route("whisper").unwrap().name == "whisper@2")
+            .count();
+        assert!((700..1300).contains(&to_v2), "{to_v2} of 4000 at 25%");
+        assert_eq!(t.route("whisper@2").unwrap().version, "2", "a version by name");
+
+        // The loop judged step 0: a stale proposal for it does nothing once it moved on.
+        reg.update_rollout("whisper", Some(0), RolloutAction::Advance, 2_000, "passed")
+            .unwrap();
+        assert!(reg
+            .update_rollout("whisper", Some(0), RolloutAction::Advance, 2_001, "again")
+            .is_err());
+        reg.update_rollout("whisper", Some(1), RolloutAction::Promote, 3_000, "promoted")
+            .unwrap();
+        assert_eq!(reg.serving_entry("whisper"), "whisper@2");
+        assert!(!reg.is_placed(&reg.models["whisper"]), "the old version's replicas go");
+        let t = build(&fleet, &reg, &t);
+        assert!((0..100).all(|_| t.route("whisper").unwrap().name == "whisper@2"));
+        assert!(reg
+            .update_rollout("whisper", None, RolloutAction::Abort, 4_000, "late")
+            .unwrap_err()
+            .contains("has ended"));
+        assert_eq!(reg.rollouts["whisper"].events.len(), 3, "started, advanced, promoted");
+
+        // Rolling back leaves traffic where it was and the new version idle.
+        let v3 = crate::registry::Model {
+            version: "3".into(),
+            ..v1.clone()
+        };
+        reg.deploy_version(&v3).unwrap();
+        let r = RolloutRequest {
+            model: "whisper".into(),
+            version: "3".into(),
+            steps: vec![100],
+            bake_s: 10,
+            guards: Default::default(),
+        }
+        .rollout(&reg, 5_000, "admin:test")
+        .unwrap();
+        assert_eq!(r.from, "whisper@2");
+        reg.start_rollout(&r).unwrap();
+        reg.update_rollout("whisper", Some(0), RolloutAction::RollBack, 6_000, "slow")
+            .unwrap();
+        assert_eq!(reg.serving_entry("whisper"), "whisper@2");
+        assert!(!reg.is_placed(&reg.models["whisper@3"]));
     }
 
     #[test]

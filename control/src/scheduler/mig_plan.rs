@@ -229,6 +229,7 @@ mod tests {
             runtime: Default::default(),
             weights: vec![],
             llm: None,
+            serves: None,
         })
         .unwrap();
         r

@@ -6,4 +6,5 @@ pub mod load_board;
 pub mod mig_plan;
 pub mod placement;
 pub mod replicas;
+pub mod rollout_loop;
 pub mod warm_floor_loop;

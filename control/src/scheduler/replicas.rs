@@ -278,6 +278,10 @@ fn place(
 
     // Targets: the fast loop's, never below the class's warm floor.
     let target = |m: &Model| {
+        // A version that neither serves nor is being rolled out is a specification only.
+        if !registry.is_placed(m) {
+            return 0;
+        }
         let floor = registry.classes.get(&m.class).map_or(0, |c| c.warm_floor as usize);
         targets.get(&m.name).copied().unwrap_or(0).max(floor)
     };
@@ -632,6 +636,7 @@ mod tests {
             runtime: Default::default(),
             weights: vec![],
             llm: None,
+            serves: None,
         })
         .unwrap();
         r

@@ -49,7 +49,15 @@ pub async fn run(ctx: Context) {
         // The leader's own router, fresh (the others report every REPORT_EVERY).
         ctx.load.record(ctx.node_id, ctx.router.model_load(), now);
         let (fleet, registry) = ctx.sm.routing_inputs();
-        let mut new_id = |model: &str| format!("{model}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+        // Replica ids are letters, digits, '-', '_' and '.': a version's entry `name@v` gives
+        // `name-v`.
+        let mut new_id = |model: &str| {
+            format!(
+                "{}-{}",
+                model.replace('@', "-"),
+                &uuid::Uuid::new_v4().simple().to_string()[..8]
+            )
+        };
         let targets = fast_loop(&ctx, &registry, &mut scale, &mut said, now);
         let due = last_plan
             .as_ref()

@@ -8,6 +8,7 @@ mod observe;
 mod plan_cli;
 mod power_loss;
 mod provision;
+mod rollout;
 mod router;
 mod security;
 mod store_suite;

@@ -8,6 +8,7 @@ mod ledger;
 mod mig;
 mod pool;
 mod registry;
+mod rollout;
 mod token;
 
 use std::process::ExitCode;
@@ -89,6 +90,10 @@ enum Cmd {
     /// Models: register under a class, list, show, remove.
     #[command(subcommand)]
     Model(registry::ModelCmd),
+    /// Canary rollouts of a model's new version: start, status (--watch), pause, resume,
+    /// promote, abort.
+    #[command(subcommand)]
+    Rollout(rollout::RolloutCmd),
     /// Tenants: API keys and per-class limits.
     #[command(subcommand)]
     Tenant(registry::TenantCmd),
@@ -487,6 +492,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Certs(_) => unreachable!("offline certs commands are handled before connecting"),
         Cmd::Ledger { by, since } => ledger::ledger(&client, out, &by, &since).await?,
         Cmd::Model(c) => registry::model(&client, out, c).await?,
+        Cmd::Rollout(c) => rollout::rollout(&client, out, c).await?,
         Cmd::Tenant(c) => registry::tenant(&client, out, c).await?,
         Cmd::Node(NodeCmd::List) => {
             let nodes = list_nodes(&client).await?;

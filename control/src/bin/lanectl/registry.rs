@@ -96,6 +96,13 @@ fn on_off(s: &str) -> Result<bool, String> {
 pub enum ModelCmd {
     /// Register a model (or a new version) under an existing class; servable at once.
     Register(ModelRegisterArgs),
+    /// Deploy a version from a model file: the first version of a name serves at once; a later
+    /// one is kept beside the serving version, idle, until `lanectl rollout start` moves
+    /// traffic to it. Versions are immutable.
+    Deploy {
+        /// Model file, TOML or JSON (see deploy/examples/models/), with its `version`.
+        file: PathBuf,
+    },
     List,
     Show {
         name: String,
@@ -279,7 +286,7 @@ async fn lane_status(client: &AdminClient, recent: u32) -> anyhow::Result<Vec<(L
         .collect()
 }
 
-fn committed(out: Output, r: &WriteReply, what: String) {
+pub fn committed(out: Output, r: &WriteReply, what: String) {
     print(out, json!({"log_index": r.log_index, "done": what}), || {
         format!("{what} (committed at index {})", r.log_index)
     });
@@ -625,6 +632,7 @@ pub async fn model(client: &AdminClient, out: Output, cmd: ModelCmd) -> anyhow::
                     runtime: Default::default(),
                     weights: vec![],
                     llm: None,
+                    serves: None,
                 },
             };
             if let Some(n) = a.name {
@@ -649,6 +657,25 @@ pub async fn model(client: &AdminClient, out: Output, cmd: ModelCmd) -> anyhow::
                 out,
                 &r,
                 format!("model {} version {} registered in class {}", m.name, m.version, m.class),
+            );
+        }
+        ModelCmd::Deploy { file } => {
+            let m = read_model_file(&file)?;
+            m.validate().map_err(anyhow::Error::msg)?;
+            let json = serde_json::to_string(&m)?;
+            let r = client
+                .call(|mut cl| {
+                    let json = json.clone();
+                    async move { cl.deploy_model(PutDocumentRequest { json }).await }
+                })
+                .await?;
+            committed(
+                out,
+                &r,
+                format!(
+                    "model {} version {} deployed; `lanectl rollout start {} --version {}` moves traffic to it",
+                    m.name, m.version, m.name, m.version
+                ),
             );
         }
         ModelCmd::List => {
