@@ -460,7 +460,14 @@ impl Command {
             Command::PutClass(c) => c.validate().map_err(CommandError::Invalid),
             Command::PutModel(m) => m.validate().map_err(CommandError::Invalid),
             Command::RemoveModel { name } => {
-                crate::registry::validate_name("model", name).map_err(CommandError::Invalid)
+                // A model, or one of its later versions (`name@version`).
+                let (model, version) = name
+                    .split_once('@')
+                    .map_or((name.as_str(), None), |(m, v)| (m, Some(v)));
+                crate::registry::validate_name("model", model).map_err(CommandError::Invalid)?;
+                version.map_or(Ok(()), |v| {
+                    crate::registry::validate_name("version", v).map_err(CommandError::Invalid)
+                })
             }
             Command::CreateTenant(t) => crate::registry::validate_name("tenant", &t.name)
                 .and_then(|()| t.limits.values().try_for_each(TenantLimit::validate))

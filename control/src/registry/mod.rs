@@ -796,6 +796,22 @@ impl Registry {
 
     pub fn put_model(&mut self, model: &Model) -> Result<(), String> {
         model.validate()?;
+        if model.serves.is_some() {
+            return Err(format!(
+                "model {}: `serves` is set by the registry, not in a model file; remove it",
+                model.name
+            ));
+        }
+        if let Some(r) = self
+            .rollouts
+            .values()
+            .find(|r| r.state.is_active() && (r.from == model.name || r.to == model.name))
+        {
+            return Err(format!(
+                "model {} is in the running rollout of {} (version {} → {}): a rollout compares fixed versions; promote or abort it first, or deploy a new version",
+                model.name, r.model, r.from_version, r.to_version
+            ));
+        }
         if !self.classes.contains_key(&model.class) {
             return Err(format!(
                 "model {}: class {:?} does not exist; `lanectl lane list` shows the classes",
@@ -811,7 +827,10 @@ impl Registry {
 
     /// The entry that serves the public model `name` (stable traffic).
     pub fn serving_entry<'a>(&'a self, name: &'a str) -> &'a str {
-        self.serving.get(name).map_or(name, String::as_str)
+        self.serving
+            .get(name)
+            .filter(|e| self.models.contains_key(e.as_str()))
+            .map_or(name, String::as_str)
     }
 
     /// The rollout of `name` that is running or paused.
@@ -934,6 +953,13 @@ impl Registry {
         at_ms: u64,
         message: &str,
     ) -> Result<(), String> {
+        // Whether the new version has a ready replica (a promotion needs one).
+        let ready = self.rollouts.get(model).is_some_and(|r| {
+            self.replicas
+                .values()
+                .flatten()
+                .any(|x| x.model == r.to && x.state == "ready")
+        });
         let Some(r) = self.rollouts.get_mut(model) else {
             return Err(format!("{model} has no rollout; `lanectl rollout start` starts one"));
         };
@@ -961,6 +987,14 @@ impl Registry {
                 return Err(format!(
                     "the rollout of {model} cannot advance now ({})",
                     r.state.as_str()
+                ))
+            }
+            // A shadow moves no traffic: promoting it ends the comparison as passed.
+            RolloutAction::Promote if r.strategy == rollout::Strategy::Shadow => r.state = RolloutState::Passed,
+            RolloutAction::Promote if !ready => {
+                return Err(format!(
+                    "version {} of {model} has no ready replica yet: promoting now would send every request to nothing; wait for its replicas (`lanectl rollout status {model}`) or abort",
+                    r.to_version
                 ))
             }
             RolloutAction::Promote => {

@@ -23,6 +23,33 @@ pub const DEFAULT_BAKE_MS: u64 = 60_000;
 /// Events kept per rollout (the oldest go first).
 pub const MAX_EVENTS: usize = 64;
 
+/// How a rollout moves traffic.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Strategy {
+    /// A share of the traffic per step (`steps`), rising to 100.
+    #[default]
+    Canary,
+    /// Steps `[0, 100]`: the new version's whole fleet is placed and warmed while it gets
+    /// nothing, then all traffic switches at once; the old fleet stays placed (warm) through
+    /// the last step's bake, the rollback window.
+    BlueGreen,
+    /// Steps `[pct]`: a copy of `pct`% of the live requests goes to the new version and its
+    /// answers are dropped; callers are never served by it. Ends passed or rolled back, moving
+    /// no traffic.
+    Shadow,
+}
+
+impl Strategy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Strategy::Canary => "canary",
+            Strategy::BlueGreen => "blue_green",
+            Strategy::Shadow => "shadow",
+        }
+    }
+}
+
 /// Where a rollout stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -36,6 +63,8 @@ pub enum RolloutState {
     RolledBack,
     /// Stopped by an operator: traffic went back.
     Aborted,
+    /// A shadow comparison passed (no traffic moved): start a canary or blue/green next.
+    Passed,
 }
 
 impl RolloutState {
@@ -50,6 +79,7 @@ impl RolloutState {
             RolloutState::Promoted => "promoted",
             RolloutState::RolledBack => "rolled_back",
             RolloutState::Aborted => "aborted",
+            RolloutState::Passed => "passed",
         }
     }
 }
@@ -100,7 +130,10 @@ pub struct Rollout {
     pub to: String,
     pub from_version: String,
     pub to_version: String,
-    /// Canary weights in percent, rising, the last 100.
+    #[serde(default)]
+    pub strategy: Strategy,
+    /// Percent per step: canary weights rising to 100; blue/green `[0, 100]`; shadow the
+    /// mirrored share.
     pub steps: Vec<u8>,
     pub bake_ms: u64,
     #[serde(default)]
@@ -117,16 +150,54 @@ pub struct Rollout {
 }
 
 impl Rollout {
-    /// Percent of the model's traffic the new version gets now.
+    /// Percent of the model's traffic the new version serves now.
     pub fn weight(&self) -> u8 {
-        match self.state {
-            RolloutState::Running | RolloutState::Paused => self.steps.get(self.step).copied().unwrap_or(0),
-            RolloutState::Promoted => 100,
-            RolloutState::RolledBack | RolloutState::Aborted => 0,
+        match (self.state, self.strategy) {
+            (_, Strategy::Shadow) => 0,
+            (RolloutState::Running | RolloutState::Paused, _) => self.steps.get(self.step).copied().unwrap_or(0),
+            (RolloutState::Promoted, _) => 100,
+            (RolloutState::RolledBack | RolloutState::Aborted | RolloutState::Passed, _) => 0,
+        }
+    }
+
+    /// Percent of the requests copied to the new version (shadow), while it runs.
+    pub fn mirror(&self) -> u8 {
+        match (self.strategy, self.state.is_active()) {
+            (Strategy::Shadow, true) => self.steps.first().copied().unwrap_or(0),
+            _ => 0,
         }
     }
 
     pub fn validate(&self) -> Result<(), String> {
+        match self.strategy {
+            Strategy::Canary => self.validate_canary()?,
+            Strategy::BlueGreen if self.steps != [0, 100] => {
+                return Err(format!("rollout of {}: blue/green steps are [0, 100]", self.model))
+            }
+            Strategy::Shadow if !matches!(self.steps.as_slice(), [1..=100]) => {
+                return Err(format!(
+                    "rollout of {}: shadow mirrors one share of the traffic, 1 to 100 percent; got {:?}",
+                    self.model, self.steps
+                ))
+            }
+            _ => {}
+        }
+        if !(1_000..=86_400_000).contains(&self.bake_ms) {
+            return Err(format!(
+                "rollout of {}: bake time {} ms; give 1 s to 24 h per step",
+                self.model, self.bake_ms
+            ));
+        }
+        if self.guards.min_requests == 0 {
+            return Err(format!(
+                "rollout of {}: min_requests must be at least 1 (a step judged on no traffic says nothing)",
+                self.model
+            ));
+        }
+        Ok(())
+    }
+
+    fn validate_canary(&self) -> Result<(), String> {
         if self.steps.is_empty() || self.steps.len() > 20 {
             return Err(format!(
                 "rollout of {}: give 1 to 20 canary steps, e.g. --steps 1,5,25,100",
@@ -143,18 +214,6 @@ impl Rollout {
             return Err(format!(
                 "rollout of {}: the last step must be 100 (the new version takes all traffic before it is promoted); got {:?}",
                 self.model, self.steps
-            ));
-        }
-        if !(1_000..=86_400_000).contains(&self.bake_ms) {
-            return Err(format!(
-                "rollout of {}: bake time {} ms; give 1 s to 24 h per step",
-                self.model, self.bake_ms
-            ));
-        }
-        if self.guards.min_requests == 0 {
-            return Err(format!(
-                "rollout of {}: min_requests must be at least 1 (a step judged on no traffic says nothing)",
-                self.model
             ));
         }
         Ok(())
@@ -175,6 +234,8 @@ pub struct RolloutRequest {
     pub model: String,
     /// The deployed version to roll out.
     pub version: String,
+    #[serde(default)]
+    pub strategy: Strategy,
     #[serde(default = "default_steps")]
     pub steps: Vec<u8>,
     #[serde(default = "default_bake_s")]
@@ -216,7 +277,11 @@ impl RolloutRequest {
             to: to.name.clone(),
             from_version: serving.version.clone(),
             to_version: to.version.clone(),
-            steps: self.steps.clone(),
+            strategy: self.strategy,
+            steps: match self.strategy {
+                Strategy::BlueGreen => vec![0, 100],
+                _ => self.steps.clone(),
+            },
             bake_ms: self.bake_s.saturating_mul(1000),
             guards: self.guards,
             step: 0,
@@ -229,8 +294,12 @@ impl RolloutRequest {
         r.note(
             now_ms,
             format!(
-                "started by {by}: version {} → {}, steps {:?}%, {} s each",
-                r.from_version, r.to_version, r.steps, self.bake_s
+                "started by {by}: {} of version {} → {}, steps {:?}%, {} s each",
+                r.strategy.as_str(),
+                r.from_version,
+                r.to_version,
+                r.steps,
+                self.bake_s
             ),
         );
         r.validate()?;
@@ -312,6 +381,24 @@ impl VersionSignals {
     }
 }
 
+/// The new version's fleet against the serving version's: ready replicas of `r.to`, placed
+/// replicas of `r.from`.
+pub fn fleet_of(registry: &super::Registry, r: &Rollout) -> Fleet {
+    let ready = registry
+        .replicas
+        .values()
+        .flatten()
+        .filter(|x| x.model == r.to && x.state == "ready")
+        .count();
+    let needed = registry
+        .desired
+        .values()
+        .flatten()
+        .filter(|d| d.model == r.from)
+        .count();
+    Fleet { ready, needed }
+}
+
 /// The service time (ms) per GPU product of `entry`'s profiles: the yardstick [`judge`]
 /// compares versions' GPU time with.
 pub fn speed_of(registry: &super::Registry, entry: &str) -> std::collections::BTreeMap<String, f64> {
@@ -327,12 +414,22 @@ pub fn speed_of(registry: &super::Registry, entry: &str) -> std::collections::BT
         .unwrap_or_default()
 }
 
+/// The new version's replicas: ready now, and how many the serving version runs (what a
+/// blue/green switch waits for).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Fleet {
+    pub ready: usize,
+    pub needed: usize,
+}
+
 /// The loop's decision about one running rollout.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {
     Wait(String),
     Advance(String),
     Promote(String),
+    /// A shadow comparison passed (ends it; no traffic moves).
+    Pass(String),
     RollBack(String),
 }
 
@@ -343,6 +440,7 @@ impl Verdict {
             Verdict::Wait(w) => format!("waiting: {w}"),
             Verdict::Advance(w) => format!("next tick: advance ({w})"),
             Verdict::Promote(w) => format!("next tick: promote ({w})"),
+            Verdict::Pass(w) => format!("next tick: pass ({w})"),
             Verdict::RollBack(w) => format!("next tick: roll back ({w})"),
         }
     }
@@ -360,9 +458,25 @@ pub fn judge(
     canary: &VersionSignals,
     baseline: &VersionSignals,
     speed: &std::collections::BTreeMap<String, f64>,
+    fleet: Fleet,
     now_ms: u64,
 ) -> Verdict {
     let g = &r.guards;
+    if r.strategy == Strategy::BlueGreen && r.step == 0 {
+        // Nothing is served by the new version yet: only its fleet is judged.
+        return if fleet.ready >= fleet.needed.max(1) {
+            Verdict::Advance(format!(
+                "the new fleet is warm ({} replicas ready for the {} serving now); all traffic switches to version {}",
+                fleet.ready, fleet.needed, r.to_version
+            ))
+        } else {
+            Verdict::Wait(format!(
+                "warming the new fleet: {} of {} replicas ready",
+                fleet.ready,
+                fleet.needed.max(1)
+            ))
+        };
+    }
     if canary.requests >= g.min_requests {
         let (ce, be) = (
             VersionSignals::permille(canary.errors, canary.requests),
@@ -403,21 +517,22 @@ pub fn judge(
             }
         }
     }
+    let share = match r.strategy {
+        Strategy::Shadow => format!("{}% mirrored", r.mirror()),
+        _ => format!("{}%", r.weight()),
+    };
     let baked = now_ms.saturating_sub(r.step_started_ms);
     if baked < r.bake_ms {
         return Verdict::Wait(format!(
-            "baking at {}%: {} s of {} s",
-            r.weight(),
+            "baking at {share}: {} s of {} s",
             baked / 1000,
             r.bake_ms / 1000
         ));
     }
     if canary.requests < g.min_requests {
         return Verdict::Wait(format!(
-            "at {}%: {} of the {} requests a step is judged on",
-            r.weight(),
-            canary.requests,
-            g.min_requests
+            "at {share}: {} of the {} requests a step is judged on",
+            canary.requests, g.min_requests
         ));
     }
     let summary = format!(
@@ -426,7 +541,12 @@ pub fn judge(
         VersionSignals::permille(canary.errors, canary.requests) as f64 / 10.0,
         VersionSignals::permille(canary.slow, canary.requests) as f64 / 10.0
     );
-    if r.step + 1 >= r.steps.len() {
+    if r.strategy == Strategy::Shadow {
+        Verdict::Pass(format!(
+            "{summary} against version {}; no traffic moved",
+            r.from_version
+        ))
+    } else if r.step + 1 >= r.steps.len() {
         Verdict::Promote(format!("passed every step ({summary})"))
     } else {
         Verdict::Advance(format!(
@@ -448,6 +568,7 @@ mod tests {
             to: "chat@2".into(),
             from_version: "1".into(),
             to_version: "2".into(),
+            strategy: Strategy::Canary,
             steps: vec![5, 50, 100],
             bake_ms: 10_000,
             guards: Guards::default(),
@@ -485,19 +606,19 @@ mod tests {
         let mut r = rollout();
         let base = served(500, 1, 1, 1_000);
         assert!(matches!(
-            judge(&r, &served(40, 0, 0, 1_000), &base, &speed(), 5_000),
+            judge(&r, &served(40, 0, 0, 1_000), &base, &speed(), Fleet::default(), 5_000),
             Verdict::Wait(_)
         ));
         assert!(
-            matches!(judge(&r, &served(5, 0, 0, 1_000), &base, &speed(), 20_000), Verdict::Wait(w) if w.contains("5 of the 20"))
+            matches!(judge(&r, &served(5, 0, 0, 1_000), &base, &speed(), Fleet::default(), 20_000), Verdict::Wait(w) if w.contains("5 of the 20"))
         );
         assert!(matches!(
-            judge(&r, &served(40, 0, 0, 1_050), &base, &speed(), 10_000),
+            judge(&r, &served(40, 0, 0, 1_050), &base, &speed(), Fleet::default(), 10_000),
             Verdict::Advance(_)
         ));
         r.step = 2;
         assert!(matches!(
-            judge(&r, &served(400, 1, 2, 1_000), &base, &speed(), 10_000),
+            judge(&r, &served(400, 1, 2, 1_000), &base, &speed(), Fleet::default(), 10_000),
             Verdict::Promote(_)
         ));
     }
@@ -506,18 +627,18 @@ mod tests {
     fn errors_latency_or_cost_roll_back_before_the_bake_ends() {
         let r = rollout();
         let base = served(500, 5, 0, 1_000);
-        let v = judge(&r, &served(40, 3, 0, 1_000), &base, &speed(), 1);
+        let v = judge(&r, &served(40, 3, 0, 1_000), &base, &speed(), Fleet::default(), 1);
         assert!(
             matches!(&v, Verdict::RollBack(m) if m.contains("error rate 7.5%")),
             "{v:?}"
         );
-        let v = judge(&r, &served(40, 0, 2, 1_000), &base, &speed(), 1);
+        let v = judge(&r, &served(40, 0, 2, 1_000), &base, &speed(), Fleet::default(), 1);
         assert!(
             matches!(&v, Verdict::RollBack(m) if m.contains("slower than the lane's objective")),
             "{v:?}"
         );
         // Twice the GPU time per request: rolled back though it is fast enough.
-        let v = judge(&r, &served(40, 0, 0, 2_000), &base, &speed(), 1);
+        let v = judge(&r, &served(40, 0, 0, 2_000), &base, &speed(), Fleet::default(), 1);
         assert!(
             matches!(&v, Verdict::RollBack(m) if m.contains("100% more GPU time")),
             "{v:?}"
@@ -525,21 +646,101 @@ mod tests {
         // Placed on H100s, where a request takes a quarter of the time: judged card for card,
         // the same checkpoint passes, and one that needs twice the H100 time does not.
         assert!(matches!(
-            judge(&r, &on("H100-80GB", 40, 0, 0, 250), &base, &speed(), 1),
+            judge(
+                &r,
+                &on("H100-80GB", 40, 0, 0, 250),
+                &base,
+                &speed(),
+                Fleet::default(),
+                1
+            ),
             Verdict::Wait(_)
         ));
-        let v = judge(&r, &on("H100-80GB", 40, 0, 0, 500), &base, &speed(), 1);
+        let v = judge(
+            &r,
+            &on("H100-80GB", 40, 0, 0, 500),
+            &base,
+            &speed(),
+            Fleet::default(),
+            1,
+        );
         assert!(matches!(&v, Verdict::RollBack(_)), "{v:?}");
         // Within the guards: no verdict before the bake ends.
         assert!(matches!(
-            judge(&r, &served(40, 0, 0, 1_200), &base, &speed(), 1),
+            judge(&r, &served(40, 0, 0, 1_200), &base, &speed(), Fleet::default(), 1),
             Verdict::Wait(_)
         ));
         // Too few requests to judge: no rollback on one bad answer.
         assert!(matches!(
-            judge(&r, &served(3, 3, 3, 9_000), &base, &speed(), 1),
+            judge(&r, &served(3, 3, 3, 9_000), &base, &speed(), Fleet::default(), 1),
             Verdict::Wait(_)
         ));
+    }
+
+    #[test]
+    fn blue_green_switches_only_once_the_new_fleet_is_warm() {
+        let r = Rollout {
+            strategy: Strategy::BlueGreen,
+            steps: vec![0, 100],
+            ..rollout()
+        };
+        assert!(r.validate().is_ok());
+        assert_eq!(r.weight(), 0, "nothing moves while the new fleet warms");
+        let base = served(500, 0, 0, 1_000);
+        let none = VersionSignals::default();
+        let fleet = |ready, needed| Fleet { ready, needed };
+        let v = judge(&r, &none, &base, &speed(), fleet(2, 3), 60_000);
+        assert!(
+            matches!(&v, Verdict::Wait(m) if m.contains("2 of 3 replicas ready")),
+            "{v:?}"
+        );
+        let v = judge(&r, &none, &base, &speed(), fleet(3, 3), 0);
+        assert!(
+            matches!(&v, Verdict::Advance(m) if m.contains("all traffic switches")),
+            "{v:?}"
+        );
+        // At 100% it is judged like a canary's last step: the old fleet is still placed.
+        let switched = Rollout { step: 1, ..r };
+        assert_eq!(switched.weight(), 100);
+        assert!(matches!(
+            judge(
+                &switched,
+                &served(40, 0, 0, 1_000),
+                &base,
+                &speed(),
+                fleet(3, 3),
+                10_000
+            ),
+            Verdict::Promote(_)
+        ));
+        assert!(matches!(
+            judge(&switched, &served(40, 9, 0, 1_000), &base, &speed(), fleet(3, 3), 1),
+            Verdict::RollBack(_)
+        ));
+    }
+
+    #[test]
+    fn a_shadow_moves_no_traffic_and_ends_passed_or_rolled_back() {
+        let r = Rollout {
+            strategy: Strategy::Shadow,
+            steps: vec![20],
+            ..rollout()
+        };
+        assert!(r.validate().is_ok());
+        assert_eq!((r.weight(), r.mirror()), (0, 20));
+        let base = served(500, 0, 0, 1_000);
+        let v = judge(&r, &served(40, 0, 0, 1_000), &base, &speed(), Fleet::default(), 10_000);
+        assert!(
+            matches!(&v, Verdict::Pass(m) if m.contains("no traffic moved")),
+            "{v:?}"
+        );
+        let v = judge(&r, &served(40, 0, 0, 3_000), &base, &speed(), Fleet::default(), 1);
+        assert!(matches!(v, Verdict::RollBack(_)));
+        let mut bad = r.clone();
+        bad.steps = vec![0];
+        assert!(bad.validate().unwrap_err().contains("1 to 100"));
+        bad.strategy = Strategy::BlueGreen;
+        assert!(bad.validate().unwrap_err().contains("[0, 100]"));
     }
 
     #[test]

@@ -324,8 +324,13 @@ pub(super) fn authenticate(table: &Table, headers: &HeaderMap, meta: &Meta) -> R
     })
 }
 
-pub(super) fn lookup(table: &Table, model: &str, meta: &mut Meta) -> Result<Arc<ModelRoute>, Response> {
-    let route = table.route(model).ok_or_else(|| {
+pub(super) fn lookup(
+    router: &Router,
+    table: &Table,
+    model: &str,
+    meta: &mut Meta,
+) -> Result<Arc<ModelRoute>, Response> {
+    let route = table.route(model, router.now_ms(Instant::now())).ok_or_else(|| {
         error(
             StatusCode::NOT_FOUND,
             format!("model {model:?} is not registered; `lanectl model list` shows the models"),
@@ -353,7 +358,7 @@ fn authorized(router: &Router, model: &str, headers: &HeaderMap) -> Result<(Meta
     };
     let table = router.table();
     authenticate(&table, headers, &meta)?;
-    let route = lookup(&table, model, &mut meta)?;
+    let route = lookup(router, &table, model, &mut meta)?;
     Ok((meta, route))
 }
 
@@ -514,7 +519,7 @@ async fn serve_infer(
         Ok(t) => t,
         Err(r) => return r,
     };
-    let route = match lookup(&table, &model, &mut meta) {
+    let route = match lookup(&router, &table, &model, &mut meta) {
         Ok(r) => r,
         Err(r) => return r,
     };
@@ -550,6 +555,7 @@ async fn serve_infer(
             return r;
         }
     };
+    router.mirror(&table, &route, &body, &meta.request_id);
     dispatch(&router, &route, admitted, body, &headers, arrived, meta, record).await
 }
 
@@ -679,8 +685,15 @@ async fn dispatch(
     let mut resp = match outcome {
         Ok(f) => {
             route.lane.lock().counters.completed += 1;
-            if super::fails_replica(f.status) {
-                router.eject(&guard.slot, &format!("answered {}", f.status));
+            if super::ejects_replica(&guard.slot, f.status) {
+                router.eject(
+                    &guard.slot,
+                    &format!(
+                        "answered {} {} times in a row",
+                        f.status,
+                        super::table::ERROR_ANSWERS_TO_EJECT
+                    ),
+                );
             }
             record.gpu_ms = f.gpu_ms;
             let mut r = (f.status, f.body).into_response();
@@ -1167,6 +1180,105 @@ mod tests {
         }
         assert!(slot.is_ejected(router.now_ms(tokio::time::Instant::now())));
         assert_eq!(got().await, 2, "no request reached it while it was ejected");
+        server.stop().await;
+    }
+
+    /// A shadow rollout copies requests to the new version and drops its answers: callers are
+    /// answered by the serving version as fast as without it, even when the new version is
+    /// slow, and the copies are metered to the shadow tenant under the new version.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn shadow_copies_never_touch_the_callers_answer_or_its_time() {
+        use crate::registry::rollout::{RolloutRequest, Strategy};
+        use crate::registry::{ReplicaRecord, Tenant};
+        let (stable, shadow) = (sim_replica(5.0).await, sim_replica(2_000.0).await);
+        let (fleet, mut reg) = super::super::table::test_fixture();
+        reg.create_tenant(&Tenant {
+            name: "t".into(),
+            key_sha256: hash_key("k"),
+            limits: Default::default(),
+        })
+        .unwrap();
+        let v2 = crate::registry::Model {
+            version: "2".into(),
+            ..reg.models["whisper"].clone()
+        };
+        reg.deploy_version(&v2).unwrap();
+        let r = RolloutRequest {
+            model: "whisper".into(),
+            version: "2".into(),
+            strategy: Strategy::Shadow,
+            steps: vec![100],
+            bake_s: 60,
+            guards: Default::default(),
+        }
+        .rollout(&reg, 0, "admin:test")
+        .unwrap();
+        reg.start_rollout(&r).unwrap();
+        let replica = |id: &str, model: &str, addr: SocketAddr| ReplicaRecord {
+            id: id.into(),
+            model: model.into(),
+            device: "GPU-1".into(),
+            state: "ready".into(),
+            endpoint: addr.to_string(),
+        };
+        reg.set_node_replicas(
+            "n1",
+            &[replica("a", "whisper", stable), replica("b", "whisper@2", shadow)],
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let router = Router::new(crate::store::StateMachineStore::open(dir.path()).unwrap());
+        router.install(super::super::table::build(&fleet, &reg, &Default::default()));
+        let server = serve(
+            router.clone(),
+            axum::Router::new(),
+            TcpListener::bind("127.0.0.1:0").await.unwrap(),
+            &RouterSettings::default(),
+        )
+        .unwrap();
+        for _ in 0..6 {
+            let started = tokio::time::Instant::now();
+            let r = infer_once(&server).await;
+            assert_eq!(r.status(), StatusCode::OK);
+            assert_eq!(
+                r.headers()["x-laneway-replica"],
+                "n1/a",
+                "callers are served by the serving version"
+            );
+            assert!(
+                started.elapsed() < Duration::from_millis(1_000),
+                "a 2 s shadow never holds the caller ({:?})",
+                started.elapsed()
+            );
+        }
+        // The copies reached the new version (at most its 4 slots at once; the rest were
+        // dropped, never queued) and are metered to the shadow tenant once they finish.
+        let copies = |text: String| -> u64 {
+            text.lines()
+                .find_map(|l| l.strip_prefix("laneway_sim_requests_total")?.trim().parse().ok())
+                .unwrap()
+        };
+        let got = copies(
+            reqwest::get(format!("http://{shadow}/metrics"))
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap(),
+        );
+        assert!((1..=4).contains(&got), "{got} copies");
+        tokio::time::sleep(Duration::from_millis(2_500)).await;
+        let report = router.meter().next_report(1, 0).unwrap();
+        let shadowed: u64 = report
+            .rows
+            .iter()
+            .filter(|u| u.tenant == super::super::SHADOW_TENANT && u.version == "2" && u.model == "whisper")
+            .map(|u| u.requests)
+            .sum();
+        assert_eq!(shadowed, got, "every copy metered to the shadow tenant under version 2");
+        assert!(
+            report.rows.iter().all(|u| u.tenant != "t" || u.version == "1"),
+            "the caller's requests are version 1's"
+        );
         server.stop().await;
     }
 

@@ -386,7 +386,7 @@ pub(super) async fn post_job(
             )
         }
     };
-    let route = match lookup(&table, &req.model, &mut meta) {
+    let route = match lookup(&router, &table, &req.model, &mut meta) {
         Ok(r) => r,
         Err(r) => return r,
     };

@@ -95,7 +95,7 @@ async fn serve(
             )
         }
     };
-    let route = match lookup(&table, &req.model, &mut meta) {
+    let route = match lookup(&router, &table, &req.model, &mut meta) {
         Ok(r) => r,
         Err(r) => return r,
     };
@@ -366,8 +366,15 @@ impl Call {
             }
         };
         let elapsed = started.elapsed();
-        if super::fails_replica(parts.status) {
-            self.router.eject(&guard.slot, &format!("answered {}", parts.status));
+        if super::ejects_replica(&guard.slot, parts.status) {
+            self.router.eject(
+                &guard.slot,
+                &format!(
+                    "answered {} {} times in a row",
+                    parts.status,
+                    super::table::ERROR_ANSWERS_TO_EJECT
+                ),
+            );
         }
         {
             let mut lane = self.route.lane.lock();

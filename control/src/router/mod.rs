@@ -53,6 +53,8 @@ pub fn replica_timeout_ms(left: Duration) -> u64 {
 }
 /// Request records kept for `lanectl lane show` and the meter.
 pub const RECORDS_KEPT: usize = 4096;
+/// The tenant shadow copies are metered to (no tenant asked for them).
+pub const SHADOW_TENANT: &str = "(shadow)";
 /// Response header: GPU milliseconds the replica reports for the request.
 pub const GPU_MS_HEADER: &str = "x-laneway-gpu-ms";
 
@@ -97,6 +99,13 @@ pub struct Forwarded {
 /// replica saying it is busy (backpressure, not a fault).
 pub fn fails_replica(status: StatusCode) -> bool {
     status.is_server_error() && status != StatusCode::SERVICE_UNAVAILABLE
+}
+
+/// Whether an answer ejects its replica now: a 504 is the replica giving up at the deadline
+/// the router sent (a timeout, which ejects at once); another server error (not 503) only
+/// when it is the [`table::ERROR_ANSWERS_TO_EJECT`]th in a row.
+pub fn ejects_replica(slot: &ReplicaSlot, status: StatusCode) -> bool {
+    fails_replica(status) && (status == StatusCode::GATEWAY_TIMEOUT || slot.health.answered_error())
 }
 
 /// Why forwarding failed.
@@ -747,6 +756,71 @@ impl Router {
             .unwrap_or(Err(ForwardError::Timeout))
     }
 
+    /// Sends a copy of a request for `route`'s model to the version a shadow rollout compares,
+    /// when the table draws it: never queued (only a free slot of the new version takes it),
+    /// never waited for (its own task), its answer dropped. The copy is metered to the tenant
+    /// [`SHADOW_TENANT`], which is what the rollout judges the new version on.
+    pub fn mirror(self: &Arc<Self>, table: &Table, route: &ModelRoute, body: &Bytes, request_id: &str) {
+        let Some(shadow) = table.shadow(&route.public) else {
+            return;
+        };
+        let Some(slot) = self.pick(&shadow, None, Instant::now()) else {
+            return;
+        };
+        struct Held(Arc<ReplicaSlot>);
+        impl Drop for Held {
+            fn drop(&mut self) {
+                self.0.release();
+            }
+        }
+        let held = Held(slot);
+        let (router, body) = (self.clone(), body.clone());
+        let mut record = RequestRecord::new(&format!("{request_id}-shadow"), &shadow, SHADOW_TENANT);
+        tokio::spawn(async move {
+            let slot = &held.0;
+            let started = Instant::now();
+            let timeout = shadow.class.request_timeout_ms.as_duration();
+            let r = router.forward(slot, body, &record.request_id, None, timeout).await;
+            record.replica = Some(slot.name.clone());
+            record.product = Some(slot.product.clone());
+            record.service_ms = started.elapsed().as_secs_f64() * 1000.0;
+            record.status = match &r {
+                Ok(f) => {
+                    record.gpu_ms = f.gpu_ms;
+                    if ejects_replica(slot, f.status) {
+                        router.eject(slot, &format!("answered {} to shadow copies in a row", f.status));
+                    }
+                    f.status.as_u16()
+                }
+                Err(e) => {
+                    router.eject(slot, &format!("shadow copy: {e:?}"));
+                    match e {
+                        ForwardError::Timeout => 504,
+                        _ => 502,
+                    }
+                }
+            };
+            drop(held);
+            router.meter_only(record);
+        });
+    }
+
+    /// Meters a request without counting it in the lanes' histograms or recent requests (a
+    /// shadow copy: no caller waited for it).
+    fn meter_only(&self, rec: RequestRecord) {
+        let slow = self.over_objective(&rec);
+        self.meter.add(&rec, slow);
+    }
+
+    /// Whether a request took longer than its lane's objective (`slo_p99_ms`, else its
+    /// timeout).
+    fn over_objective(&self, rec: &RequestRecord) -> bool {
+        self.table().classes.get(&rec.class).is_some_and(|c| {
+            let objective = c.slo_p99_ms.unwrap_or(c.request_timeout_ms).as_ms();
+            rec.queue_ms + rec.service_ms > objective
+        })
+    }
+
     /// Queue and service latency histograms per lane.
     pub fn histograms(&self) -> &metrics::LaneHistograms {
         &self.histograms
@@ -761,11 +835,7 @@ impl Router {
     pub fn record(&self, rec: RequestRecord) {
         // Slower than the lane's objective (its timeout when it sets none): what a rollout
         // judges a version's latency on. Only answers a replica gave count.
-        let slow = rec.replica.is_some()
-            && self.table().classes.get(&rec.class).is_some_and(|c| {
-                let objective = c.slo_p99_ms.unwrap_or(c.request_timeout_ms).as_ms();
-                rec.queue_ms + rec.service_ms > objective
-            });
+        let slow = rec.replica.is_some() && self.over_objective(&rec);
         self.meter.add(&rec, slow);
         self.histograms.observe(&rec);
         tracing::debug!(target: "laneway::request", request_id = %rec.request_id, lane = %rec.lane, model = %rec.model, tenant = %rec.tenant, status = rec.status, replica = ?rec.replica, queue_ms = rec.queue_ms, service_ms = rec.service_ms, gpu_ms = ?rec.gpu_ms, "request");
@@ -820,7 +890,7 @@ impl Router {
                     ttft_p99_ms: m
                         .llm
                         .as_ref()
-                        .and_then(|_| self.llm_stats.ttft_p99(&m.name, llm::SIGNAL_WINDOW, now))
+                        .and_then(|_| self.llm_stats.ttft_p99(&m.public, llm::SIGNAL_WINDOW, now))
                         .map(|(p99, _)| p99),
                     ..Default::default()
                 };

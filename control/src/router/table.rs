@@ -60,7 +60,13 @@ pub struct Health {
     probing: AtomicBool,
     /// No probe before this many ms after the router started.
     next_probe_ms: AtomicU64,
+    /// Server errors answered in a row.
+    error_answers: AtomicU32,
 }
+
+/// Server errors a replica answers in a row before it is ejected (a timeout, a broken answer
+/// or a refused connection ejects at once).
+pub const ERROR_ANSWERS_TO_EJECT: u32 = 3;
 
 /// The first ejection's interval; each consecutive one doubles it, up to [`EJECT_MAX`].
 pub const EJECT_FOR: Duration = Duration::from_secs(5);
@@ -79,6 +85,12 @@ impl Health {
     /// Records a failure at `now_ms`: skipped for [`EJECT_FOR`] doubled for each ejection
     /// since it last answered, at most [`EJECT_MAX`]. Returns the interval.
     pub fn eject(&self, now_ms: u64) -> Duration {
+        let until = self.ejected_until_ms.load(Ordering::Acquire);
+        if until > now_ms {
+            // Another request of the same incident (a stall fails every request in flight at
+            // once): one ejection, not a streak of them.
+            return Duration::from_millis(until - now_ms);
+        }
         let streak = self.streak.fetch_add(1, Ordering::AcqRel) + 1;
         let interval = EJECT_FOR.saturating_mul(1 << (streak - 1).min(8)).min(EJECT_MAX);
         self.probe_failed.store(false, Ordering::Release);
@@ -89,8 +101,22 @@ impl Health {
         interval
     }
 
+    /// A server error answered: whether it is the [`ERROR_ANSWERS_TO_EJECT`]th in a row (one
+    /// tenant's bad input must not eject a replica that serves everyone else).
+    pub fn answered_error(&self) -> bool {
+        let n = self.error_answers.fetch_add(1, Ordering::AcqRel) + 1;
+        if n >= ERROR_ANSWERS_TO_EJECT {
+            self.error_answers.store(0, Ordering::Release);
+            return true;
+        }
+        false
+    }
+
     /// The replica answered a request: its next failure starts a fresh streak.
     pub fn answered(&self) {
+        if self.error_answers.load(Ordering::Acquire) != 0 {
+            self.error_answers.store(0, Ordering::Release);
+        }
         if self.streak.load(Ordering::Acquire) != 0 {
             self.streak.store(0, Ordering::Release);
         }
@@ -112,7 +138,8 @@ impl Health {
             self.probe_failed.store(true, Ordering::Release);
             return false;
         }
-        if !self.is_ejected(now_ms) {
+        let seen = self.ejected_until_ms.load(Ordering::Acquire);
+        if seen <= now_ms {
             return false;
         }
         let unreachable_then_back = self.probe_failed.swap(false, Ordering::AcqRel);
@@ -122,8 +149,10 @@ impl Health {
         } else if self.streak.load(Ordering::Acquire) > 1 {
             return false;
         }
-        self.ejected_until_ms.store(0, Ordering::Release);
-        true
+        // Only the ejection the probe looked at: a failure that ejected it again since stands.
+        self.ejected_until_ms
+            .compare_exchange(seen, 0, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
     }
 }
 
@@ -204,6 +233,8 @@ pub struct Table {
     /// Public names whose traffic does not simply go to the entry of the same name: a later
     /// version serves it, or a rollout sends part of it to the new version.
     pub splits: HashMap<String, Split>,
+    /// Public names under a shadow rollout: the percent of requests copied to the new version.
+    pub shadows: HashMap<String, (u8, Arc<ModelRoute>)>,
     /// sha256 of the API key → tenant.
     pub tenants: HashMap<String, Arc<TenantRoute>>,
     pub classes: HashMap<String, Arc<Class>>,
@@ -222,16 +253,26 @@ pub struct Split {
 }
 
 impl Table {
-    /// The route a request for `name` takes: its serving version, or for the share a rollout
-    /// gives the new version, that one. `name@version` addresses one version directly.
-    pub fn route(&self, name: &str) -> Option<Arc<ModelRoute>> {
+    /// Where to send a copy of a request for `name`, when a shadow rollout draws it (and the
+    /// new version has a ready replica).
+    pub fn shadow(&self, name: &str) -> Option<Arc<ModelRoute>> {
+        let (pct, route) = self.shadows.get(name)?;
+        (!route.replicas.is_empty() && rand::random_range(0..100u8) < *pct).then(|| route.clone())
+    }
+
+    /// The route a request for `name` takes at `now_ms` (the router's clock): its serving
+    /// version, or for the share a rollout gives the new version, that one. `name@version`
+    /// addresses one version directly.
+    pub fn route(&self, name: &str, now_ms: u64) -> Option<Arc<ModelRoute>> {
         let Some(split) = self.splits.get(name) else {
             return self.models.get(name).cloned();
         };
-        // Until the new version has a ready replica its share stays on the serving version:
-        // a rollout never turns into refusals while its replicas start.
+        // Until the new version has a usable replica (ready, not ejected) its share stays on
+        // the serving version: a rollout never turns into refusals while its replicas start
+        // or fail.
+        let usable = |r: &ModelRoute| r.replicas.iter().any(|s| !s.is_ejected(now_ms));
         Some(match &split.canary {
-            Some((pct, canary)) if !canary.replicas.is_empty() && rand::random_range(0..100u8) < *pct => canary.clone(),
+            Some((pct, canary)) if usable(canary) && rand::random_range(0..100u8) < *pct => canary.clone(),
             _ => split.stable.clone(),
         })
     }
@@ -363,6 +404,12 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &Table) -> Table {
             Some((name.to_string(), Split { stable, canary }))
         })
         .collect();
+    let shadows = registry
+        .rollouts
+        .values()
+        .filter(|r| r.mirror() > 0)
+        .filter_map(|r| Some((r.model.clone(), (r.mirror(), models.get(&r.to)?.clone()))))
+        .collect();
     let tenants = registry
         .tenants
         .values()
@@ -379,6 +426,7 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &Table) -> Table {
     Table {
         models,
         splits,
+        shadows,
         tenants,
         classes,
         lanes,
@@ -579,6 +627,7 @@ mod tests {
 
         let start = |reg: &crate::registry::Registry, steps: Vec<u8>| {
             RolloutRequest {
+                strategy: Default::default(),
                 model: "whisper".into(),
                 version: "2".into(),
                 steps,
@@ -610,10 +659,10 @@ mod tests {
             "every version serves the public name"
         );
         let to_v2 = (0..4000)
-            .filter(|_| t.route("whisper").unwrap().name == "whisper@2")
+            .filter(|_| t.route("whisper", 0).unwrap().name == "whisper@2")
             .count();
         assert!((700..1300).contains(&to_v2), "{to_v2} of 4000 at 25%");
-        assert_eq!(t.route("whisper@2").unwrap().version, "2", "a version by name");
+        assert_eq!(t.route("whisper@2", 0).unwrap().version, "2", "a version by name");
 
         // The loop judged step 0: a stale proposal for it does nothing once it moved on.
         reg.update_rollout("whisper", Some(0), RolloutAction::Advance, 2_000, "passed")
@@ -626,7 +675,7 @@ mod tests {
         assert_eq!(reg.serving_entry("whisper"), "whisper@2");
         assert!(!reg.is_placed(&reg.models["whisper"]), "the old version's replicas go");
         let t = build(&fleet, &reg, &t);
-        assert!((0..100).all(|_| t.route("whisper").unwrap().name == "whisper@2"));
+        assert!((0..100).all(|_| t.route("whisper", 0).unwrap().name == "whisper@2"));
         assert!(reg
             .update_rollout("whisper", None, RolloutAction::Abort, 4_000, "late")
             .unwrap_err()
@@ -640,6 +689,7 @@ mod tests {
         };
         reg.deploy_version(&v3).unwrap();
         let r = RolloutRequest {
+            strategy: Default::default(),
             model: "whisper".into(),
             version: "3".into(),
             steps: vec![100],
@@ -654,16 +704,74 @@ mod tests {
             .unwrap();
         assert_eq!(reg.serving_entry("whisper"), "whisper@2");
         assert!(!reg.is_placed(&reg.models["whisper@3"]));
+
+        // A shadow of version 3: placed, mirrored, never served; promoting it ends it passed.
+        let mut shadow = RolloutRequest {
+            strategy: crate::registry::rollout::Strategy::Shadow,
+            model: "whisper".into(),
+            version: "3".into(),
+            steps: vec![30],
+            bake_s: 10,
+            guards: Default::default(),
+        }
+        .rollout(&reg, 7_000, "admin:test")
+        .unwrap();
+        shadow.from = "whisper@2".into();
+        reg.start_rollout(&shadow).unwrap();
+        assert!(reg.is_placed(&reg.models["whisper@3"]));
+        reg.set_node_replicas(
+            "n1",
+            &[replica("b", "whisper@2", 9002), replica("c", "whisper@3", 9003)],
+        );
+        let t = build(&fleet, &reg, &t);
+        assert!(
+            (0..100).all(|_| t.route("whisper", 0).unwrap().name == "whisper@2"),
+            "no caller goes to a shadow"
+        );
+        assert_eq!(t.shadows["whisper"].0, 30);
+        reg.update_rollout("whisper", None, RolloutAction::Promote, 8_000, "enough")
+            .unwrap();
+        assert_eq!(
+            reg.rollouts["whisper"].state,
+            crate::registry::rollout::RolloutState::Passed
+        );
+        assert_eq!(reg.serving_entry("whisper"), "whisper@2", "a shadow moves no traffic");
     }
 
     #[test]
     fn ejection_grows_with_consecutive_failures_and_an_answer_resets_it() {
         let h = Health::default();
-        let secs: Vec<u64> = (0..6).map(|_| h.eject(0).as_secs()).collect();
+        // Each failure right after the previous ejection ran out.
+        let mut t = 0;
+        let mut secs = Vec::new();
+        for _ in 0..6 {
+            let i = h.eject(t);
+            secs.push(i.as_secs());
+            t += i.as_millis() as u64;
+        }
         assert_eq!(secs, [5, 10, 20, 40, 60, 60]);
-        assert!(h.is_ejected(59_999) && !h.is_ejected(60_000));
+        assert!(h.is_ejected(t - 1) && !h.is_ejected(t));
         h.answered();
-        assert_eq!(h.eject(100_000), EJECT_FOR, "a fresh streak after an answer");
+        assert_eq!(h.eject(t), EJECT_FOR, "a fresh streak after an answer");
+        // Every request in flight fails at once (one stall): one ejection, not a streak.
+        let h = Health::default();
+        for _ in 0..8 {
+            h.eject(1_000);
+        }
+        assert!(!h.is_ejected(6_000), "{:?}", h.ejected_until_ms);
+        assert_eq!(h.eject(6_000), EJECT_FOR * 2, "the next incident is the second");
+    }
+
+    #[test]
+    fn server_errors_eject_only_in_a_row() {
+        let h = Health::default();
+        assert!(!h.answered_error() && !h.answered_error());
+        h.answered();
+        assert!(
+            !h.answered_error() && !h.answered_error(),
+            "an answer in between starts over"
+        );
+        assert!(h.answered_error(), "the third in a row");
     }
 
     #[test]

@@ -63,7 +63,8 @@ fn demand(fleet: &Fleet, registry: &Registry) -> Demand {
         .map(|g| g.product.as_str())
         .collect();
     let mut out: Demand = BTreeMap::new();
-    for m in registry.models.values() {
+    // Idle versions (neither serving nor rolling out) need no slices.
+    for m in registry.models.values().filter(|m| registry.is_placed(m)) {
         let floor = registry.classes.get(&m.class).map_or(0, |c| c.warm_floor);
         let want = floor.max(placed.get(m.name.as_str()).copied().unwrap_or(0));
         if want == 0 {

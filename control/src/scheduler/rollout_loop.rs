@@ -38,6 +38,7 @@ pub async fn run(ctx: Context) {
                 }
                 Verdict::Advance(why) => (RolloutAction::Advance, why),
                 Verdict::Promote(why) => (RolloutAction::Promote, format!("promoted: {why}")),
+                Verdict::Pass(why) => (RolloutAction::Promote, format!("passed: {why}")),
                 Verdict::RollBack(why) => (RolloutAction::RollBack, format!("rolled back: {why}")),
             };
             commit(&ctx, &model, step, action, why).await;
@@ -73,12 +74,17 @@ pub struct Assessment {
 }
 
 pub fn assess(sm: &StateMachineStore, r: &Rollout, now_ms: u64) -> Assessment {
-    let speed = sm.with_registry(|reg| crate::registry::rollout::speed_of(reg, &r.from));
+    let (speed, fleet) = sm.with_registry(|reg| {
+        (
+            crate::registry::rollout::speed_of(reg, &r.from),
+            crate::registry::rollout::fleet_of(reg, r),
+        )
+    });
     sm.with_ledger(|l, _| {
         let signals = l.version_signals(&r.model, r.started_ms);
         let canary = signals.get(&r.to_version).cloned().unwrap_or_default();
         let baseline = signals.get(&r.from_version).cloned().unwrap_or_default();
-        let verdict = judge(r, &canary, &baseline, &speed, now_ms);
+        let verdict = judge(r, &canary, &baseline, &speed, fleet, now_ms);
         Assessment {
             canary,
             baseline,

@@ -58,7 +58,8 @@ pub async fn run(ctx: Context) {
                 &uuid::Uuid::new_v4().simple().to_string()[..8]
             )
         };
-        let targets = fast_loop(&ctx, &registry, &mut scale, &mut said, now);
+        let mut targets = fast_loop(&ctx, &registry, &mut scale, &mut said, now);
+        blue_green_targets(&registry, &mut targets);
         let due = last_plan
             .as_ref()
             .is_none_or(|(at, before)| *before != targets || now.saturating_duration_since(*at) >= TICK);
@@ -118,6 +119,25 @@ pub async fn run(ctx: Context) {
                 }
             }
         }
+    }
+}
+
+/// A blue/green rollout's new version is placed as large as the serving version runs before
+/// traffic switches to it (its own load is nothing until then), and stays at least that large
+/// through the rollback window.
+fn blue_green_targets(registry: &Registry, targets: &mut HashMap<String, usize>) {
+    for r in registry.rollouts.values().filter(|r| r.state.is_active()) {
+        if r.strategy != crate::registry::rollout::Strategy::BlueGreen {
+            continue;
+        }
+        let serving = registry
+            .desired
+            .values()
+            .flatten()
+            .filter(|d| d.model == r.from)
+            .count();
+        let t = targets.entry(r.to.clone()).or_default();
+        *t = (*t).max(serving);
     }
 }
 

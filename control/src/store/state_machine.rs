@@ -1543,7 +1543,8 @@ mod tests {
     async fn versions_and_rollouts_are_persisted_by_the_flush() {
         use crate::registry::rollout::{RolloutAction, RolloutRequest};
         let dir = tempfile::tempdir().unwrap();
-        let (_, reg) = crate::router::table::test_fixture();
+        let (fleet, reg) = crate::router::table::test_fixture();
+        let node = fleet.nodes["n1"].registration.clone();
         let class = reg.classes["speech"].clone();
         let v1 = reg.models["whisper"].clone();
         let v2 = crate::registry::Model {
@@ -1561,6 +1562,7 @@ mod tests {
             .unwrap();
             let rollout = sm.with_registry(|r| {
                 RolloutRequest {
+                    strategy: Default::default(),
                     model: "whisper".into(),
                     version: "2".into(),
                     steps: vec![50, 100],
@@ -1595,8 +1597,28 @@ mod tests {
         assert!(reg.is_placed(&reg.models["whisper@2"]));
         drop(sm);
         let mut sm = StateMachineStore::open(dir.path()).unwrap();
+        // A promotion needs a ready replica of the new version.
+        let ready = crate::registry::ReplicaRecord {
+            id: "b".into(),
+            model: "whisper@2".into(),
+            device: "GPU-1".into(),
+            state: "ready".into(),
+            endpoint: "127.0.0.1:9".into(),
+        };
+        sm.apply(vec![
+            entry(6, Command::RegisterNode(node)),
+            entry(
+                7,
+                Command::SetNodeReplicas {
+                    node_id: "n1".into(),
+                    replicas: vec![ready],
+                },
+            ),
+        ])
+        .await
+        .unwrap();
         sm.apply(vec![entry(
-            6,
+            8,
             Command::UpdateRollout {
                 model: "whisper".into(),
                 expect_step: Some(1),

@@ -134,50 +134,98 @@ async fn wait_rollout(addrs: &[String], what: &str, secs: u64, done: impl Fn(&Va
     .await
 }
 
+/// `n` controllers, a sync lane `speech` (150 ms objective), a tenant, two agents that know
+/// every controller, and version 1 of `echo` (10 ms) ready.
+struct Cluster {
+    root: tempfile::TempDir,
+    nodes: Vec<Node>,
+    agents: Vec<laneway_agent::runtime::Agent>,
+    _reapers: Vec<Reaper>,
+    key: String,
+}
+
+impl Cluster {
+    async fn start(n: u64) -> Cluster {
+        let root = tempfile::tempdir().unwrap();
+        let mut nodes: Vec<Node> = (1..=n).map(|id| Node::new(root.path(), id)).collect();
+        form_cluster(&mut nodes).await;
+        let addr = nodes[0].addr.clone();
+        lanectl(
+            &addr,
+            &[
+                "lane",
+                "set",
+                "speech",
+                "--lane",
+                "sync",
+                "--warm-floor",
+                "1",
+                "--slo-p99-ms",
+                "150",
+                "--timeout-ms",
+                "3000",
+            ],
+        );
+        let key = lanectl(&addr, &["tenant", "create", "t1"])["api_key"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        // Agents know every controller: they carry on with the next leader.
+        let controllers: Vec<String> = nodes.iter().map(|n| n.addr.clone()).collect();
+        let mut agents = Vec::new();
+        for name in ["gpu-a", "gpu-b"] {
+            agents.push(agent(name, "L4", controllers.clone(), root.path(), vec![]).await);
+        }
+        let reapers = agents.iter().map(|a| Reaper(a.supervisor.clone())).collect();
+        lanectl(&addr, &["model", "deploy", &echo(root.path(), "1", 10)]);
+        let client = AdminClient::new(vec![addr.clone()]);
+        wait_for("echo version 1 ready", Duration::from_secs(30), || async {
+            ready_nodes(&client, "echo").await.filter(|n| !n.is_empty())
+        })
+        .await;
+        Cluster {
+            root,
+            nodes,
+            agents,
+            _reapers: reapers,
+            key,
+        }
+    }
+
+    fn addrs(&self) -> Vec<String> {
+        self.nodes.iter().map(|n| n.addr.clone()).collect()
+    }
+
+    /// Drains the replicas (processes of their own) and stops the agents.
+    async fn stop(self) {
+        for a in &self.agents {
+            for r in a.supervisor.status() {
+                let _ = a
+                    .supervisor
+                    .drain(&r.id, Arc::new(|| 0), Duration::from_secs(1), Duration::from_secs(2))
+                    .await;
+            }
+        }
+        for a in self.agents {
+            a.stop();
+        }
+    }
+}
+
 /// A version slower than the lane's objective is rolled back by the leader on its own; a good
 /// one is promoted, and a leader killed mid-rollout leaves the new leader to finish it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_version_is_rolled_back_and_a_good_one_promoted_across_a_leader_kill() {
-    let root = tempfile::tempdir().unwrap();
-    let mut nodes: Vec<Node> = (1..=3).map(|id| Node::new(root.path(), id)).collect();
-    form_cluster(&mut nodes).await;
-    let addr = nodes[0].addr.clone();
-    lanectl(
-        &addr,
-        &[
-            "lane",
-            "set",
-            "speech",
-            "--lane",
-            "sync",
-            "--warm-floor",
-            "1",
-            "--slo-p99-ms",
-            "150",
-            "--timeout-ms",
-            "3000",
-        ],
-    );
-    let key = lanectl(&addr, &["tenant", "create", "t1"])["api_key"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    // Agents know every controller: they carry on with the next leader.
-    let controllers: Vec<String> = nodes.iter().map(|n| n.addr.clone()).collect();
-    let a = agent("gpu-a", "L4", controllers.clone(), root.path(), vec![]).await;
-    let b = agent("gpu-b", "L4", controllers, root.path(), vec![]).await;
-    let _reapers = (Reaper(a.supervisor.clone()), Reaper(b.supervisor.clone()));
-    lanectl(&addr, &["model", "deploy", &echo(root.path(), "1", 10)]);
+    let mut c = Cluster::start(3).await;
+    let (root, addr, key) = (c.root.path().to_path_buf(), c.nodes[0].addr.clone(), c.key.clone());
+    let root = root.as_path();
     let client = AdminClient::new(vec![addr.clone()]);
-    wait_for("echo version 1 ready", Duration::from_secs(30), || async {
-        ready_nodes(&client, "echo").await.filter(|n| !n.is_empty())
-    })
-    .await;
+    let nodes = &mut c.nodes;
     // Traffic through node 3's router (the leader is node 1 until it is killed below).
     let traffic = Traffic::start(nodes[2].router_addr.clone(), key.clone());
 
     // Version 2 answers in 400 ms, over the lane's 150 ms objective.
-    lanectl(&addr, &["model", "deploy", &echo(root.path(), "2", 400)]);
+    lanectl(&addr, &["model", "deploy", &echo(root, "2", 400)]);
     let models = lanectl(&addr, &["model", "list"]);
     assert!(models.to_string().contains("echo@2"), "{models}");
     assert_eq!(
@@ -201,7 +249,7 @@ async fn a_slow_version_is_rolled_back_and_a_good_one_promoted_across_a_leader_k
     .await;
 
     // Version 3 is as good as version 1.
-    lanectl(&addr, &["model", "deploy", &echo(root.path(), "3", 10)]);
+    lanectl(&addr, &["model", "deploy", &echo(root, "3", 10)]);
     start_rollout(&addr, "3");
     wait_rollout(&all, "version 3 at its last step", 60, |r| r["step"] == 1).await;
     // The leader dies mid-rollout: the next one judges the step it committed.
@@ -221,13 +269,68 @@ async fn a_slow_version_is_rolled_back_and_a_good_one_promoted_across_a_leader_k
     })
     .await;
     drop(traffic);
-    for sup in [a.supervisor.clone(), b.supervisor.clone()] {
-        for r in sup.status() {
-            let _ = sup
-                .drain(&r.id, Arc::new(|| 0), Duration::from_secs(1), Duration::from_secs(2))
-                .await;
-        }
-    }
-    a.stop();
-    b.stop();
+    c.stop().await;
+}
+
+/// A shadow copies requests to a version that is too slow and drops its answers: callers are
+/// all served by version 1 and the shadow ends rolled back without moving traffic. Blue/green
+/// then warms version 3's fleet before switching everything to it at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shadow_never_serves_callers_and_blue_green_switches_once_warm() {
+    let c = Cluster::start(1).await;
+    let addr = c.nodes[0].addr.clone();
+    let traffic = Traffic::start(c.nodes[0].router_addr.clone(), c.key.clone());
+    lanectl(&addr, &["model", "deploy", &echo(c.root.path(), "2", 400)]);
+    lanectl(
+        &addr,
+        &[
+            "rollout",
+            "start",
+            "echo",
+            "--version",
+            "2",
+            "--shadow",
+            "100",
+            "--bake",
+            "3s",
+            "--min-requests",
+            "10",
+        ],
+    );
+    let r = wait_rollout(&c.addrs(), "the shadow judged", 60, |r| r["state"] != "running").await;
+    assert_eq!(r["state"], "rolled_back", "{r}");
+    assert_eq!(r["strategy"], "shadow");
+    assert_eq!(traffic.count(2), 0, "no caller was answered by the shadow");
+    assert!(traffic.count(1) > 0);
+    let ledger = lanectl(&addr, &["ledger", "--by", "tenant", "--since", "15m"]);
+    assert!(
+        ledger.to_string().contains("(shadow)"),
+        "the copies are metered apart: {ledger}"
+    );
+
+    lanectl(&addr, &["model", "deploy", &echo(c.root.path(), "3", 10)]);
+    lanectl(
+        &addr,
+        &[
+            "rollout",
+            "start",
+            "echo",
+            "--version",
+            "3",
+            "--blue-green",
+            "--bake",
+            "3s",
+            "--min-requests",
+            "10",
+        ],
+    );
+    let r = wait_rollout(&c.addrs(), "blue/green promoted", 60, |r| r["state"] != "running").await;
+    assert_eq!(r["state"], "promoted", "{r}");
+    let events = r["events"].to_string();
+    assert!(events.contains("the new fleet is warm"), "{events}");
+    let served_by_3 = traffic.count(3);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(traffic.count(3) > served_by_3, "version 3 serves after the switch");
+    drop(traffic);
+    c.stop().await;
 }

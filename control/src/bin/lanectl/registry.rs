@@ -669,14 +669,21 @@ pub async fn model(client: &AdminClient, out: Output, cmd: ModelCmd) -> anyhow::
                     async move { cl.deploy_model(PutDocumentRequest { json }).await }
                 })
                 .await?;
-            committed(
-                out,
-                &r,
+            // A later version is kept idle as name@version; the first one serves at once.
+            let entry = format!("{}@{}", m.name, m.version);
+            let idle = list(client, "models")
+                .await?
+                .iter()
+                .any(|d| d["name"] == entry.as_str());
+            let what = if idle {
                 format!(
-                    "model {} version {} deployed; `lanectl rollout start {} --version {}` moves traffic to it",
+                    "model {} version {} deployed, idle: `lanectl rollout start {} --version {}` moves traffic to it",
                     m.name, m.version, m.name, m.version
-                ),
-            );
+                )
+            } else {
+                format!("model {} version {} deployed; it serves {}", m.name, m.version, m.name)
+            };
+            committed(out, &r, what);
         }
         ModelCmd::List => {
             let models = list(client, "models").await?;

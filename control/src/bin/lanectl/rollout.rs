@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use clap::Subcommand;
 use laneway_control::client::AdminClient;
-use laneway_control::registry::rollout::{Guards, Rollout, RolloutRequest};
+use laneway_control::registry::rollout::{Guards, Rollout, RolloutRequest, Strategy, DEFAULT_STEPS};
 use laneway_proto::admin::{PutDocumentRequest, UpdateRolloutRequest};
 use serde_json::json;
 
@@ -21,9 +21,19 @@ pub enum RolloutCmd {
         /// The deployed version to roll out (`lanectl model deploy FILE` first).
         #[arg(long)]
         version: String,
-        /// Canary: percent of traffic per step, rising to 100.
-        #[arg(long, value_delimiter = ',', default_value = "1,5,25,100")]
-        canary: Vec<u8>,
+        /// Canary (the default): percent of traffic per step, rising to 100 [default:
+        /// 1,5,25,100].
+        #[arg(long, value_delimiter = ',', conflicts_with_all = ["blue_green", "shadow"])]
+        canary: Option<Vec<u8>>,
+        /// Blue/green: place and warm the new version's whole fleet (as many replicas as the
+        /// serving version runs), switch all traffic at once, keep the old fleet warm through
+        /// one bake (the rollback window), then promote.
+        #[arg(long, conflicts_with = "shadow")]
+        blue_green: bool,
+        /// Shadow: copy this percent of live requests to the new version and drop its answers
+        /// (callers never see them); ends passed or rolled back without moving traffic.
+        #[arg(long, value_name = "PCT")]
+        shadow: Option<u8>,
         /// How long each step runs before it is judged: 30s, 5m, 1h.
         #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
         bake: Duration,
@@ -88,16 +98,24 @@ pub async fn rollout(client: &AdminClient, out: Output, cmd: RolloutCmd) -> anyh
             model,
             version,
             canary,
+            blue_green,
+            shadow,
             bake,
             max_error_rise_pct,
             max_slow_pct,
             max_cost_rise_pct,
             min_requests,
         } => {
+            let (strategy, steps) = match (shadow, blue_green) {
+                (Some(pct), _) => (Strategy::Shadow, vec![pct]),
+                (None, true) => (Strategy::BlueGreen, vec![0, 100]),
+                (None, false) => (Strategy::Canary, canary.unwrap_or_else(|| DEFAULT_STEPS.to_vec())),
+            };
             let req = RolloutRequest {
                 model: model.clone(),
                 version: version.clone(),
-                steps: canary,
+                strategy,
+                steps,
                 bake_s: bake.as_secs(),
                 guards: Guards {
                     max_error_rise_permille: permille(max_error_rise_pct, "max-error-rise-pct")?,
@@ -207,13 +225,17 @@ fn header(r: &Rollout) -> String {
             }
         })
         .collect();
+    let share = match r.strategy {
+        Strategy::Shadow => format!("{}% mirrored to the new version (answers dropped)", r.mirror()),
+        _ => format!("{}% on the new version", r.weight()),
+    };
     format!(
-        "{}  {} → {}  {}  {}% on the new version  steps {}",
+        "{}  {} {} → {}  {}  {share}  steps {}",
         r.model,
+        r.strategy.as_str(),
         r.from_version,
         r.to_version,
         r.state.as_str(),
-        r.weight(),
         steps.join(" ")
     )
 }
