@@ -395,6 +395,7 @@ fn durable_fleet(nodes: usize) -> AppState {
     let mut s = AppState::default();
     s.registry
         .put_class(&Class {
+            cache: None,
             name: "video".into(),
             lane: LaneKind::Durable,
             utilisation_target_pct: 80,

@@ -133,6 +133,23 @@ pub struct Class {
     /// Kubernetes GPU request does; MIG slices are hardware partitions and need no sharing.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub time_slicing: bool,
+    /// Answers kept and served again for the same input (sync and bounded lanes; opt-in).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache: Option<CacheSpec>,
+}
+
+/// A class's result cache (ADR 0016): the key is the model version and the input as JSON in
+/// canonical form, plus the tenant unless `shared`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CacheSpec {
+    /// How long an answer is served again, seconds.
+    pub ttl_s: u64,
+    /// Bytes of answers kept on each router, MiB (least recently used go first).
+    pub max_mib: u64,
+    /// One tenant's answer may be served to another (the inputs carry nothing private).
+    #[serde(default)]
+    pub shared: bool,
 }
 
 /// What a lane of language models scales on. GPU utilisation is never a signal: a decoding GPU
@@ -555,6 +572,7 @@ impl Class {
     /// per replica.
     pub(crate) fn for_test(name: &str, lane: LaneKind) -> Class {
         Class {
+            cache: None,
             name: name.into(),
             lane,
             utilisation_target_pct: 60,
@@ -607,6 +625,19 @@ impl Class {
     pub fn validate(&self) -> Result<(), String> {
         validate_name("class", &self.name)?;
         let n = &self.name;
+        if let Some(c) = &self.cache {
+            if self.lane == LaneKind::Durable {
+                return Err(format!(
+                    "class {n}: a durable lane's results are stored per job, not cached; remove cache"
+                ));
+            }
+            if !(1..=7 * 86_400).contains(&c.ttl_s) || !(1..=65_536).contains(&c.max_mib) {
+                return Err(format!(
+                    "class {n}: cache ttl_s = {} and max_mib = {}: give 1 s to 7 days and 1 MiB to 64 GiB",
+                    c.ttl_s, c.max_mib
+                ));
+            }
+        }
         if !(1..=100).contains(&self.utilisation_target_pct) {
             return Err(format!(
                 "class {n}: utilisation_target_pct = {}: give 1-100 (sync lanes keep headroom, e.g. 60)",

@@ -247,6 +247,9 @@ pub(super) struct Meta {
     pub(super) request_id: String,
     pub(super) lane: Option<&'static str>,
     pub(super) class: Option<HeaderValue>,
+    /// Where to keep the answer, and what the response says about the cache (`miss` or
+    /// `bypass`).
+    pub(super) cache: Option<(Arc<super::cache::ClassCache>, super::cache::Key, &'static str)>,
 }
 
 pub(super) fn error(status: StatusCode, message: String, meta: &Meta) -> Response {
@@ -535,6 +538,36 @@ async fn serve_infer(
         return super::jobs::submit_infer(&router, &tenant, &route, body, &headers, &meta).await;
     }
     let mut record = RequestRecord::new(&meta.request_id, &route, &tenant.name);
+    if let Some(cache) = table.caches.get(&class.name) {
+        let bypass = headers
+            .get(super::cache::CACHE_HEADER)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(super::cache::BYPASS.as_bytes()));
+        if let Some(key) = cache.key(&route.name, &route.version, &tenant.name, &body) {
+            match cache.get(&key).filter(|_| !bypass) {
+                Some(hit) => {
+                    route.lane.lock().counters.cache_hit += 1;
+                    let mut r = (
+                        StatusCode::from_u16(hit.status).unwrap_or(StatusCode::OK),
+                        hit.body.clone(),
+                    )
+                        .into_response();
+                    if let Some(ct) = &hit.content_type {
+                        r.headers_mut().insert(axum::http::header::CONTENT_TYPE, ct.clone());
+                    }
+                    r.headers_mut()
+                        .insert(super::cache::CACHE_HEADER, HeaderValue::from_static("hit"));
+                    stamp(r.headers_mut(), &meta);
+                    record.status = hit.status;
+                    router.record(record);
+                    return r;
+                }
+                None => {
+                    route.lane.lock().counters.cache_miss += 1;
+                    meta.cache = Some((cache.clone(), key, if bypass { super::cache::BYPASS } else { "miss" }));
+                }
+            }
+        }
+    }
     let retry_hint = route.min_service().unwrap_or(Duration::from_secs(1));
     let _tenant_hold = match router.admit_tenant(&tenant, &class, retry_hint, arrived) {
         Ok(g) => g,
@@ -685,6 +718,16 @@ async fn dispatch(
     let mut resp = match outcome {
         Ok(f) => {
             route.lane.lock().counters.completed += 1;
+            if let Some((cache, key, _)) = &meta.cache {
+                cache.put(
+                    *key,
+                    super::cache::Cached {
+                        status: f.status.as_u16(),
+                        content_type: f.content_type.clone(),
+                        body: f.body.clone(),
+                    },
+                );
+            }
             if super::ejects_replica(&guard.slot, f.status) {
                 router.eject(
                     &guard.slot,
@@ -740,6 +783,9 @@ async fn dispatch(
     };
     let h = resp.headers_mut();
     h.insert(REPLICA, guard.slot.name_header.clone());
+    if let Some((_, _, said)) = &meta.cache {
+        h.insert(super::cache::CACHE_HEADER, HeaderValue::from_static(said));
+    }
     if let Ok(v) = HeaderValue::from_str(&format!("{:.3}", record.queue_ms)) {
         h.insert(QUEUE_MS, v);
     }
@@ -1279,6 +1325,93 @@ mod tests {
             report.rows.iter().all(|u| u.tenant != "t" || u.version == "1"),
             "the caller's requests are version 1's"
         );
+        server.stop().await;
+    }
+
+    /// A class with a result cache: the same input (in any key order or layout) from the same
+    /// tenant is answered from the cache with the same bytes and no replica work; another
+    /// tenant, or the bypass header, goes to the replica.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_cache_hit_returns_identical_bytes_and_is_scoped_to_the_tenant() {
+        use crate::registry::{CacheSpec, ReplicaRecord, Tenant};
+        let addr = sim_replica(5.0).await;
+        let (fleet, mut reg) = super::super::table::test_fixture();
+        let mut speech = reg.classes["speech"].clone();
+        speech.cache = Some(CacheSpec {
+            ttl_s: 60,
+            max_mib: 1,
+            shared: false,
+        });
+        reg.put_class(&speech).unwrap();
+        for (name, key) in [("t", "k"), ("u", "k2")] {
+            reg.create_tenant(&Tenant {
+                name: name.into(),
+                key_sha256: hash_key(key),
+                limits: Default::default(),
+            })
+            .unwrap();
+        }
+        reg.set_node_replicas(
+            "n1",
+            &[ReplicaRecord {
+                id: "a".into(),
+                model: "whisper".into(),
+                device: "GPU-1".into(),
+                state: "ready".into(),
+                endpoint: addr.to_string(),
+            }],
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let router = Router::new(crate::store::StateMachineStore::open(dir.path()).unwrap());
+        router.install(super::super::table::build(&fleet, &reg, &Default::default()));
+        let lane = router.table().models["whisper"].lane.clone();
+        let server = serve(
+            router,
+            axum::Router::new(),
+            TcpListener::bind("127.0.0.1:0").await.unwrap(),
+            &RouterSettings::default(),
+        )
+        .unwrap();
+        let send = |key: &'static str, body: &'static str, bypass: bool| {
+            let mut r = reqwest::Client::new()
+                .post(format!("http://{}/v2/models/whisper/infer", server.addr))
+                .bearer_auth(key)
+                .body(body);
+            if bypass {
+                r = r.header("x-laneway-cache", "bypass");
+            }
+            async move {
+                let r = r.send().await.unwrap();
+                let said = r.headers()["x-laneway-cache"].to_str().unwrap().to_string();
+                (r.status(), said, r.bytes().await.unwrap())
+            }
+        };
+        let served = || async {
+            let text = reqwest::get(format!("http://{addr}/metrics"))
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            text.lines()
+                .find_map(|l| l.strip_prefix("laneway_sim_requests_total")?.trim().parse::<u64>().ok())
+                .unwrap()
+        };
+        let input = r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#;
+        let same = r#"{ "inputs": [ {"datatype": "FP32", "data": [1], "name": "x", "shape": [1]} ] }"#;
+        let (status, said, first) = send("k", input, false).await;
+        assert_eq!((status, said.as_str()), (StatusCode::OK, "miss"));
+        let (status, said, again) = send("k", same, false).await;
+        assert_eq!((status, said.as_str()), (StatusCode::OK, "hit"));
+        assert_eq!(first, again, "a hit returns the bytes the replica gave");
+        assert_eq!(served().await, 1, "the hit did no replica work");
+        let (_, said, _) = send("k2", input, false).await;
+        assert_eq!(said, "miss", "another tenant's answer is not served");
+        let (_, said, _) = send("k", input, true).await;
+        assert_eq!(said, "bypass");
+        assert_eq!(served().await, 3);
+        let c = lane.lock().counters;
+        assert_eq!((c.cache_hit, c.cache_miss), (1, 3));
         server.stop().await;
     }
 

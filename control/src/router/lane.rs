@@ -45,6 +45,10 @@ pub struct LaneCounters {
     pub retry_denied: u64,
     /// Durable: new jobs refused by the overload policy (503 with the drain estimate).
     pub shed: u64,
+    /// Answered from the class's result cache (no replica involved).
+    pub cache_hit: u64,
+    /// Looked up in the result cache and not found (or bypassed).
+    pub cache_miss: u64,
 }
 
 pub struct LaneState {

@@ -8,6 +8,7 @@
 //! without touching the Raft group.
 
 pub mod admission;
+pub mod cache;
 pub mod http;
 pub mod jobs;
 pub mod lane;
@@ -964,6 +965,7 @@ mod tests {
 
     fn class(lane: LaneKind, budget_ms: f64) -> Arc<Class> {
         Arc::new(Class {
+            cache: None,
             name: "c".into(),
             lane,
             utilisation_target_pct: 70,

@@ -235,6 +235,8 @@ pub struct Table {
     pub splits: HashMap<String, Split>,
     /// Public names under a shadow rollout: the percent of requests copied to the new version.
     pub shadows: HashMap<String, (u8, Arc<ModelRoute>)>,
+    /// Class name → its result cache (classes that have one), kept across rebuilds.
+    pub caches: HashMap<String, Arc<super::cache::ClassCache>>,
     /// sha256 of the API key → tenant.
     pub tenants: HashMap<String, Arc<TenantRoute>>,
     pub classes: HashMap<String, Arc<Class>>,
@@ -287,6 +289,7 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &Table) -> Table {
         .flat_map(|m| m.replicas.iter().map(|s| (slot_key(s), s.clone())))
         .collect();
     let previous_lanes = &previous.lanes;
+    let previous_caches = &previous.caches;
     let previous = &previous_slots;
     let classes: HashMap<String, Arc<Class>> = registry
         .classes
@@ -303,6 +306,19 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &Table) -> Table {
                 .cloned()
                 .unwrap_or_else(|| Arc::new(Lane::new(&c.name, c.lane, now)));
             (c.name.clone(), lane)
+        })
+        .collect();
+    // Result caches survive rebuilds while their class's settings stay the same.
+    let caches: HashMap<String, Arc<super::cache::ClassCache>> = classes
+        .values()
+        .filter_map(|c| {
+            let spec = c.cache?;
+            let cache = previous_caches
+                .get(&c.name)
+                .filter(|k| k.spec() == spec)
+                .cloned()
+                .unwrap_or_else(|| Arc::new(super::cache::ClassCache::new(spec)));
+            Some((c.name.clone(), cache))
         })
         .collect();
     let mut by_model: HashMap<&str, Vec<Arc<ReplicaSlot>>> = HashMap::new();
@@ -427,6 +443,7 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &Table) -> Table {
         models,
         splits,
         shadows,
+        caches,
         tenants,
         classes,
         lanes,

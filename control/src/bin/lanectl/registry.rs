@@ -82,6 +82,17 @@ pub struct LaneSetArgs {
     /// GPU memory; `off` (a new lane's default): each replica has its card to itself.
     #[arg(long, value_parser = on_off)]
     time_slicing: Option<bool>,
+    /// Result cache: serve a 2xx answer again for the same model version and input for this
+    /// long (30s, 10m, 1h; `off` removes the cache). Per tenant unless --cache-shared on.
+    #[arg(long)]
+    cache_ttl: Option<String>,
+    /// Result cache: answers kept on each router, MiB (least recently used go first).
+    #[arg(long)]
+    cache_mib: Option<u64>,
+    /// Result cache: `on` serves one tenant's cached answer to another (inputs carry nothing
+    /// private); `off` (the default) keys it by tenant.
+    #[arg(long, value_parser = on_off)]
+    cache_shared: Option<bool>,
 }
 
 fn on_off(s: &str) -> Result<bool, String> {
@@ -369,6 +380,14 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
                         c.protection_rank,
                         c.request_timeout_ms.as_ms()
                     );
+                    if let Some(cache) = c.cache {
+                        t.push_str(&format!(
+                            "  result cache {} s, {} MiB, {}",
+                            cache.ttl_s,
+                            cache.max_mib,
+                            if cache.shared { "shared" } else { "per tenant" }
+                        ));
+                    }
                     if let Some(slo) = c.slo_p99_ms {
                         t.push_str(&format!("  objective p99 {} ms", slo.as_ms()));
                     }
@@ -514,6 +533,7 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
             let mut c = match (existing, lane) {
                 (Some(c), _) => c,
                 (None, Some(lane)) => Class {
+                    cache: None,
                     name: a.class.clone(),
                     lane,
                     utilisation_target_pct: 70,
@@ -543,6 +563,31 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
             }
             if let Some(v) = a.slo_p99_ms {
                 c.slo_p99_ms = (v > 0.0).then(|| Millis::from_ms(v));
+            }
+            match a.cache_ttl.as_deref() {
+                Some("off") => c.cache = None,
+                Some(ttl) => {
+                    let ttl = humantime::parse_duration(ttl)
+                        .map_err(|e| anyhow::anyhow!("--cache-ttl {ttl:?}: {e}; e.g. 30s, 10m, 1h, or off"))?;
+                    let cache = c.cache.get_or_insert(laneway_control::registry::CacheSpec {
+                        ttl_s: 60,
+                        max_mib: 256,
+                        shared: false,
+                    });
+                    cache.ttl_s = ttl.as_secs();
+                }
+                None => {}
+            }
+            if a.cache_mib.is_some() || a.cache_shared.is_some() {
+                let Some(cache) = c.cache.as_mut() else {
+                    anyhow::bail!("class {} has no result cache: give --cache-ttl first", c.name);
+                };
+                if let Some(m) = a.cache_mib {
+                    cache.max_mib = m;
+                }
+                if let Some(s) = a.cache_shared {
+                    cache.shared = s;
+                }
             }
             if a.ttft_slo_ms.is_some() || a.itl_slo_ms.is_some() || a.scale_on.is_some() || a.kv_target_pct.is_some() {
                 let l = c.llm.get_or_insert_with(|| LlmPolicy {

@@ -1,0 +1,153 @@
+//! Result cache per class (ADR 0016): answers a replica gave with 2xx, kept for the class's TTL
+//! within a byte budget on each router, served again for the same model version and input.
+//!
+//! The key is a sha256 of the model entry, its version, the tenant (unless the class allows
+//! sharing) and the input in canonical JSON (keys sorted, no whitespace), so two clients
+//! sending the same input in another order or layout hit the same answer. A new version is a
+//! new key, so it never serves the old version's answers.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use hyper::header::HeaderValue;
+use sha2::{Digest, Sha256};
+
+use crate::registry::CacheSpec;
+
+/// Response header: `hit`, `miss` or `bypass`.
+pub const CACHE_HEADER: &str = "x-laneway-cache";
+/// Request header value (of [`CACHE_HEADER`]) that skips the lookup; the fresh answer is kept.
+pub const BYPASS: &str = "bypass";
+
+pub type Key = [u8; 32];
+
+/// An answer as the replica gave it.
+#[derive(Debug)]
+pub struct Cached {
+    pub status: u16,
+    pub content_type: Option<HeaderValue>,
+    pub body: Bytes,
+}
+
+/// One class's cache on one router.
+pub struct ClassCache {
+    spec: CacheSpec,
+    entries: moka::sync::Cache<Key, Arc<Cached>>,
+}
+
+impl std::fmt::Debug for ClassCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClassCache")
+            .field("spec", &self.spec)
+            .field("entries", &self.entries.entry_count())
+            .finish()
+    }
+}
+
+impl ClassCache {
+    pub fn new(spec: CacheSpec) -> Self {
+        let entries = moka::sync::Cache::builder()
+            .max_capacity(spec.max_mib.saturating_mul(1 << 20))
+            .weigher(|_k: &Key, v: &Arc<Cached>| u32::try_from(v.body.len() + 256).unwrap_or(u32::MAX))
+            .time_to_live(Duration::from_secs(spec.ttl_s))
+            .build();
+        ClassCache { spec, entries }
+    }
+
+    pub fn spec(&self) -> CacheSpec {
+        self.spec
+    }
+
+    /// The key of `body` (an inference request) for `entry@version` from `tenant`; `None` when
+    /// the body is not JSON (it is then neither looked up nor kept).
+    pub fn key(&self, entry: &str, version: &str, tenant: &str, body: &[u8]) -> Option<Key> {
+        let value: serde_json::Value = serde_json::from_slice(body).ok()?;
+        // serde_json's map is ordered by key: this is the canonical form.
+        let canonical = serde_json::to_vec(&value).ok()?;
+        let mut h = Sha256::new();
+        for part in [
+            entry.as_bytes(),
+            version.as_bytes(),
+            if self.spec.shared { b"" } else { tenant.as_bytes() },
+        ] {
+            h.update((part.len() as u64).to_le_bytes());
+            h.update(part);
+        }
+        h.update(&canonical);
+        Some(h.finalize().into())
+    }
+
+    pub fn get(&self, key: &Key) -> Option<Arc<Cached>> {
+        self.entries.get(key)
+    }
+
+    /// Keeps a 2xx answer (anything else is never cached).
+    pub fn put(&self, key: Key, answer: Cached) {
+        if (200..300).contains(&answer.status) {
+            self.entries.insert(key, Arc::new(answer));
+        }
+    }
+
+    /// Bytes held now (approximate: moka settles its accounting lazily).
+    pub fn weighted_bytes(&self) -> u64 {
+        self.entries.weighted_size()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cache(shared: bool) -> ClassCache {
+        ClassCache::new(CacheSpec {
+            ttl_s: 60,
+            max_mib: 1,
+            shared,
+        })
+    }
+
+    #[test]
+    fn keys_are_canonical_scoped_to_the_tenant_and_the_version() {
+        let c = cache(false);
+        let a = c.key("m", "1", "t1", br#"{"b":1,"a":[1,2]}"#).unwrap();
+        assert_eq!(
+            Some(a),
+            c.key("m", "1", "t1", br#"{ "a": [1, 2], "b": 1 }"#),
+            "key order and spaces do not matter"
+        );
+        assert_ne!(
+            Some(a),
+            c.key("m", "1", "t2", br#"{"b":1,"a":[1,2]}"#),
+            "another tenant"
+        );
+        assert_ne!(
+            Some(a),
+            c.key("m", "2", "t1", br#"{"b":1,"a":[1,2]}"#),
+            "another version"
+        );
+        assert_ne!(Some(a), c.key("m", "1", "t1", br#"{"b":1,"a":[2,1]}"#), "another input");
+        assert!(c.key("m", "1", "t1", b"not json").is_none());
+        let s = cache(true);
+        assert_eq!(
+            s.key("m", "1", "t1", b"{}"),
+            s.key("m", "1", "t2", b"{}"),
+            "shared across tenants"
+        );
+    }
+
+    #[test]
+    fn only_successful_answers_are_kept() {
+        let c = cache(false);
+        let k = c.key("m", "1", "t", b"{}").unwrap();
+        let answer = |status| Cached {
+            status,
+            content_type: None,
+            body: Bytes::from_static(b"x"),
+        };
+        c.put(k, answer(500));
+        assert!(c.get(&k).is_none());
+        c.put(k, answer(200));
+        assert_eq!(c.get(&k).unwrap().body, Bytes::from_static(b"x"));
+    }
+}
