@@ -395,6 +395,7 @@ fn durable_fleet(nodes: usize) -> AppState {
     let mut s = AppState::default();
     s.registry
         .put_class(&Class {
+            fallback_response: None,
             cache: None,
             name: "video".into(),
             lane: LaneKind::Durable,
@@ -412,6 +413,7 @@ fn durable_fleet(nodes: usize) -> AppState {
         .unwrap();
     s.registry
         .put_model(&Model {
+            fallback: None,
             name: "wan-video".into(),
             class: "video".into(),
             version: "1".into(),

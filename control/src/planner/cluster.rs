@@ -204,6 +204,7 @@ mod tests {
 
     fn model(name: &str, class: &str, product: &str) -> Model {
         Model {
+            fallback: None,
             name: name.into(),
             class: class.into(),
             version: "1".into(),

@@ -812,6 +812,7 @@ mod tests {
             tokens_per_s: None,
         };
         let model = |name: &str, class: &str, profiles: Vec<(&str, u32)>| Model {
+            fallback: None,
             name: name.into(),
             class: class.into(),
             version: "1".into(),

@@ -136,6 +136,26 @@ pub struct Class {
     /// Answers kept and served again for the same input (sync and bounded lanes; opt-in).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache: Option<CacheSpec>,
+    /// What the lane answers for a model with no healthy replica (and no fallback model that
+    /// has one), instead of 503: e.g. an empty recommendation list. Marked
+    /// `x-laneway-degraded: fallback-response`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback_response: Option<FallbackResponse>,
+}
+
+/// A class's canned answer for when a model cannot be served.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FallbackResponse {
+    /// HTTP status, 200-299 (an error needs no configuration).
+    #[serde(default = "default_fallback_status")]
+    pub status: u16,
+    /// The body, JSON.
+    pub body: String,
+}
+
+fn default_fallback_status() -> u16 {
+    200
 }
 
 /// A class's result cache (ADR 0016): the key is the model version and the input as JSON in
@@ -295,6 +315,10 @@ pub struct Model {
     /// it is a version of. Never given in a model file.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub serves: Option<String>,
+    /// Another model (e.g. a smaller variant) that answers this one's requests while it has no
+    /// healthy replica; the answer says so (`x-laneway-fallback`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback: Option<String>,
 }
 
 impl Model {
@@ -572,6 +596,7 @@ impl Class {
     /// per replica.
     pub(crate) fn for_test(name: &str, lane: LaneKind) -> Class {
         Class {
+            fallback_response: None,
             cache: None,
             name: name.into(),
             lane,
@@ -625,6 +650,19 @@ impl Class {
     pub fn validate(&self) -> Result<(), String> {
         validate_name("class", &self.name)?;
         let n = &self.name;
+        if let Some(f) = &self.fallback_response {
+            if self.lane == LaneKind::Durable || !(200..300).contains(&f.status) {
+                return Err(format!(
+                    "class {n}: fallback_response is for sync and bounded lanes, with a 2xx status (got {})",
+                    f.status
+                ));
+            }
+            if f.body.len() > 64 * 1024 || serde_json::from_str::<serde_json::Value>(&f.body).is_err() {
+                return Err(format!(
+                    "class {n}: fallback_response.body must be a JSON document of at most 64 KiB"
+                ));
+            }
+        }
         if let Some(c) = &self.cache {
             if self.lane == LaneKind::Durable {
                 return Err(format!(
@@ -827,6 +865,7 @@ impl Registry {
 
     pub fn put_model(&mut self, model: &Model) -> Result<(), String> {
         model.validate()?;
+        self.check_fallback(model)?;
         if model.serves.is_some() {
             return Err(format!(
                 "model {}: `serves` is set by the registry, not in a model file; remove it",
@@ -853,6 +892,27 @@ impl Registry {
             return Err(format!("{MAX_ENTRIES} models already; remove one first"));
         }
         self.models.insert(model.name.clone(), model.clone());
+        Ok(())
+    }
+
+    /// A model's fallback names another existing model, not in a durable class.
+    fn check_fallback(&self, model: &Model) -> Result<(), String> {
+        let Some(f) = &model.fallback else { return Ok(()) };
+        if f == model.public_name() {
+            return Err(format!("model {}: a model cannot be its own fallback", model.name));
+        }
+        let Some(fm) = self.models.get(self.serving_entry(f)) else {
+            return Err(format!(
+                "model {}: fallback {f:?} is not registered; register it first (`lanectl model list` shows the models)",
+                model.name
+            ));
+        };
+        if self.classes.get(&fm.class).is_some_and(|c| c.lane == LaneKind::Durable) {
+            return Err(format!(
+                "model {}: fallback {f} is in a durable class; a fallback answers synchronously",
+                model.name
+            ));
+        }
         Ok(())
     }
 
@@ -918,6 +978,7 @@ impl Registry {
             };
         }
         model.validate()?;
+        self.check_fallback(model)?;
         let key = rollout::entry_key(&model.name, &model.version);
         if self.models.len() >= MAX_ENTRIES {
             return Err(format!("{MAX_ENTRIES} models already; retire old versions first"));
@@ -1280,6 +1341,7 @@ mod tests {
 
     fn model(name: &str, class: &str) -> Model {
         Model {
+            fallback: None,
             name: name.into(),
             class: class.into(),
             version: "1".into(),

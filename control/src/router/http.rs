@@ -247,6 +247,8 @@ pub(super) struct Meta {
     pub(super) request_id: String,
     pub(super) lane: Option<&'static str>,
     pub(super) class: Option<HeaderValue>,
+    /// The model this request was for, when its fallback answers it.
+    pub(super) fallback_for: Option<HeaderValue>,
     /// Where to keep the answer, and what the response says about the cache (`miss` or
     /// `bypass`).
     pub(super) cache: Option<(Arc<super::cache::ClassCache>, super::cache::Key, &'static str)>,
@@ -274,6 +276,48 @@ pub(super) fn stamp(h: &mut HeaderMap, meta: &Meta) {
     if let Some(c) = &meta.class {
         h.insert(CLASS, c.clone());
     }
+    if let Some(m) = &meta.fallback_for {
+        h.insert(FALLBACK_FOR, m.clone());
+    }
+}
+
+/// Response header on an answer a fallback model gave: the model the request was for.
+pub const FALLBACK_FOR: &str = "x-laneway-fallback-for";
+
+/// The route that answers a request for `route` at `now_ms`: itself while it has a healthy
+/// replica; else its fallback model if that one has; else `Err` with the class's canned
+/// answer when it configures one (marked degraded), or itself (refused as usual).
+fn healthy_or_fallback(
+    router: &Router,
+    table: &Table,
+    route: &Arc<ModelRoute>,
+    meta: &mut Meta,
+) -> Result<Arc<ModelRoute>, Response> {
+    let now_ms = router.now_ms(Instant::now());
+    if route.is_healthy(now_ms) {
+        return Ok(route.clone());
+    }
+    let fallback = route.fallback.as_deref().and_then(|f| table.route(f, now_ms));
+    if let Some(fb) = fallback.filter(|f| f.is_healthy(now_ms) && f.class.lane != crate::registry::LaneKind::Durable) {
+        tracing::debug!(model = %route.public, fallback = %fb.public, "no healthy replica: the fallback model answers");
+        meta.fallback_for = HeaderValue::from_str(&route.public).ok();
+        meta.lane = Some(fb.class.lane.as_str());
+        meta.class = Some(fb.class_header.clone());
+        return Ok(fb);
+    }
+    if let Some(canned) = &route.class.fallback_response {
+        let status = StatusCode::from_u16(canned.status).unwrap_or(StatusCode::OK);
+        let mut r = (status, canned.body.clone()).into_response();
+        r.headers_mut().insert(
+            axum::http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        r.headers_mut()
+            .insert(DEGRADED, HeaderValue::from_static("fallback-response"));
+        stamp(r.headers_mut(), meta);
+        return Err(r);
+    }
+    Ok(route.clone())
 }
 
 pub(super) fn with_retry_after(mut r: Response, wait: Duration) -> Response {
@@ -525,6 +569,17 @@ async fn serve_infer(
     let route = match lookup(&router, &table, &model, &mut meta) {
         Ok(r) => r,
         Err(r) => return r,
+    };
+    let route = match healthy_or_fallback(&router, &table, &route, &mut meta) {
+        Ok(r) => r,
+        Err(canned) => {
+            // Metered as a request no replica served (no GPU time).
+            let mut record = RequestRecord::new(&meta.request_id, &route, &tenant.name);
+            record.status = canned.status().as_u16();
+            record.degraded = true;
+            router.record(record);
+            return canned;
+        }
     };
     let class = route.class.clone();
     let body = match read_body(body, "send a smaller input or a URI", &meta) {
@@ -999,17 +1054,22 @@ mod tests {
     /// A simulated `whisper` replica on L4 taking `service_ms` per batch (max 4), serving on a
     /// free port.
     async fn sim_replica(service_ms: f64) -> SocketAddr {
+        sim_replica_of("whisper", service_ms).await
+    }
+
+    /// [`sim_replica`] serving `model`.
+    async fn sim_replica_of(model: &'static str, service_ms: f64) -> SocketAddr {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
-        tokio::spawn(sim_replica_on(l, service_ms));
+        tokio::spawn(sim_replica_on(l, model, service_ms));
         addr
     }
 
-    /// [`sim_replica`] on `l`; runs until the test ends.
-    async fn sim_replica_on(l: TcpListener, service_ms: f64) {
+    /// [`sim_replica_of`] on `l`; runs until the test ends.
+    async fn sim_replica_on(l: TcpListener, model: &str, service_ms: f64) {
         use laneway_agent::sim_model::{self, SimModelConfig};
         let sim = sim_model::app(SimModelConfig {
-            model: "whisper".into(),
+            model: model.into(),
             product: "L4".into(),
             service_ms: [("L4".to_string(), service_ms)].into(),
             max_batch: 4,
@@ -1167,7 +1227,7 @@ mod tests {
         assert!(r.text().await.unwrap().contains("health probe"));
         // Let a probe find it down, then bring it back on the same port.
         tokio::time::sleep(super::super::table::PROBE_EVERY * 2).await;
-        let back = sim_replica_on(TcpListener::bind(addr).await.unwrap(), 1.0);
+        let back = sim_replica_on(TcpListener::bind(addr).await.unwrap(), "whisper", 1.0);
         tokio::spawn(back);
         let started = tokio::time::Instant::now();
         while infer_once(&server).await.status() != StatusCode::OK {
@@ -1412,6 +1472,92 @@ mod tests {
         assert_eq!(served().await, 3);
         let c = lane.lock().counters;
         assert_eq!((c.cache_hit, c.cache_miss), (1, 3));
+        server.stop().await;
+    }
+
+    /// A model with no healthy replica is answered by its fallback model, and says so; a
+    /// model without a fallback, in a class with a canned answer, gets the canned answer,
+    /// marked degraded.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn no_healthy_replica_means_the_fallback_model_or_the_lanes_canned_answer() {
+        use crate::registry::{FallbackResponse, ReplicaRecord, Tenant};
+        let tiny = sim_replica_of("tiny", 1.0).await;
+        let dead = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let (fleet, mut reg) = super::super::table::test_fixture();
+        let whisper = reg.models["whisper"].clone();
+        reg.put_model(&crate::registry::Model {
+            name: "tiny".into(),
+            ..whisper.clone()
+        })
+        .unwrap();
+        reg.put_model(&crate::registry::Model {
+            fallback: Some("tiny".into()),
+            ..whisper.clone()
+        })
+        .unwrap();
+        reg.put_model(&crate::registry::Model {
+            name: "ghost".into(),
+            ..whisper.clone()
+        })
+        .unwrap();
+        assert!(reg
+            .put_model(&crate::registry::Model {
+                fallback: Some("nope".into()),
+                ..whisper.clone()
+            })
+            .unwrap_err()
+            .contains("not registered"));
+        let mut speech = reg.classes["speech"].clone();
+        speech.fallback_response = Some(FallbackResponse {
+            status: 200,
+            body: r#"{"outputs":[]}"#.into(),
+        });
+        reg.put_class(&speech).unwrap();
+        reg.create_tenant(&Tenant {
+            name: "t".into(),
+            key_sha256: hash_key("k"),
+            limits: Default::default(),
+        })
+        .unwrap();
+        let replica = |id: &str, model: &str, addr: SocketAddr| ReplicaRecord {
+            id: id.into(),
+            model: model.into(),
+            device: "GPU-1".into(),
+            state: "ready".into(),
+            endpoint: addr.to_string(),
+        };
+        reg.set_node_replicas("n1", &[replica("w", "whisper", dead), replica("t", "tiny", tiny)]);
+        let dir = tempfile::tempdir().unwrap();
+        let router = Router::new(crate::store::StateMachineStore::open(dir.path()).unwrap());
+        router.install(super::super::table::build(&fleet, &reg, &Default::default()));
+        let server = serve(
+            router,
+            axum::Router::new(),
+            TcpListener::bind("127.0.0.1:0").await.unwrap(),
+            &RouterSettings::default(),
+        )
+        .unwrap();
+        let send = |model: &'static str| {
+            reqwest::Client::new()
+                .post(format!("http://{}/v2/models/{model}/infer", server.addr))
+                .bearer_auth("k")
+                .body(r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#)
+                .send()
+        };
+        // whisper's only replica is down: the first request finds out (and ejects it).
+        assert_eq!(send("whisper").await.unwrap().status(), StatusCode::BAD_GATEWAY);
+        let r = send("whisper").await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+        assert_eq!(r.headers()["x-laneway-fallback-for"], "whisper");
+        assert_eq!(r.headers()["x-laneway-replica"], "n1/t");
+        // ghost has no replica and no fallback: the lane's canned answer, marked.
+        let r = send("ghost").await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+        assert_eq!(r.headers()["x-laneway-degraded"], "fallback-response");
+        assert_eq!(r.text().await.unwrap(), r#"{"outputs":[]}"#);
         server.stop().await;
     }
 

@@ -965,6 +965,7 @@ mod tests {
 
     fn class(lane: LaneKind, budget_ms: f64) -> Arc<Class> {
         Arc::new(Class {
+            fallback_response: None,
             cache: None,
             name: "c".into(),
             lane,
@@ -995,6 +996,7 @@ mod tests {
             class,
             replicas: vec![table::test_slot("m", slots)],
             llm: None,
+            fallback: None,
         }
     }
 

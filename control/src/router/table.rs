@@ -195,9 +195,16 @@ pub struct ModelRoute {
     pub replicas: Vec<Arc<ReplicaSlot>>,
     /// A language model's spec: served on the OpenAI-compatible paths.
     pub llm: Option<crate::registry::LlmSpec>,
+    /// The model that answers while this one has no healthy replica.
+    pub fallback: Option<String>,
 }
 
 impl ModelRoute {
+    /// Whether a replica of it is ready and not ejected at `now_ms` (busy or not).
+    pub fn is_healthy(&self, now_ms: u64) -> bool {
+        self.replicas.iter().any(|s| !s.is_ejected(now_ms))
+    }
+
     /// Requests per second the ready replicas can finish, from the profiles.
     pub fn capacity_per_s(&self) -> f64 {
         self.replicas
@@ -399,6 +406,7 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &Table) -> Table {
                     class,
                     replicas: by_model.remove(m.name.as_str()).unwrap_or_default(),
                     llm: m.llm.clone(),
+                    fallback: m.fallback.clone(),
                 }),
             ))
         })
@@ -485,6 +493,7 @@ pub fn test_fixture() -> (Fleet, Registry) {
     })
     .unwrap();
     reg.put_model(&Model {
+        fallback: None,
         name: "whisper".into(),
         class: "speech".into(),
         version: "1".into(),
@@ -541,6 +550,7 @@ impl ModelRoute {
             class_header: self.class_header.clone(),
             replicas: self.replicas.clone(),
             llm: self.llm.clone(),
+            fallback: self.fallback.clone(),
         }
     }
 }

@@ -213,6 +213,7 @@ mod tests {
         })
         .unwrap();
         r.put_model(&Model {
+            fallback: None,
             name: "whisper".into(),
             class: "speech".into(),
             version: "1".into(),

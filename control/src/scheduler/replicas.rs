@@ -629,6 +629,7 @@ mod tests {
             tokens_per_s: None,
         };
         r.put_model(&Model {
+            fallback: None,
             name: "whisper".into(),
             class: "speech".into(),
             version: "1".into(),

@@ -93,6 +93,11 @@ pub struct LaneSetArgs {
     /// private); `off` (the default) keys it by tenant.
     #[arg(long, value_parser = on_off)]
     cache_shared: Option<bool>,
+    /// What the lane answers (HTTP 200, this JSON) for a model with no healthy replica and no
+    /// fallback model, instead of 503; marked `x-laneway-degraded: fallback-response`. `off`
+    /// removes it.
+    #[arg(long, value_name = "JSON")]
+    fallback_response: Option<String>,
 }
 
 fn on_off(s: &str) -> Result<bool, String> {
@@ -533,6 +538,7 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
             let mut c = match (existing, lane) {
                 (Some(c), _) => c,
                 (None, Some(lane)) => Class {
+                    fallback_response: None,
                     cache: None,
                     name: a.class.clone(),
                     lane,
@@ -563,6 +569,16 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
             }
             if let Some(v) = a.slo_p99_ms {
                 c.slo_p99_ms = (v > 0.0).then(|| Millis::from_ms(v));
+            }
+            match a.fallback_response.as_deref() {
+                Some("off") => c.fallback_response = None,
+                Some(body) => {
+                    c.fallback_response = Some(laneway_control::registry::FallbackResponse {
+                        status: 200,
+                        body: body.to_string(),
+                    })
+                }
+                None => {}
             }
             match a.cache_ttl.as_deref() {
                 Some("off") => c.cache = None,
@@ -664,6 +680,7 @@ pub async fn model(client: &AdminClient, out: Output, cmd: ModelCmd) -> anyhow::
             let mut m = match &a.file {
                 Some(p) => read_model_file(p)?,
                 None => Model {
+                    fallback: None,
                     name: a
                         .name
                         .clone()
