@@ -33,6 +33,9 @@ enum Cmd {
     /// traffic of every lane, faults drawn from a seed, checkers on the history and the healed
     /// cluster, a report; exit code 1 on any violation, with the seed to replay it.
     Run(run::RunArgs),
+    /// A scenario's cluster under its lane mix, ramped in steps until an objective breaks: the
+    /// figures at the target rate and at the breaking point, and what gave out first.
+    Load(run::load::LoadArgs),
     /// How many agents heartbeating at 1 Hz one leader sustains (lag p99 < 1 s).
     Heartbeats(heartbeat_bench::HeartbeatArgs),
     /// Router overhead against a no-op replica: max throughput and added p50/p99 at a fixed
@@ -67,6 +70,7 @@ fn main() -> ExitCode {
             Cmd::Bench(args) => bench::run(args).await,
             Cmd::Heartbeats(args) => heartbeat_bench::run(args).await,
             Cmd::Run(args) => run::run(args).await,
+            Cmd::Load(args) => run::load::run(args).await,
             Cmd::Router(args) => router_bench::run(args).await,
             Cmd::Placement(args) => placement_bench::run(args),
             Cmd::Jobs(args) => jobs_bench::run(args).await,

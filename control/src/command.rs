@@ -297,7 +297,7 @@ impl Command {
             | Command::SetNodeFlags { .. } => 1,
             Command::Batch(commands) => commands.iter().map(Command::format).max().unwrap_or(1),
             // An older binary refuses a class with fields it does not know.
-            Command::PutClass(c) if c.cache.is_some() || c.fallback_response.is_some() => 9,
+            Command::PutClass(c) if c.cache.is_some() || c.fallback_response.is_some() || c.overflow.is_some() => 9,
             Command::PutModel(m) if m.fallback.is_some() => 9,
             Command::PutClass(c) if c.time_slicing => 7,
             Command::PutClass(c) if c.llm.is_some() => 6,
@@ -313,7 +313,7 @@ impl Command {
             }
             Command::SetTenantLimit { limit: Some(l), .. } if l.tokens_per_min.is_some() => 6,
             // Requests over the objective are counted for rollouts (format 9).
-            Command::RecordUsage(r) if r.rows.iter().any(|u| u.slow > 0) => 9,
+            Command::RecordUsage(r) if r.rows.iter().any(|u| u.slow > 0 || u.overflow_nanos > 0) => 9,
             Command::RecordUsage(r) if r.rows.iter().any(|u| u.input_tokens > 0 || u.output_tokens > 0) => 6,
             Command::PutClass(c) if c.slo_p99_ms.is_some() || !c.tolerations.is_empty() => 5,
             Command::PutModel(m) if m.runtime.in_flight.is_some() => 5,

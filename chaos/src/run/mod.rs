@@ -10,6 +10,7 @@ pub mod backend;
 pub mod checkers;
 pub mod docker;
 pub mod inject;
+pub mod load;
 pub mod process;
 pub mod scenario;
 pub mod traffic;
@@ -272,7 +273,11 @@ async fn caught_up(addrs: &[String], limit: Duration) -> anyhow::Result<()> {
 
 /// The harness's classes, models (replicas are `laneway-sim-model` processes) and tenants.
 /// Returns (tenant, API key) pairs.
-async fn register<B: Backend>(admin: &AdminClient, s: &Scenario, b: &B) -> anyhow::Result<Vec<(String, String)>> {
+pub(crate) async fn register<B: Backend>(
+    admin: &AdminClient,
+    s: &Scenario,
+    b: &B,
+) -> anyhow::Result<Vec<(String, String)>> {
     let classes = [
         json!({"name": "interactive", "lane": "sync", "warm_floor": 2, "protection_rank": 0,
                "utilisation_target_pct": 60, "request_timeout_ms": Lane::Sync.timeout().as_millis() as u64}),

@@ -395,6 +395,7 @@ fn durable_fleet(nodes: usize) -> AppState {
     let mut s = AppState::default();
     s.registry
         .put_class(&Class {
+            overflow: None,
             fallback_response: None,
             cache: None,
             name: "video".into(),

@@ -39,6 +39,7 @@ struct Sums {
     input_tokens: u64,
     output_tokens: u64,
     slow: u64,
+    overflow_nanos: u64,
 }
 
 /// Usage this router served and has not yet reported.
@@ -102,6 +103,9 @@ impl Meter {
         sums.requests += 1;
         sums.ok += u64::from((200..300).contains(&rec.status));
         sums.slow += u64::from(slow);
+        sums.overflow_nanos = sums
+            .overflow_nanos
+            .saturating_add(rec.overflow_micros.saturating_mul(1000));
         sums.gpu_us = sums.gpu_us.saturating_add(gpu_us);
         // Tokens count only for requests a replica worked on (a refused request's estimate is
         // not usage).
@@ -140,6 +144,7 @@ impl Meter {
                 input_tokens: v.input_tokens,
                 output_tokens: v.output_tokens,
                 slow: v.slow,
+                overflow_nanos: v.overflow_nanos,
             })
             .collect();
         s.seq += 1;

@@ -163,7 +163,14 @@ pub struct Usage {
     /// rollout judges a version's latency on.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub slow: u64,
+    /// What the lane's overflow endpoint charged for these requests, nano-dollars (product
+    /// [`OVERFLOW_PRODUCT`]).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub overflow_nanos: u64,
 }
+
+/// The product a request sent to a lane's overflow endpoint is metered under.
+pub const OVERFLOW_PRODUCT: &str = "overflow";
 
 /// A router's usage since its previous report. `(reporter, incarnation, seq)` makes applying
 /// it idempotent: a report retried after a lost reply is not counted twice.
@@ -447,8 +454,9 @@ impl Ledger {
         let hours = self.hours.range(since_ms.saturating_sub(HOUR_MS - 1)..);
         let minutes = self.minutes.range(since_ms.saturating_sub(MINUTE_MS - 1)..);
         for row in hours.chain(minutes).flat_map(|(_, b)| b.iter()) {
-            // Only what reached a card: refusals and sheds say nothing about a version.
-            if row.key.model != model || row.key.product.is_empty() {
+            // Only what reached a card: refusals, sheds and the overflow endpoint's answers say
+            // nothing about a version.
+            if row.key.model != model || row.key.product.is_empty() || row.key.product == OVERFLOW_PRODUCT {
                 continue;
             }
             let s = out.entry(row.key.version.clone()).or_default();
@@ -481,6 +489,7 @@ impl Ledger {
             Some((pool, tier)) => (pool.clone(), tier.as_str().to_string()),
             None => (String::new(), String::new()),
         };
+        counts.cost_nanos = counts.cost_nanos.saturating_add(u.overflow_nanos);
         if u.gpu_us > 0 {
             let rate = placed.as_ref().and_then(|(_, t)| self.price(&product, *t));
             let fraction = mig_fraction(&product, u.mig_profile.as_deref());

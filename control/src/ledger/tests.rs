@@ -51,6 +51,7 @@ fn usage(
     gpu_us: u64,
 ) -> Usage {
     Usage {
+        overflow_nanos: 0,
         class: class.into(),
         lane: "sync".into(),
         model: model.into(),

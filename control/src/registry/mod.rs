@@ -141,6 +141,22 @@ pub struct Class {
     /// `x-laneway-degraded: fallback-response`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fallback_response: Option<FallbackResponse>,
+    /// An external endpoint (a hosted API) that takes the requests above the lane's own
+    /// capacity instead of refusing them (ADR 0017).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overflow: Option<OverflowSpec>,
+}
+
+/// A lane's overflow endpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OverflowSpec {
+    /// Base URL, `http://host:port[/prefix]`: requests go to `<url>/v2/models/<model>/infer`.
+    pub url: String,
+    /// Requests in flight to it at once, per router; above it the lane refuses as without.
+    pub max_in_flight: u32,
+    /// What it charges per request, micro-dollars (the ledger meters it as the request's cost).
+    pub micros_per_request: u64,
 }
 
 /// A class's canned answer for when a model cannot be served.
@@ -596,6 +612,7 @@ impl Class {
     /// per replica.
     pub(crate) fn for_test(name: &str, lane: LaneKind) -> Class {
         Class {
+            overflow: None,
             fallback_response: None,
             cache: None,
             name: name.into(),
@@ -650,6 +667,30 @@ impl Class {
     pub fn validate(&self) -> Result<(), String> {
         validate_name("class", &self.name)?;
         let n = &self.name;
+        if let Some(o) = &self.overflow {
+            if self.lane == LaneKind::Durable {
+                return Err(format!(
+                    "class {n}: a durable lane queues its excess as jobs; overflow is for sync and bounded lanes"
+                ));
+            }
+            let url = o.url.trim_end_matches('/');
+            if url.starts_with("https://") {
+                return Err(format!(
+                    "class {n}: overflow url {url:?}: https endpoints are not supported yet; point it at an egress proxy that speaks http on your network"
+                ));
+            }
+            if !url.starts_with("http://") || format!("{url}/v2/models/m/infer").parse::<hyper::Uri>().is_err() {
+                return Err(format!(
+                    "class {n}: overflow url {url:?}: give http://host:port[/prefix]"
+                ));
+            }
+            if o.max_in_flight == 0 || o.max_in_flight > 10_000 {
+                return Err(format!(
+                    "class {n}: overflow max_in_flight = {}: give 1-10000",
+                    o.max_in_flight
+                ));
+            }
+        }
         if let Some(f) = &self.fallback_response {
             if self.lane == LaneKind::Durable || !(200..300).contains(&f.status) {
                 return Err(format!(

@@ -636,6 +636,13 @@ async fn serve_infer(
     let admitted = match router.acquire(&route, arrived).await {
         Ok(a) => a,
         Err(refusal) => {
+            // Above the lane's capacity: its overflow endpoint, if it has one and can take it.
+            if matches!(refusal, Refusal::NoSlot { .. } | Refusal::OverBudget { .. }) {
+                record = match overflow(&router, &table, &route, &body, &headers, &meta, record, arrived).await {
+                    Ok(answered) => return answered,
+                    Err(record) => record,
+                };
+            }
             let r = refusal_response(&refusal, &route, &meta);
             record.status = r.status().as_u16();
             record.queue_ms = arrived.elapsed().as_secs_f64() * 1000.0;
@@ -645,6 +652,73 @@ async fn serve_infer(
     };
     router.mirror(&table, &route, &body, &meta.request_id);
     dispatch(&router, &route, admitted, body, &headers, arrived, meta, record).await
+}
+
+/// Sends a request the lane has no capacity for to its overflow endpoint (ADR 0017).
+/// `Err(record)`: not sent, or it failed — the caller refuses as it would have without.
+#[allow(clippy::too_many_arguments)]
+async fn overflow(
+    router: &Router,
+    table: &Table,
+    route: &ModelRoute,
+    body: &Bytes,
+    headers: &HeaderMap,
+    meta: &Meta,
+    mut record: RequestRecord,
+    arrived: Instant,
+) -> Result<Response, RequestRecord> {
+    let Some(ov) = table.overflows.get(&route.class.name) else {
+        return Err(record);
+    };
+    let (Some(slot), Some(uri)) = (ov.try_acquire(router.now_ms(Instant::now())), ov.uri(&route.public)) else {
+        return Err(record);
+    };
+    let left = (arrived + route.class.request_timeout_ms.as_duration()).saturating_duration_since(Instant::now());
+    let started = Instant::now();
+    let sent = router
+        .send(
+            &uri,
+            "overflow",
+            body.clone(),
+            &meta.request_id,
+            headers.get("traceparent"),
+            left,
+        )
+        .await;
+    drop(slot);
+    let f = match sent {
+        Ok(f) if f.status.is_success() || f.status.is_client_error() => f,
+        other => {
+            let why = match other {
+                Ok(f) => format!("answered {}", f.status),
+                Err(e) => format!("{e:?}"),
+            };
+            if ov.failed(router.now_ms(Instant::now())) {
+                tracing::warn!(class = %route.class.name, url = %ov.spec.url, %why, "overflow endpoint failed {} times in a row: not used for {} s", super::overflow::BREAKER_FAILURES, super::overflow::BREAKER_OPEN.as_secs());
+            } else {
+                tracing::debug!(class = %route.class.name, url = %ov.spec.url, %why, "overflow endpoint failed");
+            }
+            return Err(record);
+        }
+    };
+    ov.succeeded();
+    route.lane.lock().counters.overflowed += 1;
+    // No node: nothing of the fleet's is billed for it.
+    record.replica = Some(crate::ledger::OVERFLOW_PRODUCT.into());
+    record.product = Some(crate::ledger::OVERFLOW_PRODUCT.into());
+    record.service_ms = started.elapsed().as_secs_f64() * 1000.0;
+    record.queue_ms = started.saturating_duration_since(arrived).as_secs_f64() * 1000.0;
+    record.status = f.status.as_u16();
+    record.overflow_micros = ov.spec.micros_per_request;
+    let mut r = (f.status, f.body).into_response();
+    if let Some(ct) = f.content_type {
+        r.headers_mut().insert(axum::http::header::CONTENT_TYPE, ct);
+    }
+    r.headers_mut()
+        .insert(super::overflow::OVERFLOW_HEADER, HeaderValue::from_static("1"));
+    stamp(r.headers_mut(), meta);
+    router.record(record);
+    Ok(r)
 }
 
 pub(super) fn refusal_response(refusal: &Refusal, route: &ModelRoute, meta: &Meta) -> Response {
@@ -1558,6 +1632,89 @@ mod tests {
         assert_eq!(r.status(), StatusCode::OK);
         assert_eq!(r.headers()["x-laneway-degraded"], "fallback-response");
         assert_eq!(r.text().await.unwrap(), r#"{"outputs":[]}"#);
+        server.stop().await;
+    }
+
+    /// A sync lane with an overflow endpoint (a simulated model server playing a hosted API):
+    /// requests the replica has slots for stay on the fleet; the excess goes out, marked, and
+    /// is metered at the endpoint's price per request.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn overflow_takes_only_the_excess_and_is_metered_at_its_price() {
+        use crate::registry::{OverflowSpec, ReplicaRecord, Tenant};
+        let owned = sim_replica(400.0).await;
+        let hosted = sim_replica(5.0).await;
+        let (fleet, mut reg) = super::super::table::test_fixture();
+        let mut speech = reg.classes["speech"].clone();
+        speech.overflow = Some(OverflowSpec {
+            url: format!("http://{hosted}/"),
+            max_in_flight: 8,
+            micros_per_request: 2_000,
+        });
+        reg.put_class(&speech).unwrap();
+        speech.overflow.as_mut().unwrap().url = "https://api.example.com".into();
+        assert!(reg
+            .put_class(&speech)
+            .unwrap_err()
+            .contains("https endpoints are not supported yet"));
+        reg.create_tenant(&Tenant {
+            name: "t".into(),
+            key_sha256: hash_key("k"),
+            limits: Default::default(),
+        })
+        .unwrap();
+        reg.set_node_replicas(
+            "n1",
+            &[ReplicaRecord {
+                id: "a".into(),
+                model: "whisper".into(),
+                device: "GPU-1".into(),
+                state: "ready".into(),
+                endpoint: owned.to_string(),
+            }],
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let router = Router::new(crate::store::StateMachineStore::open(dir.path()).unwrap());
+        router.install(super::super::table::build(&fleet, &reg, &Default::default()));
+        let server = serve(
+            router.clone(),
+            axum::Router::new(),
+            TcpListener::bind("127.0.0.1:0").await.unwrap(),
+            &RouterSettings::default(),
+        )
+        .unwrap();
+        // One request alone: the fleet has room.
+        let r = infer_once(&server).await;
+        assert_eq!(r.headers()["x-laneway-replica"], "n1/a");
+        assert!(r.headers().get("x-laneway-overflow").is_none());
+        // Eight at once against the replica's four slots.
+        let mut calls = tokio::task::JoinSet::new();
+        for _ in 0..8 {
+            let addr = server.addr;
+            calls.spawn(async move {
+                let r = reqwest::Client::new()
+                    .post(format!("http://{addr}/v2/models/whisper/infer"))
+                    .bearer_auth("k")
+                    .body(r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#)
+                    .send()
+                    .await
+                    .unwrap();
+                (r.status(), r.headers().contains_key("x-laneway-overflow"))
+            });
+        }
+        let mut out = 0;
+        while let Some(r) = calls.join_next().await {
+            let (status, overflowed) = r.unwrap();
+            assert_eq!(status, StatusCode::OK, "the excess is answered, not refused");
+            out += u64::from(overflowed);
+        }
+        assert_eq!(out, 4, "only what the replica's four slots could not take went out");
+        let report = router.meter().next_report(1, 0).unwrap();
+        let (requests, nanos): (u64, u64) = report
+            .rows
+            .iter()
+            .filter(|u| u.product.as_deref() == Some(crate::ledger::OVERFLOW_PRODUCT))
+            .fold((0, 0), |(r, n), u| (r + u.requests, n + u.overflow_nanos));
+        assert_eq!((requests, nanos), (4, 4 * 2_000_000), "metered at $0.002 a request");
         server.stop().await;
     }
 

@@ -49,6 +49,8 @@ pub struct LaneCounters {
     pub cache_hit: u64,
     /// Looked up in the result cache and not found (or bypassed).
     pub cache_miss: u64,
+    /// Above the lane's capacity, answered by its overflow endpoint.
+    pub overflowed: u64,
 }
 
 pub struct LaneState {

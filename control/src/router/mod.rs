@@ -14,6 +14,7 @@ pub mod jobs;
 pub mod lane;
 pub mod llm;
 pub mod metrics;
+pub mod overflow;
 pub mod table;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -150,6 +151,13 @@ pub struct RequestRecord {
     pub output_tokens: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttft_ms: Option<f64>,
+    /// What the overflow endpoint charged for it, micro-dollars (0: served by the fleet).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub overflow_micros: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 impl RequestRecord {
@@ -174,6 +182,7 @@ impl RequestRecord {
             input_tokens: 0,
             output_tokens: 0,
             ttft_ms: None,
+            overflow_micros: 0,
         }
     }
 }
@@ -695,9 +704,28 @@ impl Router {
         traceparent: Option<&HeaderValue>,
         timeout: Duration,
     ) -> Result<Forwarded, ForwardError> {
-        let span =
-            tracing::debug_span!(target: "laneway_trace", "dispatch", replica = %slot.name, otel.kind = "client");
-        let mut req = hyper::Request::post(slot.infer_uri.clone())
+        let r = self
+            .send(&slot.infer_uri, &slot.name, body, request_id, traceparent, timeout)
+            .await;
+        if r.as_ref().is_ok_and(|f| !fails_replica(f.status)) {
+            slot.health.answered();
+        }
+        r
+    }
+
+    /// Posts an inference request to `uri` (a replica, or the overflow endpoint `target`)
+    /// within `timeout`, with the deadline and the trace context.
+    async fn send(
+        &self,
+        uri: &hyper::Uri,
+        target: &str,
+        body: Bytes,
+        request_id: &str,
+        traceparent: Option<&HeaderValue>,
+        timeout: Duration,
+    ) -> Result<Forwarded, ForwardError> {
+        let span = tracing::debug_span!(target: "laneway_trace", "dispatch", replica = %target, otel.kind = "client");
+        let mut req = hyper::Request::post(uri.clone())
             .header(CONTENT_TYPE, "application/json")
             .header("x-request-id", request_id)
             .header(TIMEOUT_HEADER, replica_timeout_ms(timeout).to_string());
@@ -737,9 +765,6 @@ impl Router {
                 .await
                 .map_err(|e| ForwardError::Failed(format!("reading the answer: {e}")))?
                 .to_bytes();
-            if !fails_replica(parts.status) {
-                slot.health.answered();
-            }
             let gpu_ms = parts
                 .headers
                 .get(GPU_MS_HEADER)
@@ -965,6 +990,7 @@ mod tests {
 
     fn class(lane: LaneKind, budget_ms: f64) -> Arc<Class> {
         Arc::new(Class {
+            overflow: None,
             fallback_response: None,
             cache: None,
             name: "c".into(),

@@ -244,6 +244,8 @@ pub struct Table {
     pub shadows: HashMap<String, (u8, Arc<ModelRoute>)>,
     /// Class name → its result cache (classes that have one), kept across rebuilds.
     pub caches: HashMap<String, Arc<super::cache::ClassCache>>,
+    /// Class name → its overflow endpoint (classes that have one), kept across rebuilds.
+    pub overflows: HashMap<String, Arc<super::overflow::Overflow>>,
     /// sha256 of the API key → tenant.
     pub tenants: HashMap<String, Arc<TenantRoute>>,
     pub classes: HashMap<String, Arc<Class>>,
@@ -297,6 +299,7 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &Table) -> Table {
         .collect();
     let previous_lanes = &previous.lanes;
     let previous_caches = &previous.caches;
+    let previous_overflows = &previous.overflows;
     let previous = &previous_slots;
     let classes: HashMap<String, Arc<Class>> = registry
         .classes
@@ -326,6 +329,18 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &Table) -> Table {
                 .cloned()
                 .unwrap_or_else(|| Arc::new(super::cache::ClassCache::new(spec)));
             Some((c.name.clone(), cache))
+        })
+        .collect();
+    let overflows: HashMap<String, Arc<super::overflow::Overflow>> = classes
+        .values()
+        .filter_map(|c| {
+            let spec = c.overflow.clone()?;
+            let o = previous_overflows
+                .get(&c.name)
+                .filter(|o| o.spec == spec)
+                .cloned()
+                .unwrap_or_else(|| Arc::new(super::overflow::Overflow::new(spec)));
+            Some((c.name.clone(), o))
         })
         .collect();
     let mut by_model: HashMap<&str, Vec<Arc<ReplicaSlot>>> = HashMap::new();
@@ -452,6 +467,7 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &Table) -> Table {
         splits,
         shadows,
         caches,
+        overflows,
         tenants,
         classes,
         lanes,

@@ -336,6 +336,7 @@ impl AppState {
             gpus.iter().find(|g| &g.uuid == device).map(|g| g.product.clone())
         });
         let usage = crate::ledger::Usage {
+            overflow_nanos: 0,
             class: job.class.clone(),
             lane: self
                 .registry
@@ -1648,6 +1649,7 @@ mod tests {
                 seq,
                 at_ms,
                 rows: vec![crate::ledger::Usage {
+                    overflow_nanos: 0,
                     class: "speech".into(),
                     lane: "sync".into(),
                     model: "whisper".into(),

@@ -98,6 +98,16 @@ pub struct LaneSetArgs {
     /// removes it.
     #[arg(long, value_name = "JSON")]
     fallback_response: Option<String>,
+    /// Overflow endpoint (http://host:port[/prefix], a hosted API or a proxy to one): takes the
+    /// requests above the lane's own capacity instead of refusing them (`off` removes it).
+    #[arg(long, value_name = "URL")]
+    overflow_url: Option<String>,
+    /// Overflow: requests in flight to the endpoint at once, per router.
+    #[arg(long)]
+    overflow_max: Option<u32>,
+    /// Overflow: what the endpoint charges per request, US dollars (metered in the ledger).
+    #[arg(long)]
+    overflow_usd_per_request: Option<f64>,
 }
 
 fn on_off(s: &str) -> Result<bool, String> {
@@ -385,6 +395,14 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
                         c.protection_rank,
                         c.request_timeout_ms.as_ms()
                     );
+                    if let Some(o) = &c.overflow {
+                        t.push_str(&format!(
+                            "  overflow {} (≤{} at once, ${:.6}/request)",
+                            o.url,
+                            o.max_in_flight,
+                            o.micros_per_request as f64 / 1e6
+                        ));
+                    }
                     if let Some(cache) = c.cache {
                         t.push_str(&format!(
                             "  result cache {} s, {} MiB, {}",
@@ -538,6 +556,7 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
             let mut c = match (existing, lane) {
                 (Some(c), _) => c,
                 (None, Some(lane)) => Class {
+                    overflow: None,
                     fallback_response: None,
                     cache: None,
                     name: a.class.clone(),
@@ -569,6 +588,32 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
             }
             if let Some(v) = a.slo_p99_ms {
                 c.slo_p99_ms = (v > 0.0).then(|| Millis::from_ms(v));
+            }
+            match a.overflow_url.as_deref() {
+                Some("off") => c.overflow = None,
+                Some(url) => {
+                    let o = c.overflow.get_or_insert(laneway_control::registry::OverflowSpec {
+                        url: String::new(),
+                        max_in_flight: 16,
+                        micros_per_request: 0,
+                    });
+                    o.url = url.to_string();
+                }
+                None => {}
+            }
+            if a.overflow_max.is_some() || a.overflow_usd_per_request.is_some() {
+                let Some(o) = c.overflow.as_mut() else {
+                    anyhow::bail!("class {} has no overflow endpoint: give --overflow-url first", c.name);
+                };
+                if let Some(m) = a.overflow_max {
+                    o.max_in_flight = m;
+                }
+                if let Some(usd) = a.overflow_usd_per_request {
+                    if !(0.0..=1000.0).contains(&usd) {
+                        anyhow::bail!("--overflow-usd-per-request {usd}: give 0 to 1000");
+                    }
+                    o.micros_per_request = (usd * 1e6).round() as u64;
+                }
             }
             match a.fallback_response.as_deref() {
                 Some("off") => c.fallback_response = None,
