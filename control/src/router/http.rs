@@ -952,29 +952,64 @@ mod tests {
 
     /// A router whose table has `whisper` (tenant key `k`) on node n1's replicas at `replicas`.
     fn router_with(replicas: &[(&str, SocketAddr)]) -> (Arc<Router>, tempfile::TempDir) {
-        use crate::registry::{ReplicaRecord, Tenant};
+        let (fleet, mut reg) = fixture_with_tenant();
+        let records: Vec<_> = replicas.iter().map(|(id, addr)| ready(id, "whisper", *addr)).collect();
+        reg.set_node_replicas("n1", &records);
+        router_from(&fleet, &reg)
+    }
+
+    /// The router unit tests' fleet and registry with tenant `t` (key `k`).
+    fn fixture_with_tenant() -> (crate::fleet::Fleet, crate::registry::Registry) {
         let (fleet, mut reg) = super::super::table::test_fixture();
-        reg.create_tenant(&Tenant {
-            name: "t".into(),
-            key_sha256: hash_key("k"),
+        add_tenant(&mut reg, "t", "k");
+        (fleet, reg)
+    }
+
+    fn add_tenant(reg: &mut crate::registry::Registry, name: &str, key: &str) {
+        reg.create_tenant(&crate::registry::Tenant {
+            name: name.into(),
+            key_sha256: hash_key(key),
             limits: Default::default(),
         })
         .unwrap();
-        let records: Vec<ReplicaRecord> = replicas
-            .iter()
-            .map(|(id, addr)| ReplicaRecord {
-                id: id.to_string(),
-                model: "whisper".into(),
-                device: "GPU-1".into(),
-                state: "ready".into(),
-                endpoint: addr.to_string(),
-            })
-            .collect();
-        reg.set_node_replicas("n1", &records);
+    }
+
+    /// A ready replica `id` of the entry `model` on n1's GPU, at `addr`.
+    fn ready(id: &str, model: &str, addr: SocketAddr) -> crate::registry::ReplicaRecord {
+        crate::registry::ReplicaRecord {
+            id: id.into(),
+            model: model.into(),
+            device: "GPU-1".into(),
+            state: "ready".into(),
+            endpoint: addr.to_string(),
+        }
+    }
+
+    /// A router with the table built from `fleet` and `reg` (no controller behind it).
+    fn router_from(fleet: &crate::fleet::Fleet, reg: &crate::registry::Registry) -> (Arc<Router>, tempfile::TempDir) {
         let dir = tempfile::tempdir().unwrap();
         let router = Router::new(crate::store::StateMachineStore::open(dir.path()).unwrap());
-        router.install(super::super::table::build(&fleet, &reg, &Default::default()));
+        router.install(super::super::table::build(fleet, reg, &Default::default()));
         (router, dir)
+    }
+
+    /// Serves `router` on a free port with the default settings.
+    async fn serve_on_free_port(router: Arc<Router>) -> RouterServer {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        serve(router, axum::Router::new(), listener, &RouterSettings::default()).unwrap()
+    }
+
+    /// Requests the simulated replica at `addr` has received.
+    async fn sim_requests(addr: SocketAddr) -> u64 {
+        let text = reqwest::get(format!("http://{addr}/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix("laneway_sim_requests_total")?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("laneway_sim_requests_total in {text}"))
     }
 
     /// With traces exported, the router continues the client's W3C trace and hands the replica
@@ -1022,13 +1057,7 @@ mod tests {
         let addr = l.local_addr().unwrap();
         tokio::spawn(async move { axum::serve(l, replica).await });
         let (router, _dir) = router_with(&[("live", addr)]);
-        let server = serve(
-            router,
-            axum::Router::new(),
-            TcpListener::bind("127.0.0.1:0").await.unwrap(),
-            &RouterSettings::default(),
-        )
-        .unwrap();
+        let server = serve_on_free_port(router).await;
         let (trace, client_span) = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7");
         let incoming = format!("00-{trace}-{client_span}-01");
         let send = || {
@@ -1091,13 +1120,7 @@ mod tests {
         let dead_slot = slots.iter().find(|s| s.name == "n1/dead").unwrap();
         assert!(live_slot.try_acquire());
 
-        let server = serve(
-            router.clone(),
-            axum::Router::new(),
-            TcpListener::bind("127.0.0.1:0").await.unwrap(),
-            &RouterSettings::default(),
-        )
-        .unwrap();
+        let server = serve_on_free_port(router.clone()).await;
         let resp = reqwest::Client::new()
             .post(format!("http://{}/v2/models/whisper/infer", server.addr))
             .bearer_auth("k")
@@ -1154,15 +1177,20 @@ mod tests {
         let _ = axum::serve(l, sim).await;
     }
 
-    /// Sends one inference request for `whisper` through `server`.
-    async fn infer_once(server: &RouterServer) -> reqwest::Response {
+    /// Sends one inference request for `whisper` to the router at `addr` as tenant `k`.
+    async fn infer_at(addr: SocketAddr) -> reqwest::Response {
         reqwest::Client::new()
-            .post(format!("http://{}/v2/models/whisper/infer", server.addr))
+            .post(format!("http://{addr}/v2/models/whisper/infer"))
             .bearer_auth("k")
             .body(r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#)
             .send()
             .await
             .unwrap()
+    }
+
+    /// Sends one inference request for `whisper` through `server`.
+    async fn infer_once(server: &RouterServer) -> reqwest::Response {
+        infer_at(server.addr).await
     }
 
     /// A model slower than the lane's timeout: every request is answered by the deadline, none
@@ -1173,26 +1201,14 @@ mod tests {
         let addrs = [sim_replica(3_000.0).await, sim_replica(3_000.0).await];
         let (router, _dir) = router_with(&[("a", addrs[0]), ("b", addrs[1])]);
         let lane = router.table().models["whisper"].lane.clone();
-        let server = serve(
-            router,
-            axum::Router::new(),
-            TcpListener::bind("127.0.0.1:0").await.unwrap(),
-            &RouterSettings::default(),
-        )
-        .unwrap();
+        let server = serve_on_free_port(router).await;
         let timeout = Duration::from_millis(1_000);
         let mut calls = tokio::task::JoinSet::new();
         for _ in 0..16 {
             let addr = server.addr;
             calls.spawn(async move {
                 let started = tokio::time::Instant::now();
-                let r = reqwest::Client::new()
-                    .post(format!("http://{addr}/v2/models/whisper/infer"))
-                    .bearer_auth("k")
-                    .body(r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#)
-                    .send()
-                    .await
-                    .unwrap();
+                let r = infer_at(addr).await;
                 (r.status(), started.elapsed())
             });
         }
@@ -1250,13 +1266,7 @@ mod tests {
         all.push(("live", live));
         let (router, _dir) = router_with(&all);
         let lane = router.table().models["whisper"].lane.clone();
-        let server = serve(
-            router,
-            axum::Router::new(),
-            TcpListener::bind("127.0.0.1:0").await.unwrap(),
-            &RouterSettings::default(),
-        )
-        .unwrap();
+        let server = serve_on_free_port(router).await;
         let mut bad_gateway = 0;
         for _ in 0..60 {
             let r = infer_once(&server).await;
@@ -1288,13 +1298,7 @@ mod tests {
         drop(port);
         let (router, _dir) = router_with(&[("a", addr)]);
         let _pump = router.start();
-        let server = serve(
-            router,
-            axum::Router::new(),
-            TcpListener::bind("127.0.0.1:0").await.unwrap(),
-            &RouterSettings::default(),
-        )
-        .unwrap();
+        let server = serve_on_free_port(router).await;
         assert_eq!(infer_once(&server).await.status(), StatusCode::BAD_GATEWAY);
         let r = infer_once(&server).await;
         assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE, "skipped while ejected");
@@ -1323,24 +1327,7 @@ mod tests {
         let (router, _dir) = router_with(&[("a", addr)]);
         let _pump = router.start();
         let slot = router.table().models["whisper"].replicas[0].clone();
-        let server = serve(
-            router.clone(),
-            axum::Router::new(),
-            TcpListener::bind("127.0.0.1:0").await.unwrap(),
-            &RouterSettings::default(),
-        )
-        .unwrap();
-        let got = || async move {
-            let text = reqwest::get(format!("http://{addr}/metrics"))
-                .await
-                .unwrap()
-                .text()
-                .await
-                .unwrap();
-            text.lines()
-                .find_map(|l| l.strip_prefix("laneway_sim_requests_total")?.trim().parse::<u64>().ok())
-                .unwrap()
-        };
+        let server = serve_on_free_port(router.clone()).await;
         assert_eq!(infer_once(&server).await.status(), StatusCode::GATEWAY_TIMEOUT);
         // First failure: its health answers, so the probe lets it back in.
         let started = tokio::time::Instant::now();
@@ -1352,14 +1339,18 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         assert_eq!(infer_once(&server).await.status(), StatusCode::GATEWAY_TIMEOUT);
-        assert_eq!(got().await, 2);
+        assert_eq!(sim_requests(addr).await, 2);
         // Second failure in a row: 10 s out, whatever its health check says.
         for _ in 0..15 {
             assert_eq!(infer_once(&server).await.status(), StatusCode::SERVICE_UNAVAILABLE);
             tokio::time::sleep(super::super::table::PROBE_EVERY / 5).await;
         }
         assert!(slot.is_ejected(router.now_ms(tokio::time::Instant::now())));
-        assert_eq!(got().await, 2, "no request reached it while it was ejected");
+        assert_eq!(
+            sim_requests(addr).await,
+            2,
+            "no request reached it while it was ejected"
+        );
         server.stop().await;
     }
 
@@ -1369,15 +1360,9 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn shadow_copies_never_touch_the_callers_answer_or_its_time() {
         use crate::registry::rollout::{RolloutRequest, Strategy};
-        use crate::registry::{ReplicaRecord, Tenant};
         let (stable, shadow) = (sim_replica(5.0).await, sim_replica(2_000.0).await);
         let (fleet, mut reg) = super::super::table::test_fixture();
-        reg.create_tenant(&Tenant {
-            name: "t".into(),
-            key_sha256: hash_key("k"),
-            limits: Default::default(),
-        })
-        .unwrap();
+        add_tenant(&mut reg, "t", "k");
         let v2 = crate::registry::Model {
             version: "2".into(),
             ..reg.models["whisper"].clone()
@@ -1394,27 +1379,9 @@ mod tests {
         .rollout(&reg, 0, "admin:test")
         .unwrap();
         reg.start_rollout(&r).unwrap();
-        let replica = |id: &str, model: &str, addr: SocketAddr| ReplicaRecord {
-            id: id.into(),
-            model: model.into(),
-            device: "GPU-1".into(),
-            state: "ready".into(),
-            endpoint: addr.to_string(),
-        };
-        reg.set_node_replicas(
-            "n1",
-            &[replica("a", "whisper", stable), replica("b", "whisper@2", shadow)],
-        );
-        let dir = tempfile::tempdir().unwrap();
-        let router = Router::new(crate::store::StateMachineStore::open(dir.path()).unwrap());
-        router.install(super::super::table::build(&fleet, &reg, &Default::default()));
-        let server = serve(
-            router.clone(),
-            axum::Router::new(),
-            TcpListener::bind("127.0.0.1:0").await.unwrap(),
-            &RouterSettings::default(),
-        )
-        .unwrap();
+        reg.set_node_replicas("n1", &[ready("a", "whisper", stable), ready("b", "whisper@2", shadow)]);
+        let (router, _dir) = router_from(&fleet, &reg);
+        let server = serve_on_free_port(router.clone()).await;
         for _ in 0..6 {
             let started = tokio::time::Instant::now();
             let r = infer_once(&server).await;
@@ -1432,19 +1399,7 @@ mod tests {
         }
         // The copies reached the new version (at most its 4 slots at once; the rest were
         // dropped, never queued) and are metered to the shadow tenant once they finish.
-        let copies = |text: String| -> u64 {
-            text.lines()
-                .find_map(|l| l.strip_prefix("laneway_sim_requests_total")?.trim().parse().ok())
-                .unwrap()
-        };
-        let got = copies(
-            reqwest::get(format!("http://{shadow}/metrics"))
-                .await
-                .unwrap()
-                .text()
-                .await
-                .unwrap(),
-        );
+        let got = sim_requests(shadow).await;
         assert!((1..=4).contains(&got), "{got} copies");
         tokio::time::sleep(Duration::from_millis(2_500)).await;
         let report = router.meter().next_report(1, 0).unwrap();
@@ -1467,7 +1422,7 @@ mod tests {
     /// tenant, or the bypass header, goes to the replica.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_cache_hit_returns_identical_bytes_and_is_scoped_to_the_tenant() {
-        use crate::registry::{CacheSpec, ReplicaRecord, Tenant};
+        use crate::registry::CacheSpec;
         let addr = sim_replica(5.0).await;
         let (fleet, mut reg) = super::super::table::test_fixture();
         let mut speech = reg.classes["speech"].clone();
@@ -1477,35 +1432,12 @@ mod tests {
             shared: false,
         });
         reg.put_class(&speech).unwrap();
-        for (name, key) in [("t", "k"), ("u", "k2")] {
-            reg.create_tenant(&Tenant {
-                name: name.into(),
-                key_sha256: hash_key(key),
-                limits: Default::default(),
-            })
-            .unwrap();
-        }
-        reg.set_node_replicas(
-            "n1",
-            &[ReplicaRecord {
-                id: "a".into(),
-                model: "whisper".into(),
-                device: "GPU-1".into(),
-                state: "ready".into(),
-                endpoint: addr.to_string(),
-            }],
-        );
-        let dir = tempfile::tempdir().unwrap();
-        let router = Router::new(crate::store::StateMachineStore::open(dir.path()).unwrap());
-        router.install(super::super::table::build(&fleet, &reg, &Default::default()));
+        add_tenant(&mut reg, "t", "k");
+        add_tenant(&mut reg, "u", "k2");
+        reg.set_node_replicas("n1", &[ready("a", "whisper", addr)]);
+        let (router, _dir) = router_from(&fleet, &reg);
         let lane = router.table().models["whisper"].lane.clone();
-        let server = serve(
-            router,
-            axum::Router::new(),
-            TcpListener::bind("127.0.0.1:0").await.unwrap(),
-            &RouterSettings::default(),
-        )
-        .unwrap();
+        let server = serve_on_free_port(router).await;
         let send = |key: &'static str, body: &'static str, bypass: bool| {
             let mut r = reqwest::Client::new()
                 .post(format!("http://{}/v2/models/whisper/infer", server.addr))
@@ -1520,17 +1452,6 @@ mod tests {
                 (r.status(), said, r.bytes().await.unwrap())
             }
         };
-        let served = || async {
-            let text = reqwest::get(format!("http://{addr}/metrics"))
-                .await
-                .unwrap()
-                .text()
-                .await
-                .unwrap();
-            text.lines()
-                .find_map(|l| l.strip_prefix("laneway_sim_requests_total")?.trim().parse::<u64>().ok())
-                .unwrap()
-        };
         let input = r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#;
         let same = r#"{ "inputs": [ {"datatype": "FP32", "data": [1], "name": "x", "shape": [1]} ] }"#;
         let (status, said, first) = send("k", input, false).await;
@@ -1538,12 +1459,12 @@ mod tests {
         let (status, said, again) = send("k", same, false).await;
         assert_eq!((status, said.as_str()), (StatusCode::OK, "hit"));
         assert_eq!(first, again, "a hit returns the bytes the replica gave");
-        assert_eq!(served().await, 1, "the hit did no replica work");
+        assert_eq!(sim_requests(addr).await, 1, "the hit did no replica work");
         let (_, said, _) = send("k2", input, false).await;
         assert_eq!(said, "miss", "another tenant's answer is not served");
         let (_, said, _) = send("k", input, true).await;
         assert_eq!(said, "bypass");
-        assert_eq!(served().await, 3);
+        assert_eq!(sim_requests(addr).await, 3);
         let c = lane.lock().counters;
         assert_eq!((c.cache_hit, c.cache_miss), (1, 3));
         server.stop().await;
@@ -1554,7 +1475,7 @@ mod tests {
     /// marked degraded.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn no_healthy_replica_means_the_fallback_model_or_the_lanes_canned_answer() {
-        use crate::registry::{FallbackResponse, ReplicaRecord, Tenant};
+        use crate::registry::FallbackResponse;
         let tiny = sim_replica_of("tiny", 1.0).await;
         let dead = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
@@ -1590,30 +1511,10 @@ mod tests {
             body: r#"{"outputs":[]}"#.into(),
         });
         reg.put_class(&speech).unwrap();
-        reg.create_tenant(&Tenant {
-            name: "t".into(),
-            key_sha256: hash_key("k"),
-            limits: Default::default(),
-        })
-        .unwrap();
-        let replica = |id: &str, model: &str, addr: SocketAddr| ReplicaRecord {
-            id: id.into(),
-            model: model.into(),
-            device: "GPU-1".into(),
-            state: "ready".into(),
-            endpoint: addr.to_string(),
-        };
-        reg.set_node_replicas("n1", &[replica("w", "whisper", dead), replica("t", "tiny", tiny)]);
-        let dir = tempfile::tempdir().unwrap();
-        let router = Router::new(crate::store::StateMachineStore::open(dir.path()).unwrap());
-        router.install(super::super::table::build(&fleet, &reg, &Default::default()));
-        let server = serve(
-            router,
-            axum::Router::new(),
-            TcpListener::bind("127.0.0.1:0").await.unwrap(),
-            &RouterSettings::default(),
-        )
-        .unwrap();
+        add_tenant(&mut reg, "t", "k");
+        reg.set_node_replicas("n1", &[ready("w", "whisper", dead), ready("t", "tiny", tiny)]);
+        let (router, _dir) = router_from(&fleet, &reg);
+        let server = serve_on_free_port(router).await;
         let send = |model: &'static str| {
             reqwest::Client::new()
                 .post(format!("http://{}/v2/models/{model}/infer", server.addr))
@@ -1640,7 +1541,7 @@ mod tests {
     /// is metered at the endpoint's price per request.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn overflow_takes_only_the_excess_and_is_metered_at_its_price() {
-        use crate::registry::{OverflowSpec, ReplicaRecord, Tenant};
+        use crate::registry::OverflowSpec;
         let owned = sim_replica(400.0).await;
         let hosted = sim_replica(5.0).await;
         let (fleet, mut reg) = super::super::table::test_fixture();
@@ -1656,32 +1557,10 @@ mod tests {
             .put_class(&speech)
             .unwrap_err()
             .contains("https endpoints are not supported yet"));
-        reg.create_tenant(&Tenant {
-            name: "t".into(),
-            key_sha256: hash_key("k"),
-            limits: Default::default(),
-        })
-        .unwrap();
-        reg.set_node_replicas(
-            "n1",
-            &[ReplicaRecord {
-                id: "a".into(),
-                model: "whisper".into(),
-                device: "GPU-1".into(),
-                state: "ready".into(),
-                endpoint: owned.to_string(),
-            }],
-        );
-        let dir = tempfile::tempdir().unwrap();
-        let router = Router::new(crate::store::StateMachineStore::open(dir.path()).unwrap());
-        router.install(super::super::table::build(&fleet, &reg, &Default::default()));
-        let server = serve(
-            router.clone(),
-            axum::Router::new(),
-            TcpListener::bind("127.0.0.1:0").await.unwrap(),
-            &RouterSettings::default(),
-        )
-        .unwrap();
+        add_tenant(&mut reg, "t", "k");
+        reg.set_node_replicas("n1", &[ready("a", "whisper", owned)]);
+        let (router, _dir) = router_from(&fleet, &reg);
+        let server = serve_on_free_port(router.clone()).await;
         // One request alone: the fleet has room.
         let r = infer_once(&server).await;
         assert_eq!(r.headers()["x-laneway-replica"], "n1/a");
@@ -1691,13 +1570,7 @@ mod tests {
         for _ in 0..8 {
             let addr = server.addr;
             calls.spawn(async move {
-                let r = reqwest::Client::new()
-                    .post(format!("http://{addr}/v2/models/whisper/infer"))
-                    .bearer_auth("k")
-                    .body(r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#)
-                    .send()
-                    .await
-                    .unwrap();
+                let r = infer_at(addr).await;
                 (r.status(), r.headers().contains_key("x-laneway-overflow"))
             });
         }

@@ -91,25 +91,13 @@ impl Drop for Traffic {
     }
 }
 
-/// Starts rolling `echo` out to `version`: half the traffic, then all, 3 s a step, judged from
-/// 10 requests.
-fn start_rollout(addr: &str, version: &str) {
-    lanectl(
-        addr,
-        &[
-            "rollout",
-            "start",
-            "echo",
-            "--version",
-            version,
-            "--canary",
-            "50,100",
-            "--bake",
-            "3s",
-            "--min-requests",
-            "10",
-        ],
-    );
+/// Starts rolling `echo` out to `version` with `strategy` (e.g. `["--canary", "50,100"]`),
+/// 3 s a step, judged from 10 requests.
+fn start_rollout(addr: &str, version: &str, strategy: &[&str]) {
+    let mut args = vec!["rollout", "start", "echo", "--version", version];
+    args.extend_from_slice(strategy);
+    args.extend_from_slice(&["--bake", "3s", "--min-requests", "10"]);
+    lanectl(addr, &args);
 }
 
 /// The latest rollout of `echo`, as `lanectl rollout status -o json` prints it.
@@ -233,7 +221,7 @@ async fn a_slow_version_is_rolled_back_and_a_good_one_promoted_across_a_leader_k
         0,
         "a deployed version runs nothing until a rollout"
     );
-    start_rollout(&addr, "2");
+    start_rollout(&addr, "2", &["--canary", "50,100"]);
     let all: Vec<String> = nodes.iter().map(|n| n.addr.clone()).collect();
     let r = wait_rollout(&all, "version 2 rolled back", 60, |r| r["state"] != "running").await;
     assert_eq!(r["state"], "rolled_back", "{r}");
@@ -250,7 +238,7 @@ async fn a_slow_version_is_rolled_back_and_a_good_one_promoted_across_a_leader_k
 
     // Version 3 is as good as version 1.
     lanectl(&addr, &["model", "deploy", &echo(root, "3", 10)]);
-    start_rollout(&addr, "3");
+    start_rollout(&addr, "3", &["--canary", "50,100"]);
     wait_rollout(&all, "version 3 at its last step", 60, |r| r["step"] == 1).await;
     // The leader dies mid-rollout: the next one judges the step it committed.
     nodes[0].kill();
@@ -281,22 +269,7 @@ async fn a_shadow_never_serves_callers_and_blue_green_switches_once_warm() {
     let addr = c.nodes[0].addr.clone();
     let traffic = Traffic::start(c.nodes[0].router_addr.clone(), c.key.clone());
     lanectl(&addr, &["model", "deploy", &echo(c.root.path(), "2", 400)]);
-    lanectl(
-        &addr,
-        &[
-            "rollout",
-            "start",
-            "echo",
-            "--version",
-            "2",
-            "--shadow",
-            "100",
-            "--bake",
-            "3s",
-            "--min-requests",
-            "10",
-        ],
-    );
+    start_rollout(&addr, "2", &["--shadow", "100"]);
     let r = wait_rollout(&c.addrs(), "the shadow judged", 60, |r| r["state"] != "running").await;
     assert_eq!(r["state"], "rolled_back", "{r}");
     assert_eq!(r["strategy"], "shadow");
@@ -309,21 +282,7 @@ async fn a_shadow_never_serves_callers_and_blue_green_switches_once_warm() {
     );
 
     lanectl(&addr, &["model", "deploy", &echo(c.root.path(), "3", 10)]);
-    lanectl(
-        &addr,
-        &[
-            "rollout",
-            "start",
-            "echo",
-            "--version",
-            "3",
-            "--blue-green",
-            "--bake",
-            "3s",
-            "--min-requests",
-            "10",
-        ],
-    );
+    start_rollout(&addr, "3", &["--blue-green"]);
     let r = wait_rollout(&c.addrs(), "blue/green promoted", 60, |r| r["state"] != "running").await;
     assert_eq!(r["state"], "promoted", "{r}");
     let events = r["events"].to_string();
