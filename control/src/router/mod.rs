@@ -154,6 +154,10 @@ pub struct RequestRecord {
     /// What the overflow endpoint charged for it, micro-dollars (0: served by the fleet).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub overflow_micros: u64,
+    /// Its lane's objective, ms (`slo_p99_ms`, else the request timeout): a request slower
+    /// than this is metered as slow (what a rollout judges latency on).
+    #[serde(skip)]
+    pub objective_ms: f64,
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -161,6 +165,11 @@ fn is_zero(v: &u64) -> bool {
 }
 
 impl RequestRecord {
+    /// Whether it took longer than its lane's objective.
+    pub fn is_slow(&self) -> bool {
+        self.queue_ms + self.service_ms > self.objective_ms
+    }
+
     /// The record of a request to `route` from `tenant`, before anything happened to it.
     pub fn new(request_id: &str, route: &ModelRoute, tenant: &str) -> Self {
         RequestRecord {
@@ -183,6 +192,7 @@ impl RequestRecord {
             output_tokens: 0,
             ttft_ms: None,
             overflow_micros: 0,
+            objective_ms: route.class.slo_p99_ms.unwrap_or(route.class.request_timeout_ms).as_ms(),
         }
     }
 }
@@ -834,17 +844,7 @@ impl Router {
     /// Meters a request without counting it in the lanes' histograms or recent requests (a
     /// shadow copy: no caller waited for it).
     fn meter_only(&self, rec: RequestRecord) {
-        let slow = self.over_objective(&rec);
-        self.meter.add(&rec, slow);
-    }
-
-    /// Whether a request took longer than its lane's objective (`slo_p99_ms`, else its
-    /// timeout).
-    fn over_objective(&self, rec: &RequestRecord) -> bool {
-        self.table().classes.get(&rec.class).is_some_and(|c| {
-            let objective = c.slo_p99_ms.unwrap_or(c.request_timeout_ms).as_ms();
-            rec.queue_ms + rec.service_ms > objective
-        })
+        self.meter.add(&rec, rec.is_slow());
     }
 
     /// Queue and service latency histograms per lane.
@@ -861,7 +861,7 @@ impl Router {
     pub fn record(&self, rec: RequestRecord) {
         // Slower than the lane's objective (its timeout when it sets none): what a rollout
         // judges a version's latency on. Only answers a replica gave count.
-        let slow = rec.replica.is_some() && self.over_objective(&rec);
+        let slow = rec.replica.is_some() && rec.is_slow();
         self.meter.add(&rec, slow);
         self.histograms.observe(&rec);
         tracing::debug!(target: "laneway::request", request_id = %rec.request_id, lane = %rec.lane, model = %rec.model, tenant = %rec.tenant, status = rec.status, replica = ?rec.replica, queue_ms = rec.queue_ms, service_ms = rec.service_ms, gpu_ms = ?rec.gpu_ms, "request");
