@@ -1354,6 +1354,59 @@ mod tests {
         server.stop().await;
     }
 
+    /// A replica that answers, but far slower than the model's other replicas, is ejected by
+    /// the router's own loop, sits out its interval although its health check answers, and
+    /// gets no request meanwhile; the others serve.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replica_far_slower_than_its_peers_is_ejected_and_gets_no_traffic() {
+        let (fast, slow) = (
+            [sim_replica(2.0).await, sim_replica(2.0).await],
+            sim_replica(150.0).await,
+        );
+        let (router, _dir) = router_with(&[("a", fast[0]), ("b", fast[1]), ("slow", slow)]);
+        let _loops = router.start();
+        let slot = router.table().models["whisper"]
+            .replicas
+            .iter()
+            .find(|s| s.name == "n1/slow")
+            .unwrap()
+            .clone();
+        let server = serve_on_free_port(router.clone()).await;
+        let now_ms = || router.now_ms(tokio::time::Instant::now());
+        // Four callers at once until the router's loop ejects it (power of two choices sends
+        // the slow one its share of requests while its slots are free).
+        let ejected = async {
+            while !slot.is_ejected(now_ms()) {
+                let calls: Vec<_> = (0..4).map(|_| infer_at(server.addr)).collect();
+                for r in futures::future::join_all(calls).await {
+                    assert_eq!(r.status(), StatusCode::OK, "slow is not failed");
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(30), ejected)
+            .await
+            .expect("the slow replica was ejected");
+        let got = sim_requests(slow).await;
+        assert!(
+            got >= u64::from(super::super::table::SLOW_MIN_SAMPLES),
+            "judged on {got}"
+        );
+        // Its probes would answer, but a slow replica's are not sent: it sits out.
+        for _ in 0..20 {
+            let r = infer_once(&server).await;
+            assert_eq!(r.status(), StatusCode::OK);
+            assert_ne!(r.headers()[REPLICA], "n1/slow");
+            tokio::time::sleep(super::super::table::PROBE_EVERY / 5).await;
+        }
+        assert!(slot.is_ejected(now_ms()));
+        assert_eq!(
+            sim_requests(slow).await,
+            got,
+            "no request reached it while it was ejected"
+        );
+        server.stop().await;
+    }
+
     /// A shadow rollout copies requests to the new version and drops its answers: callers are
     /// answered by the serving version as fast as without it, even when the new version is
     /// slow, and the copies are metered to the shadow tenant under the new version.

@@ -340,7 +340,8 @@ impl Call {
         };
         let (parts, upstream) = resp.into_parts();
         if !super::fails_replica(parts.status) {
-            guard.slot.health.answered();
+            // Measured to the answer's head: the first token of a stream.
+            self.router.answered(&guard.slot, started);
         }
         if self.stream && parts.status.is_success() {
             return self.relay(parts, upstream, guard, started, deadline);

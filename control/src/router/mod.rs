@@ -40,6 +40,9 @@ use admission::{bounded_admit, retry_after_secs, sync_retry_after, TokenBucket};
 use lane::{Lane, LaneStatus, SlotGuard, SHORT_WINDOW};
 use table::{ModelRoute, ReplicaSlot, Table, TenantRoute};
 
+/// How often the router looks for replicas far slower than their peers.
+pub const SLOW_EVERY: Duration = Duration::from_secs(1);
+
 /// Retry-After when a model has no ready replica at all: a replica has to be placed and
 /// started, which takes at least this long.
 pub const NO_REPLICA_RETRY: Duration = Duration::from_secs(10);
@@ -285,6 +288,7 @@ impl Router {
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(100));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut judged = Instant::now();
             loop {
                 tokio::select! {
                     r = changes.changed() => {
@@ -297,6 +301,10 @@ impl Router {
                         let now = Instant::now();
                         router.pump(now);
                         router.probe_ejected(now);
+                        if now.duration_since(judged) >= SLOW_EVERY {
+                            judged = now;
+                            router.eject_slow(now);
+                        }
                     }
                 }
             }
@@ -361,6 +369,31 @@ impl Router {
     pub fn eject(&self, slot: &ReplicaSlot, why: &str) {
         let interval = slot.health.eject(self.now_ms(Instant::now()));
         tracing::warn!(replica = %slot.name, endpoint = %slot.endpoint, %why, skip_s = interval.as_secs(), "replica failed a request; skipping it");
+    }
+
+    /// Ejects the replicas answering far slower than their model's other replicas (see
+    /// [`table::ModelRoute::slow_replicas`]).
+    fn eject_slow(&self, now: Instant) {
+        let now_ms = self.now_ms(now);
+        let table = self.table();
+        for route in table.models.values() {
+            let (slow, in_line) = route.slow_replicas(now_ms);
+            for s in in_line {
+                s.health.in_line();
+            }
+            for s in slow {
+                let interval = s.slot.health.eject_slow(now_ms);
+                tracing::warn!(
+                    replica = %s.slot.name,
+                    endpoint = %s.slot.endpoint,
+                    model = %route.name,
+                    took_ms = s.took.as_millis() as u64,
+                    peers_ms = s.at_peer_speed.as_millis() as u64,
+                    skip_s = interval.as_secs(),
+                    "replica answers far slower than the model's other replicas; skipping it"
+                );
+            }
+        }
     }
 
     /// Probes every ejected replica that is due (one probe at a time each, every
@@ -714,13 +747,23 @@ impl Router {
         traceparent: Option<&HeaderValue>,
         timeout: Duration,
     ) -> Result<Forwarded, ForwardError> {
+        let started = Instant::now();
         let r = self
             .send(&slot.infer_uri, &slot.name, body, request_id, traceparent, timeout)
             .await;
         if r.as_ref().is_ok_and(|f| !fails_replica(f.status)) {
-            slot.health.answered();
+            self.answered(slot, started);
         }
         r
+    }
+
+    /// `slot` answered a request sent at `started` (not a failure): its failure streak ends
+    /// and its answer time counts towards finding slow replicas.
+    pub fn answered(&self, slot: &ReplicaSlot, started: Instant) {
+        slot.health.answered();
+        let now = Instant::now();
+        slot.health
+            .observe(now.duration_since(started), slot.service, self.now_ms(now));
     }
 
     /// Posts an inference request to `uri` (a replica, or the overflow endpoint `target`)

@@ -62,7 +62,38 @@ pub struct Health {
     next_probe_ms: AtomicU64,
     /// Server errors answered in a row.
     error_answers: AtomicU32,
+    /// How fast it answers, against its profile: what finds a replica far slower than its
+    /// peers.
+    latency: std::sync::Mutex<Latency>,
+    /// The current ejection is for slowness: a probe's answer does not end it (a slow replica
+    /// answers its health check).
+    slow: AtomicBool,
+    /// Consecutive evaluations that found it slow (reset by one that found it in line).
+    slow_streak: AtomicU32,
 }
+
+/// A replica's recent answer times, each divided by its profile's service time (so an L4 and
+/// an H100 replica of one model compare fairly).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Latency {
+    /// Exponentially weighted mean of answer time / profile service time.
+    pub ratio: f64,
+    /// Answers in it since it was last reset.
+    pub samples: u32,
+    /// When the last answer was measured (router ms).
+    pub last_ms: u64,
+}
+
+/// Weight of each new answer in [`Latency::ratio`] (about the last 10 answers count).
+pub const LATENCY_WEIGHT: f64 = 0.1;
+/// Answers a replica needs before it is judged slow or not.
+pub const SLOW_MIN_SAMPLES: u32 = 20;
+/// Only answers this recent count: an idle replica's old figure judges nothing.
+pub const SLOW_FRESH: Duration = Duration::from_secs(10);
+/// Slow: this many times the median of its peers (answer time per profile service time)…
+pub const SLOW_FACTOR: f64 = 3.0;
+/// …and at least this much slower in absolute terms (3 × 1 ms is noise, not a fault).
+pub const SLOW_MIN_EXTRA: Duration = Duration::from_millis(20);
 
 /// Server errors a replica answers in a row before it is ejected (a timeout, a broken answer
 /// or a refused connection ejects at once).
@@ -92,13 +123,52 @@ impl Health {
             return Duration::from_millis(until - now_ms);
         }
         let streak = self.streak.fetch_add(1, Ordering::AcqRel) + 1;
-        let interval = EJECT_FOR.saturating_mul(1 << (streak - 1).min(8)).min(EJECT_MAX);
+        let interval = growing(streak);
+        self.slow.store(false, Ordering::Release);
         self.probe_failed.store(false, Ordering::Release);
         self.next_probe_ms
             .store(now_ms + PROBE_EVERY.as_millis() as u64, Ordering::Release);
         self.ejected_until_ms
             .fetch_max(now_ms + interval.as_millis() as u64, Ordering::AcqRel);
         interval
+    }
+
+    /// Ejects it for answering far slower than its peers, at `now_ms`: [`EJECT_FOR`] doubled
+    /// for each evaluation in a row that found it slow, at most [`EJECT_MAX`]. Probes do not
+    /// end this ejection; its latency is measured afresh when it is back.
+    pub fn eject_slow(&self, now_ms: u64) -> Duration {
+        let streak = self.slow_streak.fetch_add(1, Ordering::AcqRel) + 1;
+        let interval = growing(streak);
+        self.slow.store(true, Ordering::Release);
+        *self.latency.lock().unwrap_or_else(|p| p.into_inner()) = Latency::default();
+        self.ejected_until_ms
+            .fetch_max(now_ms + interval.as_millis() as u64, Ordering::AcqRel);
+        interval
+    }
+
+    /// An evaluation found it in line with its peers: its next slowness starts a fresh streak.
+    pub fn in_line(&self) {
+        if self.slow_streak.load(Ordering::Acquire) != 0 {
+            self.slow_streak.store(0, Ordering::Release);
+        }
+    }
+
+    /// Measures an answer that took `took` from a replica whose profile says `expected`.
+    pub fn observe(&self, took: Duration, expected: Duration, now_ms: u64) {
+        let ratio = took.as_secs_f64() / expected.as_secs_f64().max(1e-6);
+        let mut l = self.latency.lock().unwrap_or_else(|p| p.into_inner());
+        l.ratio = if l.samples == 0 {
+            ratio
+        } else {
+            l.ratio + LATENCY_WEIGHT * (ratio - l.ratio)
+        };
+        l.samples = l.samples.saturating_add(1);
+        l.last_ms = now_ms;
+    }
+
+    /// Its answer times as measured so far.
+    pub fn latency(&self) -> Latency {
+        *self.latency.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// A server error answered: whether it is the [`ERROR_ANSWERS_TO_EJECT`]th in a row (one
@@ -125,6 +195,7 @@ impl Health {
     /// Whether a probe is due at `now_ms`; if so, claims it (one probe at a time).
     pub fn probe_due(&self, now_ms: u64) -> bool {
         self.is_ejected(now_ms)
+            && !self.slow.load(Ordering::Acquire)
             && self.next_probe_ms.load(Ordering::Acquire) <= now_ms
             && !self.probing.swap(true, Ordering::AcqRel)
     }
@@ -139,7 +210,7 @@ impl Health {
             return false;
         }
         let seen = self.ejected_until_ms.load(Ordering::Acquire);
-        if seen <= now_ms {
+        if seen <= now_ms || self.slow.load(Ordering::Acquire) {
             return false;
         }
         let unreachable_then_back = self.probe_failed.swap(false, Ordering::AcqRel);
@@ -154,6 +225,13 @@ impl Health {
             .compare_exchange(seen, 0, Ordering::AcqRel, Ordering::Acquire)
             .is_ok()
     }
+}
+
+/// [`EJECT_FOR`] doubled for each ejection of a streak but the first, at most [`EJECT_MAX`].
+fn growing(streak: u32) -> Duration {
+    EJECT_FOR
+        .saturating_mul(1 << streak.saturating_sub(1).min(8))
+        .min(EJECT_MAX)
 }
 
 impl ReplicaSlot {
@@ -213,10 +291,79 @@ impl ModelRoute {
             .sum()
     }
 
+    /// Replicas answering far slower than their peers at `now_ms`, slowest first, with their
+    /// mean answer time and what their peers' speed would give on the same card; and the
+    /// replicas judged in line. Only replicas with [`SLOW_MIN_SAMPLES`] recent answers are
+    /// judged, against the median of the others' (answer time / profile service time), so a
+    /// router that is itself slow or far away — every replica slow alike — ejects none. At
+    /// most enough are returned to leave half the model's replicas usable: slowness costs
+    /// latency, ejecting too many costs capacity.
+    pub fn slow_replicas(&self, now_ms: u64) -> (Vec<SlowReplica>, Vec<Arc<ReplicaSlot>>) {
+        let fresh = SLOW_FRESH.as_millis() as u64;
+        let judged: Vec<(&Arc<ReplicaSlot>, f64)> = self
+            .replicas
+            .iter()
+            .filter(|s| !s.is_ejected(now_ms))
+            .filter_map(|s| {
+                let l = s.health.latency();
+                (l.samples >= SLOW_MIN_SAMPLES && l.last_ms + fresh >= now_ms).then_some((s, l.ratio))
+            })
+            .collect();
+        if judged.len() < 2 {
+            return (Vec::new(), Vec::new());
+        }
+        let mut slow = Vec::new();
+        let mut in_line = Vec::new();
+        for (i, (slot, ratio)) in judged.iter().enumerate() {
+            let mut peers: Vec<f64> = judged
+                .iter()
+                .enumerate()
+                .filter(|(j, _)| *j != i)
+                .map(|(_, (_, r))| *r)
+                .collect();
+            peers.sort_by(f64::total_cmp);
+            let mid = peers.len() / 2;
+            let median = if peers.len() % 2 == 1 {
+                peers[mid]
+            } else {
+                (peers[mid - 1] + peers[mid]) / 2.0
+            };
+            let took = slot.service.mul_f64(*ratio);
+            let at_peer_speed = slot.service.mul_f64(median);
+            if *ratio > SLOW_FACTOR * median && took.saturating_sub(at_peer_speed) >= SLOW_MIN_EXTRA {
+                slow.push(SlowReplica {
+                    slot: (*slot).clone(),
+                    took,
+                    at_peer_speed,
+                });
+            } else {
+                in_line.push((*slot).clone());
+            }
+        }
+        let usable = self.replicas.iter().filter(|s| !s.is_ejected(now_ms)).count();
+        let keep = self.replicas.len().div_ceil(2);
+        slow.sort_by(|a, b| {
+            let r = |s: &SlowReplica| s.took.as_secs_f64() / s.at_peer_speed.as_secs_f64().max(1e-9);
+            r(b).total_cmp(&r(a))
+        });
+        slow.truncate(usable.saturating_sub(keep));
+        (slow, in_line)
+    }
+
     /// Service time of the fastest replica.
     pub fn min_service(&self) -> Option<Duration> {
         self.replicas.iter().map(|r| r.service).min()
     }
+}
+
+/// A replica [`ModelRoute::slow_replicas`] found far slower than its peers.
+#[derive(Debug)]
+pub struct SlowReplica {
+    pub slot: Arc<ReplicaSlot>,
+    /// Its recent mean answer time.
+    pub took: Duration,
+    /// What its peers' speed would give on its card.
+    pub at_peer_speed: Duration,
 }
 
 /// A tenant as the request path sees it.
@@ -851,6 +998,109 @@ mod tests {
         // A replica that is not ejected is not probed.
         let idle = Health::default();
         assert!(!idle.probe_due(u64::MAX / 2));
+    }
+
+    /// A route of `whisper` (L4 profile: 20 ms) with one replica per entry of `ms`, each
+    /// having answered 30 times in that many ms by `now_ms`.
+    fn measured(ms: &[u64], now_ms: u64) -> ModelRoute {
+        let (fleet, mut reg) = test_fixture();
+        let records: Vec<ReplicaRecord> = (0..ms.len())
+            .map(|i| ReplicaRecord {
+                id: format!("r{i}"),
+                model: "whisper".into(),
+                device: "GPU-1".into(),
+                state: "ready".into(),
+                endpoint: format!("127.0.0.1:{}", 9000 + i),
+            })
+            .collect();
+        reg.set_node_replicas("n1", &records);
+        let mut route = build(&fleet, &reg, &Table::default()).models["whisper"].clone_for_test();
+        route.replicas.sort_by(|a, b| a.name.cmp(&b.name));
+        for (slot, ms) in route.replicas.iter().zip(ms) {
+            for _ in 0..30 {
+                slot.health.observe(Duration::from_millis(*ms), slot.service, now_ms);
+            }
+        }
+        route
+    }
+
+    fn names(slow: &[SlowReplica]) -> Vec<&str> {
+        slow.iter().map(|s| s.slot.name.as_str()).collect()
+    }
+
+    #[test]
+    fn a_replica_far_slower_than_its_peers_is_slow_and_replicas_slow_alike_are_not() {
+        let now = 100_000;
+        let (slow, in_line) = measured(&[20, 22, 90], now).slow_replicas(now);
+        assert_eq!(names(&slow), ["n1/r2"]);
+        assert_eq!(slow[0].took, Duration::from_millis(90));
+        assert_eq!(slow[0].at_peer_speed, Duration::from_millis(21));
+        assert_eq!(in_line.len(), 2);
+
+        // A router that is itself slow, or far from every replica: all alike, none ejected.
+        let (slow, in_line) = measured(&[400, 420, 390], now).slow_replicas(now);
+        assert!(slow.is_empty() && in_line.len() == 3);
+        // The majority sets what is normal: two slow replicas of three are not outliers.
+        assert!(measured(&[20, 90, 90], now).slow_replicas(now).0.is_empty());
+        // 3 × 1 ms is noise, not a fault.
+        assert!(measured(&[1, 1, 4], now).slow_replicas(now).0.is_empty());
+        // Two replicas: the slow one, by the other's speed.
+        assert_eq!(names(&measured(&[20, 90], now).slow_replicas(now).0), ["n1/r1"]);
+        // One replica has no peers.
+        assert!(measured(&[90], now).slow_replicas(now).0.is_empty());
+    }
+
+    #[test]
+    fn latency_is_judged_only_on_enough_recent_answers_and_leaves_half_the_replicas() {
+        let now = 100_000;
+        // Answers older than SLOW_FRESH judge nothing.
+        let later = now + SLOW_FRESH.as_millis() as u64 + 1;
+        assert!(measured(&[20, 22, 90], now).slow_replicas(later).0.is_empty());
+        // Too few answers.
+        let mut route = measured(&[20, 22], now);
+        let extra = test_slot("whisper", 4);
+        for _ in 0..SLOW_MIN_SAMPLES - 1 {
+            extra
+                .health
+                .observe(Duration::from_millis(90), Duration::from_millis(20), now);
+        }
+        route.replicas.push(extra);
+        assert!(route.slow_replicas(now).0.is_empty(), "19 answers are not enough");
+
+        // Five with two slow: both, slowest first (three of five stay usable).
+        let route = measured(&[20, 21, 22, 200, 300], now);
+        assert_eq!(names(&route.slow_replicas(now).0), ["n1/r4", "n1/r3"]);
+        // A slow majority is what normal is now: nobody is ejected for being fast.
+        assert!(measured(&[20, 200, 210, 220, 300], now).slow_replicas(now).0.is_empty());
+        // One already ejected (for anything) counts against the half.
+        let route = measured(&[20, 21, 22, 200, 300], now);
+        route.replicas[0].health.eject(now);
+        assert_eq!(names(&route.slow_replicas(now).0), ["n1/r4"]);
+    }
+
+    #[test]
+    fn a_slow_ejection_is_not_ended_by_a_probe_and_grows_while_it_stays_slow() {
+        let h = Health::default();
+        let t = 1_000;
+        h.observe(Duration::from_millis(90), Duration::from_millis(20), t);
+        assert_eq!(h.eject_slow(t), EJECT_FOR);
+        assert_eq!(h.latency().samples, 0, "measured afresh when it is back");
+        let t = t + PROBE_EVERY.as_millis() as u64;
+        assert!(
+            !h.probe_due(t),
+            "its health check answers; that says nothing of its speed"
+        );
+        assert!(!h.probed(true, t) && h.is_ejected(t));
+        let t = t + EJECT_FOR.as_millis() as u64;
+        assert!(!h.is_ejected(t));
+        assert_eq!(h.eject_slow(t), EJECT_FOR * 2, "still slow when back");
+        h.in_line();
+        assert_eq!(h.eject_slow(t + 60_000), EJECT_FOR, "in line once: a fresh streak");
+        // A failure after it is an ordinary ejection again, which probes can end.
+        let t = t + 120_000;
+        h.eject(t);
+        let t = t + PROBE_EVERY.as_millis() as u64;
+        assert!(h.probe_due(t) && h.probed(true, t));
     }
 
     #[test]
