@@ -285,27 +285,32 @@ pub(super) fn stamp(h: &mut HeaderMap, meta: &Meta) {
 pub const FALLBACK_FOR: &str = "x-laneway-fallback-for";
 
 /// The route that answers a request for `route` at `now_ms`: itself while it has a healthy
-/// replica; else its fallback model if that one has; else `Err` with the class's canned
-/// answer when it configures one (marked degraded), or itself (refused as usual).
-fn healthy_or_fallback(
+/// replica; else its fallback model if that one has (and the request's path `accepts` it);
+/// else `Err` with the class's canned answer when it configures one and the request can take
+/// it (`canned`; marked degraded), or itself (refused as usual).
+pub(super) fn healthy_or_fallback(
     router: &Router,
     table: &Table,
     route: &Arc<ModelRoute>,
     meta: &mut Meta,
+    accepts: impl Fn(&ModelRoute) -> bool,
+    canned: bool,
 ) -> Result<Arc<ModelRoute>, Response> {
     let now_ms = router.now_ms(Instant::now());
     if route.is_healthy(now_ms) {
         return Ok(route.clone());
     }
     let fallback = route.fallback.as_deref().and_then(|f| table.route(f, now_ms));
-    if let Some(fb) = fallback.filter(|f| f.is_healthy(now_ms) && f.class.lane != crate::registry::LaneKind::Durable) {
+    if let Some(fb) =
+        fallback.filter(|f| f.is_healthy(now_ms) && f.class.lane != crate::registry::LaneKind::Durable && accepts(f))
+    {
         tracing::debug!(model = %route.public, fallback = %fb.public, "no healthy replica: the fallback model answers");
         meta.fallback_for = HeaderValue::from_str(&route.public).ok();
         meta.lane = Some(fb.class.lane.as_str());
         meta.class = Some(fb.class_header.clone());
         return Ok(fb);
     }
-    if let Some(canned) = &route.class.fallback_response {
+    if let Some(canned) = route.class.fallback_response.as_ref().filter(|_| canned) {
         let status = StatusCode::from_u16(canned.status).unwrap_or(StatusCode::OK);
         let mut r = (status, canned.body.clone()).into_response();
         r.headers_mut().insert(
@@ -570,7 +575,9 @@ async fn serve_infer(
         Ok(r) => r,
         Err(r) => return r,
     };
-    let route = match healthy_or_fallback(&router, &table, &route, &mut meta) {
+    // A fallback of the same kind: a language model's is one too.
+    let same_kind = |r: &ModelRoute| r.llm.is_some() == route.llm.is_some();
+    let route = match healthy_or_fallback(&router, &table, &route, &mut meta, same_kind, true) {
         Ok(r) => r,
         Err(canned) => {
             // Metered as a request no replica served (no GPU time).

@@ -95,9 +95,27 @@ async fn serve(
             )
         }
     };
-    let route = match lookup(&router, &table, &req.model, &mut meta) {
+    let asked = match lookup(&router, &table, &req.model, &mut meta) {
         Ok(r) => r,
         Err(r) => return r,
+    };
+    // A fallback must be a language model too; a canned answer is one JSON body, which a
+    // client reading a stream could not parse, so a stream is refused as usual instead.
+    let is_llm = |r: &ModelRoute| r.llm.is_some();
+    let route = match super::http::healthy_or_fallback(&router, &table, &asked, &mut meta, is_llm, !req.stream) {
+        Ok(r) => r,
+        Err(canned) => {
+            let mut record = RequestRecord::new(&meta.request_id, &asked, &tenant.name);
+            record.status = canned.status().as_u16();
+            record.degraded = true;
+            router.record(record);
+            return canned;
+        }
+    };
+    let body = if Arc::ptr_eq(&route, &asked) {
+        body
+    } else {
+        for_model(&body, &route.public)
     };
     // A stream is metered from the usage its replica reports last: ask for it, and keep that
     // chunk from a client that did not.
@@ -683,14 +701,30 @@ impl SseScanner {
 /// stream's tokens (and, simulated, its GPU time) at the end. The body parsed as a completion
 /// request already; were it somehow not a JSON object, it goes on unchanged.
 fn asking_for_usage(body: &Bytes) -> Bytes {
+    rewritten(body, |obj| {
+        let options = obj.entry("stream_options").or_insert_with(|| serde_json::json!({}));
+        if !options.is_object() {
+            *options = serde_json::json!({});
+        }
+        options["include_usage"] = serde_json::Value::Bool(true);
+    })
+}
+
+/// The request's body for the model `name` (its fallback answers it: the engine serves only
+/// its own name).
+fn for_model(body: &Bytes, name: &str) -> Bytes {
+    rewritten(body, |obj| {
+        obj.insert("model".into(), serde_json::Value::String(name.into()));
+    })
+}
+
+/// `body` with `change` made to it. The body parsed as a completion request already; were it
+/// somehow not a JSON object, it goes on unchanged.
+fn rewritten(body: &Bytes, change: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) -> Bytes {
     let Ok(serde_json::Value::Object(mut obj)) = serde_json::from_slice::<serde_json::Value>(body) else {
         return body.clone();
     };
-    let options = obj.entry("stream_options").or_insert_with(|| serde_json::json!({}));
-    if !options.is_object() {
-        *options = serde_json::json!({});
-    }
-    options["include_usage"] = serde_json::Value::Bool(true);
+    change(&mut obj);
     serde_json::to_vec(&obj)
         .map(Bytes::from)
         .unwrap_or_else(|_| body.clone())
@@ -1006,8 +1040,13 @@ mod tests {
 
     /// A simulated LLM replica of `chat` on 127.0.0.1: 20 tokens/s per sequence.
     async fn replica(abort_after: Option<u32>) -> SocketAddr {
+        replica_of("chat", abort_after).await
+    }
+
+    /// [`replica`] serving `model`.
+    async fn replica_of(model: &str, abort_after: Option<u32>) -> SocketAddr {
         let app = sim::app(LlmSimConfig {
-            model: "chat".into(),
+            model: model.into(),
             product: "L4".into(),
             tokens_per_s: [("L4".to_string(), 1000.0)].into(),
             kv_cache_tokens: [("L4".to_string(), 100_000)].into(),
@@ -1069,6 +1108,84 @@ mod tests {
         )
         .unwrap();
         (router, server, dir)
+    }
+
+    /// A language model's fallback (a smaller one) answers its requests, streamed or not,
+    /// while it has no healthy replica — the body names the fallback, whose engine serves only
+    /// its own name — and says so. Without a fallback, the lane's canned answer is given to a
+    /// whole-answer request only: a stream is refused as usual.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_language_models_fallback_answers_while_it_has_no_healthy_replica() {
+        let small = replica_of("chat-small", None).await;
+        let (fleet, mut reg) = super::super::table::test_fixture();
+        let llm = |name: &str, fallback: Option<&str>| crate::registry::Model {
+            name: name.into(),
+            fallback: fallback.map(Into::into),
+            llm: Some(LlmSpec {
+                context_tokens: 4096,
+                default_max_tokens: 8,
+                prefix_affinity_tokens: 0,
+            }),
+            ..reg.models["whisper"].clone()
+        };
+        for m in [
+            llm("chat-small", None),
+            llm("chat", Some("chat-small")),
+            llm("lonely", None),
+        ] {
+            reg.put_model(&m).unwrap();
+        }
+        let mut speech = reg.classes["speech"].clone();
+        speech.fallback_response = Some(crate::registry::FallbackResponse {
+            status: 200,
+            body: r#"{"choices":[]}"#.into(),
+        });
+        reg.put_class(&speech).unwrap();
+        reg.create_tenant(&Tenant {
+            name: "t".into(),
+            key_sha256: hash_key("k"),
+            limits: Default::default(),
+        })
+        .unwrap();
+        reg.set_node_replicas(
+            "n1",
+            &[ReplicaRecord {
+                id: "s0".into(),
+                model: "chat-small".into(),
+                device: "GPU-1".into(),
+                state: "ready".into(),
+                endpoint: small.to_string(),
+            }],
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let router = Router::new(crate::store::StateMachineStore::open(dir.path()).unwrap());
+        router.install(super::super::table::build(&fleet, &reg, &Default::default()));
+        let server = serve_http(
+            router.clone(),
+            axum::Router::new(),
+            tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
+            &RouterSettings::default(),
+        )
+        .unwrap();
+
+        for stream in [false, true] {
+            let r = chat(&server, ask("hello", 4, stream)).send().await.unwrap();
+            assert_eq!(r.status(), 200, "stream {stream}");
+            assert_eq!(r.headers()["x-laneway-fallback-for"], "chat");
+            let text = r.text().await.unwrap();
+            assert!(text.contains("chat-small"), "answered by the fallback: {text}");
+        }
+        assert_eq!(replica_metric(small, "laneway_sim_llm_finished_total").await, 2.0);
+
+        let lonely_ask = |stream: bool| serde_json::json!({"model": "lonely", "messages": [{"role": "user", "content": "hi"}], "stream": stream});
+        let r = chat(&server, lonely_ask(false)).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers()["x-laneway-degraded"], "fallback-response");
+        assert_eq!(r.text().await.unwrap(), r#"{"choices":[]}"#);
+        let r = chat(&server, lonely_ask(true)).send().await.unwrap();
+        assert_eq!(r.status(), 503, "a stream gets no canned JSON");
+        assert!(r.headers().get("x-laneway-degraded").is_none());
+        server.stop().await;
     }
 
     fn chat(server: &RouterServer, body: serde_json::Value) -> reqwest::RequestBuilder {
