@@ -330,8 +330,13 @@ fn name_the_cause(step: &Step, gpus: u32) -> String {
                 format!("; {} requests refused with a Retry-After", l.shed)
             };
             return format!(
-                "replica slots of the {} lane (class {}): {} of {} slots busy at a router, {} ready replica(s) at the peak on a fleet of {gpus} GPUs{budget}",
-                l.lane, peak.class, peak.in_flight, peak.slots, peak.ready_replicas
+                "replica slots of the {} lane (class {}): {} of {} slots busy at a router, {} ready replica(s) at the peak{budget}; {}",
+                l.lane,
+                peak.class,
+                peak.in_flight,
+                peak.slots,
+                peak.ready_replicas,
+                why_no_more_replicas(step, gpus)
             );
         }
         if l.lane == "durable" && l.shed > 0 {
@@ -353,6 +358,29 @@ fn name_the_cause(step: &Step, gpus: u32) -> String {
         step.controller_cpu_pct,
         step.raft_applied_per_s
     )
+}
+
+/// Why a lane short of slots had no more replicas: the fleet was full (the harness's replicas
+/// take a whole card each, and the overload policy gives cards to more protected lanes first),
+/// or it had cards free and the lane had not scaled up yet.
+fn why_no_more_replicas(step: &Step, gpus: u32) -> String {
+    let in_use: usize = step.peaks.iter().map(|p| p.ready_replicas).sum();
+    let by_class = step
+        .peaks
+        .iter()
+        .map(|p| format!("{} {}", p.class, p.ready_replicas))
+        .collect::<Vec<_>>()
+        .join(", ");
+    if in_use >= gpus as usize {
+        format!(
+            "the fleet was full: {gpus} GPUs, replicas at the peak {by_class} (a card each); more protected lanes keep their cards first"
+        )
+    } else {
+        format!(
+            "{} of {gpus} GPUs were free at the peak ({by_class}): the lane had not scaled up yet",
+            gpus as usize - in_use
+        )
+    }
 }
 
 /// The routers' lanes, summed, keeping each lane's busiest sample.
@@ -557,4 +585,76 @@ fn print_report(report: &Value, steps: &[Step]) {
         }
     }
     println!("└");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peak(class: &str, lane: &str, in_flight: u32, queued: usize, ready: usize) -> LanePeak {
+        LanePeak {
+            class: class.into(),
+            lane: lane.into(),
+            slots: 8,
+            in_flight,
+            queue_depth: queued,
+            ready_replicas: ready,
+            level: "normal".into(),
+        }
+    }
+
+    fn lane(lane: &'static str, ok: usize, shed: usize) -> LaneFigures {
+        LaneFigures {
+            lane,
+            requests: ok + shed,
+            ok,
+            shed,
+            failed: 0,
+            success: ok as f64 / (ok + shed) as f64,
+            p50_ms: 1.0,
+            p99_ms: 2.0,
+            cost_usd_per_1k: None,
+        }
+    }
+
+    fn step(peaks: Vec<LanePeak>) -> Step {
+        Step {
+            rate: 675.0,
+            sent: 1,
+            lanes: vec![lane("sync", 100, 0), lane("bounded", 60, 40)],
+            peaks,
+            controller_cpu_pct: 50.0,
+            raft_applied_per_s: 40.0,
+            broken: vec!["bounded".into()],
+        }
+    }
+
+    #[test]
+    fn a_lane_out_of_slots_is_named_with_whether_the_fleet_was_full() {
+        let full = step(vec![
+            peak("interactive", "sync", 12, 0, 4),
+            peak("batch", "bounded", 8, 143, 1),
+            peak("offline", "durable", 1, 0, 1),
+        ]);
+        let cause = name_the_cause(&full, 6);
+        assert!(
+            cause.starts_with("replica slots of the bounded lane (class batch): 8 of 8 slots busy"),
+            "{cause}"
+        );
+        assert!(cause.contains("up to 143 queued, and 40 requests"), "{cause}");
+        assert!(
+            cause.contains("the fleet was full: 6 GPUs, replicas at the peak interactive 4, batch 1, offline 1"),
+            "{cause}"
+        );
+        let cause = name_the_cause(&full, 10);
+        assert!(cause.contains("4 of 10 GPUs were free at the peak"), "{cause}");
+        assert!(cause.contains("had not scaled up yet"), "{cause}");
+    }
+
+    #[test]
+    fn a_busy_controller_is_named_before_any_lane() {
+        let mut s = step(vec![peak("batch", "bounded", 8, 10, 1)]);
+        s.controller_cpu_pct = 95.0;
+        assert!(name_the_cause(&s, 6).starts_with("controller CPU"));
+    }
 }

@@ -132,9 +132,9 @@ pub fn plan_observed(
         mut unplaced,
         short,
     } = place(fleet, registry, &registry.desired, targets, cached, slices, new_id);
-    // A warm floor that did not fit takes the cards of less protected classes' replicas above
-    // their own floors (protect sync first, durable last), then placement runs again.
-    // Kept only when it placed more of those floors: never stop a replica for nothing.
+    // A warm floor or a scale-up that did not fit takes the cards of less protected classes'
+    // replicas above their own floors (protect sync first, durable last), then placement runs
+    // again. Kept only when it placed more of what was short: never stop a replica for nothing.
     let victims = preemptions(fleet, registry, &desired, &short);
     if !victims.is_empty() {
         let mut freed = desired.clone();
@@ -144,8 +144,7 @@ pub fn plan_observed(
             }
         }
         let again = place(fleet, registry, &freed, targets, cached, slices, new_id);
-        let missing = |s: &[Short]| s.iter().map(|s| s.missing).sum::<usize>();
-        if missing(&again.short) < missing(&short) {
+        if misses_less(&again.short, &short) {
             (desired, unplaced) = (again.desired, again.unplaced);
         }
     }
@@ -165,14 +164,35 @@ pub fn plan_observed(
     ReplicaPlan { commands, unplaced }
 }
 
-/// A model short of its warm floor after placement: how many, and its class's rank.
+/// A model short of its target (its warm floor, or the fast loop's count) after placement: how
+/// many, and its class's rank.
 struct Short {
     model: String,
     rank: u32,
     missing: usize,
 }
 
-/// Replicas (node, replica id) to stop so that the floors in `short` fit: each on a card of a
+/// Whether `a` misses less than `b` where it matters most: at the most protected rank where
+/// their shortfalls differ, `a` misses fewer replicas (a preempted replica leaves its own lane
+/// short, which must not count against what it made room for).
+fn misses_less(a: &[Short], b: &[Short]) -> bool {
+    let by_rank = |s: &[Short]| {
+        let mut m: BTreeMap<u32, usize> = BTreeMap::new();
+        for x in s {
+            *m.entry(x.rank).or_default() += x.missing;
+        }
+        m
+    };
+    let (a, b) = (by_rank(a), by_rank(b));
+    let ranks: std::collections::BTreeSet<u32> = a.keys().chain(b.keys()).copied().collect();
+    ranks
+        .into_iter()
+        .map(|r| (a.get(&r).copied().unwrap_or(0), b.get(&r).copied().unwrap_or(0)))
+        .find(|(x, y)| x != y)
+        .is_some_and(|(x, y)| x < y)
+}
+
+/// Replicas (node, replica id) to stop so that what `short` misses fits: each on a card of a
 /// product the short model lists, on a schedulable node whose taints it tolerates, of a model
 /// of a less protected class (a higher rank) that is above its own floor; the least protected
 /// first, spot before on-demand before reserved.
@@ -455,13 +475,14 @@ fn place(
                     product: p.product,
                 }),
                 Err(u) => {
-                    if have < floor {
-                        short.push(Short {
-                            model: m.name.clone(),
-                            rank: rank(m),
-                            missing: floor - have,
-                        });
-                    }
+                    // Its floor, and the demand above it: a more protected lane that is short
+                    // takes the cards of less protected lanes' replicas above their floors
+                    // (the overload policy: protect sync, degrade bounded, shed durable).
+                    short.push(Short {
+                        model: m.name.clone(),
+                        rank: rank(m),
+                        missing: have_now + missing - have,
+                    });
                     unplaced.push(Unplaced {
                         missing: have_now + missing - have,
                         ..u
@@ -938,6 +959,35 @@ mod tests {
             p.unplaced.iter().any(|u| u.model == "wan"),
             "the durable shortfall is reported"
         );
+    }
+
+    #[test]
+    fn a_scale_up_takes_the_card_of_a_less_protected_replica_above_its_floor_never_the_reverse() {
+        // Whole cards: one replica a card.
+        let f = fleet(&[("a", "L4", 2)]);
+        let mut r = registry(1);
+        r.classes.get_mut("speech").unwrap().time_slicing = false;
+        durable(&mut r, 0);
+        r.classes.get_mut("video").unwrap().time_slicing = false;
+        // The durable lane scaled up first and took the free card.
+        let mut targets: HashMap<String, usize> = [("wan".to_string(), 1)].into();
+        let p = plan(&f, &r, &targets, &mut ids());
+        apply(&mut r, &p);
+        assert_eq!((on(&r, "a", "whisper"), on(&r, "a", "wan")), (1, 1));
+        // Now the sync lane's load needs two: the durable replica (above its floor of 0)
+        // gives its card.
+        targets.insert("whisper".into(), 2);
+        let p = plan(&f, &r, &targets, &mut ids());
+        apply(&mut r, &p);
+        assert_eq!((on(&r, "a", "whisper"), on(&r, "a", "wan")), (2, 0), "{:?}", r.desired);
+        assert!(
+            p.unplaced.iter().any(|u| u.model == "wan"),
+            "the durable shortfall is reported"
+        );
+        // The durable lane's own demand never takes a more protected lane's card back.
+        targets.insert("wan".into(), 3);
+        let p = plan(&f, &r, &targets, &mut ids());
+        assert!(p.commands.is_empty(), "{:?}", p.commands);
     }
 
     #[test]
