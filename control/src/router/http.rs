@@ -600,36 +600,10 @@ async fn serve_infer(
         return super::jobs::submit_infer(&router, &tenant, &route, body, &headers, &meta).await;
     }
     let mut record = RequestRecord::new(&meta.request_id, &route, &tenant.name);
-    if let Some(cache) = table.caches.get(&class.name) {
-        let bypass = headers
-            .get(super::cache::CACHE_HEADER)
-            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(super::cache::BYPASS.as_bytes()));
-        if let Some(key) = cache.key(&route.name, &route.version, &tenant.name, &body) {
-            match cache.get(&key).filter(|_| !bypass) {
-                Some(hit) => {
-                    route.lane.lock().counters.cache_hit += 1;
-                    let mut r = (
-                        StatusCode::from_u16(hit.status).unwrap_or(StatusCode::OK),
-                        hit.body.clone(),
-                    )
-                        .into_response();
-                    if let Some(ct) = &hit.content_type {
-                        r.headers_mut().insert(axum::http::header::CONTENT_TYPE, ct.clone());
-                    }
-                    r.headers_mut()
-                        .insert(super::cache::CACHE_HEADER, HeaderValue::from_static("hit"));
-                    stamp(r.headers_mut(), &meta);
-                    record.status = hit.status;
-                    router.record(record);
-                    return r;
-                }
-                None => {
-                    route.lane.lock().counters.cache_miss += 1;
-                    meta.cache = Some((cache.clone(), key, if bypass { super::cache::BYPASS } else { "miss" }));
-                }
-            }
-        }
-    }
+    record = match from_cache(&router, &table, &route, &tenant, &headers, &body, &mut meta, record) {
+        Ok(hit) => return hit,
+        Err(record) => record,
+    };
     let retry_hint = route.min_service().unwrap_or(Duration::from_secs(1));
     let _tenant_hold = match router.admit_tenant(&tenant, &class, retry_hint, arrived) {
         Ok(g) => g,
@@ -657,8 +631,53 @@ async fn serve_infer(
             return r;
         }
     };
-    router.mirror(&table, &route, &body, &meta.request_id);
+    router.mirror(&table, &route, &body, &meta.request_id, None);
     dispatch(&router, &route, admitted, body, &headers, arrived, meta, record).await
+}
+
+/// The class's cached answer to this input, if it has a cache and the answer is in it (the
+/// request is recorded as served, with no GPU time). `Err(record)`: not answered; on a miss
+/// (or a bypass) `meta` says where to keep the answer the replica will give.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn from_cache(
+    router: &Router,
+    table: &Table,
+    route: &ModelRoute,
+    tenant: &TenantRoute,
+    headers: &HeaderMap,
+    body: &Bytes,
+    meta: &mut Meta,
+    mut record: RequestRecord,
+) -> Result<Response, RequestRecord> {
+    let Some(cache) = table.caches.get(&route.class.name) else {
+        return Err(record);
+    };
+    let bypass = headers
+        .get(super::cache::CACHE_HEADER)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(super::cache::BYPASS.as_bytes()));
+    let Some(key) = cache.key(&route.name, &route.version, &tenant.name, body) else {
+        return Err(record);
+    };
+    let Some(hit) = cache.get(&key).filter(|_| !bypass) else {
+        route.lane.lock().counters.cache_miss += 1;
+        meta.cache = Some((cache.clone(), key, if bypass { super::cache::BYPASS } else { "miss" }));
+        return Err(record);
+    };
+    route.lane.lock().counters.cache_hit += 1;
+    let mut r = (
+        StatusCode::from_u16(hit.status).unwrap_or(StatusCode::OK),
+        hit.body.clone(),
+    )
+        .into_response();
+    if let Some(ct) = &hit.content_type {
+        r.headers_mut().insert(axum::http::header::CONTENT_TYPE, ct.clone());
+    }
+    r.headers_mut()
+        .insert(super::cache::CACHE_HEADER, HeaderValue::from_static("hit"));
+    stamp(r.headers_mut(), meta);
+    record.status = hit.status;
+    router.record(record);
+    Ok(r)
 }
 
 /// Sends a request the lane has no capacity for to its overflow endpoint (ADR 0017).

@@ -158,6 +158,13 @@ async fn serve(
     let needed = u32::try_from(needed).unwrap_or(u32::MAX);
     let mut record = RequestRecord::new(&meta.request_id, &route, &tenant.name);
     record.input_tokens = input;
+    // Only a whole answer sampled greedily is the same answer next time.
+    if !req.stream && greedy(&body) {
+        record = match super::http::from_cache(&router, &table, &route, &tenant, &headers, &body, &mut meta, record) {
+            Ok(hit) => return hit,
+            Err(record) => record,
+        };
+    }
     let retry_hint = route.min_service().unwrap_or(Duration::from_secs(1));
     let tenant_hold = match router.admit_tenant(&tenant, &class, retry_hint, arrived) {
         Ok(g) => g,
@@ -181,6 +188,7 @@ async fn serve(
             return r;
         }
     };
+    router.mirror(&table, &route, &body, &meta.request_id, Some(endpoint));
     let call = Call {
         router,
         route,
@@ -403,6 +411,16 @@ impl Call {
                 lane.counters.failed += 1;
             }
         }
+        if let Some((cache, key, _)) = &self.meta.cache {
+            cache.put(
+                *key,
+                super::cache::Cached {
+                    status: parts.status.as_u16(),
+                    content_type: parts.headers.get(axum::http::header::CONTENT_TYPE).cloned(),
+                    body: bytes.clone(),
+                },
+            );
+        }
         if parts.status.is_success() {
             let usage = serde_json::from_slice::<Chunk>(&bytes).ok().and_then(|c| c.usage);
             self.record.ttft_ms = Some(self.arrived.elapsed().as_secs_f64() * 1000.0);
@@ -436,6 +454,9 @@ impl Call {
 
     fn finish_headers(&self, h: &mut HeaderMap, guard: &SlotGuard) {
         stamp(h, &self.meta);
+        if let Some((_, _, said)) = &self.meta.cache {
+            h.insert(super::cache::CACHE_HEADER, HeaderValue::from_static(said));
+        }
         h.insert(super::http::REPLICA, guard.slot.name_header.clone());
         if let Ok(v) = HeaderValue::from_str(&format!("{:.3}", self.record.queue_ms)) {
             h.insert(super::http::QUEUE_MS, v);
@@ -708,6 +729,30 @@ fn asking_for_usage(body: &Bytes) -> Bytes {
         }
         options["include_usage"] = serde_json::Value::Bool(true);
     })
+}
+
+/// Whether the request asks for greedy sampling (`temperature` 0): the only kind whose answer
+/// the result cache may give again.
+fn greedy(body: &Bytes) -> bool {
+    serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.get("temperature")?.as_f64())
+        == Some(0.0)
+}
+
+/// The body a shadow copy is sent with: a whole answer (its usage read from it), whatever
+/// the caller asked for.
+pub(super) fn whole_answer(body: &Bytes) -> Bytes {
+    rewritten(body, |obj| {
+        obj.insert("stream".into(), serde_json::Value::Bool(false));
+        obj.remove("stream_options");
+    })
+}
+
+/// Tokens and (simulated) GPU time a whole answer reports: (input, output, GPU ms).
+pub(super) fn answer_usage(body: &[u8]) -> Option<(u32, u32, Option<f64>)> {
+    let u = serde_json::from_slice::<Chunk>(body).ok()?.usage?;
+    Some((u.prompt_tokens, u.completion_tokens, u.laneway_gpu_ms))
 }
 
 /// The request's body for the model `name` (its fallback answers it: the engine serves only
@@ -1097,9 +1142,17 @@ mod tests {
             })
             .collect();
         reg.set_node_replicas("n1", &records);
+        serve_registry(&fleet, &reg).await
+    }
+
+    /// A router with the table built from `fleet` and `reg`, served on a free port.
+    async fn serve_registry(
+        fleet: &crate::fleet::Fleet,
+        reg: &crate::registry::Registry,
+    ) -> (Arc<Router>, RouterServer, tempfile::TempDir) {
         let dir = tempfile::tempdir().unwrap();
         let router = Router::new(crate::store::StateMachineStore::open(dir.path()).unwrap());
-        router.install(super::super::table::build(&fleet, &reg, &Default::default()));
+        router.install(super::super::table::build(fleet, reg, &Default::default()));
         let server = serve_http(
             router.clone(),
             axum::Router::new(),
@@ -1110,15 +1163,9 @@ mod tests {
         (router, server, dir)
     }
 
-    /// A language model's fallback (a smaller one) answers its requests, streamed or not,
-    /// while it has no healthy replica — the body names the fallback, whose engine serves only
-    /// its own name — and says so. Without a fallback, the lane's canned answer is given to a
-    /// whole-answer request only: a stream is refused as usual.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_language_models_fallback_answers_while_it_has_no_healthy_replica() {
-        let small = replica_of("chat-small", None).await;
-        let (fleet, mut reg) = super::super::table::test_fixture();
-        let llm = |name: &str, fallback: Option<&str>| crate::registry::Model {
+    /// The language model `name` in class `speech` (context 4096), falling back to `fallback`.
+    fn language_model(reg: &crate::registry::Registry, name: &str, fallback: Option<&str>) -> crate::registry::Model {
+        crate::registry::Model {
             name: name.into(),
             fallback: fallback.map(Into::into),
             llm: Some(LlmSpec {
@@ -1127,13 +1174,40 @@ mod tests {
                 prefix_affinity_tokens: 0,
             }),
             ..reg.models["whisper"].clone()
-        };
-        for m in [
-            llm("chat-small", None),
-            llm("chat", Some("chat-small")),
-            llm("lonely", None),
-        ] {
-            reg.put_model(&m).unwrap();
+        }
+    }
+
+    /// Tenant `t` with key `k`, no limits.
+    fn tenant_k(reg: &mut crate::registry::Registry) {
+        reg.create_tenant(&Tenant {
+            name: "t".into(),
+            key_sha256: hash_key("k"),
+            limits: Default::default(),
+        })
+        .unwrap();
+    }
+
+    /// A ready replica `id` of the entry `model` on n1's GPU, at `addr`.
+    fn ready(id: &str, model: &str, addr: SocketAddr) -> ReplicaRecord {
+        ReplicaRecord {
+            id: id.into(),
+            model: model.into(),
+            device: "GPU-1".into(),
+            state: "ready".into(),
+            endpoint: addr.to_string(),
+        }
+    }
+
+    /// A language model's fallback (a smaller one) answers its requests, streamed or not,
+    /// while it has no healthy replica — the body names the fallback, whose engine serves only
+    /// its own name — and says so. Without a fallback, the lane's canned answer is given to a
+    /// whole-answer request only: a stream is refused as usual.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_language_models_fallback_answers_while_it_has_no_healthy_replica() {
+        let small = replica_of("chat-small", None).await;
+        let (fleet, mut reg) = super::super::table::test_fixture();
+        for (name, fallback) in [("chat-small", None), ("chat", Some("chat-small")), ("lonely", None)] {
+            reg.put_model(&language_model(&reg, name, fallback)).unwrap();
         }
         let mut speech = reg.classes["speech"].clone();
         speech.fallback_response = Some(crate::registry::FallbackResponse {
@@ -1141,32 +1215,9 @@ mod tests {
             body: r#"{"choices":[]}"#.into(),
         });
         reg.put_class(&speech).unwrap();
-        reg.create_tenant(&Tenant {
-            name: "t".into(),
-            key_sha256: hash_key("k"),
-            limits: Default::default(),
-        })
-        .unwrap();
-        reg.set_node_replicas(
-            "n1",
-            &[ReplicaRecord {
-                id: "s0".into(),
-                model: "chat-small".into(),
-                device: "GPU-1".into(),
-                state: "ready".into(),
-                endpoint: small.to_string(),
-            }],
-        );
-        let dir = tempfile::tempdir().unwrap();
-        let router = Router::new(crate::store::StateMachineStore::open(dir.path()).unwrap());
-        router.install(super::super::table::build(&fleet, &reg, &Default::default()));
-        let server = serve_http(
-            router.clone(),
-            axum::Router::new(),
-            tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
-            &RouterSettings::default(),
-        )
-        .unwrap();
+        tenant_k(&mut reg);
+        reg.set_node_replicas("n1", &[ready("s0", "chat-small", small)]);
+        let (_router, server, _dir) = serve_registry(&fleet, &reg).await;
 
         for stream in [false, true] {
             let r = chat(&server, ask("hello", 4, stream)).send().await.unwrap();
@@ -1185,6 +1236,119 @@ mod tests {
         let r = chat(&server, lonely_ask(true)).send().await.unwrap();
         assert_eq!(r.status(), 503, "a stream gets no canned JSON");
         assert!(r.headers().get("x-laneway-degraded").is_none());
+        server.stop().await;
+    }
+
+    /// A class with a result cache: a whole answer sampled greedily (temperature 0) is given
+    /// again with the same bytes and no replica work; a sampled one, or a stream, is not
+    /// cached.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_greedy_whole_answer_is_cached_and_sampled_or_streamed_ones_are_not() {
+        let addr = replica(None).await;
+        let (fleet, mut reg) = super::super::table::test_fixture();
+        reg.put_model(&language_model(&reg, "chat", None)).unwrap();
+        let mut speech = reg.classes["speech"].clone();
+        speech.cache = Some(crate::registry::CacheSpec {
+            ttl_s: 60,
+            max_mib: 1,
+            shared: false,
+        });
+        reg.put_class(&speech).unwrap();
+        tenant_k(&mut reg);
+        reg.set_node_replicas("n1", &[ready("r0", "chat", addr)]);
+        let (_router, server, _dir) = serve_registry(&fleet, &reg).await;
+        let at = |temperature: f64, stream: bool| {
+            let mut b = ask("the same question", 4, stream);
+            b["temperature"] = serde_json::json!(temperature);
+            b
+        };
+        let finished = || replica_metric(addr, "laneway_sim_llm_finished_total");
+
+        let first = chat(&server, at(0.0, false)).send().await.unwrap();
+        assert_eq!(first.headers()["x-laneway-cache"], "miss");
+        let first = first.bytes().await.unwrap();
+        let again = chat(&server, at(0.0, false)).send().await.unwrap();
+        assert_eq!(again.headers()["x-laneway-cache"], "hit");
+        assert_eq!(again.bytes().await.unwrap(), first, "identical bytes");
+        assert_eq!(finished().await, 1.0, "the hit did no replica work");
+
+        for (temperature, stream) in [(0.7, false), (0.7, false), (0.0, true)] {
+            let r = chat(&server, at(temperature, stream)).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            assert!(r.headers().get("x-laneway-cache").is_none(), "{temperature} {stream}");
+            r.bytes().await.unwrap();
+        }
+        assert_eq!(
+            finished().await,
+            4.0,
+            "sampled and streamed answers are generated each time"
+        );
+        server.stop().await;
+    }
+
+    /// A shadow rollout of a language model copies requests (streamed ones as requests for a
+    /// whole answer) to the new version; the caller gets the serving version's answer as it
+    /// asked for it, and the copies are metered to the shadow tenant with their tokens.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_language_models_shadow_gets_copies_and_the_caller_never_sees_them() {
+        use crate::registry::rollout::{RolloutRequest, Strategy};
+        let (v1, v2) = (replica(None).await, replica(None).await);
+        let (fleet, mut reg) = super::super::table::test_fixture();
+        let chat_v1 = language_model(&reg, "chat", None);
+        reg.put_model(&chat_v1).unwrap();
+        reg.deploy_version(&crate::registry::Model {
+            version: "2".into(),
+            ..chat_v1
+        })
+        .unwrap();
+        let r = RolloutRequest {
+            model: "chat".into(),
+            version: "2".into(),
+            strategy: Strategy::Shadow,
+            steps: vec![100],
+            bake_s: 60,
+            guards: Default::default(),
+        }
+        .rollout(&reg, 0, "admin:test")
+        .unwrap();
+        reg.start_rollout(&r).unwrap();
+        tenant_k(&mut reg);
+        reg.set_node_replicas("n1", &[ready("a", "chat", v1), ready("b", "chat@2", v2)]);
+        let (router, server, _dir) = serve_registry(&fleet, &reg).await;
+        for stream in [false, true, false] {
+            let r = chat(&server, ask("hello", 4, stream)).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            assert_eq!(
+                r.headers()["x-laneway-replica"],
+                "n1/a",
+                "served by the serving version"
+            );
+            let ct = r.headers()["content-type"].to_str().unwrap().to_string();
+            assert_eq!(ct.starts_with("text/event-stream"), stream, "{ct}");
+            r.bytes().await.unwrap();
+        }
+        let copies = async {
+            while replica_metric(v2, "laneway_sim_llm_finished_total").await < 3.0 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), copies)
+            .await
+            .expect("every request was copied to the new version");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let report = router.meter().next_report(1, 0).unwrap();
+        let shadow: Vec<_> = report
+            .rows
+            .iter()
+            .filter(|u| u.tenant == super::super::SHADOW_TENANT)
+            .collect();
+        assert_eq!(shadow.iter().map(|u| u.requests).sum::<u64>(), 3, "{shadow:?}");
+        assert!(
+            shadow
+                .iter()
+                .all(|u| u.version == "2" && u.output_tokens > 0 && u.gpu_us > 0),
+            "{shadow:?}"
+        );
         server.stop().await;
     }
 

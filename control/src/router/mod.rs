@@ -747,14 +747,43 @@ impl Router {
         traceparent: Option<&HeaderValue>,
         timeout: Duration,
     ) -> Result<Forwarded, ForwardError> {
+        self.forward_to(slot, &slot.infer_uri, body, request_id, traceparent, timeout)
+            .await
+    }
+
+    /// Sends the request to `uri` on `slot`'s replica within `timeout`, and notes what it says
+    /// about the replica's health and speed.
+    async fn forward_to(
+        &self,
+        slot: &ReplicaSlot,
+        uri: &hyper::Uri,
+        body: Bytes,
+        request_id: &str,
+        traceparent: Option<&HeaderValue>,
+        timeout: Duration,
+    ) -> Result<Forwarded, ForwardError> {
         let started = Instant::now();
-        let r = self
-            .send(&slot.infer_uri, &slot.name, body, request_id, traceparent, timeout)
-            .await;
+        let r = self.send(uri, &slot.name, body, request_id, traceparent, timeout).await;
         if r.as_ref().is_ok_and(|f| !fails_replica(f.status)) {
             self.answered(slot, started);
         }
         r
+    }
+
+    /// Sends a language model's request (for a whole answer) to `slot`'s `endpoint` within
+    /// `timeout`.
+    async fn forward_completion(
+        &self,
+        slot: &ReplicaSlot,
+        endpoint: laneway_agent::llm::Endpoint,
+        body: Bytes,
+        request_id: &str,
+        timeout: Duration,
+    ) -> Result<Forwarded, ForwardError> {
+        let uri: hyper::Uri = format!("http://{}{}", slot.endpoint, endpoint.path())
+            .parse()
+            .map_err(|e| ForwardError::NotDelivered(format!("endpoint {:?}: {e}", slot.endpoint)))?;
+        self.forward_to(slot, &uri, body, request_id, None, timeout).await
     }
 
     /// `slot` answered a request sent at `started` (not a failure): its failure streak ends
@@ -839,7 +868,16 @@ impl Router {
     /// when the table draws it: never queued (only a free slot of the new version takes it),
     /// never waited for (its own task), its answer dropped. The copy is metered to the tenant
     /// [`SHADOW_TENANT`], which is what the rollout judges the new version on.
-    pub fn mirror(self: &Arc<Self>, table: &Table, route: &ModelRoute, body: &Bytes, request_id: &str) {
+    /// A language model's request (`completion`: its endpoint) is copied as a request for a
+    /// whole answer, whose usage says its tokens and GPU time.
+    pub fn mirror(
+        self: &Arc<Self>,
+        table: &Table,
+        route: &ModelRoute,
+        body: &Bytes,
+        request_id: &str,
+        completion: Option<laneway_agent::llm::Endpoint>,
+    ) {
         let Some(shadow) = table.shadow(&route.public) else {
             return;
         };
@@ -853,19 +891,33 @@ impl Router {
             }
         }
         let held = Held(slot);
-        let (router, body) = (self.clone(), body.clone());
+        let router = self.clone();
+        let body = match completion {
+            Some(_) => llm::whole_answer(body),
+            None => body.clone(),
+        };
         let mut record = RequestRecord::new(&format!("{request_id}-shadow"), &shadow, SHADOW_TENANT);
         tokio::spawn(async move {
             let slot = &held.0;
             let started = Instant::now();
             let timeout = shadow.class.request_timeout_ms.as_duration();
-            let r = router.forward(slot, body, &record.request_id, None, timeout).await;
+            let r = match completion {
+                None => router.forward(slot, body, &record.request_id, None, timeout).await,
+                Some(endpoint) => {
+                    router
+                        .forward_completion(slot, endpoint, body, &record.request_id, timeout)
+                        .await
+                }
+            };
             record.replica = Some(slot.name.clone());
             record.product = Some(slot.product.clone());
             record.service_ms = started.elapsed().as_secs_f64() * 1000.0;
             record.status = match &r {
                 Ok(f) => {
                     record.gpu_ms = f.gpu_ms;
+                    if let Some((input, output, gpu_ms)) = completion.and_then(|_| llm::answer_usage(&f.body)) {
+                        (record.input_tokens, record.output_tokens, record.gpu_ms) = (input, output, gpu_ms);
+                    }
                     if ejects_replica(slot, f.status) {
                         router.eject(slot, &format!("answered {} to shadow copies in a row", f.status));
                     }
