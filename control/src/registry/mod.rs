@@ -157,6 +157,14 @@ pub struct OverflowSpec {
     pub max_in_flight: u32,
     /// What it charges per request, micro-dollars (the ledger meters it as the request's cost).
     pub micros_per_request: u64,
+    /// CA certificates (PEM) to trust for an https endpoint besides the system's: a private
+    /// endpoint's own CA.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_pem: Option<String>,
+    /// The environment variable, on every controller, that holds the endpoint's API key (sent
+    /// as `Authorization: Bearer`). The key itself is never in the cluster's state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_env: Option<String>,
 }
 
 /// A class's canned answer for when a model cannot be served.
@@ -674,15 +682,32 @@ impl Class {
                 ));
             }
             let url = o.url.trim_end_matches('/');
-            if url.starts_with("https://") {
+            let https = url.starts_with("https://");
+            if !(https || url.starts_with("http://"))
+                || format!("{url}/v2/models/m/infer").parse::<hyper::Uri>().is_err()
+            {
                 return Err(format!(
-                    "class {n}: overflow url {url:?}: https endpoints are not supported yet; point it at an egress proxy that speaks http on your network"
+                    "class {n}: overflow url {url:?}: give http://host:port[/prefix] or https://host[:port][/prefix]"
                 ));
             }
-            if !url.starts_with("http://") || format!("{url}/v2/models/m/infer").parse::<hyper::Uri>().is_err() {
-                return Err(format!(
-                    "class {n}: overflow url {url:?}: give http://host:port[/prefix]"
-                ));
+            if let Some(pem) = &o.ca_pem {
+                if !https {
+                    return Err(format!(
+                        "class {n}: overflow ca_pem is for an https endpoint; {url:?} is plain http"
+                    ));
+                }
+                crate::router::overflow::parse_ca_pem(pem).map_err(|e| format!("class {n}: overflow {e}"))?;
+            }
+            if let Some(var) = &o.token_env {
+                let ok = !var.is_empty()
+                    && var.len() <= 128
+                    && var.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                    && !var.starts_with(|c: char| c.is_ascii_digit());
+                if !ok {
+                    return Err(format!(
+                        "class {n}: overflow token_env {var:?}: give the name of an environment variable (A-Z, 0-9, _), not the key itself"
+                    ));
+                }
             }
             if o.max_in_flight == 0 || o.max_in_flight > 10_000 {
                 return Err(format!(

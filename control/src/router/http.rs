@@ -696,24 +696,30 @@ async fn overflow(
     let Some(ov) = table.overflows.get(&route.class.name) else {
         return Err(record);
     };
-    let (Some(slot), Some(uri)) = (ov.try_acquire(router.now_ms(Instant::now())), ov.uri(&route.public)) else {
+    let (Some(slot), Some(uri), Some((client, authorization))) = (
+        ov.try_acquire(router.now_ms(Instant::now())),
+        ov.uri(&route.public),
+        ov.client(),
+    ) else {
         return Err(record);
     };
     let left = (arrived + route.class.request_timeout_ms.as_duration()).saturating_duration_since(Instant::now());
     let started = Instant::now();
-    let sent = router
-        .send(
-            &uri,
-            "overflow",
-            body.clone(),
-            &meta.request_id,
-            headers.get("traceparent"),
-            left,
-        )
-        .await;
+    let out = super::Outbound {
+        uri: &uri,
+        target: "overflow",
+        request_id: &meta.request_id,
+        traceparent: headers.get("traceparent"),
+        authorization,
+    };
+    let sent = router.send(client, out, body.clone(), left).await;
     drop(slot);
     let f = match sent {
-        Ok(f) if f.status.is_success() || f.status.is_client_error() => f,
+        Ok(f)
+            if f.status.is_success() || (f.status.is_client_error() && !super::overflow::endpoints_fault(f.status)) =>
+        {
+            f
+        }
         other => {
             let why = match other {
                 Ok(f) => format!("answered {}", f.status),
@@ -1629,13 +1635,10 @@ mod tests {
             url: format!("http://{hosted}/"),
             max_in_flight: 8,
             micros_per_request: 2_000,
+            ca_pem: None,
+            token_env: None,
         });
         reg.put_class(&speech).unwrap();
-        speech.overflow.as_mut().unwrap().url = "https://api.example.com".into();
-        assert!(reg
-            .put_class(&speech)
-            .unwrap_err()
-            .contains("https endpoints are not supported yet"));
         add_tenant(&mut reg, "t", "k");
         reg.set_node_replicas("n1", &[ready("a", "whisper", owned)]);
         let (router, _dir) = router_from(&fleet, &reg);
@@ -1668,6 +1671,88 @@ mod tests {
             .fold((0, 0), |(r, n), u| (r + u.requests, n + u.overflow_nanos));
         assert_eq!((requests, nanos), (4, 4 * 2_000_000), "metered at $0.002 a request");
         server.stop().await;
+    }
+
+    /// An https overflow endpoint that wants an API key: verified against the CA the class
+    /// names, the key read from the environment variable it names. Another laneway router over
+    /// HTTPS plays the hosted API; the overflow's key is its tenant key.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_https_overflow_endpoint_is_verified_and_sent_its_key_from_the_environment() {
+        use crate::registry::OverflowSpec;
+        // The hosted API: its own replica, tenant `hosted` with key `sk-hosted`, served over
+        // HTTPS with a certificate from a CA of its own.
+        let ca = laneway_pki::Ca::create("hosted", Duration::from_secs(3600)).unwrap();
+        let cert = ca
+            .issue(
+                laneway_pki::Kind::Viewer,
+                "api",
+                &["localhost".into()],
+                Duration::from_secs(3600),
+            )
+            .unwrap();
+        let (hosted_fleet, mut hosted_reg) = super::super::table::test_fixture();
+        add_tenant(&mut hosted_reg, "hosted", "sk-hosted");
+        hosted_reg.set_node_replicas("n1", &[ready("h", "whisper", sim_replica(5.0).await)]);
+        let (hosted_router, _hosted_dir) = router_from(&hosted_fleet, &hosted_reg);
+        let settings = RouterSettings {
+            tls: Some(HttpsSettings {
+                acceptor: laneway_pki::https_acceptor(&cert.cert_pem, &cert.key_pem).unwrap(),
+                cert_path: "hosted.pem".into(),
+            }),
+            ..RouterSettings::default()
+        };
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let hosted = serve(hosted_router, axum::Router::new(), listener, &settings).unwrap();
+
+        // Our fleet: one replica with one slot, busy for 400 ms a request.
+        let var = "LANEWAY_TEST_OVERFLOW_KEY";
+        std::env::set_var(var, "sk-hosted");
+        let (fleet, mut reg) = super::super::table::test_fixture();
+        let mut speech = reg.classes["speech"].clone();
+        let spec = OverflowSpec {
+            url: format!("https://localhost:{}", hosted.addr.port()),
+            max_in_flight: 4,
+            micros_per_request: 2_000,
+            ca_pem: Some("not a certificate".into()),
+            token_env: Some(var.into()),
+        };
+        speech.overflow = Some(spec.clone());
+        assert!(reg
+            .put_class(&speech)
+            .unwrap_err()
+            .contains("ca_pem holds no certificate"));
+        let spec = OverflowSpec {
+            ca_pem: Some(ca.cert_pem().to_string()),
+            ..spec
+        };
+        speech.overflow = Some(OverflowSpec {
+            token_env: Some("sk-live-123".into()),
+            ..spec.clone()
+        });
+        assert!(reg.put_class(&speech).unwrap_err().contains("not the key itself"));
+        speech.overflow = Some(spec);
+        reg.put_class(&speech).unwrap();
+        add_tenant(&mut reg, "t", "k");
+        reg.set_node_replicas("n1", &[ready("a", "whisper", sim_replica(400.0).await)]);
+        let (router, _dir) = router_from(&fleet, &reg);
+        let server = serve_on_free_port(router.clone()).await;
+        let mut calls = tokio::task::JoinSet::new();
+        for _ in 0..6 {
+            let addr = server.addr;
+            calls.spawn(async move {
+                let r = infer_at(addr).await;
+                (r.status(), r.headers().contains_key("x-laneway-overflow"))
+            });
+        }
+        let mut out = 0;
+        while let Some(r) = calls.join_next().await {
+            let (status, overflowed) = r.unwrap();
+            assert_eq!(status, StatusCode::OK);
+            out += u64::from(overflowed);
+        }
+        assert_eq!(out, 2, "the four slots' excess went out over TLS, with the key");
+        server.stop().await;
+        hosted.stop().await;
     }
 
     #[test]

@@ -92,6 +92,17 @@ pub struct Admitted {
     pub degraded: Option<BTreeMap<String, String>>,
 }
 
+/// Where a request goes out to, and what it carries besides its body.
+pub struct Outbound<'a> {
+    pub uri: &'a hyper::Uri,
+    /// The replica (or `overflow`) the trace span names.
+    pub target: &'a str,
+    pub request_id: &'a str,
+    pub traceparent: Option<&'a HeaderValue>,
+    /// For an overflow endpoint that wants an API key.
+    pub authorization: Option<&'a HeaderValue>,
+}
+
 /// What the replica answered.
 pub struct Forwarded {
     pub status: StatusCode,
@@ -763,7 +774,14 @@ impl Router {
         timeout: Duration,
     ) -> Result<Forwarded, ForwardError> {
         let started = Instant::now();
-        let r = self.send(uri, &slot.name, body, request_id, traceparent, timeout).await;
+        let out = Outbound {
+            uri,
+            target: &slot.name,
+            request_id,
+            traceparent,
+            authorization: None,
+        };
+        let r = self.send(&self.client, out, body, timeout).await;
         if r.as_ref().is_ok_and(|f| !fails_replica(f.status)) {
             self.answered(slot, started);
         }
@@ -795,22 +813,33 @@ impl Router {
             .observe(now.duration_since(started), slot.service, self.now_ms(now));
     }
 
-    /// Posts an inference request to `uri` (a replica, or the overflow endpoint `target`)
-    /// within `timeout`, with the deadline and the trace context.
-    async fn send(
+    /// Posts an inference request (`out`) with `client` within `timeout`, with the deadline and
+    /// the trace context.
+    async fn send<C>(
         &self,
-        uri: &hyper::Uri,
-        target: &str,
+        client: &Client<C, Full<Bytes>>,
+        out: Outbound<'_>,
         body: Bytes,
-        request_id: &str,
-        traceparent: Option<&HeaderValue>,
         timeout: Duration,
-    ) -> Result<Forwarded, ForwardError> {
+    ) -> Result<Forwarded, ForwardError>
+    where
+        C: hyper_util::client::legacy::connect::Connect + Clone + Send + Sync + 'static,
+    {
+        let Outbound {
+            uri,
+            target,
+            request_id,
+            traceparent,
+            authorization,
+        } = out;
         let span = tracing::debug_span!(target: "laneway_trace", "dispatch", replica = %target, otel.kind = "client");
         let mut req = hyper::Request::post(uri.clone())
             .header(CONTENT_TYPE, "application/json")
             .header("x-request-id", request_id)
             .header(TIMEOUT_HEADER, replica_timeout_ms(timeout).to_string());
+        if let Some(a) = authorization {
+            req = req.header(hyper::header::AUTHORIZATION, a);
+        }
         // The replica continues this dispatch's span when traces are exported, else the
         // client's trace as it came.
         let mut trace_headers = hyper::HeaderMap::new();
@@ -834,7 +863,7 @@ impl Router {
             .body(Full::new(body))
             .map_err(|e| ForwardError::NotDelivered(e.to_string()))?;
         let work = async {
-            let resp = self.client.request(req).await.map_err(|e| {
+            let resp = client.request(req).await.map_err(|e| {
                 if e.is_connect() {
                     ForwardError::NotDelivered(e.to_string())
                 } else {

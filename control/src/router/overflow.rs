@@ -11,6 +11,15 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::header::HeaderValue;
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use rustls::pki_types::pem::PemObject as _;
+use rustls::pki_types::CertificateDer;
+
 use crate::registry::OverflowSpec;
 
 /// Failures in a row that open the breaker.
@@ -21,10 +30,25 @@ pub const BREAKER_OPEN: Duration = Duration::from_secs(30);
 /// Response header on an answer the overflow endpoint gave.
 pub const OVERFLOW_HEADER: &str = "x-laneway-overflow";
 
+/// Whether a 4xx from the endpoint is about the endpoint rather than the caller's input: our
+/// key refused (401/403/407), the model unknown there (404), its rate limit (429). Those count
+/// as failures towards the breaker and the caller gets the lane's own refusal; another 4xx
+/// (the input) goes back to the caller as it came.
+pub fn endpoints_fault(status: hyper::StatusCode) -> bool {
+    matches!(status.as_u16(), 401 | 403 | 404 | 407 | 429)
+}
+
+/// The client that reaches overflow endpoints: http, or https verified against the system's
+/// roots and the endpoint's own `ca_pem`.
+pub type OverflowClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
+
 /// One lane's overflow endpoint on one router.
-#[derive(Debug)]
 pub struct Overflow {
     pub spec: OverflowSpec,
+    /// The client and the `Authorization` header to send (`Bearer <token>` from the variable
+    /// `spec.token_env` names), or why the endpoint cannot be used on this router: then
+    /// nothing is sent and the lane refuses as without it.
+    ready: Result<(OverflowClient, Option<HeaderValue>), String>,
     in_flight: AtomicU32,
     failures: AtomicU32,
     /// Closed until this many ms on the router's clock (0: closed).
@@ -40,10 +64,106 @@ impl Drop for OverflowSlot {
     }
 }
 
+impl std::fmt::Debug for Overflow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Overflow")
+            .field("spec", &self.spec)
+            .field("unusable", &self.ready.as_ref().err())
+            .field("in_flight", &self.in_flight)
+            .finish()
+    }
+}
+
+/// The TLS settings for an https overflow endpoint: the system's roots (`SSL_CERT_FILE`
+/// overrides them, as for curl and OpenSSL) and `extra_ca_pem`'s certificates.
+pub fn tls_config(extra_ca_pem: Option<&str>) -> Result<rustls::ClientConfig, String> {
+    let mut roots = rustls::RootCertStore::empty();
+    let system = rustls_native_certs::load_native_certs();
+    let (added, _) = roots.add_parsable_certificates(system.certs);
+    if let Some(pem) = extra_ca_pem {
+        for cert in parse_ca_pem(pem)? {
+            roots
+                .add(cert)
+                .map_err(|e| format!("ca_pem: a certificate is not a usable CA: {e}"))?;
+        }
+    }
+    if roots.is_empty() {
+        return Err(format!(
+            "no CA certificate to verify it with: the system store has none ({} errors: {:?}) and the class gives no ca_pem",
+            system.errors.len(),
+            system.errors.first().map(ToString::to_string)
+        ));
+    }
+    tracing::debug!(system_roots = added, "overflow TLS roots loaded");
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    Ok(rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth())
+}
+
+/// The certificates in `pem`: at least one, or why not.
+pub fn parse_ca_pem(pem: &str) -> Result<Vec<CertificateDer<'static>>, String> {
+    let certs = CertificateDer::pem_slice_iter(pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("ca_pem is not PEM: {e}"))?;
+    if certs.is_empty() {
+        return Err("ca_pem holds no certificate (expected -----BEGIN CERTIFICATE-----)".into());
+    }
+    Ok(certs)
+}
+
+/// The client for `spec` (https with [`tls_config`] when the URL is https; http is spoken
+/// either way) and its `Authorization` header.
+fn connect(spec: &OverflowSpec) -> Result<(OverflowClient, Option<HeaderValue>), String> {
+    let authorization = match spec.token_env.as_deref() {
+        None => None,
+        Some(var) => {
+            let token = std::env::var(var).map_err(|_| {
+                format!(
+                    "${var} (its bearer token) is not set in this controller's environment; set it on every controller"
+                )
+            })?;
+            let mut v = HeaderValue::from_str(&format!("Bearer {}", token.trim()))
+                .map_err(|_| format!("the token in ${var} is not a valid header value"))?;
+            v.set_sensitive(true);
+            Some(v)
+        }
+    };
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    // A plain http endpoint needs no roots (a container built from scratch has none).
+    let tls = if spec.url.starts_with("https://") {
+        tls_config(spec.ca_pem.as_deref())?
+    } else {
+        rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth()
+    };
+    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(http);
+    let client = Client::builder(hyper_util::rt::TokioExecutor::new()).build(connector);
+    Ok((client, authorization))
+}
+
 impl Overflow {
+    /// The endpoint of `spec` on this router. Problems that only this controller can see (its
+    /// environment lacks the token, no CA to verify with) are logged and leave it unused here.
     pub fn new(spec: OverflowSpec) -> Self {
+        let ready = connect(&spec);
+        if let Err(why) = &ready {
+            tracing::warn!(url = %spec.url, %why, "overflow endpoint not used on this router");
+        }
         Overflow {
             spec,
+            ready,
             in_flight: AtomicU32::new(0),
             failures: AtomicU32::new(0),
             open_until_ms: AtomicU64::new(0),
@@ -61,9 +181,15 @@ impl Overflow {
         self.open_until_ms.load(Ordering::Acquire) > now_ms
     }
 
-    /// A slot of the endpoint, unless its breaker is open or its cap is reached.
+    /// The client, and the `Authorization` header to send if the class names a token.
+    pub fn client(&self) -> Option<(&OverflowClient, Option<&HeaderValue>)> {
+        self.ready.as_ref().ok().map(|(c, a)| (c, a.as_ref()))
+    }
+
+    /// A slot of the endpoint, unless it is unusable on this router, its breaker is open or
+    /// its cap is reached.
     pub fn try_acquire(self: &Arc<Self>, now_ms: u64) -> Option<OverflowSlot> {
-        if self.is_open(now_ms) {
+        if self.ready.is_err() || self.is_open(now_ms) {
             return None;
         }
         self.in_flight
@@ -102,6 +228,8 @@ mod tests {
             url: "http://127.0.0.1:9/api/".into(),
             max_in_flight: cap,
             micros_per_request: 2_000,
+            ca_pem: None,
+            token_env: None,
         }))
     }
 

@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use anyhow::Context as _;
 use clap::Subcommand;
 use laneway_control::client::AdminClient;
 use laneway_control::registry::{Class, Degraded, LaneKind, LlmPolicy, Millis, Model, Profile};
@@ -98,8 +99,8 @@ pub struct LaneSetArgs {
     /// removes it.
     #[arg(long, value_name = "JSON")]
     fallback_response: Option<String>,
-    /// Overflow endpoint (http://host:port[/prefix], a hosted API or a proxy to one): takes the
-    /// requests above the lane's own capacity instead of refusing them (`off` removes it).
+    /// Overflow endpoint (http(s)://host:port[/prefix], a hosted API or a proxy to one): takes
+    /// the requests above the lane's own capacity instead of refusing them (`off` removes it).
     #[arg(long, value_name = "URL")]
     overflow_url: Option<String>,
     /// Overflow: requests in flight to the endpoint at once, per router.
@@ -108,6 +109,15 @@ pub struct LaneSetArgs {
     /// Overflow: what the endpoint charges per request, US dollars (metered in the ledger).
     #[arg(long)]
     overflow_usd_per_request: Option<f64>,
+    /// Overflow: a PEM file of CA certificates to trust for the https endpoint besides the
+    /// system's (a private endpoint's CA); `none` removes them.
+    #[arg(long, value_name = "FILE")]
+    overflow_ca: Option<std::path::PathBuf>,
+    /// Overflow: the environment variable, set on every controller, holding the endpoint's API
+    /// key (sent as `Authorization: Bearer`); the key never enters the cluster's state. `none`
+    /// sends no key.
+    #[arg(long, value_name = "VAR")]
+    overflow_token_env: Option<String>,
 }
 
 fn on_off(s: &str) -> Result<bool, String> {
@@ -397,10 +407,15 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
                     );
                     if let Some(o) = &c.overflow {
                         t.push_str(&format!(
-                            "  overflow {} (≤{} at once, ${:.6}/request)",
+                            "  overflow {} (≤{} at once, ${:.6}/request{}{})",
                             o.url,
                             o.max_in_flight,
-                            o.micros_per_request as f64 / 1e6
+                            o.micros_per_request as f64 / 1e6,
+                            if o.ca_pem.is_some() { ", own CA" } else { "" },
+                            o.token_env
+                                .as_deref()
+                                .map(|v| format!(", key from ${v}"))
+                                .unwrap_or_default()
                         ));
                     }
                     if let Some(cache) = c.cache {
@@ -596,17 +611,38 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
                         url: String::new(),
                         max_in_flight: 16,
                         micros_per_request: 0,
+                        ca_pem: None,
+                        token_env: None,
                     });
                     o.url = url.to_string();
                 }
                 None => {}
             }
-            if a.overflow_max.is_some() || a.overflow_usd_per_request.is_some() {
+            if a.overflow_max.is_some()
+                || a.overflow_usd_per_request.is_some()
+                || a.overflow_ca.is_some()
+                || a.overflow_token_env.is_some()
+            {
                 let Some(o) = c.overflow.as_mut() else {
                     anyhow::bail!("class {} has no overflow endpoint: give --overflow-url first", c.name);
                 };
                 if let Some(m) = a.overflow_max {
                     o.max_in_flight = m;
+                }
+                match a.overflow_ca.as_deref() {
+                    Some(p) if p.as_os_str() == "none" => o.ca_pem = None,
+                    Some(p) => {
+                        o.ca_pem = Some(
+                            std::fs::read_to_string(p)
+                                .with_context(|| format!("--overflow-ca {}: cannot read the CA file", p.display()))?,
+                        )
+                    }
+                    None => {}
+                }
+                match a.overflow_token_env.as_deref() {
+                    Some("none") => o.token_env = None,
+                    Some(var) => o.token_env = Some(var.to_string()),
+                    None => {}
                 }
                 if let Some(usd) = a.overflow_usd_per_request {
                     if !(0.0..=1000.0).contains(&usd) {
