@@ -297,7 +297,11 @@ impl Command {
             | Command::SetNodeFlags { .. } => 1,
             Command::Batch(commands) => commands.iter().map(Command::format).max().unwrap_or(1),
             // An older binary refuses a class with fields it does not know.
-            Command::PutClass(c) if c.cache.is_some() || c.fallback_response.is_some() || c.overflow.is_some() => 9,
+            Command::PutClass(c)
+                if c.cache.is_some() || c.fallback_response.is_some() || c.overflow.is_some() || c.hedge.is_some() =>
+            {
+                9
+            }
             Command::PutModel(m) if m.fallback.is_some() => 9,
             Command::PutClass(c) if c.time_slicing => 7,
             Command::PutClass(c) if c.llm.is_some() => 6,

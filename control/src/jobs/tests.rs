@@ -396,6 +396,7 @@ fn durable_fleet(nodes: usize) -> AppState {
     s.registry
         .put_class(&Class {
             overflow: None,
+            hedge: None,
             fallback_response: None,
             cache: None,
             name: "video".into(),

@@ -145,6 +145,22 @@ pub struct Class {
     /// capacity instead of refusing them (ADR 0017).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub overflow: Option<OverflowSpec>,
+    /// Sync lanes: a second copy of a request that has no answer after a while, to another
+    /// replica, within a budget (ADR 0014).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hedge: Option<HedgeSpec>,
+}
+
+/// A sync lane's hedged requests: a request with no answer after `after_ms` is also sent to
+/// another replica with a free slot; the first good answer wins. At most `percent` of the
+/// lane's requests (plus a small burst) are hedged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HedgeSpec {
+    /// How long the first replica has before the copy goes out: about the model's p95.
+    pub after_ms: Millis,
+    /// Hedges as a percent of the lane's requests, 1-50.
+    pub percent: u8,
 }
 
 /// A lane's overflow endpoint.
@@ -621,6 +637,7 @@ impl Class {
     pub(crate) fn for_test(name: &str, lane: LaneKind) -> Class {
         Class {
             overflow: None,
+            hedge: None,
             fallback_response: None,
             cache: None,
             name: name.into(),
@@ -713,6 +730,26 @@ impl Class {
                 return Err(format!(
                     "class {n}: overflow max_in_flight = {}: give 1-10000",
                     o.max_in_flight
+                ));
+            }
+        }
+        if let Some(h) = &self.hedge {
+            if self.lane != LaneKind::Sync {
+                return Err(format!(
+                    "class {n}: hedged requests are for sync lanes (a bounded lane queues, a durable one retries jobs)"
+                ));
+            }
+            if h.after_ms.as_ms() <= 0.0 || h.after_ms.as_ms() >= self.request_timeout_ms.as_ms() {
+                return Err(format!(
+                    "class {n}: hedge after {} ms: give more than 0 and less than the lane's timeout ({} ms), about the model's p95",
+                    h.after_ms.as_ms(),
+                    self.request_timeout_ms.as_ms()
+                ));
+            }
+            if !(1..=50).contains(&h.percent) {
+                return Err(format!(
+                    "class {n}: hedge percent {}: give 1-50 (each hedge is a second GPU run of a request)",
+                    h.percent
                 ));
             }
         }

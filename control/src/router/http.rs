@@ -854,9 +854,19 @@ async fn dispatch(
     let started = Instant::now();
     let outcome = loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        let r = router
-            .forward(&guard.slot, body.clone(), &meta.request_id, traceparent, left)
-            .await;
+        let r = match class.hedge {
+            // A retried request is not hedged too: one extra send per request at most.
+            Some(hedge) if !retried => {
+                let (r, winner) = hedged(router, route, guard, &body, &meta.request_id, traceparent, left, hedge).await;
+                guard = winner;
+                r
+            }
+            _ => {
+                router
+                    .forward(&guard.slot, body.clone(), &meta.request_id, traceparent, left)
+                    .await
+            }
+        };
         match r {
             Err(ForwardError::NotDelivered(why)) if !retried => {
                 // Never reached the replica: safe to send once more, elsewhere, if the lane's
@@ -957,6 +967,73 @@ async fn dispatch(
     drop(guard);
     router.record(record);
     resp
+}
+
+/// Sends the request to `guard`'s replica and, when it has not answered within the class's
+/// hedge delay, the lane's hedge budget allows and another replica has a free slot, a copy
+/// there too (never queued). The first good answer wins; the other send is dropped (its
+/// connection closed, its slot freed). A failure waits for the other send. Returns the outcome
+/// and the guard of the replica it came from.
+#[allow(clippy::too_many_arguments)]
+async fn hedged(
+    router: &Arc<Router>,
+    route: &ModelRoute,
+    guard: super::lane::SlotGuard,
+    body: &Bytes,
+    request_id: &str,
+    traceparent: Option<&HeaderValue>,
+    left: Duration,
+    hedge: crate::registry::HedgeSpec,
+) -> (Result<super::Forwarded, ForwardError>, super::lane::SlotGuard) {
+    let started = Instant::now();
+    // The sends borrow their own handle on the slot, so the guard can be handed back.
+    let first_slot = guard.slot.clone();
+    let first = router.forward(&first_slot, body.clone(), request_id, traceparent, left);
+    tokio::pin!(first);
+    if let Ok(r) = tokio::time::timeout(hedge.after_ms.as_duration().min(left), &mut first).await {
+        return (r, guard);
+    }
+    let Some(other) = router.pick(route, Some(&guard.slot.name), Instant::now()) else {
+        return (first.await, guard);
+    };
+    let second_guard = super::lane::SlotGuard::new(other, route.lane.clone());
+    if !route.lane.lock().take_hedge(hedge.percent) {
+        drop(second_guard);
+        return (first.await, guard);
+    }
+    let left = left.saturating_sub(started.elapsed());
+    let second_slot = second_guard.slot.clone();
+    let second = router.forward(&second_slot, body.clone(), request_id, traceparent, left);
+    tokio::pin!(second);
+    let good = |r: &Result<super::Forwarded, ForwardError>| r.as_ref().is_ok_and(|f| !super::fails_replica(f.status));
+    // The loser of a race that failed is ejected as any failure would be.
+    let failed = |slot: &super::table::ReplicaSlot, r: &Result<super::Forwarded, ForwardError>| match r {
+        Err(ForwardError::NotDelivered(why)) => router.eject(slot, why),
+        Err(e) => router.eject(slot, &format!("hedged request: {e:?}")),
+        Ok(f) if super::ejects_replica(slot, f.status) => router.eject(slot, &format!("answered {}", f.status)),
+        Ok(_) => {}
+    };
+    tokio::select! {
+        r = &mut first => {
+            if good(&r) {
+                return (r, guard);
+            }
+            failed(&guard.slot, &r);
+            let r = second.await;
+            if good(&r) {
+                route.lane.lock().counters.hedge_won += 1;
+            }
+            (r, second_guard)
+        }
+        r = &mut second => {
+            if good(&r) {
+                route.lane.lock().counters.hedge_won += 1;
+                return (r, second_guard);
+            }
+            failed(&second_guard.slot, &r);
+            (first.await, guard)
+        }
+    }
 }
 
 #[cfg(test)]
@@ -1382,6 +1459,63 @@ mod tests {
             sim_requests(addr).await,
             2,
             "no request reached it while it was ejected"
+        );
+        server.stop().await;
+    }
+
+    /// A sync lane that hedges: a request the first replica has not answered after the hedge
+    /// delay is also sent to the other replica, whose answer wins — no caller waits for the
+    /// slow replica — and each hedge is counted against the lane's budget.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_hedged_request_is_answered_by_the_faster_replica_within_the_budget() {
+        let (slow, fast) = (sim_replica(400.0).await, sim_replica(2.0).await);
+        let (fleet, mut reg) = fixture_with_tenant();
+        let mut speech = reg.classes["speech"].clone();
+        speech.hedge = Some(crate::registry::HedgeSpec {
+            after_ms: crate::registry::Millis::from_ms(50.0),
+            percent: 50,
+        });
+        reg.put_class(&speech).unwrap();
+        reg.set_node_replicas("n1", &[ready("slow", "whisper", slow), ready("fast", "whisper", fast)]);
+        let (router, _dir) = router_from(&fleet, &reg);
+        let lane = router.table().models["whisper"].lane.clone();
+        let server = serve_on_free_port(router).await;
+        for _ in 0..20 {
+            let started = tokio::time::Instant::now();
+            let r = infer_once(&server).await;
+            assert_eq!(r.status(), StatusCode::OK);
+            assert_eq!(r.headers()[REPLICA], "n1/fast");
+            let took = started.elapsed();
+            assert!(
+                took < Duration::from_millis(300),
+                "waited {took:?} for the 400 ms replica"
+            );
+        }
+        let c = lane.lock().counters;
+        let sent_slow = sim_requests(slow).await;
+        assert!(
+            sent_slow > 0,
+            "power of two choices sent some requests to the slow replica first"
+        );
+        assert_eq!((c.hedged, c.hedge_won), (sent_slow, sent_slow), "{c:?}");
+
+        // Without budget left (each request earns half a hedge), the request waits for its
+        // first replica.
+        let mut waited = false;
+        for _ in 0..20 {
+            let before = {
+                let mut s = lane.lock();
+                s.take_hedge(50); // credits what was earned so far…
+                s.hedge_hundredths = 0; // …and spends it all
+                s.counters.hedged
+            };
+            let r = infer_once(&server).await;
+            assert_eq!(lane.lock().counters.hedged, before, "no budget, no hedge");
+            waited |= r.headers()[REPLICA] == "n1/slow";
+        }
+        assert!(
+            waited,
+            "a request that could not hedge was answered by the slow replica"
         );
         server.stop().await;
     }

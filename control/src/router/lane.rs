@@ -51,6 +51,10 @@ pub struct LaneCounters {
     pub cache_miss: u64,
     /// Above the lane's capacity, answered by its overflow endpoint.
     pub overflowed: u64,
+    /// Sync: requests also sent to a second replica after the class's hedge delay.
+    pub hedged: u64,
+    /// Of those, answered first by the second replica.
+    pub hedge_won: u64,
 }
 
 pub struct LaneState {
@@ -68,7 +72,15 @@ pub struct LaneState {
     /// requests (plus the burst), so failing replicas cannot multiply the load on the healthy
     /// ones.
     pub retry_tenths: u32,
+    /// The hedge budget, in hundredths of a hedge: each admitted request earns the class's
+    /// hedge percent, up to [`HEDGE_BUDGET_BURST`] hedges; a hedge spends a hundred.
+    pub hedge_hundredths: u64,
+    /// Admitted requests the hedge budget has been credited for.
+    hedge_credited: u64,
 }
+
+/// Hedges that may be saved up.
+pub const HEDGE_BUDGET_BURST: u64 = 10;
 
 /// Retries that may be saved up (and spent at once, e.g. when a replica dies).
 pub const RETRY_BUDGET_BURST: u32 = 10;
@@ -78,6 +90,22 @@ impl LaneState {
     pub fn admitted(&mut self) {
         self.counters.admitted += 1;
         self.retry_tenths = (self.retry_tenths + 1).min(RETRY_BUDGET_BURST * 10);
+    }
+
+    /// Spends a hedge if the budget allows one at `percent` of the requests; counts it.
+    pub fn take_hedge(&mut self, percent: u8) -> bool {
+        let earned = self.counters.admitted - self.hedge_credited;
+        self.hedge_credited = self.counters.admitted;
+        self.hedge_hundredths = self
+            .hedge_hundredths
+            .saturating_add(earned.saturating_mul(u64::from(percent)))
+            .min(HEDGE_BUDGET_BURST * 100);
+        if self.hedge_hundredths < 100 {
+            return false;
+        }
+        self.hedge_hundredths -= 100;
+        self.counters.hedged += 1;
+        true
     }
 
     /// Spends a retry if the budget has one; counts the retry, or the refusal.
@@ -189,6 +217,8 @@ impl Lane {
                 counters: LaneCounters::default(),
                 pressure: 0.0,
                 retry_tenths: RETRY_BUDGET_BURST * 10,
+                hedge_hundredths: HEDGE_BUDGET_BURST * 100,
+                hedge_credited: 0,
             }),
         }
     }
@@ -279,6 +309,26 @@ pub const SHORT_WINDOW: Duration = Duration::from_secs(1);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hedges_stay_within_their_percent_of_the_requests_plus_a_burst() {
+        let lane = Lane::new("speech", LaneKind::Sync, Instant::now());
+        let mut s = lane.lock();
+        let spent = (0..100).filter(|_| s.take_hedge(5)).count();
+        assert_eq!(spent, HEDGE_BUDGET_BURST as usize, "a new lane starts with the burst");
+        for _ in 0..1_000 {
+            s.admitted();
+        }
+        // 1,000 requests at 5% earn 50 hedges, saved up to the burst only.
+        let spent = (0..100).filter(|_| s.take_hedge(5)).count();
+        assert_eq!(spent, HEDGE_BUDGET_BURST as usize);
+        for _ in 0..100 {
+            s.admitted();
+        }
+        let spent = (0..100).filter(|_| s.take_hedge(5)).count();
+        assert_eq!(spent, 5, "100 requests earn 5 hedges");
+        assert_eq!(s.counters.hedged, 25);
+    }
 
     #[test]
     fn the_retry_budget_is_a_tenth_of_the_requests_plus_a_burst() {

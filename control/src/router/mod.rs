@@ -1115,6 +1115,7 @@ mod tests {
     fn class(lane: LaneKind, budget_ms: f64) -> Arc<Class> {
         Arc::new(Class {
             overflow: None,
+            hedge: None,
             fallback_response: None,
             cache: None,
             name: "c".into(),

@@ -94,6 +94,14 @@ pub struct LaneSetArgs {
     /// private); `off` (the default) keys it by tenant.
     #[arg(long, value_parser = on_off)]
     cache_shared: Option<bool>,
+    /// Sync lanes: send a second copy of a request that has no answer after this many ms to
+    /// another replica with a free slot; the first good answer wins (about the model's p95;
+    /// 0 turns hedging off).
+    #[arg(long, value_name = "MS")]
+    hedge_after_ms: Option<f64>,
+    /// Hedged requests at most this percent of the lane's requests, 1-50 (default 5).
+    #[arg(long)]
+    hedge_percent: Option<u8>,
     /// What the lane answers (HTTP 200, this JSON) for a model with no healthy replica and no
     /// fallback model, instead of 503; marked `x-laneway-degraded: fallback-response`. `off`
     /// removes it.
@@ -418,6 +426,13 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
                                 .unwrap_or_default()
                         ));
                     }
+                    if let Some(h) = c.hedge {
+                        t.push_str(&format!(
+                            "  hedged after {} ms (≤{}% of requests)",
+                            h.after_ms.as_ms(),
+                            h.percent
+                        ));
+                    }
                     if let Some(cache) = c.cache {
                         t.push_str(&format!(
                             "  result cache {} s, {} MiB, {}",
@@ -572,6 +587,7 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
                 (Some(c), _) => c,
                 (None, Some(lane)) => Class {
                     overflow: None,
+                    hedge: None,
                     fallback_response: None,
                     cache: None,
                     name: a.class.clone(),
@@ -674,6 +690,23 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
                     cache.ttl_s = ttl.as_secs();
                 }
                 None => {}
+            }
+            match a.hedge_after_ms {
+                Some(ms) if ms <= 0.0 => c.hedge = None,
+                Some(ms) => {
+                    let h = c.hedge.get_or_insert(laneway_control::registry::HedgeSpec {
+                        after_ms: Millis::from_ms(ms),
+                        percent: 5,
+                    });
+                    h.after_ms = Millis::from_ms(ms);
+                }
+                None => {}
+            }
+            if let Some(p) = a.hedge_percent {
+                let Some(h) = c.hedge.as_mut() else {
+                    anyhow::bail!("class {} does not hedge: give --hedge-after-ms first", c.name);
+                };
+                h.percent = p;
             }
             if a.cache_mib.is_some() || a.cache_shared.is_some() {
                 let Some(cache) = c.cache.as_mut() else {
