@@ -718,11 +718,18 @@ impl Class {
             if let Some(var) = &o.token_env {
                 let ok = !var.is_empty()
                     && var.len() <= 128
-                    && var.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                    && var
+                        .chars()
+                        .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
                     && !var.starts_with(|c: char| c.is_ascii_digit());
                 if !ok {
                     return Err(format!(
-                        "class {n}: overflow token_env {var:?}: give the name of an environment variable (A-Z, 0-9, _), not the key itself"
+                        "class {n}: overflow token_env {var:?}: give the name of an environment variable (A-Z, 0-9, _, e.g. HOSTED_API_KEY), not the key itself"
+                    ));
+                }
+                if !https {
+                    return Err(format!(
+                        "class {n}: overflow token_env: {url:?} is plain http and would carry the key in the clear; use https"
                     ));
                 }
             }

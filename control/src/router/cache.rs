@@ -59,9 +59,10 @@ impl ClassCache {
         self.spec
     }
 
-    /// The key of `body` (an inference request) for `entry@version` from `tenant`; `None` when
-    /// the body is not JSON (it is then neither looked up nor kept).
-    pub fn key(&self, entry: &str, version: &str, tenant: &str, body: &[u8]) -> Option<Key> {
+    /// The key of `body` (an inference request to the API `api`: the KServe path or an
+    /// OpenAI-compatible one, whose answers differ in form) for `entry@version` from `tenant`;
+    /// `None` when the body is not JSON (it is then neither looked up nor kept).
+    pub fn key(&self, entry: &str, version: &str, api: &str, tenant: &str, body: &[u8]) -> Option<Key> {
         let value: serde_json::Value = serde_json::from_slice(body).ok()?;
         // serde_json's map is ordered by key: this is the canonical form.
         let canonical = serde_json::to_vec(&value).ok()?;
@@ -69,6 +70,7 @@ impl ClassCache {
         for part in [
             entry.as_bytes(),
             version.as_bytes(),
+            api.as_bytes(),
             if self.spec.shared { b"" } else { tenant.as_bytes() },
         ] {
             h.update((part.len() as u64).to_le_bytes());
@@ -110,28 +112,32 @@ mod tests {
     #[test]
     fn keys_are_canonical_scoped_to_the_tenant_and_the_version() {
         let c = cache(false);
-        let a = c.key("m", "1", "t1", br#"{"b":1,"a":[1,2]}"#).unwrap();
+        let a = c.key("m", "1", "infer", "t1", br#"{"b":1,"a":[1,2]}"#).unwrap();
         assert_eq!(
             Some(a),
-            c.key("m", "1", "t1", br#"{ "a": [1, 2], "b": 1 }"#),
+            c.key("m", "1", "infer", "t1", br#"{ "a": [1, 2], "b": 1 }"#),
             "key order and spaces do not matter"
         );
         assert_ne!(
             Some(a),
-            c.key("m", "1", "t2", br#"{"b":1,"a":[1,2]}"#),
+            c.key("m", "1", "infer", "t2", br#"{"b":1,"a":[1,2]}"#),
             "another tenant"
         );
         assert_ne!(
             Some(a),
-            c.key("m", "2", "t1", br#"{"b":1,"a":[1,2]}"#),
+            c.key("m", "2", "infer", "t1", br#"{"b":1,"a":[1,2]}"#),
             "another version"
         );
-        assert_ne!(Some(a), c.key("m", "1", "t1", br#"{"b":1,"a":[2,1]}"#), "another input");
-        assert!(c.key("m", "1", "t1", b"not json").is_none());
+        assert_ne!(
+            Some(a),
+            c.key("m", "1", "infer", "t1", br#"{"b":1,"a":[2,1]}"#),
+            "another input"
+        );
+        assert!(c.key("m", "1", "infer", "t1", b"not json").is_none());
         let s = cache(true);
         assert_eq!(
-            s.key("m", "1", "t1", b"{}"),
-            s.key("m", "1", "t2", b"{}"),
+            s.key("m", "1", "infer", "t1", b"{}"),
+            s.key("m", "1", "infer", "t2", b"{}"),
             "shared across tenants"
         );
     }
@@ -139,7 +145,7 @@ mod tests {
     #[test]
     fn only_successful_answers_are_kept() {
         let c = cache(false);
-        let k = c.key("m", "1", "t", b"{}").unwrap();
+        let k = c.key("m", "1", "infer", "t", b"{}").unwrap();
         let answer = |status| Cached {
             status,
             content_type: None,

@@ -108,6 +108,12 @@ impl LaneState {
         true
     }
 
+    /// Gives back a hedge [`Self::take_hedge`] spent that could not be sent (no free slot).
+    pub fn refund_hedge(&mut self) {
+        self.hedge_hundredths += 100;
+        self.counters.hedged -= 1;
+    }
+
     /// Spends a retry if the budget has one; counts the retry, or the refusal.
     pub fn take_retry(&mut self) -> bool {
         if self.retry_tenths >= 10 {

@@ -160,7 +160,17 @@ async fn serve(
     record.input_tokens = input;
     // Only a whole answer sampled greedily is the same answer next time.
     if !req.stream && greedy(&body) {
-        record = match super::http::from_cache(&router, &table, &route, &tenant, &headers, &body, &mut meta, record) {
+        record = match super::http::from_cache(
+            &router,
+            &table,
+            &route,
+            &tenant,
+            &headers,
+            &body,
+            endpoint.path(),
+            &mut meta,
+            record,
+        ) {
             Ok(hit) => return hit,
             Err(record) => record,
         };
@@ -366,8 +376,9 @@ impl Call {
         };
         let (parts, upstream) = resp.into_parts();
         if !super::fails_replica(parts.status) {
-            // Measured to the answer's head: the first token of a stream.
-            self.router.answered(&guard.slot, started);
+            // Not measured for slowness: a language model's answer time is its prompt's and
+            // generation's length, not the replica's speed (ADR 0014).
+            guard.slot.health.answered();
         }
         if self.stream && parts.status.is_success() {
             return self.relay(parts, upstream, guard, started, deadline);
@@ -1335,7 +1346,8 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), copies)
             .await
             .expect("every request was copied to the new version");
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Metered once the router has read each copy's answer, just after the replica counts it.
+        tokio::time::sleep(Duration::from_millis(500)).await;
         let report = router.meter().next_report(1, 0).unwrap();
         let shadow: Vec<_> = report
             .rows

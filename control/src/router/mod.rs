@@ -758,34 +758,63 @@ impl Router {
         traceparent: Option<&HeaderValue>,
         timeout: Duration,
     ) -> Result<Forwarded, ForwardError> {
-        self.forward_to(slot, &slot.infer_uri, body, request_id, traceparent, timeout)
-            .await
-    }
-
-    /// Sends the request to `uri` on `slot`'s replica within `timeout`, and notes what it says
-    /// about the replica's health and speed.
-    async fn forward_to(
-        &self,
-        slot: &ReplicaSlot,
-        uri: &hyper::Uri,
-        body: Bytes,
-        request_id: &str,
-        traceparent: Option<&HeaderValue>,
-        timeout: Duration,
-    ) -> Result<Forwarded, ForwardError> {
-        let started = Instant::now();
         let out = Outbound {
-            uri,
+            uri: &slot.infer_uri,
             target: &slot.name,
             request_id,
             traceparent,
             authorization: None,
         };
+        self.forward_to(slot, out, body, timeout, true).await
+    }
+
+    /// Sends the request (`out`) to `slot`'s replica within `timeout`, and notes what it says
+    /// about the replica's health and, when `measure`, its speed: an answer's time, or, for a
+    /// send dropped unanswered (a hedge it lost, a caller gone), the time so far as a lower
+    /// bound — a replica slower than the hedge delay must not look fast for losing every race.
+    async fn forward_to(
+        &self,
+        slot: &ReplicaSlot,
+        out: Outbound<'_>,
+        body: Bytes,
+        timeout: Duration,
+        measure: bool,
+    ) -> Result<Forwarded, ForwardError> {
+        struct Timing<'a> {
+            router: &'a Router,
+            slot: &'a ReplicaSlot,
+            started: Instant,
+            dropped_unanswered: bool,
+        }
+        impl Drop for Timing<'_> {
+            fn drop(&mut self) {
+                if self.dropped_unanswered {
+                    self.router.measure(self.slot, self.started);
+                }
+            }
+        }
+        let mut timing = Timing {
+            router: self,
+            slot,
+            started: Instant::now(),
+            dropped_unanswered: measure,
+        };
         let r = self.send(&self.client, out, body, timeout).await;
+        timing.dropped_unanswered = false;
         if r.as_ref().is_ok_and(|f| !fails_replica(f.status)) {
-            self.answered(slot, started);
+            slot.health.answered();
+            if measure {
+                self.measure(slot, timing.started);
+            }
         }
         r
+    }
+
+    /// Counts the time since `started` towards finding slow replicas.
+    fn measure(&self, slot: &ReplicaSlot, started: Instant) {
+        let now = Instant::now();
+        slot.health
+            .observe(now.duration_since(started), slot.service, self.now_ms(now));
     }
 
     /// Sends a language model's request (for a whole answer) to `slot`'s `endpoint` within
@@ -801,16 +830,16 @@ impl Router {
         let uri: hyper::Uri = format!("http://{}{}", slot.endpoint, endpoint.path())
             .parse()
             .map_err(|e| ForwardError::NotDelivered(format!("endpoint {:?}: {e}", slot.endpoint)))?;
-        self.forward_to(slot, &uri, body, request_id, None, timeout).await
-    }
-
-    /// `slot` answered a request sent at `started` (not a failure): its failure streak ends
-    /// and its answer time counts towards finding slow replicas.
-    pub fn answered(&self, slot: &ReplicaSlot, started: Instant) {
-        slot.health.answered();
-        let now = Instant::now();
-        slot.health
-            .observe(now.duration_since(started), slot.service, self.now_ms(now));
+        let out = Outbound {
+            uri: &uri,
+            target: &slot.name,
+            request_id,
+            traceparent: None,
+            authorization: None,
+        };
+        // A language model's answer time is its generation's length: not comparable across
+        // replicas, so not measured (ADR 0014).
+        self.forward_to(slot, out, body, timeout, false).await
     }
 
     /// Posts an inference request (`out`) with `client` within `timeout`, with the deadline and
@@ -945,7 +974,8 @@ impl Router {
                 Ok(f) => {
                     record.gpu_ms = f.gpu_ms;
                     if let Some((input, output, gpu_ms)) = completion.and_then(|_| llm::answer_usage(&f.body)) {
-                        (record.input_tokens, record.output_tokens, record.gpu_ms) = (input, output, gpu_ms);
+                        (record.input_tokens, record.output_tokens) = (input, output);
+                        record.gpu_ms = gpu_ms.or(f.gpu_ms);
                     }
                     if ejects_replica(slot, f.status) {
                         router.eject(slot, &format!("answered {} to shadow copies in a row", f.status));

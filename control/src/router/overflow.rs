@@ -103,13 +103,18 @@ pub fn tls_config(extra_ca_pem: Option<&str>) -> Result<rustls::ClientConfig, St
         .with_no_client_auth())
 }
 
-/// The certificates in `pem`: at least one, or why not.
+/// The certificates in `pem`, each usable as a trust anchor: at least one, or why not.
 pub fn parse_ca_pem(pem: &str) -> Result<Vec<CertificateDer<'static>>, String> {
     let certs = CertificateDer::pem_slice_iter(pem.as_bytes())
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| format!("ca_pem is not PEM: {e}"))?;
     if certs.is_empty() {
         return Err("ca_pem holds no certificate (expected -----BEGIN CERTIFICATE-----)".into());
+    }
+    for (i, cert) in certs.iter().enumerate() {
+        rustls::RootCertStore::empty()
+            .add(cert.clone())
+            .map_err(|e| format!("ca_pem: certificate {} is not a usable CA certificate: {e}", i + 1))?;
     }
     Ok(certs)
 }

@@ -137,14 +137,27 @@ pub fn plan_observed(
     // again. Kept only when it placed more of what was short: never stop a replica for nothing.
     let victims = preemptions(fleet, registry, &desired, &short);
     if !victims.is_empty() {
-        let mut freed = desired.clone();
-        for (node, id) in &victims {
-            if let Some(rs) = freed.get_mut(node) {
-                rs.retain(|r| &r.id != id);
+        let without = |victims: &[(String, String)]| {
+            let mut freed = desired.clone();
+            for (node, id) in victims {
+                if let Some(rs) = freed.get_mut(node) {
+                    rs.retain(|r| &r.id != id);
+                }
             }
-        }
-        let again = place(fleet, registry, &freed, targets, cached, slices, new_id);
+            freed
+        };
+        let mut again = place(fleet, registry, &without(&victims), targets, cached, slices, new_id);
         if misses_less(&again.short, &short) {
+            // A victim whose card no short model took was stopped for nothing (the short model
+            // fit elsewhere, or not at all): place once more without stopping it, and keep that
+            // unless it misses more.
+            let useful = took_their_cards(&victims, &desired, &again.desired, &short);
+            if useful.len() < victims.len() {
+                let fewer = place(fleet, registry, &without(&useful), targets, cached, slices, new_id);
+                if !misses_less(&again.short, &fewer.short) {
+                    again = fewer;
+                }
+            }
             (desired, unplaced) = (again.desired, again.unplaced);
         }
     }
@@ -170,6 +183,35 @@ struct Short {
     model: String,
     rank: u32,
     missing: usize,
+}
+
+/// The victims (node, replica id) whose card (`before` says which) a new replica of a model in
+/// `short` has in `after`.
+fn took_their_cards(
+    victims: &[(String, String)],
+    before: &BTreeMap<String, Vec<DesiredReplica>>,
+    after: &BTreeMap<String, Vec<DesiredReplica>>,
+    short: &[Short],
+) -> Vec<(String, String)> {
+    let short_models: HashSet<&str> = short.iter().map(|s| s.model.as_str()).collect();
+    let existed = |node: &str, id: &str| before.get(node).is_some_and(|rs| rs.iter().any(|r| r.id == id));
+    victims
+        .iter()
+        .filter(|(node, id)| {
+            let Some(gpu) = before
+                .get(node)
+                .and_then(|rs| rs.iter().find(|r| &r.id == id))
+                .map(|r| &r.gpu)
+            else {
+                return false;
+            };
+            after.get(node).is_some_and(|rs| {
+                rs.iter()
+                    .any(|r| &r.gpu == gpu && short_models.contains(r.model.as_str()) && !existed(node, &r.id))
+            })
+        })
+        .cloned()
+        .collect()
 }
 
 /// Whether `a` misses less than `b` where it matters most: at the most protected rank where
@@ -988,6 +1030,53 @@ mod tests {
         targets.insert("wan".into(), 3);
         let p = plan(&f, &r, &targets, &mut ids());
         assert!(p.commands.is_empty(), "{:?}", p.commands);
+    }
+
+    #[test]
+    fn a_replica_whose_card_no_short_model_takes_is_not_stopped() {
+        // Two L4 nodes of one 24 GB card each, every lane time-sliced.
+        let f = fleet(&[("a", "L4", 1), ("b", "L4", 1)]);
+        let mut r = registry(0);
+        durable(&mut r, 0);
+        r.put_class(&Class {
+            time_slicing: true,
+            protection_rank: 1,
+            budget_ms: Millis::from_ms(1_000.0),
+            ..Class::for_test("batch", LaneKind::Bounded)
+        })
+        .unwrap();
+        let mut big = r.models["whisper"].clone();
+        big.name = "big".into();
+        big.class = "batch".into();
+        big.profiles.get_mut("L4").unwrap().gpu_memory_gb = 20;
+        r.put_model(&big).unwrap();
+        let mut pinned = r.models["whisper"].clone();
+        pinned.name = "pinned".into();
+        r.put_model(&pinned).unwrap();
+        let at = |id: &str, model: &str, gpu: &str| DesiredReplica {
+            id: id.into(),
+            model: model.into(),
+            gpu: gpu.into(),
+            product: "L4".into(),
+        };
+        // a-0: a durable replica beside a sync one; b-0: two durable replicas. 4 GB free each.
+        r.set_desired("a", &[at("wan-a", "wan", "a-0"), at("pinned-a", "pinned", "a-0")]);
+        r.set_desired("b", &[at("wan-b1", "wan", "b-0"), at("wan-b2", "wan", "b-0")]);
+        let targets: HashMap<String, usize> = [
+            ("whisper".to_string(), 1),
+            ("big".to_string(), 1),
+            ("wan".to_string(), 3),
+            ("pinned".to_string(), 1),
+        ]
+        .into();
+        let p = plan(&f, &r, &targets, &mut ids());
+        apply(&mut r, &p);
+        // The sync scale-up takes wan-a's place. Stopping a replica on b-0 would not make room
+        // for the 20 GB bounded model, so b-0 keeps both, under their own ids.
+        assert_eq!((on(&r, "a", "whisper"), on(&r, "a", "wan")), (1, 0), "{:?}", r.desired);
+        let b: Vec<&str> = r.desired["b"].iter().map(|x| x.id.as_str()).collect();
+        assert_eq!(b, ["wan-b1", "wan-b2"], "{:?}", r.desired);
+        assert!(p.unplaced.iter().any(|u| u.model == "big"));
     }
 
     #[test]
