@@ -631,6 +631,30 @@ impl Registry {
 }
 
 #[cfg(test)]
+impl Registry {
+    /// Deploys version `version` of the registered `model` (same specification) and starts a
+    /// shadow rollout of it copying every request.
+    pub fn start_shadow_for_test(&mut self, model: &str, version: &str) {
+        let next = Model {
+            version: version.into(),
+            ..self.models[model].clone()
+        };
+        self.deploy_version(&next).unwrap();
+        let r = rollout::RolloutRequest {
+            model: model.into(),
+            version: version.into(),
+            strategy: rollout::Strategy::Shadow,
+            steps: vec![100],
+            bake_s: 60,
+            guards: Default::default(),
+        }
+        .rollout(self, 0, "admin:test")
+        .unwrap();
+        self.start_rollout(&r).unwrap();
+    }
+}
+
+#[cfg(test)]
 impl Class {
     /// A lane for tests: 60% target, no queue budget, no floor, rank 0, a 1 s timeout, a card
     /// per replica.

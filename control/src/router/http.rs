@@ -1603,26 +1603,10 @@ mod tests {
     /// slow, and the copies are metered to the shadow tenant under the new version.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn shadow_copies_never_touch_the_callers_answer_or_its_time() {
-        use crate::registry::rollout::{RolloutRequest, Strategy};
         let (stable, shadow) = (sim_replica(5.0).await, sim_replica(2_000.0).await);
         let (fleet, mut reg) = super::super::table::test_fixture();
         add_tenant(&mut reg, "t", "k");
-        let v2 = crate::registry::Model {
-            version: "2".into(),
-            ..reg.models["whisper"].clone()
-        };
-        reg.deploy_version(&v2).unwrap();
-        let r = RolloutRequest {
-            model: "whisper".into(),
-            version: "2".into(),
-            strategy: Strategy::Shadow,
-            steps: vec![100],
-            bake_s: 60,
-            guards: Default::default(),
-        }
-        .rollout(&reg, 0, "admin:test")
-        .unwrap();
-        reg.start_rollout(&r).unwrap();
+        reg.start_shadow_for_test("whisper", "2");
         reg.set_node_replicas("n1", &[ready("a", "whisper", stable), ready("b", "whisper@2", shadow)]);
         let (router, _dir) = router_from(&fleet, &reg);
         let server = serve_on_free_port(router.clone()).await;
@@ -1807,9 +1791,23 @@ mod tests {
         assert_eq!(r.headers()["x-laneway-replica"], "n1/a");
         assert!(r.headers().get("x-laneway-overflow").is_none());
         // Eight at once against the replica's four slots.
+        let out = sent_out_of(server.addr, 8).await;
+        assert_eq!(out, 4, "only what the replica's four slots could not take went out");
+        let report = router.meter().next_report(1, 0).unwrap();
+        let (requests, nanos): (u64, u64) = report
+            .rows
+            .iter()
+            .filter(|u| u.product.as_deref() == Some(crate::ledger::OVERFLOW_PRODUCT))
+            .fold((0, 0), |(r, n), u| (r + u.requests, n + u.overflow_nanos));
+        assert_eq!((requests, nanos), (4, 4 * 2_000_000), "metered at $0.002 a request");
+        server.stop().await;
+    }
+
+    /// Sends `n` requests at once through the router at `addr`; each must be answered 200.
+    /// Returns how many the overflow endpoint answered.
+    async fn sent_out_of(addr: SocketAddr, n: usize) -> u64 {
         let mut calls = tokio::task::JoinSet::new();
-        for _ in 0..8 {
-            let addr = server.addr;
+        for _ in 0..n {
             calls.spawn(async move {
                 let r = infer_at(addr).await;
                 (r.status(), r.headers().contains_key("x-laneway-overflow"))
@@ -1821,15 +1819,7 @@ mod tests {
             assert_eq!(status, StatusCode::OK, "the excess is answered, not refused");
             out += u64::from(overflowed);
         }
-        assert_eq!(out, 4, "only what the replica's four slots could not take went out");
-        let report = router.meter().next_report(1, 0).unwrap();
-        let (requests, nanos): (u64, u64) = report
-            .rows
-            .iter()
-            .filter(|u| u.product.as_deref() == Some(crate::ledger::OVERFLOW_PRODUCT))
-            .fold((0, 0), |(r, n), u| (r + u.requests, n + u.overflow_nanos));
-        assert_eq!((requests, nanos), (4, 4 * 2_000_000), "metered at $0.002 a request");
-        server.stop().await;
+        out
     }
 
     /// An https overflow endpoint that wants an API key: verified against the CA the class
@@ -1901,20 +1891,7 @@ mod tests {
         reg.set_node_replicas("n1", &[ready("a", "whisper", sim_replica(400.0).await)]);
         let (router, _dir) = router_from(&fleet, &reg);
         let server = serve_on_free_port(router.clone()).await;
-        let mut calls = tokio::task::JoinSet::new();
-        for _ in 0..6 {
-            let addr = server.addr;
-            calls.spawn(async move {
-                let r = infer_at(addr).await;
-                (r.status(), r.headers().contains_key("x-laneway-overflow"))
-            });
-        }
-        let mut out = 0;
-        while let Some(r) = calls.join_next().await {
-            let (status, overflowed) = r.unwrap();
-            assert_eq!(status, StatusCode::OK);
-            out += u64::from(overflowed);
-        }
+        let out = sent_out_of(server.addr, 6).await;
         assert_eq!(out, 2, "the four slots' excess went out over TLS, with the key");
         server.stop().await;
         hosted.stop().await;

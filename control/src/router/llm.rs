@@ -1302,27 +1302,10 @@ mod tests {
     /// asked for it, and the copies are metered to the shadow tenant with their tokens.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_language_models_shadow_gets_copies_and_the_caller_never_sees_them() {
-        use crate::registry::rollout::{RolloutRequest, Strategy};
         let (v1, v2) = (replica(None).await, replica(None).await);
         let (fleet, mut reg) = super::super::table::test_fixture();
-        let chat_v1 = language_model(&reg, "chat", None);
-        reg.put_model(&chat_v1).unwrap();
-        reg.deploy_version(&crate::registry::Model {
-            version: "2".into(),
-            ..chat_v1
-        })
-        .unwrap();
-        let r = RolloutRequest {
-            model: "chat".into(),
-            version: "2".into(),
-            strategy: Strategy::Shadow,
-            steps: vec![100],
-            bake_s: 60,
-            guards: Default::default(),
-        }
-        .rollout(&reg, 0, "admin:test")
-        .unwrap();
-        reg.start_rollout(&r).unwrap();
+        reg.put_model(&language_model(&reg, "chat", None)).unwrap();
+        reg.start_shadow_for_test("chat", "2");
         tenant_k(&mut reg);
         reg.set_node_replicas("n1", &[ready("a", "chat", v1), ready("b", "chat@2", v2)]);
         let (router, server, _dir) = serve_registry(&fleet, &reg).await;
