@@ -877,7 +877,7 @@ async fn dispatch(
             Err(ForwardError::NotDelivered(why)) if !retried => {
                 // Never reached the replica: safe to send once more, elsewhere, if the lane's
                 // retry budget allows.
-                match router.retry_elsewhere(route, &guard.slot, &why) {
+                match router.retry_elsewhere(route, &guard.slot, &why, deadline).await {
                     Some(other) => {
                         guard = super::lane::SlotGuard::new(other, route.lane.clone());
                         retried = true;

@@ -324,7 +324,11 @@ impl Call {
                 Err(ForwardError::NotDelivered(why)) if !retried => {
                     // Never reached the replica: safe to send once more, elsewhere, if the
                     // lane's retry budget allows.
-                    match self.router.retry_elsewhere(&self.route, &guard.slot, &why) {
+                    match self
+                        .router
+                        .retry_elsewhere(&self.route, &guard.slot, &why, deadline)
+                        .await
+                    {
                         Some(other) => {
                             guard = SlotGuard::new(other, self.route.lane.clone());
                             retried = true;

@@ -40,6 +40,10 @@ use admission::{bounded_admit, retry_after_secs, sync_retry_after, TokenBucket};
 use lane::{Lane, LaneStatus, SlotGuard, SHORT_WINDOW};
 use table::{ModelRoute, ReplicaSlot, Table, TenantRoute};
 
+/// The longest wait before a retry (full jitter: a uniform wait up to it), as Envoy's default
+/// retry back-off base.
+pub const RETRY_BACKOFF: Duration = Duration::from_millis(25);
+
 /// How often the router looks for replicas far slower than their peers.
 pub const SLOW_EVERY: Duration = Duration::from_secs(1);
 
@@ -442,13 +446,23 @@ impl Router {
     }
 
     /// A request never reached `failed` (nothing was sent): eject it and, if the lane's retry
-    /// budget allows, pick another replica to send it to once.
-    pub fn retry_elsewhere(&self, route: &ModelRoute, failed: &ReplicaSlot, why: &str) -> Option<Arc<ReplicaSlot>> {
+    /// budget allows, wait a jittered backoff (at most [`RETRY_BACKOFF`], never past
+    /// `deadline`) and pick another replica to send it to once. The jitter spreads the retries
+    /// of one incident (a host with many replicas gone) instead of sending them as one wave.
+    pub async fn retry_elsewhere(
+        &self,
+        route: &ModelRoute,
+        failed: &ReplicaSlot,
+        why: &str,
+        deadline: Instant,
+    ) -> Option<Arc<ReplicaSlot>> {
         self.eject(failed, why);
         if !route.lane.lock().take_retry() {
             tracing::warn!(model = %route.name, replica = %failed.name, "retry budget spent: not retrying");
             return None;
         }
+        let backoff = RETRY_BACKOFF.mul_f64(rand::random_range(0.0..=1.0));
+        tokio::time::sleep(backoff.min(deadline.saturating_duration_since(Instant::now()))).await;
         self.pick(route, Some(&failed.name), Instant::now())
     }
 
