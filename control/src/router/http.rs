@@ -718,21 +718,13 @@ async fn overflow(
     let sent = router.send(client, out, body.clone(), left).await;
     drop(slot);
     let f = match sent {
-        Ok(f)
-            if f.status.is_success() || (f.status.is_client_error() && !super::overflow::endpoints_fault(f.status)) =>
-        {
-            f
-        }
+        Ok(f) if super::overflow::answered(f.status) => f,
         other => {
             let why = match other {
                 Ok(f) => format!("answered {}", f.status),
                 Err(e) => format!("{e:?}"),
             };
-            if ov.failed(router.now_ms(Instant::now())) {
-                tracing::warn!(class = %route.class.name, url = %ov.spec.url, %why, "overflow endpoint failed {} times in a row: not used for {} s", super::overflow::BREAKER_FAILURES, super::overflow::BREAKER_OPEN.as_secs());
-            } else {
-                tracing::debug!(class = %route.class.name, url = %ov.spec.url, %why, "overflow endpoint failed");
-            }
+            overflow_failed(router, ov, route, &why);
             return Err(record);
         }
     };
@@ -754,6 +746,15 @@ async fn overflow(
     stamp(r.headers_mut(), meta);
     router.record(record);
     Ok(r)
+}
+
+/// The overflow endpoint failed a request (`why`): counted towards its breaker, logged.
+pub(super) fn overflow_failed(router: &Router, ov: &super::overflow::Overflow, route: &ModelRoute, why: &str) {
+    if ov.failed(router.now_ms(Instant::now())) {
+        tracing::warn!(class = %route.class.name, url = %ov.spec.url, %why, "overflow endpoint failed {} times in a row: not used for {} s", super::overflow::BREAKER_FAILURES, super::overflow::BREAKER_OPEN.as_secs());
+    } else {
+        tracing::debug!(class = %route.class.name, url = %ov.spec.url, %why, "overflow endpoint failed");
+    }
 }
 
 pub(super) fn refusal_response(refusal: &Refusal, route: &ModelRoute, meta: &Meta) -> Response {

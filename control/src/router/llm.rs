@@ -37,7 +37,7 @@ use super::http::{authenticate, error, lookup, read_body, request_id, stamp, wit
 use super::lane::SlotGuard;
 use super::metrics::{Labels, LaneHistograms};
 use super::table::{ModelRoute, TenantRoute};
-use super::{Admitted, ForwardError, RequestRecord, Router, TenantGuard};
+use super::{Admitted, ForwardError, Refusal, RequestRecord, Router, TenantGuard};
 use crate::registry::{Class, LaneKind};
 
 /// The window of the TTFT the fast loop scales on.
@@ -189,6 +189,18 @@ async fn serve(
     let admitted = match router.acquire_near(&route, arrived, affinity).await {
         Ok(a) => a,
         Err(refusal) => {
+            // Above the lane's capacity: its overflow endpoint, if it has one and can take it.
+            if matches!(refusal, Refusal::NoSlot { .. } | Refusal::OverBudget { .. }) {
+                let sent = Overflowing {
+                    endpoint,
+                    stream: req.stream,
+                    arrived,
+                };
+                record = match sent.send(&router, &table, &route, &body, &headers, &meta, record).await {
+                    Ok(answered) => return answered,
+                    Err(record) => record,
+                };
+            }
             // Not served: the tokens go back to the tenant's minute.
             router.refund_tokens(&tenant, &class, needed);
             let r = super::http::refusal_response(&refusal, &route, &meta);
@@ -211,6 +223,108 @@ async fn serve(
         tenant_hold,
     };
     call.dispatch(admitted, body, headers.get("traceparent").cloned()).await
+}
+
+/// A completion the lane has no capacity for, on its way to the lane's overflow endpoint
+/// (ADR 0017): the same OpenAI-compatible path and body; a stream is passed through as it
+/// comes, holding one of the endpoint's slots until it ends.
+struct Overflowing {
+    endpoint: Endpoint,
+    stream: bool,
+    arrived: Instant,
+}
+
+impl Overflowing {
+    /// `Err(record)`: not sent, or it failed — the caller refuses as it would have without.
+    #[allow(clippy::too_many_arguments)]
+    async fn send(
+        self,
+        router: &Router,
+        table: &super::table::Table,
+        route: &ModelRoute,
+        body: &Bytes,
+        headers: &HeaderMap,
+        meta: &Meta,
+        mut record: RequestRecord,
+    ) -> Result<Response, RequestRecord> {
+        let Some(ov) = table.overflows.get(&route.class.name) else {
+            return Err(record);
+        };
+        let (Some(slot), Some(uri), Some((client, authorization))) = (
+            ov.try_acquire(router.now_ms(Instant::now())),
+            ov.uri_at(self.endpoint.path()),
+            ov.client(),
+        ) else {
+            return Err(record);
+        };
+        let deadline = self.arrived + route.class.request_timeout_ms.as_duration();
+        let started = Instant::now();
+        let out = super::Outbound {
+            uri: &uri,
+            target: "overflow",
+            request_id: &meta.request_id,
+            traceparent: headers.get("traceparent"),
+            authorization,
+        };
+        let left = deadline.saturating_duration_since(started);
+        let head = router.send_head(client, out, body.clone(), left).await;
+        let resp = match head {
+            Ok(r) if super::overflow::answered(r.status()) => r,
+            other => {
+                let why = match other {
+                    Ok(r) => format!("answered {}", r.status()),
+                    Err(e) => format!("{e:?}"),
+                };
+                super::http::overflow_failed(router, ov, route, &why);
+                return Err(record);
+            }
+        };
+        let (parts, upstream) = resp.into_parts();
+        let body = if self.stream && parts.status.is_success() {
+            // The endpoint's slot goes with the stream: freed when it ends or the client goes.
+            let held = slot;
+            Body::new(upstream.map_frame(move |frame| {
+                let _slot = &held;
+                frame
+            }))
+        } else {
+            let bytes = match tokio::time::timeout_at(deadline, upstream.collect()).await {
+                Ok(Ok(b)) => b.to_bytes(),
+                Ok(Err(e)) => {
+                    super::http::overflow_failed(router, ov, route, &format!("broke off its answer: {e}"));
+                    return Err(record);
+                }
+                Err(_) => {
+                    super::http::overflow_failed(router, ov, route, "did not finish within the lane's timeout");
+                    return Err(record);
+                }
+            };
+            drop(slot);
+            if let Some((input, output, _)) = answer_usage(&bytes) {
+                (record.input_tokens, record.output_tokens) = (input, output);
+            }
+            Body::from(bytes)
+        };
+        ov.succeeded();
+        route.lane.lock().counters.overflowed += 1;
+        // No node: nothing of the fleet's is billed for it; the ledger charges its price.
+        record.replica = Some(crate::ledger::OVERFLOW_PRODUCT.into());
+        record.product = Some(crate::ledger::OVERFLOW_PRODUCT.into());
+        record.service_ms = started.elapsed().as_secs_f64() * 1000.0;
+        record.queue_ms = started.saturating_duration_since(self.arrived).as_secs_f64() * 1000.0;
+        record.status = parts.status.as_u16();
+        record.overflow_micros = ov.spec.micros_per_request;
+        let mut r = Response::new(body);
+        *r.status_mut() = parts.status;
+        if let Some(ct) = parts.headers.get(axum::http::header::CONTENT_TYPE) {
+            r.headers_mut().insert(axum::http::header::CONTENT_TYPE, ct.clone());
+        }
+        r.headers_mut()
+            .insert(super::overflow::OVERFLOW_HEADER, HeaderValue::from_static("1"));
+        stamp(r.headers_mut(), meta);
+        router.record(record);
+        Ok(r)
+    }
 }
 
 fn throttled(
@@ -1251,6 +1365,62 @@ mod tests {
         let r = chat(&server, lonely_ask(true)).send().await.unwrap();
         assert_eq!(r.status(), 503, "a stream gets no canned JSON");
         assert!(r.headers().get("x-laneway-degraded").is_none());
+        server.stop().await;
+    }
+
+    /// Above the lane's four slots, completions go to its overflow endpoint (another OpenAI-
+    /// compatible server) at the same path: a stream is passed through as a stream, a whole
+    /// answer as it came with its tokens metered, each marked and metered at the endpoint's
+    /// price; the endpoint's slots come back when the streams end.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn completions_above_the_lanes_capacity_go_to_its_overflow_endpoint() {
+        let (owned, hosted) = (replica(None).await, replica(None).await);
+        let (fleet, mut reg) = super::super::table::test_fixture();
+        reg.put_model(&language_model(&reg, "chat", None)).unwrap();
+        let mut speech = reg.classes["speech"].clone();
+        speech.request_timeout_ms = crate::registry::Millis::from_ms(5_000.0);
+        speech.overflow = Some(crate::registry::OverflowSpec {
+            url: format!("http://{hosted}"),
+            max_in_flight: 8,
+            micros_per_request: 3_000,
+            ca_pem: None,
+            token_env: None,
+        });
+        reg.put_class(&speech).unwrap();
+        tenant_k(&mut reg);
+        reg.set_node_replicas("n1", &[ready("r0", "chat", owned)]);
+        let (router, server, _dir) = serve_registry(&fleet, &reg).await;
+        // Six at once, each about a second of generation (20 tokens at 20 tokens/s).
+        let at = &server;
+        let calls: Vec<_> = (0..6)
+            .map(|i| {
+                let stream = i % 2 == 0;
+                async move {
+                    let r = chat(at, ask("tell me more", 20, stream)).send().await.unwrap();
+                    let overflowed = r.headers().contains_key("x-laneway-overflow");
+                    let ct = r.headers()["content-type"].to_str().unwrap().to_string();
+                    (r.status(), overflowed, stream, ct, r.text().await.unwrap())
+                }
+            })
+            .collect();
+        let mut out = 0;
+        for (status, overflowed, stream, ct, text) in futures::future::join_all(calls).await {
+            assert_eq!(status, 200, "the excess is answered, not refused: {text}");
+            assert_eq!(ct.starts_with("text/event-stream"), stream, "{ct}");
+            if stream {
+                assert!(text.trim_end().ends_with("data: [DONE]"), "a whole stream: {text}");
+            }
+            out += u64::from(overflowed);
+        }
+        assert_eq!(out, 2, "only what the four slots could not take went out");
+        assert_eq!(replica_metric(hosted, "laneway_sim_llm_finished_total").await, 2.0);
+        let report = router.meter().next_report(1, 0).unwrap();
+        let (requests, nanos): (u64, u64) = report
+            .rows
+            .iter()
+            .filter(|u| u.product.as_deref() == Some(crate::ledger::OVERFLOW_PRODUCT))
+            .fold((0, 0), |(r, n), u| (r + u.requests, n + u.overflow_nanos));
+        assert_eq!((requests, nanos), (2, 2 * 3_000_000), "metered at $0.003 a request");
         server.stop().await;
     }
 

@@ -868,6 +868,38 @@ impl Router {
     where
         C: hyper_util::client::legacy::connect::Connect + Clone + Send + Sync + 'static,
     {
+        let deadline = Instant::now() + timeout;
+        let (parts, body) = self.send_head(client, out, body, timeout).await?.into_parts();
+        let body = tokio::time::timeout_at(deadline, body.collect())
+            .await
+            .map_err(|_| ForwardError::Timeout)?
+            .map_err(|e| ForwardError::Failed(format!("reading the answer: {e}")))?
+            .to_bytes();
+        let gpu_ms = parts
+            .headers
+            .get(GPU_MS_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok());
+        Ok(Forwarded {
+            status: parts.status,
+            content_type: parts.headers.get(CONTENT_TYPE).cloned(),
+            body,
+            gpu_ms,
+        })
+    }
+
+    /// Posts an inference request (`out`) with `client`, with the deadline and the trace
+    /// context; the answer's head must come within `timeout`, its body is the caller's to read.
+    async fn send_head<C>(
+        &self,
+        client: &Client<C, Full<Bytes>>,
+        out: Outbound<'_>,
+        body: Bytes,
+        timeout: Duration,
+    ) -> Result<hyper::Response<hyper::body::Incoming>, ForwardError>
+    where
+        C: hyper_util::client::legacy::connect::Connect + Clone + Send + Sync + 'static,
+    {
         let Outbound {
             uri,
             target,
@@ -906,29 +938,12 @@ impl Router {
             .body(Full::new(body))
             .map_err(|e| ForwardError::NotDelivered(e.to_string()))?;
         let work = async {
-            let resp = client.request(req).await.map_err(|e| {
+            client.request(req).await.map_err(|e| {
                 if e.is_connect() {
                     ForwardError::NotDelivered(e.to_string())
                 } else {
                     ForwardError::Failed(e.to_string())
                 }
-            })?;
-            let (parts, body) = resp.into_parts();
-            let body = body
-                .collect()
-                .await
-                .map_err(|e| ForwardError::Failed(format!("reading the answer: {e}")))?
-                .to_bytes();
-            let gpu_ms = parts
-                .headers
-                .get(GPU_MS_HEADER)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.parse().ok());
-            Ok(Forwarded {
-                status: parts.status,
-                content_type: parts.headers.get(CONTENT_TYPE).cloned(),
-                body,
-                gpu_ms,
             })
         };
         tracing::Instrument::instrument(tokio::time::timeout(timeout, work), span)

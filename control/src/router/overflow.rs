@@ -30,6 +30,11 @@ pub const BREAKER_OPEN: Duration = Duration::from_secs(30);
 /// Response header on an answer the overflow endpoint gave.
 pub const OVERFLOW_HEADER: &str = "x-laneway-overflow";
 
+/// Whether the endpoint answered the request: a 2xx, or a 4xx that is the caller's input.
+pub fn answered(status: hyper::StatusCode) -> bool {
+    status.is_success() || (status.is_client_error() && !endpoints_fault(status))
+}
+
 /// Whether a 4xx from the endpoint is about the endpoint rather than the caller's input: our
 /// key refused (401/403/407), the model unknown there (404), its rate limit (429). Those count
 /// as failures towards the breaker and the caller gets the lane's own refusal; another 4xx
@@ -180,6 +185,11 @@ impl Overflow {
         format!("{}/v2/models/{model}/infer", self.spec.url.trim_end_matches('/'))
             .parse()
             .ok()
+    }
+
+    /// Where a language model's request to `path` (an OpenAI-compatible path) goes.
+    pub fn uri_at(&self, path: &str) -> Option<hyper::Uri> {
+        format!("{}{path}", self.spec.url.trim_end_matches('/')).parse().ok()
     }
 
     pub fn is_open(&self, now_ms: u64) -> bool {
