@@ -1794,13 +1794,11 @@ mod tests {
         // Eight at once against the replica's four slots.
         let out = sent_out_of(server.addr, 8).await;
         assert_eq!(out, 4, "only what the replica's four slots could not take went out");
-        let report = router.meter().next_report(1, 0).unwrap();
-        let (requests, nanos): (u64, u64) = report
-            .rows
-            .iter()
-            .filter(|u| u.product.as_deref() == Some(crate::ledger::OVERFLOW_PRODUCT))
-            .fold((0, 0), |(r, n), u| (r + u.requests, n + u.overflow_nanos));
-        assert_eq!((requests, nanos), (4, 4 * 2_000_000), "metered at $0.002 a request");
+        assert_eq!(
+            router.overflow_metered(),
+            (4, 4 * 2_000_000),
+            "metered at $0.002 a request"
+        );
         server.stop().await;
     }
 

@@ -1414,13 +1414,11 @@ mod tests {
         }
         assert_eq!(out, 2, "only what the four slots could not take went out");
         assert_eq!(replica_metric(hosted, "laneway_sim_llm_finished_total").await, 2.0);
-        let report = router.meter().next_report(1, 0).unwrap();
-        let (requests, nanos): (u64, u64) = report
-            .rows
-            .iter()
-            .filter(|u| u.product.as_deref() == Some(crate::ledger::OVERFLOW_PRODUCT))
-            .fold((0, 0), |(r, n), u| (r + u.requests, n + u.overflow_nanos));
-        assert_eq!((requests, nanos), (2, 2 * 3_000_000), "metered at $0.003 a request");
+        assert_eq!(
+            router.overflow_metered(),
+            (2, 2 * 3_000_000),
+            "metered at $0.003 a request"
+        );
         server.stop().await;
     }
 

@@ -344,6 +344,19 @@ impl Router {
         self.pump(Instant::now());
     }
 
+    /// Requests the overflow endpoint answered and their price in nano-dollars, from the
+    /// meter's next report (tests).
+    #[cfg(test)]
+    pub(crate) fn overflow_metered(&self) -> (u64, u64) {
+        self.meter()
+            .next_report(1, 0)
+            .unwrap()
+            .rows
+            .iter()
+            .filter(|u| u.product.as_deref() == Some(crate::ledger::OVERFLOW_PRODUCT))
+            .fold((0, 0), |(r, n), u| (r + u.requests, n + u.overflow_nanos))
+    }
+
     /// Replaces the table (tests that build one by hand).
     #[cfg(test)]
     pub(crate) fn install(&self, table: Table) {
