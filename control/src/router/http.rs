@@ -287,11 +287,13 @@ pub const FALLBACK_FOR: &str = "x-laneway-fallback-for";
 /// The route that answers a request for `route` at `now_ms`: itself while it has a healthy
 /// replica; else its fallback model if that one has (and the request's path `accepts` it);
 /// else `Err` with the class's canned answer when it configures one and the request can take
-/// it (`canned`; marked degraded), or itself (refused as usual).
+/// it (`canned`; marked degraded, metered to `tenant` as a request no replica served), or
+/// itself (refused as usual).
 pub(super) fn healthy_or_fallback(
     router: &Router,
     table: &Table,
     route: &Arc<ModelRoute>,
+    tenant: &TenantRoute,
     meta: &mut Meta,
     accepts: impl Fn(&ModelRoute) -> bool,
     canned: bool,
@@ -320,6 +322,10 @@ pub(super) fn healthy_or_fallback(
         r.headers_mut()
             .insert(DEGRADED, HeaderValue::from_static("fallback-response"));
         stamp(r.headers_mut(), meta);
+        let mut record = RequestRecord::new(&meta.request_id, route, &tenant.name);
+        record.status = status.as_u16();
+        record.degraded = true;
+        router.record(record);
         return Err(r);
     }
     Ok(route.clone())
@@ -577,16 +583,9 @@ async fn serve_infer(
     };
     // A fallback of the same kind: a language model's is one too.
     let same_kind = |r: &ModelRoute| r.llm.is_some() == route.llm.is_some();
-    let route = match healthy_or_fallback(&router, &table, &route, &mut meta, same_kind, true) {
+    let route = match healthy_or_fallback(&router, &table, &route, &tenant, &mut meta, same_kind, true) {
         Ok(r) => r,
-        Err(canned) => {
-            // Metered as a request no replica served (no GPU time).
-            let mut record = RequestRecord::new(&meta.request_id, &route, &tenant.name);
-            record.status = canned.status().as_u16();
-            record.degraded = true;
-            router.record(record);
-            return canned;
-        }
+        Err(canned) => return canned,
     };
     let class = route.class.clone();
     let body = match read_body(body, "send a smaller input or a URI", &meta) {
@@ -693,7 +692,7 @@ async fn overflow(
     body: &Bytes,
     headers: &HeaderMap,
     meta: &Meta,
-    mut record: RequestRecord,
+    record: RequestRecord,
     arrived: Instant,
 ) -> Result<Response, RequestRecord> {
     let Some(ov) = table.overflows.get(&route.class.name) else {
@@ -728,24 +727,46 @@ async fn overflow(
             return Err(record);
         }
     };
-    ov.succeeded();
-    route.lane.lock().counters.overflowed += 1;
-    // No node: nothing of the fleet's is billed for it.
-    record.replica = Some(crate::ledger::OVERFLOW_PRODUCT.into());
-    record.product = Some(crate::ledger::OVERFLOW_PRODUCT.into());
-    record.service_ms = started.elapsed().as_secs_f64() * 1000.0;
-    record.queue_ms = started.saturating_duration_since(arrived).as_secs_f64() * 1000.0;
-    record.status = f.status.as_u16();
-    record.overflow_micros = ov.spec.micros_per_request;
     let mut r = (f.status, f.body).into_response();
     if let Some(ct) = f.content_type {
         r.headers_mut().insert(axum::http::header::CONTENT_TYPE, ct);
     }
+    Ok(overflow_answered(
+        router,
+        ov,
+        route,
+        meta,
+        record,
+        (arrived, started),
+        r,
+    ))
+}
+
+/// The overflow endpoint answered `r` to a request that arrived and went out at `times`:
+/// its breaker's count starts over, the answer is marked, and the request is metered at the
+/// endpoint's price with no node (nothing of the fleet's is billed for it).
+pub(super) fn overflow_answered(
+    router: &Router,
+    ov: &super::overflow::Overflow,
+    route: &ModelRoute,
+    meta: &Meta,
+    mut record: RequestRecord,
+    (arrived, started): (Instant, Instant),
+    mut r: Response,
+) -> Response {
+    ov.succeeded();
+    route.lane.lock().counters.overflowed += 1;
+    record.replica = Some(crate::ledger::OVERFLOW_PRODUCT.into());
+    record.product = Some(crate::ledger::OVERFLOW_PRODUCT.into());
+    record.service_ms = started.elapsed().as_secs_f64() * 1000.0;
+    record.queue_ms = started.saturating_duration_since(arrived).as_secs_f64() * 1000.0;
+    record.status = r.status().as_u16();
+    record.overflow_micros = ov.spec.micros_per_request;
     r.headers_mut()
         .insert(super::overflow::OVERFLOW_HEADER, HeaderValue::from_static("1"));
     stamp(r.headers_mut(), meta);
     router.record(record);
-    Ok(r)
+    r
 }
 
 /// The overflow endpoint failed a request (`why`): counted towards its breaker, logged.

@@ -102,15 +102,10 @@ async fn serve(
     // A fallback must be a language model too; a canned answer is one JSON body, which a
     // client reading a stream could not parse, so a stream is refused as usual instead.
     let is_llm = |r: &ModelRoute| r.llm.is_some();
-    let route = match super::http::healthy_or_fallback(&router, &table, &asked, &mut meta, is_llm, !req.stream) {
+    let route = match super::http::healthy_or_fallback(&router, &table, &asked, &tenant, &mut meta, is_llm, !req.stream)
+    {
         Ok(r) => r,
-        Err(canned) => {
-            let mut record = RequestRecord::new(&meta.request_id, &asked, &tenant.name);
-            record.status = canned.status().as_u16();
-            record.degraded = true;
-            router.record(record);
-            return canned;
-        }
+        Err(canned) => return canned,
     };
     let body = if Arc::ptr_eq(&route, &asked) {
         body
@@ -305,25 +300,15 @@ impl Overflowing {
             }
             Body::from(bytes)
         };
-        ov.succeeded();
-        route.lane.lock().counters.overflowed += 1;
-        // No node: nothing of the fleet's is billed for it; the ledger charges its price.
-        record.replica = Some(crate::ledger::OVERFLOW_PRODUCT.into());
-        record.product = Some(crate::ledger::OVERFLOW_PRODUCT.into());
-        record.service_ms = started.elapsed().as_secs_f64() * 1000.0;
-        record.queue_ms = started.saturating_duration_since(self.arrived).as_secs_f64() * 1000.0;
-        record.status = parts.status.as_u16();
-        record.overflow_micros = ov.spec.micros_per_request;
         let mut r = Response::new(body);
         *r.status_mut() = parts.status;
         if let Some(ct) = parts.headers.get(axum::http::header::CONTENT_TYPE) {
             r.headers_mut().insert(axum::http::header::CONTENT_TYPE, ct.clone());
         }
-        r.headers_mut()
-            .insert(super::overflow::OVERFLOW_HEADER, HeaderValue::from_static("1"));
-        stamp(r.headers_mut(), meta);
-        router.record(record);
-        Ok(r)
+        let times = (self.arrived, started);
+        Ok(super::http::overflow_answered(
+            router, ov, route, meta, record, times, r,
+        ))
     }
 }
 
