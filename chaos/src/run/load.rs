@@ -268,14 +268,9 @@ fn figures(history: &[Request]) -> Vec<LaneFigures> {
         .collect()
 }
 
+/// The nearest-rank `q` quantile of `xs`, rounded to 0.1 (0 when empty).
 fn quantile(xs: &[f64], q: f64) -> f64 {
-    if xs.is_empty() {
-        return 0.0;
-    }
-    let mut v = xs.to_vec();
-    v.sort_by(f64::total_cmp);
-    let i = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1;
-    (v[i] * 10.0).round() / 10.0
+    laneway_control::observe::history::percentile(xs, q).map_or(0.0, |v| (v * 10.0).round() / 10.0)
 }
 
 fn broken(lanes: &[LaneFigures], args: &LoadArgs) -> Vec<String> {
@@ -445,13 +440,7 @@ fn cpu_ticks(b: &ProcessBackend) -> Vec<u64> {
         .map(|i| {
             b.cluster
                 .pid(i)
-                .and_then(|pid| std::fs::read_to_string(format!("/proc/{pid}/stat")).ok())
-                .and_then(|stat| {
-                    // Fields after the command (which may hold spaces): utime is the 14th field.
-                    let rest = stat.rsplit_once(')')?.1;
-                    let f: Vec<&str> = rest.split_whitespace().collect();
-                    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
-                })
+                .and_then(crate::heartbeat_bench::cpu_ticks)
                 .unwrap_or(0)
         })
         .collect()

@@ -630,18 +630,8 @@ impl AdminService for AdminGrpc {
         let by = caller.who.clone();
         self.audited("update_rollout", caller, async move {
             let r = req.into_inner();
-            let action =
-                crate::registry::rollout::RolloutAction::parse(&r.action).map_err(AdminError::InvalidArgument)?;
-            if matches!(
-                action,
-                crate::registry::rollout::RolloutAction::Advance | crate::registry::rollout::RolloutAction::RollBack
-            ) {
-                return Err(AdminError::InvalidArgument(format!(
-                    "{:?} is the rollout loop's to decide; an operator may promote, abort, pause or resume",
-                    r.action
-                ))
-                .into());
-            }
+            let action = crate::registry::rollout::RolloutAction::parse_operator(&r.action)
+                .map_err(AdminError::InvalidArgument)?;
             let reason = if r.reason.is_empty() {
                 "no reason given".into()
             } else {

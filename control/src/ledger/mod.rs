@@ -441,6 +441,13 @@ impl Ledger {
         self.fold(at_ms);
     }
 
+    /// The buckets that overlap `[since_ms, now]`, with their start: the hours, then the
+    /// minutes not yet folded into them.
+    pub fn buckets_since(&self, since_ms: u64) -> impl Iterator<Item = (&u64, &Bucket)> {
+        let hours = self.hours.range(since_ms.saturating_sub(HOUR_MS - 1)..);
+        hours.chain(self.minutes.range(since_ms.saturating_sub(MINUTE_MS - 1)..))
+    }
+
     /// What each version of `model` served in the buckets that reach past `since_ms`, by
     /// version: requests that reached a replica, their errors and slow answers, GPU time and
     /// cost. Whole buckets (a minute, or an hour once folded): a rollout's baseline may include
@@ -451,9 +458,7 @@ impl Ledger {
         since_ms: u64,
     ) -> BTreeMap<String, crate::registry::rollout::VersionSignals> {
         let mut out: BTreeMap<String, crate::registry::rollout::VersionSignals> = BTreeMap::new();
-        let hours = self.hours.range(since_ms.saturating_sub(HOUR_MS - 1)..);
-        let minutes = self.minutes.range(since_ms.saturating_sub(MINUTE_MS - 1)..);
-        for row in hours.chain(minutes).flat_map(|(_, b)| b.iter()) {
+        for row in self.buckets_since(since_ms).flat_map(|(_, b)| b.iter()) {
             // Only what reached a card: refusals, sheds and the overflow endpoint's answers say
             // nothing about a version.
             if row.key.model != model || row.key.product.is_empty() || row.key.product == OVERFLOW_PRODUCT {

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::{Counts, Event, Ledger, Tier, HOUR_MS};
+use super::{Counts, Event, Ledger, Tier};
 use crate::fleet::{Fleet, Liveness};
 
 /// What the rows are grouped by.
@@ -97,15 +97,7 @@ pub struct LedgerReport {
 pub fn report(ledger: &Ledger, fleet: &Fleet, by: By, since_ms: u64, now_ms: u64) -> LedgerReport {
     let mut groups: BTreeMap<String, (Counts, std::collections::BTreeSet<String>)> = BTreeMap::new();
     let mut oldest = now_ms;
-    let hours = ledger
-        .hours
-        .range(since_ms.saturating_sub(HOUR_MS - 1)..)
-        .filter(|(&start, _)| start + HOUR_MS > since_ms);
-    let minutes = ledger
-        .minutes
-        .range(since_ms.saturating_sub(super::MINUTE_MS - 1)..)
-        .filter(|(&start, _)| start + super::MINUTE_MS > since_ms);
-    for (&start, bucket) in hours.chain(minutes) {
+    for (&start, bucket) in ledger.buckets_since(since_ms) {
         oldest = oldest.min(start);
         for r in bucket {
             let name = match by {

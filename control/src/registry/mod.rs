@@ -541,7 +541,23 @@ pub struct JoinToken {
     pub revoked: bool,
 }
 
+/// Ready replicas of the registry entry `entry` among `replicas` (every node's).
+pub fn ready_replicas(replicas: &BTreeMap<String, Vec<ReplicaRecord>>, entry: &str) -> usize {
+    replicas
+        .values()
+        .flatten()
+        .filter(|r| r.model == entry && r.state == "ready")
+        .count()
+}
+
 impl Registry {
+    /// The entry of version `version` of the model clients call `name`.
+    pub fn version_entry(&self, name: &str, version: &str) -> Option<&Model> {
+        self.models
+            .values()
+            .find(|m| m.public_name() == name && m.version == version)
+    }
+
     /// The role and name an admin token (by its sha256) stands for at `now_ms`, or why it is
     /// refused.
     pub fn admin_token(&self, sha256: &str, now_ms: u64) -> Result<(&str, &str), String> {
@@ -1092,11 +1108,7 @@ impl Registry {
                 model.name, current.class, model.class, current.class
             ));
         }
-        let existing = self
-            .models
-            .values()
-            .find(|m| m.public_name() == model.name && m.version == model.version);
-        if let Some(e) = existing {
+        if let Some(e) = self.version_entry(&model.name, &model.version) {
             let same = Model {
                 name: e.public_name().to_string(),
                 serves: None,
@@ -1179,13 +1191,7 @@ impl Registry {
         at_ms: u64,
         message: &str,
     ) -> Result<(), String> {
-        // Whether the new version has a ready replica (a promotion needs one).
-        let ready = self.rollouts.get(model).is_some_and(|r| {
-            self.replicas
-                .values()
-                .flatten()
-                .any(|x| x.model == r.to && x.state == "ready")
-        });
+        let replicas = &self.replicas;
         let Some(r) = self.rollouts.get_mut(model) else {
             return Err(format!("{model} has no rollout; `lanectl rollout start` starts one"));
         };
@@ -1217,7 +1223,8 @@ impl Registry {
             }
             // A shadow moves no traffic: promoting it ends the comparison as passed.
             RolloutAction::Promote if r.strategy == rollout::Strategy::Shadow => r.state = RolloutState::Passed,
-            RolloutAction::Promote if !ready => {
+            // A promotion needs a ready replica of the new version.
+            RolloutAction::Promote if ready_replicas(replicas, &r.to) == 0 => {
                 return Err(format!(
                     "version {} of {model} has no ready replica yet: promoting now would send every request to nothing; wait for its replicas (`lanectl rollout status {model}`) or abort",
                     r.to_version

@@ -261,16 +261,12 @@ impl RolloutRequest {
                 self.model
             ));
         };
-        let to = registry
-            .models
-            .values()
-            .find(|m| m.public_name() == self.model && m.version == self.version)
-            .ok_or_else(|| {
-                format!(
-                    "no version {} of {} is deployed; `lanectl model deploy FILE` deploys it first",
-                    self.version, self.model
-                )
-            })?;
+        let to = registry.version_entry(&self.model, &self.version).ok_or_else(|| {
+            format!(
+                "no version {} of {} is deployed; `lanectl model deploy FILE` deploys it first",
+                self.version, self.model
+            )
+        })?;
         let mut r = Rollout {
             model: self.model.clone(),
             from: serving.name.clone(),
@@ -324,11 +320,15 @@ pub enum RolloutAction {
 }
 
 impl RolloutAction {
-    pub fn parse(s: &str) -> Result<Self, String> {
+    /// What an operator asks for (advancing and rolling back are the rollout loop's to decide).
+    pub fn parse_operator(s: &str) -> Result<Self, String> {
         Ok(match s {
-            "advance" => RolloutAction::Advance,
+            "advance" | "roll_back" | "rollback" => {
+                return Err(format!(
+                    "{s:?} is the rollout loop's to decide; an operator may promote, abort, pause or resume"
+                ))
+            }
             "promote" => RolloutAction::Promote,
-            "roll_back" | "rollback" => RolloutAction::RollBack,
             "abort" => RolloutAction::Abort,
             "pause" => RolloutAction::Pause,
             "resume" => RolloutAction::Resume,
@@ -384,12 +384,7 @@ impl VersionSignals {
 /// The new version's fleet against the serving version's: ready replicas of `r.to`, placed
 /// replicas of `r.from`.
 pub fn fleet_of(registry: &super::Registry, r: &Rollout) -> Fleet {
-    let ready = registry
-        .replicas
-        .values()
-        .flatten()
-        .filter(|x| x.model == r.to && x.state == "ready")
-        .count();
+    let ready = super::ready_replicas(&registry.replicas, &r.to);
     let needed = registry
         .desired
         .values()

@@ -194,12 +194,7 @@ fn fast_loop(
             model_load.engines_without_waiting = e.without_waiting;
             model_load.kv_cache = e.kv_cache;
         }
-        let ready = registry
-            .replicas
-            .values()
-            .flatten()
-            .filter(|r| r.model == m.name && r.state == "ready")
-            .count();
+        let ready = crate::registry::ready_replicas(&registry.replicas, &m.name);
         let inputs = Inputs {
             signal: Signal::of(class),
             load: model_load,
