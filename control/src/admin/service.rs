@@ -667,7 +667,16 @@ impl AdminService for AdminGrpc {
         let r = self.sm.registry();
         let docs: Vec<String> = match kind.as_str() {
             "classes" => r.classes.values().map(to_json).collect(),
-            "models" => r.models.values().map(to_json).collect(),
+            // With what each version does now (serving, in rollout, idle).
+            "models" => r
+                .models
+                .values()
+                .map(|m| {
+                    let mut v = serde_json::to_value(m).expect("models serialize");
+                    v["state"] = serde_json::json!(r.version_state(m));
+                    to_json(&v)
+                })
+                .collect(),
             // With the numbers the leader judges by, and what it would decide now.
             "rollouts" => r
                 .rollouts

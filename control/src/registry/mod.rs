@@ -1079,6 +1079,19 @@ impl Registry {
         self.rollouts.get(name).filter(|r| r.state.is_active())
     }
 
+    /// What version entry `m` does now: `serving` its name, `in rollout` (the target of a
+    /// running or paused rollout), or `idle` (a specification only).
+    pub fn version_state(&self, m: &Model) -> &'static str {
+        let public = m.public_name();
+        if self.serving_entry(public) == m.name {
+            "serving"
+        } else if self.active_rollout(public).is_some_and(|r| r.to == m.name) {
+            "in rollout"
+        } else {
+            "idle"
+        }
+    }
+
     /// Whether `m`'s replicas are placed: it serves its model, or a running rollout is moving
     /// traffic to it. Other versions are kept as specifications only, costing no GPU.
     pub fn is_placed(&self, m: &Model) -> bool {

@@ -85,6 +85,8 @@ pub const CLASS: HeaderName = HeaderName::from_static("x-laneway-class");
 pub const REPLICA: HeaderName = HeaderName::from_static("x-laneway-replica");
 pub const QUEUE_MS: HeaderName = HeaderName::from_static("x-laneway-queue-ms");
 pub const DEGRADED: HeaderName = HeaderName::from_static("x-laneway-degraded");
+/// The version of the model that answered (during a rollout, which side of the split).
+pub const MODEL_VERSION: HeaderName = HeaderName::from_static("x-laneway-model-version");
 
 /// The router's HTTP app.
 pub fn app(router: Arc<Router>, max_body_bytes: usize) -> axum::Router {
@@ -247,6 +249,8 @@ pub(super) struct Meta {
     pub(super) request_id: String,
     pub(super) lane: Option<&'static str>,
     pub(super) class: Option<HeaderValue>,
+    /// The version of the model that serves the request (none for a canned answer).
+    pub(super) version: Option<HeaderValue>,
     /// The model this request was for, when its fallback answers it.
     pub(super) fallback_for: Option<HeaderValue>,
     /// Where to keep the answer, and what the response says about the cache (`miss` or
@@ -275,6 +279,9 @@ pub(super) fn stamp(h: &mut HeaderMap, meta: &Meta) {
     h.insert(LANE, HeaderValue::from_static(meta.lane.unwrap_or("none")));
     if let Some(c) = &meta.class {
         h.insert(CLASS, c.clone());
+    }
+    if let Some(v) = &meta.version {
+        h.insert(MODEL_VERSION, v.clone());
     }
     if let Some(m) = &meta.fallback_for {
         h.insert(FALLBACK_FOR, m.clone());
@@ -310,6 +317,7 @@ pub(super) fn healthy_or_fallback(
         meta.fallback_for = HeaderValue::from_str(&route.public).ok();
         meta.lane = Some(fb.class.lane.as_str());
         meta.class = Some(fb.class_header.clone());
+        meta.version = Some(fb.version_header.clone());
         return Ok(fb);
     }
     if let Some(canned) = route.class.fallback_response.as_ref().filter(|_| canned) {
@@ -321,6 +329,8 @@ pub(super) fn healthy_or_fallback(
         );
         r.headers_mut()
             .insert(DEGRADED, HeaderValue::from_static("fallback-response"));
+        // No version of the model made it.
+        meta.version = None;
         stamp(r.headers_mut(), meta);
         let mut record = RequestRecord::new(&meta.request_id, route, &tenant.name);
         record.status = status.as_u16();
@@ -397,6 +407,7 @@ pub(super) fn lookup(
     })?;
     meta.lane = Some(route.class.lane.as_str());
     meta.class = Some(route.class_header.clone());
+    meta.version = Some(route.version_header.clone());
     Ok(route)
 }
 
@@ -765,6 +776,8 @@ pub(super) fn overflow_answered(
     r.headers_mut()
         .insert(super::overflow::OVERFLOW_HEADER, HeaderValue::from_static("1"));
     stamp(r.headers_mut(), meta);
+    // The endpoint answered, not a version of ours.
+    r.headers_mut().remove(MODEL_VERSION);
     router.record(record);
     r
 }
@@ -1736,6 +1749,7 @@ mod tests {
         let whisper = reg.models["whisper"].clone();
         reg.put_model(&crate::registry::Model {
             name: "tiny".into(),
+            version: "7".into(),
             ..whisper.clone()
         })
         .unwrap();
@@ -1779,10 +1793,12 @@ mod tests {
         assert_eq!(r.status(), StatusCode::OK);
         assert_eq!(r.headers()["x-laneway-fallback-for"], "whisper");
         assert_eq!(r.headers()["x-laneway-replica"], "n1/t");
+        assert_eq!(r.headers()[MODEL_VERSION], "7", "the fallback's version answered");
         // ghost has no replica and no fallback: the lane's canned answer, marked.
         let r = send("ghost").await.unwrap();
         assert_eq!(r.status(), StatusCode::OK);
         assert_eq!(r.headers()["x-laneway-degraded"], "fallback-response");
+        assert!(r.headers().get(MODEL_VERSION).is_none(), "no version made it");
         assert_eq!(r.text().await.unwrap(), r#"{"outputs":[]}"#);
         server.stop().await;
     }
@@ -1812,6 +1828,7 @@ mod tests {
         // One request alone: the fleet has room.
         let r = infer_once(&server).await;
         assert_eq!(r.headers()["x-laneway-replica"], "n1/a");
+        assert_eq!(r.headers()[MODEL_VERSION], "1");
         assert!(r.headers().get("x-laneway-overflow").is_none());
         // Eight at once against the replica's four slots.
         let out = sent_out_of(server.addr, 8).await;
@@ -1831,7 +1848,10 @@ mod tests {
         for _ in 0..n {
             calls.spawn(async move {
                 let r = infer_at(addr).await;
-                (r.status(), r.headers().contains_key("x-laneway-overflow"))
+                let overflowed = r.headers().contains_key("x-laneway-overflow");
+                // Only our own versions name themselves.
+                assert_eq!(r.headers().contains_key(MODEL_VERSION), !overflowed);
+                (r.status(), overflowed)
             });
         }
         let mut out = 0;

@@ -1216,6 +1216,7 @@ mod tests {
             version: "1".into(),
             lane: Arc::new(Lane::new(&class.name, class.lane, Instant::now())),
             class_header: HeaderValue::from_static("c"),
+            version_header: HeaderValue::from_static("1"),
             class,
             replicas: vec![table::test_slot("m", slots)],
             llm: None,

@@ -270,6 +270,8 @@ pub struct ModelRoute {
     pub lane: Arc<Lane>,
     /// The class name as a response header value, made once.
     pub class_header: HeaderValue,
+    /// The version as a response header value (`x-laneway-model-version`), made once.
+    pub version_header: HeaderValue,
     pub replicas: Vec<Arc<ReplicaSlot>>,
     /// A language model's spec: served on the OpenAI-compatible paths.
     pub llm: Option<crate::registry::LlmSpec>,
@@ -565,6 +567,7 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &Table) -> Table {
                     version: m.version.clone(),
                     lane: lanes.get(&m.class)?.clone(),
                     class_header: HeaderValue::from_str(&class.name).unwrap_or(HeaderValue::from_static("invalid")),
+                    version_header: HeaderValue::from_str(&m.version).unwrap_or(HeaderValue::from_static("invalid")),
                     class,
                     replicas: by_model.remove(m.name.as_str()).unwrap_or_default(),
                     llm: m.llm.clone(),
@@ -711,6 +714,7 @@ impl ModelRoute {
             class: self.class.clone(),
             lane: self.lane.clone(),
             class_header: self.class_header.clone(),
+            version_header: self.version_header.clone(),
             replicas: self.replicas.clone(),
             llm: self.llm.clone(),
             fallback: self.fallback.clone(),

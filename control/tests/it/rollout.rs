@@ -36,7 +36,7 @@ fn echo(root: &std::path::Path, version: &str, service_ms: u32) -> String {
 /// Requests to `echo` every 20 ms until dropped; counts answers by the replica's version.
 struct Traffic {
     stop: Arc<AtomicBool>,
-    /// Answers 200 from replicas of version 1, 2 and 3, and anything else.
+    /// Answers 200 from version 1, 2 and 3 (`x-laneway-model-version`), and anything else.
     by_version: Arc<[AtomicU64; 4]>,
 }
 
@@ -61,15 +61,12 @@ impl Traffic {
                         .send()
                         .await;
                     let slot = match r {
-                        Ok(r) if r.status() == 200 => {
-                            let replica = r.headers()["x-laneway-replica"].to_str().unwrap_or("").to_string();
-                            // Placed ids are `echo-<id>` (version 1) or `echo-2-<id>`.
-                            match replica.split('/').nth(1).and_then(|id| id.split('-').nth(1)) {
-                                Some("2") => 2,
-                                Some("3") => 3,
-                                _ => 1,
-                            }
-                        }
+                        Ok(r) if r.status() == 200 => match r.headers()["x-laneway-model-version"].to_str() {
+                            Ok("1") => 1,
+                            Ok("2") => 2,
+                            Ok("3") => 3,
+                            _ => 0,
+                        },
                         _ => 0,
                     };
                     b[slot].fetch_add(1, Ordering::Relaxed);
@@ -89,6 +86,16 @@ impl Drop for Traffic {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
     }
+}
+
+/// What the version entry `entry` does now, as `lanectl model list` says.
+fn version_state(addr: &str, entry: &str) -> String {
+    let models = lanectl(addr, &["model", "list"]);
+    let m = models
+        .as_array()
+        .and_then(|ms| ms.iter().find(|m| m["name"] == entry))
+        .unwrap_or_else(|| panic!("{entry} in {models}"));
+    m["state"].as_str().unwrap_or_default().to_string()
 }
 
 /// Starts rolling `echo` out to `version` with `strategy` (e.g. `["--canary", "50,100"]`),
@@ -214,8 +221,8 @@ async fn a_slow_version_is_rolled_back_and_a_good_one_promoted_across_a_leader_k
 
     // Version 2 answers in 400 ms, over the lane's 150 ms objective.
     lanectl(&addr, &["model", "deploy", &echo(root, "2", 400)]);
-    let models = lanectl(&addr, &["model", "list"]);
-    assert!(models.to_string().contains("echo@2"), "{models}");
+    assert_eq!(version_state(&addr, "echo@2"), "idle");
+    assert_eq!(version_state(&addr, "echo"), "serving");
     assert_eq!(
         ready_nodes(&client, "echo@2").await.unwrap().len(),
         0,
@@ -239,6 +246,7 @@ async fn a_slow_version_is_rolled_back_and_a_good_one_promoted_across_a_leader_k
     // Version 3 is as good as version 1.
     lanectl(&addr, &["model", "deploy", &echo(root, "3", 10)]);
     start_rollout(&addr, "3", &["--canary", "50,100"]);
+    assert_eq!(version_state(&addr, "echo@3"), "in rollout");
     wait_rollout(&all, "version 3 at its last step", 60, |r| r["step"] == 1).await;
     // The leader dies mid-rollout: the next one judges the step it committed.
     nodes[0].kill();
@@ -248,6 +256,8 @@ async fn a_slow_version_is_rolled_back_and_a_good_one_promoted_across_a_leader_k
     })
     .await;
     assert_eq!(r["state"], "promoted", "{r}");
+    assert_eq!(version_state(&nodes[1].addr, "echo@3"), "serving");
+    assert_eq!(version_state(&nodes[1].addr, "echo"), "idle");
     let served_by_3 = traffic.count(3);
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert!(traffic.count(3) > served_by_3, "version 3 serves after the promotion");

@@ -865,8 +865,8 @@ pub async fn model(client: &AdminClient, out: Output, cmd: ModelCmd) -> anyhow::
             let models = list(client, "models").await?;
             print(out, json!(models), || {
                 let mut t = format!(
-                    "{:<20} {:<14} {:<8} PROFILES (service ms / max batch)",
-                    "MODEL", "CLASS", "VERSION"
+                    "{:<20} {:<14} {:<8} {:<11} PROFILES (service ms / max batch)",
+                    "MODEL", "CLASS", "VERSION", "STATE"
                 );
                 for m in &models {
                     let profiles: Vec<String> = m["profiles"]
@@ -878,10 +878,11 @@ pub async fn model(client: &AdminClient, out: Output, cmd: ModelCmd) -> anyhow::
                         })
                         .unwrap_or_default();
                     t.push_str(&format!(
-                        "\n{:<20} {:<14} {:<8} {}",
+                        "\n{:<20} {:<14} {:<8} {:<11} {}",
                         m["name"].as_str().unwrap_or(""),
                         m["class"].as_str().unwrap_or(""),
                         m["version"].as_str().unwrap_or(""),
+                        m["state"].as_str().unwrap_or(""),
                         profiles.join(", ")
                     ));
                 }
