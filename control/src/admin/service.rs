@@ -667,15 +667,13 @@ impl AdminService for AdminGrpc {
         let r = self.sm.registry();
         let docs: Vec<String> = match kind.as_str() {
             "classes" => r.classes.values().map(to_json).collect(),
-            // With what each version does now (serving, in rollout, idle).
-            "models" => r
+            "models" => r.models.values().map(to_json).collect(),
+            // What each version entry does now (serving, in rollout, idle); apart from the
+            // models, whose documents stay specifications that can be registered again.
+            "model-states" => r
                 .models
                 .values()
-                .map(|m| {
-                    let mut v = serde_json::to_value(m).expect("models serialize");
-                    v["state"] = serde_json::json!(r.version_state(m));
-                    to_json(&v)
-                })
+                .map(|m| to_json(&serde_json::json!({"name": m.name, "state": r.version_state(m)})))
                 .collect(),
             // With the numbers the leader judges by, and what it would decide now.
             "rollouts" => r
@@ -776,7 +774,7 @@ impl AdminService for AdminGrpc {
             }),
             other => {
                 return Err(AdminError::InvalidArgument(format!(
-                    "unknown registry kind {other:?}; use classes, models, tenants, replicas, desired, pools, node-requests, capacity, jobs or prices"
+                    "unknown registry kind {other:?}; use classes, models, model-states, tenants, replicas, desired, pools, node-requests, capacity, jobs or prices"
                 ))
                 .into())
             }

@@ -750,4 +750,17 @@ mod tests {
         r.bake_ms = 10;
         assert!(r.validate().unwrap_err().contains("bake time"));
     }
+
+    /// Operators promote, abort, pause and resume; advancing and rolling back are the loop's.
+    #[test]
+    fn operators_may_not_advance_or_roll_back() {
+        assert_eq!(RolloutAction::parse_operator("promote"), Ok(RolloutAction::Promote));
+        assert_eq!(RolloutAction::parse_operator("resume"), Ok(RolloutAction::Resume));
+        for loops in ["advance", "roll_back", "rollback"] {
+            let e = RolloutAction::parse_operator(loops).unwrap_err();
+            assert!(e.contains("the rollout loop's to decide"), "{e}");
+        }
+        let e = RolloutAction::parse_operator("go").unwrap_err();
+        assert!(e.contains("use promote, abort, pause or resume"), "{e}");
+    }
 }

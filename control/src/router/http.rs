@@ -249,7 +249,7 @@ pub(super) struct Meta {
     pub(super) request_id: String,
     pub(super) lane: Option<&'static str>,
     pub(super) class: Option<HeaderValue>,
-    /// The version of the model that serves the request (none for a canned answer).
+    /// The version of the model that serves the request, for [`stamp_version`].
     pub(super) version: Option<HeaderValue>,
     /// The model this request was for, when its fallback answers it.
     pub(super) fallback_for: Option<HeaderValue>,
@@ -280,11 +280,16 @@ pub(super) fn stamp(h: &mut HeaderMap, meta: &Meta) {
     if let Some(c) = &meta.class {
         h.insert(CLASS, c.clone());
     }
-    if let Some(v) = &meta.version {
-        h.insert(MODEL_VERSION, v.clone());
-    }
     if let Some(m) = &meta.fallback_for {
         h.insert(FALLBACK_FOR, m.clone());
+    }
+}
+
+/// Names the model version on a response one of its replicas (or the cache of its answers)
+/// gave, failures included; never on a refusal made before a version was involved.
+pub(super) fn stamp_version(h: &mut HeaderMap, meta: &Meta) {
+    if let Some(v) = &meta.version {
+        h.insert(MODEL_VERSION, v.clone());
     }
 }
 
@@ -329,8 +334,6 @@ pub(super) fn healthy_or_fallback(
         );
         r.headers_mut()
             .insert(DEGRADED, HeaderValue::from_static("fallback-response"));
-        // No version of the model made it.
-        meta.version = None;
         stamp(r.headers_mut(), meta);
         let mut record = RequestRecord::new(&meta.request_id, route, &tenant.name);
         record.status = status.as_u16();
@@ -688,6 +691,7 @@ pub(super) fn from_cache(
     r.headers_mut()
         .insert(super::cache::CACHE_HEADER, HeaderValue::from_static("hit"));
     stamp(r.headers_mut(), meta);
+    stamp_version(r.headers_mut(), meta);
     record.status = hit.status;
     router.record(record);
     Ok(r)
@@ -776,8 +780,6 @@ pub(super) fn overflow_answered(
     r.headers_mut()
         .insert(super::overflow::OVERFLOW_HEADER, HeaderValue::from_static("1"));
     stamp(r.headers_mut(), meta);
-    // The endpoint answered, not a version of ours.
-    r.headers_mut().remove(MODEL_VERSION);
     router.record(record);
     r
 }
@@ -997,6 +999,7 @@ async fn dispatch(
     };
     let h = resp.headers_mut();
     h.insert(REPLICA, guard.slot.name_header.clone());
+    stamp_version(h, &meta);
     if let Some((_, _, said)) = &meta.cache {
         h.insert(super::cache::CACHE_HEADER, HeaderValue::from_static(said));
     }
@@ -1493,7 +1496,9 @@ mod tests {
         let _pump = router.start();
         let slot = router.table().models["whisper"].replicas[0].clone();
         let server = serve_on_free_port(router.clone()).await;
-        assert_eq!(infer_once(&server).await.status(), StatusCode::GATEWAY_TIMEOUT);
+        let r = infer_once(&server).await;
+        assert_eq!(r.status(), StatusCode::GATEWAY_TIMEOUT);
+        assert_eq!(r.headers()[MODEL_VERSION], "1", "its version failed the request");
         // First failure: its health answers, so the probe lets it back in.
         let started = tokio::time::Instant::now();
         while slot.is_ejected(router.now_ms(tokio::time::Instant::now())) {
@@ -1507,7 +1512,12 @@ mod tests {
         assert_eq!(sim_requests(addr).await, 2);
         // Second failure in a row: 10 s out, whatever its health check says.
         for _ in 0..15 {
-            assert_eq!(infer_once(&server).await.status(), StatusCode::SERVICE_UNAVAILABLE);
+            let r = infer_once(&server).await;
+            assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+            assert!(
+                r.headers().get(MODEL_VERSION).is_none(),
+                "refused before any version saw it"
+            );
             tokio::time::sleep(super::super::table::PROBE_EVERY / 5).await;
         }
         assert!(slot.is_ejected(router.now_ms(tokio::time::Instant::now())));
@@ -1713,6 +1723,7 @@ mod tests {
             async move {
                 let r = r.send().await.unwrap();
                 let said = r.headers()["x-laneway-cache"].to_str().unwrap().to_string();
+                assert_eq!(r.headers()[MODEL_VERSION], "1", "a hit names the version that answered");
                 (r.status(), said, r.bytes().await.unwrap())
             }
         };

@@ -572,6 +572,7 @@ impl Call {
             h.insert(super::cache::CACHE_HEADER, HeaderValue::from_static(said));
         }
         h.insert(super::http::REPLICA, guard.slot.name_header.clone());
+        super::http::stamp_version(h, &self.meta);
         if let Ok(v) = HeaderValue::from_str(&format!("{:.3}", self.record.queue_ms)) {
             h.insert(super::http::QUEUE_MS, v);
         }

@@ -61,12 +61,14 @@ impl Traffic {
                         .send()
                         .await;
                     let slot = match r {
-                        Ok(r) if r.status() == 200 => match r.headers()["x-laneway-model-version"].to_str() {
-                            Ok("1") => 1,
-                            Ok("2") => 2,
-                            Ok("3") => 3,
-                            _ => 0,
-                        },
+                        Ok(r) if r.status() == 200 => {
+                            match r.headers().get("x-laneway-model-version").map(|v| v.as_bytes()) {
+                                Some(b"1") => 1,
+                                Some(b"2") => 2,
+                                Some(b"3") => 3,
+                                _ => 0,
+                            }
+                        }
                         _ => 0,
                     };
                     b[slot].fetch_add(1, Ordering::Relaxed);
@@ -242,6 +244,7 @@ async fn a_slow_version_is_rolled_back_and_a_good_one_promoted_across_a_leader_k
         ready_nodes(&client, "echo@2").await.filter(|n| n.is_empty())
     })
     .await;
+    assert_eq!(version_state(&addr, "echo@2"), "idle", "rolled back");
 
     // Version 3 is as good as version 1.
     lanectl(&addr, &["model", "deploy", &echo(root, "3", 10)]);

@@ -862,7 +862,22 @@ pub async fn model(client: &AdminClient, out: Output, cmd: ModelCmd) -> anyhow::
             committed(out, &r, what);
         }
         ModelCmd::List => {
-            let models = list(client, "models").await?;
+            let states: std::collections::HashMap<String, Value> = list(client, "model-states")
+                .await?
+                .into_iter()
+                .filter_map(|s| Some((s["name"].as_str()?.to_string(), s["state"].clone())))
+                .collect();
+            // The specification with what the version does now (a view: `state` is not part
+            // of a model file).
+            let models: Vec<Value> = list(client, "models")
+                .await?
+                .into_iter()
+                .map(|mut m| {
+                    let state = m["name"].as_str().and_then(|n| states.get(n)).cloned();
+                    m["state"] = state.unwrap_or(Value::Null);
+                    m
+                })
+                .collect();
             print(out, json!(models), || {
                 let mut t = format!(
                     "{:<20} {:<14} {:<8} {:<11} PROFILES (service ms / max batch)",
