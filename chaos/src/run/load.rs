@@ -562,7 +562,10 @@ fn print_report(report: &Value, steps: &[Step]) {
             steps.last().map_or(0.0, |s| s.rate)
         ),
         b => {
-            println!("│ held up to {} requests/s", report["held_up_to_rate"]);
+            match report["held_up_to_rate"].as_f64() {
+                Some(rate) => println!("│ held up to {rate:.1} requests/s"),
+                None => println!("│ no step held every objective: lower --start-rate"),
+            }
             println!(
                 "│ BREAKING POINT at {:.1}/s: {}",
                 b["rate"].as_f64().unwrap_or(0.0),
