@@ -1849,6 +1849,13 @@ mod tests {
             (4, 4 * 2_000_000),
             "metered at $0.002 a request"
         );
+        let lanes = router.lane_status();
+        let speech = lanes.iter().find(|l| l.class == "speech").unwrap();
+        let o = speech.overflow.as_ref().expect("the lane shows its endpoint");
+        assert_eq!(
+            (o.usable, o.state.as_str(), o.in_flight, o.max_in_flight),
+            (true, "ready", 0, 8)
+        );
         server.stop().await;
     }
 

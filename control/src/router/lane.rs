@@ -296,6 +296,9 @@ pub struct LaneStatus {
     /// Language models of the lane this router streamed for lately: TTFT, ITL and tokens.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub llm: Vec<super::llm::LlmSummary>,
+    /// The lane's overflow endpoint on this router, if the class has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overflow: Option<super::overflow::OverflowStatus>,
 }
 
 impl LaneState {

@@ -160,6 +160,18 @@ pub fn register_lanes(registry: &mut Registry, lanes: &[LaneStatus], histograms:
         Unit::Seconds,
         slo.clone(),
     );
+    let overflow = [
+        (
+            "overflow_usable",
+            "1 while the lane's overflow endpoint takes requests on this router; 0 while its breaker is open or this router cannot use it (lanectl lane show says why)",
+        ),
+        ("overflow_in_flight", "Requests at the lane's overflow endpoint from this router"),
+    ]
+    .map(|(name, help)| {
+        let f = Family::<Labels, Gauge>::default();
+        registry.register(name, help, f.clone());
+        f
+    });
     let token_slo = Family::<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
     registry.register_with_unit(
         "token_slo_p99",
@@ -188,6 +200,10 @@ pub fn register_lanes(registry: &mut Registry, lanes: &[LaneStatus], histograms:
         }
         if let Some(ms) = l.slo_p99_ms {
             slo.get_or_create(&ls).set(ms / 1000.0);
+        }
+        if let Some(o) = &l.overflow {
+            overflow[0].get_or_create(&ls).set(i64::from(o.usable));
+            overflow[1].get_or_create(&ls).set(i64::from(o.in_flight));
         }
         if let Some(rate) = l.drain_per_s.filter(|r| *r > 0.0) {
             expected_wait.get_or_create(&ls).set(l.queue_depth as f64 / rate);
@@ -236,8 +252,19 @@ mod tests {
             ttft_slo_p99_ms: None,
             itl_slo_p99_ms: None,
             llm: vec![],
+            overflow: Some(crate::router::overflow::OverflowStatus {
+                url: "https://api.example.com".into(),
+                usable: false,
+                state: "breaker open".into(),
+                in_flight: 0,
+                max_in_flight: 8,
+            }),
         };
         let text = render(&[status], &LaneHistograms::default()).unwrap();
+        assert!(
+            text.contains("laneway_lane_overflow_usable{class=\"image\",lane=\"bounded\"} 0"),
+            "{text}"
+        );
         assert!(
             text.contains("laneway_lane_overload_level{class=\"image\",lane=\"bounded\"} 1"),
             "{text}"

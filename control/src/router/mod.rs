@@ -1166,6 +1166,7 @@ impl Router {
                     ttft_slo_p99_ms: class.llm.as_ref().and_then(|l| l.ttft_slo_p99_ms).map(|m| m.as_ms()),
                     itl_slo_p99_ms: class.llm.as_ref().and_then(|l| l.itl_slo_p99_ms).map(|m| m.as_ms()),
                     llm: self.llm_stats.summary(&class.name, now),
+                    overflow: table.overflows.get(&class.name).map(|o| o.status(self.now_ms(now))),
                 })
             })
             .collect();

@@ -60,6 +60,19 @@ pub struct Overflow {
     open_until_ms: AtomicU64,
 }
 
+/// A lane's overflow endpoint as one router sees it (`lanectl lane show`, metrics).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct OverflowStatus {
+    pub url: String,
+    /// Whether it takes requests now (configured here, breaker closed).
+    pub usable: bool,
+    /// `ready`, or why not: the breaker is open (for how long), or this router cannot use it
+    /// (its environment lacks the key, the CA does not parse).
+    pub state: String,
+    pub in_flight: u32,
+    pub max_in_flight: u32,
+}
+
 /// A request's hold on one of the endpoint's slots.
 pub struct OverflowSlot(Arc<Overflow>);
 
@@ -196,6 +209,26 @@ impl Overflow {
         self.open_until_ms.load(Ordering::Acquire) > now_ms
     }
 
+    /// Whether the endpoint takes requests on this router at `now_ms`, and why not.
+    pub fn status(&self, now_ms: u64) -> OverflowStatus {
+        let open_until = self.open_until_ms.load(Ordering::Acquire);
+        let state = match &self.ready {
+            Err(why) => format!("unusable: {why}"),
+            Ok(_) if open_until > now_ms => format!(
+                "breaker open after {BREAKER_FAILURES} failures in a row: nothing sent for {:.0} s more",
+                (open_until - now_ms) as f64 / 1000.0
+            ),
+            Ok(_) => "ready".into(),
+        };
+        OverflowStatus {
+            url: self.spec.url.clone(),
+            usable: self.ready.is_ok() && open_until <= now_ms,
+            state,
+            in_flight: self.in_flight.load(Ordering::Acquire),
+            max_in_flight: self.spec.max_in_flight,
+        }
+    }
+
     /// The client, and the `Authorization` header to send if the class names a token.
     pub fn client(&self) -> Option<(&OverflowClient, Option<&HeaderValue>)> {
         self.ready.as_ref().ok().map(|(c, a)| (c, a.as_ref()))
@@ -270,7 +303,29 @@ mod tests {
         }
         assert!(o.failed(1_000));
         assert!(o.try_acquire(1_000).is_none(), "open: nothing is sent");
+        let status = o.status(1_000);
+        assert!(!status.usable);
+        assert!(status.state.starts_with("breaker open"), "{status:?}");
         let later = 1_000 + BREAKER_OPEN.as_millis() as u64;
         assert!(o.try_acquire(later).is_some(), "then requests flow again");
+        assert!(o.status(later).usable);
+        assert_eq!(o.status(later).state, "ready");
+        assert_eq!(o.status(later).in_flight, 0, "the slot above was given back");
+    }
+
+    /// An endpoint this router cannot use says why, where an operator looks.
+    #[test]
+    fn an_unusable_endpoint_says_why() {
+        let o = Arc::new(Overflow::new(OverflowSpec {
+            token_env: Some("LANEWAY_TEST_NO_SUCH_VARIABLE".into()),
+            ..overflow(1).spec.clone()
+        }));
+        let status = o.status(0);
+        assert!(!status.usable);
+        assert!(
+            status.state.contains("$LANEWAY_TEST_NO_SUCH_VARIABLE") && status.state.contains("not set"),
+            "{status:?}"
+        );
+        assert!(o.try_acquire(0).is_none());
     }
 }

@@ -486,6 +486,12 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
                         s.ready_replicas,
                         s.counters
                     ));
+                        if let Some(o) = &s.overflow {
+                            t.push_str(&format!(
+                                "\noverflow on this router: {}  {}/{} in flight",
+                                o.state, o.in_flight, o.max_in_flight
+                            ));
+                        }
                         if let Some(j) = &s.jobs {
                             t.push_str(&format!(
                                 "\njobs (cluster-wide): queued {}  assigned {}  running {}  queue drains in {}",
