@@ -16,6 +16,8 @@ const BODY: &str = r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data
 /// simulated replicas are drained.
 struct Dev {
     child: Child,
+    /// Its admin gRPC address (for lanectl).
+    admin: String,
     router: String,
     key: String,
     _dir: tempfile::TempDir,
@@ -50,6 +52,7 @@ impl Dev {
         }
         Dev {
             child,
+            admin: format!("127.0.0.1:{grpc}"),
             router: format!("http://127.0.0.1:{http}"),
             key: key.expect("dev mode printed the dev tenant's key"),
             _dir: dir,
@@ -115,7 +118,32 @@ async fn metrics_parse_as_openmetrics_and_carry_the_lane_series() {
         served += u64::from(r.status() == 200);
     }
     assert!(served > 0);
-    let text = get(&format!("{}/metrics", dev.router)).await;
+    // An overflow endpoint on the image lane (nothing listens there; it is never needed at
+    // this load), so its series are exported too.
+    super::harness::lanectl_ok(
+        &dev.admin,
+        &[
+            "lane",
+            "set",
+            "image",
+            "--overflow-url",
+            "http://127.0.0.1:9",
+            "--overflow-max",
+            "2",
+            "--overflow-usd-per-request",
+            "0.001",
+        ],
+    );
+    let overflow = "laneway_lane_overflow_usable{class=\"image\",lane=\"bounded\"} 1";
+    let mut text = String::new();
+    for _ in 0..100 {
+        text = get(&format!("{}/metrics", dev.router)).await;
+        if text.contains(overflow) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(text.contains(overflow), "{overflow} not in:\n{text}");
     let parsed = openmetrics_parser::openmetrics::parse_openmetrics(&text)
         .unwrap_or_else(|e| panic!("/metrics is not valid OpenMetrics ({e:?}):\n{text}"));
     for family in [
