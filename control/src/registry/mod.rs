@@ -671,6 +671,20 @@ impl Registry {
 }
 
 #[cfg(test)]
+impl OverflowSpec {
+    /// A plain-http endpoint for tests: no CA, no key.
+    pub(crate) fn for_test(url: &str, max_in_flight: u32, micros_per_request: u64) -> OverflowSpec {
+        OverflowSpec {
+            url: url.into(),
+            max_in_flight,
+            micros_per_request,
+            ca_pem: None,
+            token_env: None,
+        }
+    }
+}
+
+#[cfg(test)]
 impl Class {
     /// A lane for tests: 60% target, no queue budget, no floor, rank 0, a 1 s timeout, a card
     /// per replica.

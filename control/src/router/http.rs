@@ -713,11 +713,7 @@ async fn overflow(
     let Some(ov) = table.overflows.get(&route.class.name) else {
         return Err(record);
     };
-    let (Some(slot), Some(uri), Some((client, authorization))) = (
-        ov.try_acquire(router.now_ms(Instant::now())),
-        ov.uri(&route.public),
-        ov.client(),
-    ) else {
+    let Some((slot, uri, client, authorization)) = ov.take(router.now_ms(Instant::now()), ov.uri(&route.public)) else {
         return Err(record);
     };
     let left = (arrived + route.class.request_timeout_ms.as_duration()).saturating_duration_since(Instant::now());
@@ -1824,13 +1820,7 @@ mod tests {
         let hosted = sim_replica(5.0).await;
         let (fleet, mut reg) = super::super::table::test_fixture();
         let mut speech = reg.classes["speech"].clone();
-        speech.overflow = Some(OverflowSpec {
-            url: format!("http://{hosted}/"),
-            max_in_flight: 8,
-            micros_per_request: 2_000,
-            ca_pem: None,
-            token_env: None,
-        });
+        speech.overflow = Some(OverflowSpec::for_test(&format!("http://{hosted}/"), 8, 2_000));
         reg.put_class(&speech).unwrap();
         add_tenant(&mut reg, "t", "k");
         reg.set_node_replicas("n1", &[ready("a", "whisper", owned)]);

@@ -245,11 +245,9 @@ impl Overflowing {
         let Some(ov) = table.overflows.get(&route.class.name) else {
             return Err(record);
         };
-        let (Some(slot), Some(uri), Some((client, authorization))) = (
-            ov.try_acquire(router.now_ms(Instant::now())),
-            ov.uri_at(self.endpoint.path()),
-            ov.client(),
-        ) else {
+        let Some((slot, uri, client, authorization)) =
+            ov.take(router.now_ms(Instant::now()), ov.uri_at(self.endpoint.path()))
+        else {
             return Err(record);
         };
         let deadline = self.arrived + route.class.request_timeout_ms.as_duration();
@@ -1365,13 +1363,11 @@ mod tests {
         reg.put_model(&language_model(&reg, "chat", None)).unwrap();
         let mut speech = reg.classes["speech"].clone();
         speech.request_timeout_ms = crate::registry::Millis::from_ms(5_000.0);
-        speech.overflow = Some(crate::registry::OverflowSpec {
-            url: format!("http://{hosted}"),
-            max_in_flight: 8,
-            micros_per_request: 3_000,
-            ca_pem: None,
-            token_env: None,
-        });
+        speech.overflow = Some(crate::registry::OverflowSpec::for_test(
+            &format!("http://{hosted}"),
+            8,
+            3_000,
+        ));
         reg.put_class(&speech).unwrap();
         tenant_k(&mut reg);
         reg.set_node_replicas("n1", &[ready("r0", "chat", owned)]);

@@ -230,8 +230,21 @@ impl Overflow {
     }
 
     /// The client, and the `Authorization` header to send if the class names a token.
-    pub fn client(&self) -> Option<(&OverflowClient, Option<&HeaderValue>)> {
+    fn client(&self) -> Option<(&OverflowClient, Option<&HeaderValue>)> {
         self.ready.as_ref().ok().map(|(c, a)| (c, a.as_ref()))
+    }
+
+    /// What sending one request to `uri` (made from the endpoint's URL) needs: a slot, the
+    /// address, the client and the `Authorization` header; none when the endpoint cannot take
+    /// it now (see [`Overflow::try_acquire`]) or the address does not parse.
+    pub fn take(
+        self: &Arc<Self>,
+        now_ms: u64,
+        uri: Option<hyper::Uri>,
+    ) -> Option<(OverflowSlot, hyper::Uri, &OverflowClient, Option<&HeaderValue>)> {
+        let (client, authorization) = self.client()?;
+        let uri = uri?;
+        Some((self.try_acquire(now_ms)?, uri, client, authorization))
     }
 
     /// A slot of the endpoint, unless it is unusable on this router, its breaker is open or
@@ -272,13 +285,11 @@ mod tests {
     use super::*;
 
     fn overflow(cap: u32) -> Arc<Overflow> {
-        Arc::new(Overflow::new(OverflowSpec {
-            url: "http://127.0.0.1:9/api/".into(),
-            max_in_flight: cap,
-            micros_per_request: 2_000,
-            ca_pem: None,
-            token_env: None,
-        }))
+        Arc::new(Overflow::new(OverflowSpec::for_test(
+            "http://127.0.0.1:9/api/",
+            cap,
+            2_000,
+        )))
     }
 
     #[test]
