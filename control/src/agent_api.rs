@@ -304,6 +304,7 @@ fn handle(
         return Err(not_leader(ctx));
     }
     let replicas_ready = hb.replicas.iter().filter(|r| r.state == "ready").count() as u32;
+    let actors = agent_actors(ctx, hb);
     ctx.heartbeats.record(
         &hb.node_id,
         Seen {
@@ -312,6 +313,7 @@ fn handle(
             replicas_total: hb.replicas.len() as u32,
             lag_ms: crate::jobs::unix_ms().checked_sub(hb.sent_unix_ms),
             cached_blobs: hb.cached_blobs.clone(),
+            actors,
             in_flight: hb
                 .replicas
                 .iter()
@@ -355,6 +357,50 @@ fn handle(
     let mut ds = desired_state(ctx, hb, jobs, settled);
     ds.renewed_cert_pem = renew(ctx, certified, hb);
     Ok(ds)
+}
+
+/// Actors an agent's heartbeat may report (one per replica, fetch and job attempt, plus its
+/// own dozen): more are dropped.
+const MAX_AGENT_ACTORS: usize = 1024;
+
+/// The agent's actors from its heartbeat (bounded), and an event for each one whose restarts
+/// rose since its previous heartbeat.
+fn agent_actors(ctx: &Context, hb: &Heartbeat) -> Vec<laneway_actors::ActorStatus> {
+    let cut = |s: &str, n: usize| -> String { s.chars().take(n).collect() };
+    let actors: Vec<laneway_actors::ActorStatus> = hb
+        .actors
+        .iter()
+        .take(MAX_AGENT_ACTORS)
+        .map(|a| laneway_actors::ActorStatus {
+            name: cut(&a.name, 160),
+            parent: (!a.parent.is_empty()).then(|| cut(&a.parent, 160)),
+            state: match a.state.as_str() {
+                "running" => laneway_actors::ActorState::Running,
+                "restarting" => laneway_actors::ActorState::Restarting,
+                _ => laneway_actors::ActorState::Stopped,
+            },
+            detail: cut(&a.detail, 256),
+            restarts: a.restarts,
+            last_tick_ms_ago: u64::try_from(a.last_tick_ms_ago).ok(),
+            last_error: (!a.last_error.is_empty()).then(|| cut(&a.last_error, 512)),
+            crash_loop: a.crash_loop,
+        })
+        .collect();
+    let before = ctx.heartbeats.get(&hb.node_id).map(|s| s.actors).unwrap_or_default();
+    for a in &actors {
+        let was = before.iter().find(|b| b.name == a.name).map_or(0, |b| b.restarts);
+        if a.restarts > was && !before.is_empty() {
+            ctx.history.event(
+                "actor",
+                &format!("{}/{}", hb.node_id, a.name),
+                format!(
+                    "failed and restarted: {}",
+                    a.last_error.as_deref().unwrap_or("no message")
+                ),
+            );
+        }
+    }
+    actors
 }
 
 /// How long a certificate signed for an agent (at a join, or renewed) is valid; agents renew

@@ -272,13 +272,13 @@ pub fn admin_methods(method: &str) -> Option<Access> {
     use Access::*;
     Some(match method {
         "Status" | "GetSetting" | "ReadIndex" | "ListNodes" | "ListRegistry" | "LaneStatus" | "Ledger"
-        | "ShowMigPlan" | "Events" | "Audit" => Read,
+        | "ShowMigPlan" | "Events" | "Audit" | "Actors" => Read,
         // PlanMig commits the plan it proposes.
         "PutSetting" | "DeleteSetting" | "Snapshot" | "SetNodeFlags" | "PutClass" | "PutModel" | "RemoveModel"
         | "CreateTenant" | "RotateTenantKey" | "SetTenantLimit" | "SetPrice" | "SetMigLayout" | "PlanMig"
         | "ApplyMigPlan" | "SetPoolTaints" | "DeployModel" | "StartRollout" | "UpdateRollout" => Operate,
         "Init" | "AddLearner" | "Promote" | "Remove" | "FinalizeUpgrade" | "CreateJoinToken" | "CreateAdminToken"
-        | "RevokeToken" | "RevokeCertificate" => Administer,
+        | "RevokeToken" | "RevokeCertificate" | "SetFailpoint" => Administer,
         "ReportLoad" | "JobWrites" | "RecordUsage" => Internal,
         _ => return None,
     })

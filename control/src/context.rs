@@ -33,12 +33,16 @@ pub struct Context {
     pub tls: Option<laneway_pki::Tls>,
     /// The cluster CA, when this controller signs joining agents' certificates.
     pub issuer: Option<Arc<laneway_pki::Ca>>,
+    /// Every actor of this controller (`/metrics`, `/ui`, `lanectl actors`).
+    pub actors: laneway_actors::ActorBoard,
 }
 
 impl Context {
-    /// Whether this controller is the leader right now (by its own metrics).
+    /// Whether this controller is the leader right now (by its own metrics): in the leader
+    /// state, naming itself leader, and with Raft running (openraft leaves `current_leader` as
+    /// it was after a shutdown or a fatal error).
     pub fn is_leader(&self) -> bool {
-        self.raft.metrics().borrow().current_leader == Some(self.node_id)
+        crate::actors::leadership::leads(&self.raft.metrics().borrow(), self.node_id).is_some()
     }
 
     /// A client of the other controllers' admin API (over mTLS, as this controller).

@@ -4,6 +4,7 @@
 //! the fleet's desired state. This crate holds the storage, the replicated state machine, the
 //! Raft transport, the operator API, configuration, and the client used by `lanectl`.
 
+pub mod actors;
 pub mod admin;
 pub mod agent_api;
 pub mod auth;

@@ -43,11 +43,12 @@ pub struct Proposer {
 }
 
 impl Proposer {
-    /// Starts the batching task for `raft`.
-    pub fn start(raft: Raft) -> Self {
+    /// Starts the batching task for `raft`; its handle is the server's to watch (the task
+    /// ends only when every proposer handle is gone).
+    pub fn start(raft: Raft) -> (Self, tokio::task::JoinHandle<()>) {
         let (tx, rx) = mpsc::channel(QUEUE);
-        tokio::spawn(run(raft, rx));
-        Proposer { tx }
+        let task = tokio::spawn(run(raft, rx));
+        (Proposer { tx }, task)
     }
 
     /// Proposes one (already validated) command and waits until it is committed and applied.

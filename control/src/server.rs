@@ -17,7 +17,6 @@ use crate::auth;
 use crate::config::ControllerConfig;
 use crate::context::Context;
 use crate::fleet::heartbeats::HeartbeatTable;
-use crate::fleet::monitor;
 use crate::network::raft_client::NetworkFactory;
 use crate::network::raft_service::RaftGrpc;
 use crate::network::MAX_RAFT_MESSAGE_BYTES;
@@ -106,10 +105,13 @@ pub struct Controller {
     pub router: Arc<Router>,
     shutdown: Option<oneshot::Sender<()>>,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
-    monitor: JoinHandle<()>,
     router_server: Option<RouterServer>,
-    router_task: JoinHandle<()>,
-    placement: JoinHandle<()>,
+    /// The supervised actor tree (ADR 0018).
+    actors: crate::actors::Tree,
+    /// Infrastructure that stays a plain task (ADR 0018): if one ends, the controller is
+    /// broken and [`Controller::serve_until_stopped`] says so, so the process exits non-zero
+    /// and systemd restarts it instead of it serving half-alive.
+    infrastructure: Vec<(&'static str, JoinHandle<()>)>,
     /// For the last usage report at shutdown.
     ctx: Context,
 }
@@ -170,13 +172,10 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
     .await
     .map_err(|e| StartError::Raft(e.to_string()))?;
 
-    let proposer = Proposer::start(raft.clone());
-    let jobs = Arc::new(crate::jobs::gateway::JobGateway::new(
-        raft.clone(),
-        cfg.node_id,
-        proposer.clone(),
-        cfg.tls.as_ref(),
-    ));
+    let (proposer, proposer_task) = Proposer::start(raft.clone());
+    let (jobs, forward_task) =
+        crate::jobs::gateway::JobGateway::new(raft.clone(), cfg.node_id, proposer.clone(), cfg.tls.as_ref());
+    let jobs = Arc::new(jobs);
     let results = laneway_agent::results::ResultStore::open(&cfg.results_store)
         .map_err(|e| StartError::Results(e.to_string()))?;
     let ctx = Context {
@@ -195,6 +194,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         unplaced: Arc::default(),
         tls: cfg.tls.clone(),
         issuer: cfg.issuer.clone(),
+        actors: laneway_actors::ActorBoard::new(),
     };
     let router = ctx.router.clone();
     router.enable_jobs(jobs, results);
@@ -241,24 +241,16 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
             tracing::warn!("INSECURE DEVELOPMENT MODE: gRPC is plaintext and every caller may do anything; never run this on a network others can reach");
         }
     }
-    let placement = tokio::spawn({
-        let ctx = ctx.clone();
-        async move {
-            tokio::join!(
-                crate::scheduler::warm_floor_loop::run(ctx.clone()),
-                crate::scheduler::warm_floor_loop::report(ctx.clone()),
-                crate::scheduler::rollout_loop::run(ctx.clone()),
-                crate::ledger::meter::run(ctx.clone()),
-                crate::observe::history::run(ctx.clone()),
-                crate::jobs::dispatcher::run(ctx)
-            );
-        }
-    });
-    let monitor = tokio::spawn(monitor::run(ctx.clone(), cfg.node_dead_after));
-    if let Some(p) = cfg.provision.clone() {
-        let (ctx, dir) = (ctx.clone(), cfg.data_dir.clone());
-        tokio::spawn(async move { crate::provision::slow_loop::run(ctx, p, &dir).await });
-    }
+    let actors = crate::actors::start(
+        &ctx,
+        crate::actors::LeaderConfig {
+            node_dead_after: cfg.node_dead_after,
+            provision: cfg.provision.clone(),
+            data_dir: cfg.data_dir.clone(),
+        },
+    )
+    .await
+    .map_err(StartError::Raft)?;
 
     let (tx, rx) = oneshot::channel::<()>();
     let server = tokio::spawn(
@@ -290,10 +282,13 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         router,
         shutdown: Some(tx),
         server,
-        monitor,
         router_server,
-        router_task,
-        placement,
+        actors,
+        infrastructure: vec![
+            ("proposer", proposer_task),
+            ("job gateway forwarder", forward_task),
+            ("router table", router_task),
+        ],
         ctx,
     })
 }
@@ -301,9 +296,12 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
 impl Controller {
     /// Stops serving and shuts Raft down.
     pub async fn shutdown(mut self) {
-        self.monitor.abort();
-        self.router_task.abort();
-        self.placement.abort();
+        // The leader's actors stop first (nothing more is proposed), then the rest of the tree.
+        let _ = self
+            .actors
+            .root
+            .stop_and_wait(Some("the controller is stopping".into()), Some(Duration::from_secs(5)))
+            .await;
         if let Some(r) = self.router_server.take() {
             r.stop().await;
         }
@@ -313,18 +311,72 @@ impl Controller {
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }
+        // Only now: the flush above proposes through the proposer.
+        for (_, task) in &self.infrastructure {
+            task.abort();
+        }
         if let Err(e) = self.raft.shutdown().await {
             tracing::warn!(error = %e, "raft shutdown");
         }
         let _ = tokio::time::timeout(Duration::from_secs(5), &mut self.server).await;
     }
 
-    /// Waits until the gRPC server stops (it only stops on shutdown or a fatal listener error).
+    /// Waits until the controller stops serving: the gRPC server stopped (only on shutdown or
+    /// a fatal listener error), or a piece of infrastructure or the actor tree ended — each of
+    /// them an error: the caller exits non-zero so the service manager restarts the process.
     pub async fn serve_until_stopped(&mut self) -> Result<(), String> {
-        match (&mut self.server).await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(e) => Err(e.to_string()),
+        let infrastructure = futures::future::select_all(
+            self.infrastructure
+                .iter_mut()
+                .map(|(name, task)| Box::pin(async move { (*name, task.await) })),
+        );
+        let router_server = &mut self.router_server;
+        let router = async move {
+            match router_server.as_mut() {
+                Some(r) => r.ended().await,
+                None => std::future::pending().await,
+            }
+        };
+        let (server, actors) = (&mut self.server, &mut self.actors.handle);
+        let mut metrics = self.raft.metrics();
+        // Raft's core ended (a fatal storage error, a panic in it): nothing is replicated or
+        // applied here any more.
+        let raft = async move {
+            loop {
+                if let Err(fatal) = metrics.borrow_and_update().running_state.clone() {
+                    return fatal.to_string();
+                }
+                if metrics.changed().await.is_err() {
+                    return "its metrics channel closed".to_string();
+                }
+            }
+        };
+        tokio::select! {
+            why = raft => Err(format!("raft stopped on this controller: {why}")),
+            served = server => match served {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => Err(format!("gRPC server failed: {e}")),
+                Err(e) => Err(format!("gRPC server task failed: {e}")),
+            },
+            ((name, ended), _, _) = infrastructure => Err(match ended {
+                Ok(()) => format!("the {name} task ended; the controller cannot work without it"),
+                Err(e) => format!("the {name} task failed: {e}"),
+            }),
+            ended = actors => Err(format!(
+                "the controller's actor tree ended ({}); nothing would be scheduled any more",
+                match ended { Ok(()) => "stopped".to_string(), Err(e) => e.to_string() }
+            )),
+            () = router => Err("the inference router's listener stopped".to_string()),
         }
+    }
+
+    /// Every actor of this controller.
+    pub fn actors(&self) -> &laneway_actors::ActorBoard {
+        &self.ctx.actors
+    }
+
+    /// Whether this controller leads now (see [`Context::is_leader`]).
+    pub fn is_leader(&self) -> bool {
+        self.ctx.is_leader()
     }
 }

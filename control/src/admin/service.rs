@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use crate::registry::{hash_key, new_api_key, Class, Model, Tenant, TenantLimit};
 use laneway_proto::admin::admin_service_server::AdminService;
+use laneway_proto::admin::{ActorsRequest, SetFailpointReply, SetFailpointRequest};
 use laneway_proto::admin::{
     AddLearnerRequest, DeleteSettingRequest, GetSettingReply, GetSettingRequest, GpuRecord as PbGpu, InitReply,
     InitRequest, ListNodesReply, ListNodesRequest, MembershipReply, NodeInfo, NodeStatus, PromoteRequest,
@@ -107,6 +108,8 @@ pub struct AdminGrpc {
     membership: tokio::sync::Mutex<()>,
     /// Where calls that change the cluster are recorded; `None`: not recorded.
     audit: Option<Arc<super::audit::AuditLog>>,
+    /// This controller's actors (`lanectl actors`).
+    actors: laneway_actors::ActorBoard,
 }
 
 impl AdminGrpc {
@@ -144,6 +147,7 @@ impl AdminGrpc {
             unplaced: _,
             tls,
             issuer: _,
+            actors,
         } = ctx;
         AdminGrpc {
             router,
@@ -156,6 +160,7 @@ impl AdminGrpc {
             tls,
             membership: tokio::sync::Mutex::new(()),
             audit: None,
+            actors,
             raft,
             node_id,
             cluster,
@@ -303,7 +308,7 @@ impl AdminGrpc {
     /// Refuses a leader-only call on a follower, naming the leader.
     fn leader_only(&self) -> Result<(), AdminError> {
         let m = self.metrics();
-        if m.current_leader == Some(self.node_id) {
+        if crate::actors::leadership::leads(&m, self.node_id).is_some() {
             return Ok(());
         }
         let leader = m
@@ -963,7 +968,57 @@ impl AdminService for AdminGrpc {
             })
             .collect();
         self.load.record(r.controller_id, load, tokio::time::Instant::now());
+        // A follower's actor restarts, for this leader's events (bounded: a report carries
+        // what one controller's actors did in half a second).
+        for e in r.actor_events.iter().take(crate::actors::MAX_EVENTS_PER_REPORT) {
+            let actor: String = e.actor.chars().take(128).collect();
+            let message: String = e.message.chars().take(512).collect();
+            self.history.event(
+                "actor",
+                &format!("controller {}/{actor}", r.controller_id),
+                format!("failed and restarted: {message}"),
+            );
+        }
         Ok(Response::new(LoadReportReply {}))
+    }
+
+    async fn actors(&self, req: Request<ActorsRequest>) -> Result<Response<DocumentsReply>, Status> {
+        let node = req.into_inner().node;
+        let docs: Vec<String> = if node.is_empty() {
+            crate::actors::documents(&format!("controller {}", self.node_id), self.actors.snapshot())
+        } else {
+            self.leader_only()?;
+            let seen = self.heartbeats.get(&node).ok_or_else(|| {
+                Status::not_found(format!(
+                    "no heartbeat from node {node:?} reached this leader; is its agent connected? (`lanectl node list` shows when each node was last heard)"
+                ))
+            })?;
+            crate::actors::documents(&format!("agent {node}"), seen.actors)
+        };
+        Ok(Response::new(DocumentsReply {
+            json: docs,
+            applied_index: self.sm.applied_index(),
+        }))
+    }
+
+    async fn set_failpoint(&self, req: Request<SetFailpointRequest>) -> Result<Response<SetFailpointReply>, Status> {
+        self.audited("set_failpoint", super::audit::Caller::of(&req), async move {
+            let r = req.into_inner();
+            if !fail::has_failpoints() {
+                return Err(Status::failed_precondition(
+                    "this controller was built without failpoints (a release build); failpoints are for the chaos harness, on a build with `--features laneway-control/testing`",
+                ));
+            }
+            fail::cfg(r.name.clone(), &r.actions).map_err(|e| {
+                Status::invalid_argument(format!(
+                    "failpoint {:?}: actions {:?}: {e}; give the fail crate's syntax, e.g. `1*return` or `off`",
+                    r.name, r.actions
+                ))
+            })?;
+            tracing::warn!(failpoint = %r.name, actions = %r.actions, "failpoint set (chaos)");
+            Ok(Response::new(SetFailpointReply {}))
+        })
+        .await
     }
 
     async fn record_usage(&self, req: Request<UsageReportRequest>) -> Result<Response<WriteReply>, Status> {

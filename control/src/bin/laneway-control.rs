@@ -41,30 +41,6 @@ enum Cmd {
     Dev(DevArgs),
 }
 
-/// Failpoints named in the FAILPOINTS environment variable (`name=action;…`, see the `fail`
-/// crate), for the chaos harness. Only a binary built with `--features laneway-control/testing`
-/// has them; any other refuses FAILPOINTS rather than run a scenario that silently injects
-/// nothing. In a testing build a panic is a crash (the process aborts), as it would be if the
-/// fault were real.
-fn failpoints() -> Result<Option<fail::FailScenario<'static>>, String> {
-    let spec = match std::env::var("FAILPOINTS") {
-        Ok(v) if !v.trim().is_empty() => v,
-        _ => return Ok(None),
-    };
-    if !fail::has_failpoints() {
-        return Err(format!(
-            "FAILPOINTS is set ({spec}) but this binary was built without failpoints; build it with `cargo build --features laneway-control/testing` for the chaos harness, or unset FAILPOINTS"
-        ));
-    }
-    eprintln!("laneway-control: TESTING BUILD, failpoints {spec}: never run this binary in production");
-    let default_hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(move |info| {
-        default_hook(info);
-        std::process::abort();
-    }));
-    Ok(Some(fail::FailScenario::setup()))
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // Kept to the end of main: dropping it flushes the spans not yet exported.
@@ -75,7 +51,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let _failpoints = match failpoints() {
+    let _failpoints = match laneway_actors::failpoint::setup_from_env("laneway-control") {
         Ok(f) => f,
         Err(e) => {
             eprintln!("laneway-control: {e}");
@@ -118,7 +94,7 @@ fn main() -> ExitCode {
                 tokio::select! {
                     res = controller.serve_until_stopped() => {
                         if let Err(e) = res {
-                            eprintln!("laneway-control: gRPC server failed: {e}");
+                            eprintln!("laneway-control: {e}; exiting so the service manager restarts this controller");
                             return ExitCode::from(1);
                         }
                         ExitCode::SUCCESS
@@ -178,7 +154,15 @@ fn main() -> ExitCode {
                     println!("  lanectl --addr {addr} rollout status whisper --watch      (rolled back on cost; {} is a good version 2)", fast.display());
                 }
                 println!("Press Ctrl-C to stop.");
-                stop_requested().await;
+                let mut dev = dev;
+                tokio::select! {
+                    _ = stop_requested() => {}
+                    res = dev.controller.serve_until_stopped() => {
+                        if let Err(e) = res {
+                            eprintln!("laneway-control dev: {e}; stopping");
+                        }
+                    }
+                }
                 // Not println!: stdout may be a closed pipe by now (`laneway-control dev | head`),
                 // and a panic here would skip the drain below and leave replicas running.
                 let _ = writeln!(std::io::stdout(), "stopping");

@@ -24,6 +24,8 @@ pub struct Seen {
     pub engine: Vec<(String, u32, Option<f64>)>,
     /// sha256 of every blob in the node's weight cache.
     pub cached_blobs: Vec<String>,
+    /// The agent's actors, as its heartbeat reported them (`lanectl actors --node`).
+    pub actors: Vec<laneway_actors::ActorStatus>,
 }
 
 /// One GPU as its agent last reported it.

@@ -1,37 +1,52 @@
-//! The node monitor: on the leader, turns heartbeat silence into committed liveness
+//! The `NodeMonitor` actor: on the leader, turns heartbeat silence into committed liveness
 //! transitions (the decision is [`super::liveness::decide`]; this only feeds and carries it).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
 use super::liveness::decide;
 use super::Liveness;
+use crate::actors::term::Term;
 use crate::command::Command;
 use crate::context::Context;
 
 /// How often the monitor looks.
 pub const TICK: Duration = Duration::from_millis(500);
 
-/// Runs until the task is aborted. A node silent for `dead_after` is declared down.
-pub async fn run(ctx: Context, dead_after: Duration) {
-    let mut leader_since: Option<Instant> = None;
-    let mut tick = tokio::time::interval(TICK);
-    loop {
-        tick.tick().await;
+/// The `NodeMonitor` actor's state, for one term.
+pub struct NodeMonitor {
+    ctx: Context,
+    term: Arc<Term>,
+    dead_after: Duration,
+}
+
+impl NodeMonitor {
+    /// A node silent for `dead_after` (counted from when it was last heard, or from the start
+    /// of this term when this leader has not heard it yet) is declared down.
+    pub fn new(ctx: Context, term: Arc<Term>, dead_after: Duration) -> Self {
+        NodeMonitor { ctx, term, dead_after }
+    }
+}
+
+impl laneway_actors::Ticker for NodeMonitor {
+    const KIND: &'static str = "node_monitor";
+
+    async fn tick(&mut self) -> Duration {
+        let ctx = &self.ctx;
         if !ctx.is_leader() {
-            if leader_since.take().is_some() {
-                ctx.heartbeats.clear();
-            }
-            continue;
+            return TICK;
         }
-        let since = *leader_since.get_or_insert_with(|| {
-            // A new leader starts with an empty table: everyone gets `dead_after` to find it.
-            ctx.heartbeats.clear();
-            Instant::now()
-        });
+        let dead_after = self.dead_after;
         let nodes = ctx.sm.node_liveness();
-        let transitions = decide(&nodes, &ctx.heartbeats.last_seen(), since, Instant::now(), dead_after);
+        let transitions = decide(
+            &nodes,
+            &ctx.heartbeats.last_seen(),
+            self.term.since,
+            Instant::now(),
+            dead_after,
+        );
         // Proposed together, so a rack going dark is a few batched entries, not one round
         // trip per node.
         let proposals = transitions.into_iter().map(|t| {
@@ -58,5 +73,6 @@ pub async fn run(ctx: Context, dead_after: Duration) {
             }
         });
         futures::future::join_all(proposals).await;
+        TICK
     }
 }

@@ -1,4 +1,4 @@
-//! The leader's job dispatcher and retention: thin shells around [`super::dispatch::dispatch`]
+//! The leader's `JobDispatcher` actor (dispatch and retention): thin shells around [`super::dispatch::dispatch`]
 //! and [`super::Jobs::compact`] that commit their decisions through Raft. Both read only the
 //! applied state, so a new leader continues where the old one stopped.
 
@@ -14,20 +14,46 @@ const COMPACT_EVERY: Duration = Duration::from_secs(60);
 /// Cluster setting: seconds finished jobs stay queryable.
 pub const RETENTION_SETTING: &str = "jobs.retention_s";
 
-/// Runs for the controller's lifetime; acts only while leader.
-pub async fn run(ctx: Context) {
-    let mut jobs_changed = ctx.sm.subscribe_jobs();
-    let mut fleet_changed = ctx.sm.subscribe_changes();
-    let mut last_compact = tokio::time::Instant::now();
-    loop {
+/// The `JobDispatcher` actor's state.
+pub struct JobDispatcher {
+    ctx: Context,
+    jobs_changed: tokio::sync::watch::Receiver<u64>,
+    fleet_changed: tokio::sync::watch::Receiver<u64>,
+    last_compact: tokio::time::Instant,
+}
+
+impl JobDispatcher {
+    pub fn new(ctx: Context) -> Self {
+        JobDispatcher {
+            jobs_changed: ctx.sm.subscribe_jobs(),
+            fleet_changed: ctx.sm.subscribe_changes(),
+            last_compact: tokio::time::Instant::now(),
+            ctx,
+        }
+    }
+}
+
+impl laneway_actors::Ticker for JobDispatcher {
+    const KIND: &'static str = "job_dispatcher";
+
+    /// One round: assign what can be assigned, compact when due, then wait for a job, node or
+    /// replica change (or [`TICK`]).
+    async fn tick(&mut self) -> Duration {
+        if self.ctx.is_leader() {
+            self.dispatch().await;
+        }
         tokio::select! {
-            _ = jobs_changed.changed() => {}
-            _ = fleet_changed.changed() => {}
+            _ = self.jobs_changed.changed() => {}
+            _ = self.fleet_changed.changed() => {}
             _ = tokio::time::sleep(TICK) => {}
         }
-        if !ctx.is_leader() {
-            continue;
-        }
+        Duration::ZERO
+    }
+}
+
+impl JobDispatcher {
+    async fn dispatch(&mut self) {
+        let ctx = &self.ctx;
         let assignments = ctx
             .sm
             .with_jobs(|jobs, fleet, registry| super::dispatch::dispatch(fleet, registry, jobs));
@@ -51,9 +77,9 @@ pub async fn run(ctx: Context) {
                 Err(e) => tracing::warn!(error = %e, "job assignments not committed; retrying"),
             }
         }
-        if last_compact.elapsed() >= COMPACT_EVERY {
-            last_compact = tokio::time::Instant::now();
-            compact(&ctx).await;
+        if self.last_compact.elapsed() >= COMPACT_EVERY {
+            self.last_compact = tokio::time::Instant::now();
+            compact(ctx).await;
         }
     }
 }

@@ -88,19 +88,26 @@ fn outcome(resp: CommandResponse) -> Result<JobOutcome, GatewayError> {
 }
 
 impl JobGateway {
-    /// Starts the gateway and its forwarding task (needs a Tokio runtime).
-    pub fn new(raft: Raft, node_id: NodeId, proposer: Proposer, tls: Option<&laneway_pki::Tls>) -> Self {
+    /// Starts the gateway and its forwarding task (needs a Tokio runtime); the task's handle is
+    /// the server's to watch.
+    pub fn new(
+        raft: Raft,
+        node_id: NodeId,
+        proposer: Proposer,
+        tls: Option<&laneway_pki::Tls>,
+    ) -> (Self, tokio::task::JoinHandle<()>) {
         let leaders = Arc::new(crate::context::controllers_client(tls, FORWARD_TIMEOUT));
         let (forward, rx) = mpsc::channel(FORWARD_QUEUE);
-        tokio::spawn(forward_loop(raft.clone(), leaders.clone(), rx));
-        JobGateway {
+        let task = tokio::spawn(forward_loop(raft.clone(), leaders.clone(), rx));
+        let gateway = JobGateway {
             raft,
             node_id,
             proposer,
             leaders,
             forward,
             reporting: Default::default(),
-        }
+        };
+        (gateway, task)
     }
 
     /// Commits an executor's report (started / finished) unless the same one is in flight.

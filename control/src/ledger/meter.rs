@@ -256,14 +256,25 @@ pub async fn send_once(ctx: &crate::context::Context, leaders: &crate::client::A
     }
 }
 
-/// Commits this router's usage every [`REPORT_EVERY`].
-pub async fn run(ctx: crate::context::Context) {
-    let mut tick = tokio::time::interval(REPORT_EVERY);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let leaders = ctx.controllers_client(Duration::from_secs(2));
-    loop {
-        tick.tick().await;
-        send_once(&ctx, &leaders).await;
+/// The `UsageMeter` actor: commits this router's usage every [`REPORT_EVERY`].
+pub struct UsageMeter {
+    ctx: crate::context::Context,
+    leaders: crate::client::AdminClient,
+}
+
+impl UsageMeter {
+    pub fn new(ctx: crate::context::Context) -> Self {
+        let leaders = ctx.controllers_client(Duration::from_secs(2));
+        UsageMeter { ctx, leaders }
+    }
+}
+
+impl laneway_actors::Ticker for UsageMeter {
+    const KIND: &'static str = "usage_meter";
+
+    async fn tick(&mut self) -> Duration {
+        send_once(&self.ctx, &self.leaders).await;
+        REPORT_EVERY
     }
 }
 

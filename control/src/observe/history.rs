@@ -184,13 +184,23 @@ pub fn lane_gpu_utilisation(ctx: &Context) -> HashMap<String, f64> {
     sums.into_iter().map(|(c, (sum, n))| (c, sum / f64::from(n))).collect()
 }
 
-/// Samples every lane once a second.
-pub async fn run(ctx: Context) {
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        ctx.history.sample(&ctx, crate::jobs::unix_ms());
+/// The `HistorySampler` actor: samples every lane once a second.
+pub struct HistorySampler {
+    ctx: Context,
+}
+
+impl HistorySampler {
+    pub fn new(ctx: Context) -> Self {
+        HistorySampler { ctx }
+    }
+}
+
+impl laneway_actors::Ticker for HistorySampler {
+    const KIND: &'static str = "history_sampler";
+
+    async fn tick(&mut self) -> Duration {
+        self.ctx.history.sample(&self.ctx, crate::jobs::unix_ms());
+        Duration::from_secs(1)
     }
 }
 

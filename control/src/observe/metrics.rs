@@ -48,6 +48,7 @@ pub fn render(ctx: &Context) -> Result<String, std::fmt::Error> {
         }
     }
     raft(root.sub_registry_with_prefix("raft"), ctx);
+    laneway_actors::metrics::register(&mut root, &ctx.actors);
     fleet(&mut root, ctx);
     let mut out = String::new();
     encode(&mut out, &root)?;
@@ -68,7 +69,7 @@ fn raft(r: &mut Registry, ctx: &Context) {
         r,
         "is_leader",
         "1 on the leader",
-        i64::from(m.current_leader == Some(ctx.node_id)),
+        i64::from(crate::actors::leadership::leads(&m, ctx.node_id).is_some()),
     );
     single(
         r,

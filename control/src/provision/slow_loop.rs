@@ -1,4 +1,4 @@
-//! The leader's slow loop: every few seconds, decide ([`super::plan`]) from the applied state
+//! The leader's slow loop (the `Provisioner` actor): every few seconds, decide ([`super::plan`]) from the applied state
 //! and the replicas the placement pass could not place, commit the decision, and only then
 //! call the node provider for what is committed: launches of requests not yet confirmed,
 //! give-backs of nodes being released. Provider calls run beside the loop (a launch can take
@@ -17,46 +17,96 @@ use super::{NodeRequest, PlanInputs, ProvisionConfig, RequestState};
 use crate::command::Command;
 use crate::context::Context;
 
-/// Runs for the controller's lifetime; decides only while leader.
-pub async fn run(ctx: Context, cfg: ProvisionConfig, data_dir: &Path) {
-    let (tx, mut notices) = mpsc::unbounded_channel();
-    let provider = provider::build(&cfg, data_dir, tx);
-    tracing::info!(
-        provider = provider.kind(),
-        pools = cfg.pools.len(),
-        "slow loop (provisioner) on"
-    );
-    let busy: Arc<Mutex<HashSet<String>>> = Arc::default();
-    let mut tick = tokio::time::interval(Duration::from_secs(cfg.tick_s));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut last_stuck: Vec<(String, String)> = Vec::new();
-    // When each model's replicas were first seen unplaced, in this leader's term.
-    let mut unplaced_since: std::collections::HashMap<String, tokio::time::Instant> = Default::default();
-    let grace = Duration::from_secs(cfg.unplaced_for_s);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            Some(node) = notices.recv() => {
-                if ctx.is_leader() {
-                    preempt(&ctx, &node).await;
-                }
-                continue;
+/// The node provider and its spot-preemption notices: built once per process, so a restarted
+/// `Provisioner` (or a new term's) talks to the same provider.
+#[derive(Clone)]
+pub struct Provider {
+    provider: Arc<dyn NodeProvider>,
+    notices: Arc<tokio::sync::Mutex<mpsc::UnboundedReceiver<String>>>,
+    /// Requests with a provider call under way (a launch can take minutes).
+    busy: Arc<Mutex<HashSet<String>>>,
+}
+
+impl Provider {
+    pub fn build(cfg: &ProvisionConfig, data_dir: &Path) -> Provider {
+        let (tx, notices) = mpsc::unbounded_channel();
+        let provider = provider::build(cfg, data_dir, tx);
+        tracing::info!(
+            provider = provider.kind(),
+            pools = cfg.pools.len(),
+            "slow loop (provisioner) on"
+        );
+        Provider {
+            provider,
+            notices: Arc::new(tokio::sync::Mutex::new(notices)),
+            busy: Arc::default(),
+        }
+    }
+}
+
+/// The `Provisioner` actor's state, for one term.
+pub struct Provisioner {
+    ctx: Context,
+    cfg: ProvisionConfig,
+    p: Provider,
+    last_stuck: Vec<(String, String)>,
+    /// When each model's replicas were first seen unplaced, in this leader's term.
+    unplaced_since: std::collections::HashMap<String, tokio::time::Instant>,
+    next_round: tokio::time::Instant,
+}
+
+impl Provisioner {
+    pub fn new(ctx: Context, cfg: ProvisionConfig, p: Provider) -> Self {
+        Provisioner {
+            ctx,
+            cfg,
+            p,
+            last_stuck: Vec::new(),
+            unplaced_since: Default::default(),
+            next_round: tokio::time::Instant::now(),
+        }
+    }
+}
+
+impl laneway_actors::Ticker for Provisioner {
+    const KIND: &'static str = "provisioner";
+
+    /// Waits for the next round (every `tick_s`) or a preemption notice, and handles it.
+    async fn tick(&mut self) -> Duration {
+        let notice = {
+            let mut notices = self.p.notices.lock().await;
+            tokio::select! {
+                _ = tokio::time::sleep_until(self.next_round) => None,
+                n = notices.recv() => n,
+            }
+        };
+        if !self.ctx.is_leader() {
+            return Duration::ZERO;
+        }
+        match notice {
+            Some(node) => preempt(&self.ctx, &node).await,
+            None => {
+                self.next_round = tokio::time::Instant::now() + Duration::from_secs(self.cfg.tick_s);
+                self.round().await;
             }
         }
-        if !ctx.is_leader() {
-            last_stuck.clear();
-            unplaced_since.clear();
-            continue;
-        }
+        Duration::ZERO
+    }
+}
+
+impl Provisioner {
+    async fn round(&mut self) {
+        let (ctx, cfg) = (&self.ctx, &self.cfg);
+        let grace = Duration::from_secs(cfg.unplaced_for_s);
         let now_ms = crate::jobs::unix_ms();
         let (fleet, registry) = ctx.sm.routing_inputs();
         let now = tokio::time::Instant::now();
         let unplaced: Vec<_> = {
             let all = ctx.unplaced.lock().unwrap_or_else(|p| p.into_inner()).clone();
-            unplaced_since.retain(|m, _| all.iter().any(|u| &u.model == m));
+            self.unplaced_since.retain(|m, _| all.iter().any(|u| &u.model == m));
             all.into_iter()
                 .filter(|u| {
-                    let since = *unplaced_since.entry(u.model.clone()).or_insert(now);
+                    let since = *self.unplaced_since.entry(u.model.clone()).or_insert(now);
                     now.saturating_duration_since(since) >= grace
                 })
                 .collect()
@@ -65,7 +115,7 @@ pub async fn run(ctx: Context, cfg: ProvisionConfig, data_dir: &Path) {
             |pool: &super::PoolSpec| format!("{}-{}", pool.name, &uuid::Uuid::new_v4().simple().to_string()[..6]);
         let plan = super::plan(
             &PlanInputs {
-                config: &cfg,
+                config: cfg,
                 fleet: &fleet,
                 registry: &registry,
                 unplaced: &unplaced,
@@ -73,12 +123,12 @@ pub async fn run(ctx: Context, cfg: ProvisionConfig, data_dir: &Path) {
             },
             &mut new_id,
         );
-        if plan.stuck != last_stuck {
+        if plan.stuck != self.last_stuck {
             for (model, why) in &plan.stuck {
                 tracing::warn!(%model, %why, "slow loop cannot provision");
                 ctx.history.event("provision", model, why.clone());
             }
-            last_stuck = plan.stuck;
+            self.last_stuck = plan.stuck;
         }
         if !plan.commands.is_empty() {
             match ctx.proposer.propose(Command::Batch(plan.commands)).await {
@@ -91,26 +141,33 @@ pub async fn run(ctx: Context, cfg: ProvisionConfig, data_dir: &Path) {
                 Ok((_, r)) => tracing::warn!(response = ?r, "slow loop decision refused"),
                 Err(e) => {
                     tracing::warn!(error = %e, "slow loop decision not committed; deciding again next tick");
-                    continue;
+                    return;
                 }
             }
         }
-        // Provider calls for what is committed now.
+        // Provider calls for what is committed now, each beside the actor (a launch can take
+        // minutes; its outcome is committed only while this node still leads).
         let registry = ctx.sm.registry();
         let join = Join {
-            controllers: controllers(&ctx),
+            controllers: controllers(ctx),
         };
         for r in registry.node_requests.values() {
             if !matches!(r.state, RequestState::Requested | RequestState::Releasing) {
                 continue;
             }
-            if !busy.lock().unwrap_or_else(|p| p.into_inner()).insert(r.id.clone()) {
+            if !self
+                .p
+                .busy
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(r.id.clone())
+            {
                 continue;
             }
             let (ctx, provider, busy, r, join, cfg) = (
                 ctx.clone(),
-                provider.clone(),
-                busy.clone(),
+                self.p.provider.clone(),
+                self.p.busy.clone(),
                 r.clone(),
                 join.clone(),
                 cfg.clone(),

@@ -148,6 +148,11 @@ pub struct RouterServer {
 }
 
 impl RouterServer {
+    /// Returns when the accept loop has ended (only on `stop`, unless something broke it).
+    pub async fn ended(&mut self) {
+        let _ = (&mut self.task).await;
+    }
+
     pub async fn stop(self) {
         let _ = self.shutdown.send(true);
         let _ = tokio::time::timeout(Duration::from_secs(5), self.task).await;

@@ -1,4 +1,4 @@
-//! The leader's rollout loop: once a second, judge every running rollout from the ledger
+//! The leader's `RolloutJudge` actor: once a second, judge every running rollout from the ledger
 //! ([`crate::registry::rollout::judge`]) and commit what it decided — the next step, the
 //! promotion or the rollback — through Raft. Rollouts live in the replicated registry, so a new
 //! leader judges them from the step the old one committed; a proposal names the step it judged
@@ -15,24 +15,36 @@ use crate::store::StateMachineStore;
 /// How often the leader judges running rollouts.
 pub const TICK: Duration = Duration::from_secs(1);
 
-/// Runs for the controller's lifetime; judges only while leader.
-pub async fn run(ctx: Context) {
-    let mut tick = tokio::time::interval(TICK);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // The last wait reported per rollout, so the log says a thing once.
-    let mut said: HashMap<String, String> = HashMap::new();
-    loop {
-        tick.tick().await;
-        if !ctx.is_leader() {
-            said.clear();
-            continue;
+/// The `RolloutJudge` actor's state (one per term: what it said is forgotten with the term).
+pub struct RolloutJudge {
+    ctx: Context,
+    /// The last wait reported per rollout, so the log says a thing once.
+    said: HashMap<String, String>,
+}
+
+impl RolloutJudge {
+    pub fn new(ctx: Context) -> Self {
+        RolloutJudge {
+            ctx,
+            said: HashMap::new(),
         }
-        for (model, step, decision) in decide(&ctx, crate::jobs::unix_ms()) {
+    }
+}
+
+impl laneway_actors::Ticker for RolloutJudge {
+    const KIND: &'static str = "rollout_judge";
+
+    async fn tick(&mut self) -> Duration {
+        let ctx = &self.ctx;
+        if !ctx.is_leader() {
+            return TICK;
+        }
+        for (model, step, decision) in decide(ctx, crate::jobs::unix_ms()) {
             let (action, why) = match decision {
                 Verdict::Wait(why) => {
-                    if said.get(&model) != Some(&why) {
+                    if self.said.get(&model) != Some(&why) {
                         tracing::debug!(%model, %why, "rollout waiting");
-                        said.insert(model, why);
+                        self.said.insert(model, why);
                     }
                     continue;
                 }
@@ -41,8 +53,9 @@ pub async fn run(ctx: Context) {
                 Verdict::Pass(why) => (RolloutAction::Promote, format!("passed: {why}")),
                 Verdict::RollBack(why) => (RolloutAction::RollBack, format!("rolled back: {why}")),
             };
-            commit(&ctx, &model, step, action, why).await;
+            commit(ctx, &model, step, action, why).await;
         }
+        TICK
     }
 }
 

@@ -1,5 +1,6 @@
 //! Integration tests of the controller crate (one test binary, see PRACTICES §14).
 
+mod actors;
 mod agents;
 mod cluster;
 mod harness;

@@ -10,18 +10,10 @@ use serde_json::Value;
 
 use super::Output;
 
-pub async fn audit(
-    client: &AdminClient,
-    given: &[String],
-    out: Output,
-    since: &str,
-    limit: usize,
-) -> anyhow::Result<()> {
-    let window = humantime::parse_duration(since)
-        .map_err(|e| anyhow::anyhow!("--since {since:?}: {e}; give a duration such as 15m or 24h"))?;
-    let since_ms = laneway_control::jobs::unix_ms().saturating_sub(window.as_millis() as u64);
-    // Every member once: at the address given with --addr when it answers there (advertised
-    // names may not resolve from here), else at its advertised address.
+/// Every member once, by node id: at the address given with --addr when it answers there
+/// (advertised names may not resolve from here), else at its advertised address; and a client
+/// with a short call timeout to ask each.
+pub async fn members(client: &AdminClient, given: &[String]) -> anyhow::Result<(BTreeMap<u64, String>, AdminClient)> {
     let first = client
         .call(|mut c| async move { c.status(StatusRequest {}).await })
         .await?;
@@ -35,6 +27,20 @@ pub async fn audit(
             addr_of.insert(s.node_id, a.clone());
         }
     }
+    Ok((addr_of, quick))
+}
+
+pub async fn audit(
+    client: &AdminClient,
+    given: &[String],
+    out: Output,
+    since: &str,
+    limit: usize,
+) -> anyhow::Result<()> {
+    let window = humantime::parse_duration(since)
+        .map_err(|e| anyhow::anyhow!("--since {since:?}: {e}; give a duration such as 15m or 24h"))?;
+    let since_ms = laneway_control::jobs::unix_ms().saturating_sub(window.as_millis() as u64);
+    let (addr_of, quick) = members(client, given).await?;
     let mut entries: Vec<Value> = Vec::new();
     for (id, addr) in &addr_of {
         let got = quick

@@ -1,5 +1,6 @@
 //! `lanectl`: the operator CLI of a Laneway cluster (gRPC, follows the leader).
 
+mod actors;
 mod audit;
 mod bootstrap;
 mod certs;
@@ -106,6 +107,13 @@ enum Cmd {
         /// Keep printing new events as they happen (Ctrl-C stops).
         #[arg(long)]
         follow: bool,
+    },
+    /// Every actor of every controller (or of one agent with --node): the supervised trees,
+    /// each actor's state, restarts, last tick and last error.
+    Actors {
+        /// An agent's node id: its actors, as its last heartbeat to the leader reported them.
+        #[arg(long)]
+        node: Option<String>,
     },
     /// Calls that changed the cluster (who, what, when, result), from every controller's
     /// audit log, oldest first.
@@ -473,6 +481,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
         }
         Cmd::Audit { since, limit } => audit::audit(&client, &cli.addr, out, &since, limit).await?,
+        Cmd::Actors { node } => actors::actors(&client, &cli.addr, out, node).await?,
         Cmd::Token(c) => token::run(&client, out, c).await?,
         Cmd::Certs(certs::CertsCmd::Revoke { cert, serial }) => {
             let (serial, identity) = certs::revocation(cert, serial)?;

@@ -1,0 +1,255 @@
+//! `LeadershipWatcher`: reacts to openraft's metrics watch, builds a `LeaderScope` when this
+//! node becomes leader of a term and stops it when it is not (a new term gets a new scope), so
+//! nothing a leader's actor holds survives a change of leader.
+//!
+//! Leadership is `state == Leader && current_leader == self && running_state is ok`: openraft
+//! leaves `current_leader` as it was after a shutdown or a fatal error, so an ex-leader whose
+//! Raft stopped must not keep "leading" ([`leads`]).
+
+use std::time::Duration;
+
+use laneway_actors::restart::Restarts;
+use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
+use std::sync::Arc;
+
+use laneway_actors::{ActorBoard, ChildSpec, RestartPolicy, SupervisorArgs, SupervisorMsg};
+use openraft::ServerState;
+use rand::Rng;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::term::{self, Term};
+use super::LeaderConfig;
+use crate::context::Context;
+use crate::provision::slow_loop::Provider;
+use crate::typ::{NodeId, RaftMetrics};
+
+/// Name on the board.
+pub const NAME: &str = "LeadershipWatcher";
+/// Name of the scope on the board (its term is its detail).
+pub const SCOPE: &str = "LeaderScope";
+/// Looked at again at least this often, even when no metrics change arrives.
+const RECHECK: Duration = Duration::from_secs(1);
+/// How long an old term's scope may take to stop before a new one starts.
+const STOP_WAIT: Duration = Duration::from_secs(5);
+
+/// The term this node leads according to `m`, if it leads one.
+pub fn leads(m: &RaftMetrics, me: NodeId) -> Option<u64> {
+    (m.state == ServerState::Leader && m.current_leader == Some(me) && m.running_state.is_ok())
+        .then_some(m.current_term)
+}
+
+/// The watcher as a child of the controller's root: its scope is [`term::scope`].
+pub fn child(ctx: Context, cfg: LeaderConfig, provider: Option<Provider>) -> ChildSpec {
+    ChildSpec::new(NAME, move || {
+        let (c, cfg, provider) = (ctx.clone(), cfg.clone(), provider.clone());
+        let heartbeats = ctx.heartbeats.clone();
+        (
+            LeadershipWatcher,
+            WatcherArgs {
+                node_id: ctx.node_id,
+                metrics: ctx.raft.metrics(),
+                board: ctx.actors.clone(),
+                scope: Arc::new(move |t: Arc<Term>| term::scope(&c, &cfg, provider.clone(), t)),
+                // A leader's heartbeat table is built afresh each term (every node gets
+                // `node_dead_after` to find it), and a follower keeps none.
+                reset: Arc::new(move || heartbeats.clear()),
+            },
+        )
+    })
+}
+
+pub struct LeadershipWatcher;
+
+/// Builds the scope of a term.
+pub type ScopeFn = Arc<dyn Fn(Arc<Term>) -> SupervisorArgs + Send + Sync>;
+
+pub struct WatcherArgs {
+    pub node_id: NodeId,
+    /// openraft's metrics watch (`Raft::metrics`).
+    pub metrics: watch::Receiver<RaftMetrics>,
+    pub board: ActorBoard,
+    pub scope: ScopeFn,
+    /// Called when a term's scope starts afresh or stops (what only a leader keeps).
+    pub reset: Arc<dyn Fn() + Send + Sync>,
+}
+
+/// Messages to the watcher.
+pub enum WatcherMsg {
+    /// Compare leadership with the scope, then wait for the next metrics change.
+    Check,
+    /// Start the scope of `term` again after it failed (sent to itself after the back-off).
+    Restart(u64),
+}
+
+pub struct WatcherState {
+    args: WatcherArgs,
+    /// The scope running now and its term.
+    scope: Option<(u64, ActorRef<SupervisorMsg>)>,
+    /// The term whose scope failed and waits for its restart.
+    failed_term: Option<u64>,
+    restarts: Restarts,
+    policy: RestartPolicy,
+}
+
+impl WatcherState {
+    fn leads(&self) -> Option<u64> {
+        leads(&self.args.metrics.borrow(), self.args.node_id)
+    }
+
+    async fn stop_scope(&mut self, why: &str) {
+        if let Some((t, scope)) = self.scope.take() {
+            tracing::info!(term = t, %why, "leader's actors stopping");
+            let _ = scope.stop_and_wait(Some(why.to_string()), Some(STOP_WAIT)).await;
+            self.args.board.stopped(SCOPE);
+            self.args.board.detail(SCOPE, format!("not leading ({why})"));
+            (self.args.reset)();
+        }
+    }
+
+    async fn start_scope(&mut self, myself: &ActorRef<WatcherMsg>, t: u64) {
+        // A new term starts from the state machine alone: a fresh heartbeat table (every node
+        // gets `node_dead_after` to find this leader), fresh scaling state in every lane.
+        if self.failed_term != Some(t) {
+            (self.args.reset)();
+        }
+        self.failed_term = None;
+        let args = (self.args.scope)(Term::new(t));
+        match Actor::spawn_linked(None, laneway_actors::Supervisor, args, myself.get_cell()).await {
+            Ok((scope, _)) => {
+                tracing::info!(term = t, node = self.args.node_id, "leading: leader's actors started");
+                self.restarts.started(Instant::now());
+                self.scope = Some((t, scope));
+            }
+            Err(e) => self.scope_failed(myself, t, format!("could not start: {e}")),
+        }
+    }
+
+    fn scope_failed(&mut self, myself: &ActorRef<WatcherMsg>, t: u64, error: String) {
+        let d = self
+            .restarts
+            .failed(&self.policy, Instant::now(), rand::rng().random_range(0.0..1.0));
+        tracing::error!(actor = SCOPE, term = t, %error, restart_in_ms = d.delay.as_millis() as u64, "actor failed; restarting it after its back-off");
+        self.args.board.failed(SCOPE, &error, d.crash_loop);
+        self.failed_term = Some(t);
+        myself.send_after(d.delay, move || WatcherMsg::Restart(t));
+    }
+}
+
+impl Actor for LeadershipWatcher {
+    type Msg = WatcherMsg;
+    type State = WatcherState;
+    type Arguments = WatcherArgs;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<WatcherMsg>,
+        args: WatcherArgs,
+    ) -> Result<WatcherState, ActorProcessingErr> {
+        Ok(WatcherState {
+            args,
+            scope: None,
+            failed_term: None,
+            restarts: Restarts::default(),
+            policy: RestartPolicy::default(),
+        })
+    }
+
+    async fn post_start(
+        &self,
+        myself: ActorRef<WatcherMsg>,
+        _state: &mut WatcherState,
+    ) -> Result<(), ActorProcessingErr> {
+        myself.send_message(WatcherMsg::Check)?;
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<WatcherMsg>,
+        state: &mut WatcherState,
+    ) -> Result<(), ActorProcessingErr> {
+        state.stop_scope("the controller is stopping").await;
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<WatcherMsg>,
+        msg: WatcherMsg,
+        state: &mut WatcherState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            WatcherMsg::Check => {
+                laneway_actors::failpoint::check("leadership");
+                let leads = state.leads();
+                let current = state.scope.as_ref().map(|(t, _)| *t);
+                match (leads, current) {
+                    (Some(t), Some(c)) if t == c => {}
+                    (Some(t), _) => {
+                        state.stop_scope("a new term").await;
+                        // A failed scope waits for its back-off; a new term starts at once.
+                        if state.failed_term != Some(t) {
+                            state.start_scope(&myself, t).await;
+                        }
+                    }
+                    (None, Some(_)) => state.stop_scope("no longer the leader").await,
+                    (None, None) => {}
+                }
+                state.args.board.ticked(NAME);
+                state.args.board.detail(
+                    NAME,
+                    match leads {
+                        Some(t) => format!("leader of term {t}"),
+                        None => "not the leader".to_string(),
+                    },
+                );
+                // Wait for openraft to say something changed (or RECHECK). A closed watch means
+                // Raft is gone: not leading, looked at again after RECHECK.
+                let changed = tokio::time::timeout(RECHECK, state.args.metrics.changed()).await;
+                if let Ok(Err(_)) = changed {
+                    state.stop_scope("raft stopped").await;
+                    tokio::time::sleep(RECHECK).await;
+                }
+                myself.send_message(WatcherMsg::Check)?;
+            }
+            WatcherMsg::Restart(t) => {
+                if state.failed_term == Some(t) && state.scope.is_none() {
+                    if state.leads() == Some(t) {
+                        state.start_scope(&myself, t).await;
+                    } else {
+                        state.failed_term = None;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        myself: ActorRef<WatcherMsg>,
+        evt: SupervisionEvent,
+        state: &mut WatcherState,
+    ) -> Result<(), ActorProcessingErr> {
+        let (cell, error) = match evt {
+            SupervisionEvent::ActorFailed(cell, e) => (cell, e.to_string()),
+            SupervisionEvent::ActorTerminated(cell, _, why) => {
+                (cell, format!("stopped on its own ({})", why.unwrap_or_default()))
+            }
+            _ => return Ok(()),
+        };
+        // Only the running scope matters: one stopped on purpose was already taken out.
+        if let Some((t, scope)) = &state.scope {
+            if scope.get_id() == cell.get_id() {
+                let t = *t;
+                state.scope = None;
+                state.scope_failed(&myself, t, error);
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;
