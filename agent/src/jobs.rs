@@ -8,7 +8,7 @@
 //! outbox entry, the job is still assigned here with the same token, so the agent runs it again
 //! and writes the same key — work is repeated, never lost or published twice.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -16,7 +16,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use laneway_proto::agent::{AssignedJob, JobRef, JobReport};
 use tokio::sync::Notify;
-use tokio::task::JoinHandle;
 
 use crate::results::ResultStore;
 use crate::sim_model::GPU_MS_HEADER;
@@ -65,9 +64,22 @@ struct Inner {
     outbox: Outbox,
     sup: Arc<Supervisor>,
     client: reqwest::Client,
-    running: Mutex<HashMap<Key, JoinHandle<()>>>,
+    /// Attempts running now, each a `Job{id/token}` actor under the `JobRunner` supervisor.
+    running: Mutex<HashSet<Key>>,
+    /// The `JobRunner` supervisor (ADR 0018): a panicking attempt is run again after its
+    /// back-off (attempts are fenced by their token, so a repeat is safe).
+    runner: ractor::ActorRef<laneway_actors::SupervisorMsg>,
+    runner_task: Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// Woken when a report is ready, so it goes out now instead of on the next beat.
     wake: Arc<Notify>,
+}
+
+/// Name of the job attempts' supervisor on the board.
+pub const RUNNER: &str = "JobRunner";
+
+/// An attempt's actor name: `Job{id/token}`.
+fn actor_name(key: &Key) -> String {
+    format!("Job{{{}/{}}}", key.0, key.1)
 }
 
 fn outbox_key(job_id: &str, token: u64) -> Vec<u8> {
@@ -90,10 +102,17 @@ impl JobRunner {
             .connect_timeout(Duration::from_secs(2))
             .build()
             .map_err(|e| format!("HTTP client: {e}"))?;
+        let (runner, runner_task) = laneway_actors::start_root_now(laneway_actors::SupervisorArgs::new(
+            RUNNER,
+            Some("AgentRoot"),
+            sup.board().clone(),
+        ));
         Ok(JobRunner {
             inner: Arc::new(Inner {
                 store,
                 outbox: Outbox(Some((outbox, db))),
+                runner,
+                runner_task: Mutex::new(Some(runner_task)),
                 sup,
                 client,
                 running: Mutex::default(),
@@ -131,7 +150,7 @@ impl JobRunner {
         let mut out = self.finished();
         let done: HashSet<Key> = out.iter().map(|r| (r.job_id.clone(), r.token)).collect();
         let running = lock(&self.inner.running);
-        for (id, token) in running.keys() {
+        for (id, token) in running.iter() {
             if !done.contains(&(id.clone(), *token)) {
                 out.push(JobReport {
                     job_id: id.clone(),
@@ -157,20 +176,20 @@ impl JobRunner {
         }
         let want: HashSet<Key> = assigned.iter().map(|a| (a.job_id.clone(), a.token)).collect();
         let mut running = lock(&self.inner.running);
-        running.retain(|key, task| {
-            if task.is_finished() {
-                return false;
-            }
+        running.retain(|key| {
             if want.contains(key) {
                 return true;
             }
             tracing::info!(job = %key.0, token = key.1, "job no longer assigned here (cancelled or reassigned): stopping it");
-            task.abort();
+            let _ = self
+                .inner
+                .runner
+                .send_message(laneway_actors::SupervisorMsg::Remove(actor_name(key)));
             false
         });
         for a in assigned {
             let key = (a.job_id.clone(), a.token);
-            if running.contains_key(&key) {
+            if running.contains(&key) {
                 continue;
             }
             if self
@@ -187,10 +206,35 @@ impl JobRunner {
                 // it is not running here (a restart): the next reply carries the input again.
                 continue;
             }
-            let this = self.clone();
-            let job = a.clone();
-            running.insert(key, tokio::spawn(async move { this.run(job).await }));
+            let (this, job, done) = (self.clone(), a.clone(), key.clone());
+            let attempt = laneway_actors::oneshot::child(actor_name(&key), "job", move || {
+                let (this, job, done) = (this.clone(), job.clone(), done.clone());
+                async move {
+                    this.run(job).await;
+                    lock(&this.inner.running).remove(&done);
+                }
+            });
+            if self
+                .inner
+                .runner
+                .send_message(laneway_actors::SupervisorMsg::Add(attempt))
+                .is_err()
+            {
+                tracing::error!(job = %a.job_id, "the agent's job runner is not running; the agent must restart");
+                continue;
+            }
+            running.insert(key);
         }
+    }
+
+    /// The `JobRunner` supervisor.
+    pub fn runner(&self) -> ractor::ActorRef<laneway_actors::SupervisorMsg> {
+        self.inner.runner.clone()
+    }
+
+    /// The `JobRunner` supervisor's task, once (the agent exits if it ever ends).
+    pub fn take_runner_task(&self) -> Option<tokio::task::JoinHandle<()>> {
+        lock(&self.inner.runner_task).take()
     }
 
     async fn run(&self, job: AssignedJob) {

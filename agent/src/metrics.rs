@@ -77,17 +77,18 @@ pub fn gauge(r: &mut Registry, name: &str, help: &str) -> Family<Labels, Gauge> 
 
 /// Encodes every series of this agent.
 pub fn render(s: &Sources, now_unix_ms: u64) -> Result<String, String> {
-    let mut r = <Registry>::with_prefix("laneway_agent");
+    let mut root = <Registry>::default();
+    let r = root.sub_registry_with_prefix("laneway_agent");
     let util = Family::<Labels, Gauge<f64, AtomicU64>>::default();
     r.register(
         "gpu_utilisation_ratio",
         "GPU utilisation (0-1) over the last sample",
         util.clone(),
     );
-    let mem_used = gauge(&mut r, "gpu_memory_used_bytes", "GPU memory in use");
-    let mem = gauge(&mut r, "gpu_memory_bytes", "GPU memory");
-    let healthy = gauge(&mut r, "gpu_healthy", "1 while the GPU reports healthy (ECC, XID)");
-    let mig = gauge(&mut r, "gpu_mig_devices", "MIG devices on the GPU (0: whole card)");
+    let mem_used = gauge(r, "gpu_memory_used_bytes", "GPU memory in use");
+    let mem = gauge(r, "gpu_memory_bytes", "GPU memory");
+    let healthy = gauge(r, "gpu_healthy", "1 while the GPU reports healthy (ECC, XID)");
+    let mig = gauge(r, "gpu_mig_devices", "MIG devices on the GPU (0: whole card)");
     let gpus = s.backend.inventory().map_err(|e| e.to_string())?;
     for g in &gpus {
         let l = labels([("gpu", g.uuid.clone()), ("product", g.product.to_string())]);
@@ -97,10 +98,10 @@ pub fn render(s: &Sources, now_unix_ms: u64) -> Result<String, String> {
         healthy.get_or_create(&l).set(i64::from(g.health.healthy));
         mig.get_or_create(&l).set(g.mig.devices.len() as i64);
     }
-    let replicas = gauge(&mut r, "replicas", "Replicas by model and state");
-    let restarts = gauge(&mut r, "replica_restarts", "Restarts in a row of a crashing replica");
+    let replicas = gauge(r, "replicas", "Replicas by model and state");
+    let restarts = gauge(r, "replica_restarts", "Restarts in a row of a crashing replica");
     let in_flight = gauge(
-        &mut r,
+        r,
         "replica_in_flight",
         "Requests in flight on a replica, as its in-flight probe last read them",
     );
@@ -144,8 +145,11 @@ pub fn render(s: &Sources, now_unix_ms: u64) -> Result<String, String> {
             age,
         );
     }
+    // The same series names as a controller's (`laneway_actor_*`), so one alert rule covers
+    // both.
+    laneway_actors::metrics::register(root.sub_registry_with_prefix("laneway"), s.supervisor.board());
     let mut out = String::new();
-    encode(&mut out, &r).map_err(|e| e.to_string())?;
+    encode(&mut out, &root).map_err(|e| e.to_string())?;
     Ok(out)
 }
 

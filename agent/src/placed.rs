@@ -90,6 +90,9 @@ impl PlacedStore {
     }
 }
 
+/// Name of the weight fetches' supervisor on the board.
+pub const FETCHER: &str = "WeightFetcher";
+
 /// Placed replicas of this agent.
 #[derive(Clone)]
 pub struct Placed {
@@ -97,6 +100,11 @@ pub struct Placed {
     cache: WeightCache,
     store: PlacedStore,
     state: Arc<Mutex<State>>,
+    /// The `WeightFetcher` supervisor (ADR 0018): each fetch is a `Fetch{replica}` actor; one
+    /// that panics is run again after its back-off (the cache is content-addressed and
+    /// verifies what it fetched, so a repeat is safe), never left "fetching" forever.
+    fetcher: ractor::ActorRef<laneway_actors::SupervisorMsg>,
+    fetcher_task: Arc<Mutex<Option<tokio::task::JoinHandle<()>>>>,
 }
 
 fn spec(d: &DesiredReplica, weights: Option<String>) -> ReplicaSpec {
@@ -122,12 +130,46 @@ fn spec(d: &DesiredReplica, weights: Option<String>) -> ReplicaSpec {
 }
 
 impl Placed {
+    /// Needs a Tokio runtime (it starts the `WeightFetcher` actor).
     pub fn new(sup: Arc<Supervisor>, cache: WeightCache, store: PlacedStore) -> Self {
+        let (fetcher, task) = laneway_actors::start_root_now(laneway_actors::SupervisorArgs::new(
+            FETCHER,
+            Some("AgentRoot"),
+            sup.board().clone(),
+        ));
         Placed {
             sup,
             cache,
             store,
             state: Arc::default(),
+            fetcher,
+            fetcher_task: Arc::new(Mutex::new(Some(task))),
+        }
+    }
+
+    /// The `WeightFetcher` supervisor.
+    pub fn fetcher(&self) -> ractor::ActorRef<laneway_actors::SupervisorMsg> {
+        self.fetcher.clone()
+    }
+
+    /// The `WeightFetcher`'s task, once (the agent exits if it ever ends).
+    pub fn take_fetcher_task(&self) -> Option<tokio::task::JoinHandle<()>> {
+        self.fetcher_task.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+
+    /// Runs `work` as a `name` actor under the weight fetcher.
+    fn fetch<F, Fut>(&self, name: String, work: F)
+    where
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let child = laneway_actors::oneshot::child(name.clone(), "weight_fetch", work);
+        if self
+            .fetcher
+            .send_message(laneway_actors::SupervisorMsg::Add(child))
+            .is_err()
+        {
+            tracing::error!(actor = %name, "the agent's weight fetcher is not running; the agent must restart");
         }
     }
 
@@ -143,17 +185,21 @@ impl Placed {
                 continue;
             }
             let this = self.clone();
-            tokio::spawn(async move {
-                let mut pins = Vec::new();
-                for w in &r.weights {
-                    match this.cache.acquire(w).await {
-                        Ok(pin) => pins.push(pin),
-                        Err(e) => {
-                            tracing::warn!(replica = %r.spec.id, uri = %w.uri, error = %e, "cannot pin a re-adopted replica's weights")
+            let r = Arc::new(r);
+            self.fetch(format!("Pin{{{}}}", r.spec.id), move || {
+                let (this, r) = (this.clone(), r.clone());
+                async move {
+                    let mut pins = Vec::new();
+                    for w in &r.weights {
+                        match this.cache.acquire(w).await {
+                            Ok(pin) => pins.push(pin),
+                            Err(e) => {
+                                tracing::warn!(replica = %r.spec.id, uri = %w.uri, error = %e, "cannot pin a re-adopted replica's weights")
+                            }
                         }
                     }
+                    this.lock().pins.insert(r.spec.id.clone(), pins);
                 }
-                this.lock().pins.insert(r.spec.id.clone(), pins);
             });
         }
     }
@@ -180,6 +226,41 @@ impl Placed {
             tracing::error!(replica = %id, error = %e, "cannot start a placed replica; fix the model's runtime in the registry (`lanectl model register`)");
             self.lock().refused.insert(id);
         }
+    }
+
+    /// Fetches a placed replica's weights into the cache (pinned), then starts it; on a failed
+    /// fetch, tries again after [`FETCH_RETRY`].
+    async fn fetch_and_start(&self, d: &DesiredReplica) {
+        let mut pins = Vec::new();
+        let artifacts: Vec<Artifact> = d
+            .weights
+            .iter()
+            .map(|w| Artifact {
+                uri: w.uri.clone(),
+                sha256: w.sha256.clone(),
+                size: w.size_bytes,
+            })
+            .collect();
+        for (w, artifact) in d.weights.iter().zip(&artifacts) {
+            match self.cache.acquire(artifact).await {
+                Ok(pin) => pins.push(pin),
+                Err(e) => {
+                    tracing::error!(replica = %d.id, uri = %w.uri, error = %e, "cannot fetch the weights of a placed replica; retrying in {FETCH_RETRY:?}");
+                    let mut st = self.lock();
+                    st.fetching.remove(&d.id);
+                    st.retry_at.insert(d.id.clone(), Instant::now() + FETCH_RETRY);
+                    return;
+                }
+            }
+        }
+        let path = pins.first().map(|p| p.path.display().to_string());
+        {
+            let mut st = self.lock();
+            st.fetching.remove(&d.id);
+            st.retry_at.remove(&d.id);
+            st.pins.insert(d.id.clone(), pins);
+        }
+        self.start(spec(d, path), artifacts);
     }
 
     /// Runs exactly the placed replicas (besides `statics`); none is started on a GPU in
@@ -209,38 +290,10 @@ impl Placed {
             }
             self.lock().fetching.insert(d.id.clone());
             let this = self.clone();
-            let d = d.clone();
-            tokio::spawn(async move {
-                let mut pins = Vec::new();
-                let artifacts: Vec<Artifact> = d
-                    .weights
-                    .iter()
-                    .map(|w| Artifact {
-                        uri: w.uri.clone(),
-                        sha256: w.sha256.clone(),
-                        size: w.size_bytes,
-                    })
-                    .collect();
-                for (w, artifact) in d.weights.iter().zip(&artifacts) {
-                    match this.cache.acquire(artifact).await {
-                        Ok(pin) => pins.push(pin),
-                        Err(e) => {
-                            tracing::error!(replica = %d.id, uri = %w.uri, error = %e, "cannot fetch the weights of a placed replica; retrying in {FETCH_RETRY:?}");
-                            let mut st = this.lock();
-                            st.fetching.remove(&d.id);
-                            st.retry_at.insert(d.id.clone(), Instant::now() + FETCH_RETRY);
-                            return;
-                        }
-                    }
-                }
-                let path = pins.first().map(|p| p.path.display().to_string());
-                {
-                    let mut st = this.lock();
-                    st.fetching.remove(&d.id);
-                    st.retry_at.remove(&d.id);
-                    st.pins.insert(d.id.clone(), pins);
-                }
-                this.start(spec(&d, path), artifacts);
+            let d = Arc::new(d.clone());
+            self.fetch(format!("Fetch{{{}}}", d.id), move || {
+                let (this, d) = (this.clone(), d.clone());
+                async move { this.fetch_and_start(&d).await }
             });
         }
         for s in status {

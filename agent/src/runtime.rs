@@ -19,6 +19,8 @@ use crate::placed::{Placed, PlacedStore};
 use crate::results::ResultStore;
 use crate::supervisor::{ReplicaSpec, ReplicaState, Supervisor, SupervisorConfig};
 use crate::weight_cache::WeightCache;
+use laneway_actors::ChildSpec;
+use std::collections::HashSet;
 
 /// Byte budget of the weight cache when the config does not set one.
 const DEFAULT_CACHE_BUDGET: u64 = 200 * 1024 * 1024 * 1024;
@@ -51,22 +53,41 @@ pub enum AgentError {
     Results(#[from] crate::results::ResultStoreError),
 }
 
-/// A running agent.
+/// A running agent: its actor trees (ADR 0018) —
+///
+/// ```text
+/// AgentRoot ─┬─ HeartbeatSession   the stream to the leader
+///            ├─ InFlightPoller     the replicas' requests in flight, KV cache, waiting
+///            └─ MigManager         MIG layouts (NVML calls on blocking threads)
+/// ReplicaManager ── Replica{id}    one per replica
+/// WeightFetcher ── Fetch{replica}  one per fetch
+/// JobRunner ── Job{id/token}       one per job attempt
+/// ```
+///
+/// The last three are supervisors owned by the replica supervisor, the placed replicas and
+/// the job runner, so their synchronous APIs can add children; each tree's end is watched
+/// ([`Agent::ended`]): the agent exits non-zero rather than run half-alive.
 pub struct Agent {
     pub supervisor: Arc<Supervisor>,
     pub view: watch::Receiver<AgentView>,
-    task: tokio::task::JoinHandle<()>,
+    /// Every actor of this agent.
+    pub actors: laneway_actors::ActorBoard,
+    root: ractor::ActorRef<laneway_actors::SupervisorMsg>,
+    /// The supervisors that hold the agent's local state (sled): stopped on shutdown.
+    stateful: Vec<ractor::ActorRef<laneway_actors::SupervisorMsg>>,
+    /// Each tree's task, by root name.
+    trees: Vec<(&'static str, tokio::task::JoinHandle<()>)>,
     /// The `/metrics` listener, when configured.
     metrics: Option<tokio::task::JoinHandle<()>>,
-    /// Reads the replicas' requests in flight.
-    poller: tokio::task::JoinHandle<()>,
 }
 
 impl Agent {
     /// Stops heartbeating; replicas keep running (as they do when an agent restarts).
     pub fn stop(self) {
-        self.task.abort();
-        self.poller.abort();
+        self.root.kill();
+        for s in &self.stateful {
+            s.kill();
+        }
         if let Some(m) = self.metrics {
             m.abort();
         }
@@ -75,12 +96,35 @@ impl Agent {
     /// Like [`Agent::stop`], and returns once the agent has let go of its local state (its
     /// sled databases), so another agent can open the same data dir in this process.
     pub async fn shutdown(self) {
-        self.task.abort();
-        self.poller.abort();
-        let _ = self.task.await;
+        // Stopped, not killed: each supervisor returns once its children are gone and have
+        // dropped what they held (sled handles among it).
+        let wait = Some(Duration::from_secs(10));
+        let _ = self.root.stop_and_wait(None, wait).await;
+        for s in &self.stateful {
+            let _ = s.stop_and_wait(None, wait).await;
+        }
+        for (name, task) in self.trees {
+            if name != crate::supervisor::MANAGER {
+                let _ = task.await;
+            }
+        }
         if let Some(m) = self.metrics {
             m.abort();
             let _ = m.await;
+        }
+    }
+
+    /// Returns when one of the agent's actor trees ended (a supervisor itself failed): the
+    /// agent is broken and its process should exit so the service manager restarts it.
+    pub async fn ended(&mut self) -> String {
+        let ends = self
+            .trees
+            .iter_mut()
+            .map(|(name, task)| Box::pin(async move { (*name, task.await) }));
+        let ((name, how), _, _) = futures::future::select_all(ends).await;
+        match how {
+            Ok(()) => format!("the agent's {name} actor tree stopped"),
+            Err(e) => format!("the agent's {name} actor tree failed: {e}"),
         }
     }
 }
@@ -105,7 +149,11 @@ pub async fn start(cfg: AgentConfig, backend: Arc<dyn GpuBackend>) -> Result<Age
         specs.push(spec);
     }
     let cache = WeightCache::open(&cfg.data_dir.join("cache"), DEFAULT_CACHE_BUDGET)?;
-    let supervisor = Arc::new(Supervisor::new(SupervisorConfig::new(cfg.data_dir.join("replicas"))));
+    let board = laneway_actors::ActorBoard::new();
+    let supervisor = Arc::new(Supervisor::new(SupervisorConfig {
+        board: board.clone(),
+        ..SupervisorConfig::new(cfg.data_dir.join("replicas"))
+    }));
     // Placed replicas started by an earlier incarnation are as wanted as the static ones until
     // the controllers say otherwise (the next heartbeat reply): re-adopt, never reap, them.
     let placed_store = PlacedStore::open(&cfg.data_dir).map_err(AgentError::Config)?;
@@ -145,27 +193,295 @@ pub async fn start(cfg: AgentConfig, backend: Arc<dyn GpuBackend>) -> Result<Age
         }
         None => None,
     };
-    // Requests in flight on each replica that reports them, read once a heartbeat.
-    let poller = tokio::spawn({
+    let mut trees = Vec::new();
+    trees.extend(supervisor.take_manager_task().map(|t| (crate::supervisor::MANAGER, t)));
+    trees.extend(placed.take_fetcher_task().map(|t| (crate::placed::FETCHER, t)));
+    trees.extend(jobs.take_runner_task().map(|t| (crate::jobs::RUNNER, t)));
+    let stateful = vec![placed.fetcher(), jobs.runner()];
+    let mig = MigSlot::default();
+    let view_tx = Arc::new(view_tx);
+    let session = {
+        let parts = SessionParts {
+            cfg: cfg.clone(),
+            backend: backend.clone(),
+            sup: supervisor.clone(),
+            placed,
+            statics,
+            jobs,
+            view: view_tx,
+            mig: mig.clone(),
+            board: board.clone(),
+        };
+        ChildSpec::new(SESSION, move || (HeartbeatSession, parts.clone()))
+    };
+    let poller = {
         let (sup, interval) = (supervisor.clone(), cfg.heartbeat);
-        async move {
-            let mut tick = tokio::time::interval(interval);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                sup.poll_in_flight(interval.min(Duration::from_millis(500))).await;
-            }
-        }
-    });
-    let sup = supervisor.clone();
-    let task = tokio::spawn(async move { heartbeat_loop(cfg, backend, sup, placed, statics, jobs, view_tx).await });
+        laneway_actors::ticker::child("InFlightPoller", &board, move || InFlightPoller {
+            sup: sup.clone(),
+            interval,
+        })
+    };
+    let mig_manager = {
+        let (backend, sup, slot) = (backend.clone(), supervisor.clone(), mig.clone());
+        ChildSpec::new(MIG, move || {
+            (
+                MigManager,
+                MigArgs {
+                    backend: backend.clone(),
+                    sup: sup.clone(),
+                    slot: slot.clone(),
+                },
+            )
+        })
+    };
+    let root = laneway_actors::SupervisorArgs::new("AgentRoot", None, board.clone())
+        .detail(format!("agent {}", cfg.node_id))
+        .child(mig_manager)
+        .child(poller)
+        .child(session);
+    let (root, root_task) = laneway_actors::start_root(root)
+        .await
+        .map_err(|e| AgentError::Config(format!("cannot start the agent's actors: {e}")))?;
+    trees.push(("AgentRoot", root_task));
     Ok(Agent {
         supervisor,
         view,
-        task,
+        actors: board,
+        root,
+        stateful,
+        trees,
         metrics,
-        poller,
     })
+}
+
+/// Name of the heartbeat actor on the board.
+const SESSION: &str = "HeartbeatSession";
+/// Name of the MIG actor on the board.
+const MIG: &str = "MigManager";
+
+/// `InFlightPoller`: reads every replica's in-flight probe once a heartbeat interval.
+struct InFlightPoller {
+    sup: Arc<Supervisor>,
+    interval: Duration,
+}
+
+impl laneway_actors::Ticker for InFlightPoller {
+    const KIND: &'static str = "in_flight_poller";
+
+    async fn tick(&mut self) -> Duration {
+        self.sup
+            .poll_in_flight(self.interval.min(Duration::from_millis(500)))
+            .await;
+        self.interval
+    }
+}
+
+/// Where the running `MigManager` can be reached (it puts itself here when it starts, so the
+/// heartbeat session finds the current incarnation).
+#[derive(Clone, Default)]
+struct MigSlot(Arc<std::sync::Mutex<Option<ractor::ActorRef<MigMsg>>>>);
+
+impl MigSlot {
+    /// The GPUs whose wanted layout is still to be applied (no placed replica may start on
+    /// them). While the MIG manager is down, every GPU with a wanted layout is held: a replica
+    /// started on a GPU about to be re-partitioned would be killed by it.
+    async fn reconcile(&self, wanted: Vec<(String, Vec<String>)>) -> HashSet<String> {
+        let all: HashSet<String> = wanted.iter().map(|(g, _)| g.clone()).collect();
+        if wanted.is_empty() {
+            return all;
+        }
+        let manager = self.0.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let Some(manager) = manager else {
+            return all;
+        };
+        match ractor::call_t!(manager, MigMsg::Reconcile, MIG_CALL_MS, wanted) {
+            Ok(held) => held,
+            Err(e) => {
+                tracing::warn!(error = %e, "the MIG manager did not answer; holding the GPUs with a wanted layout this round");
+                all
+            }
+        }
+    }
+}
+
+/// A MIG apply (destroy and create instances) can take seconds per GPU.
+const MIG_CALL_MS: u64 = 60_000;
+
+/// `MigManager`: applies wanted MIG layouts on GPUs that run no replica, on a blocking thread
+/// (NVML calls are synchronous and can take seconds), one reconcile at a time.
+struct MigManager;
+
+struct MigArgs {
+    backend: Arc<dyn GpuBackend>,
+    sup: Arc<Supervisor>,
+    slot: MigSlot,
+}
+
+/// Messages to the MIG manager.
+enum MigMsg {
+    /// Apply what can be applied of `wanted` (GPU → profiles); reply with the GPUs still held.
+    Reconcile(Vec<(String, Vec<String>)>, ractor::RpcReplyPort<HashSet<String>>),
+}
+
+struct MigState {
+    args: MigArgs,
+    /// Taken while a reconcile runs on its blocking thread.
+    reconciler: Option<crate::mig::Reconciler>,
+}
+
+impl ractor::Actor for MigManager {
+    type Msg = MigMsg;
+    type State = MigState;
+    type Arguments = MigArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ractor::ActorRef<MigMsg>,
+        args: MigArgs,
+    ) -> Result<MigState, ractor::ActorProcessingErr> {
+        *args.slot.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(myself);
+        Ok(MigState {
+            args,
+            reconciler: Some(crate::mig::Reconciler::default()),
+        })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ractor::ActorRef<MigMsg>,
+        msg: MigMsg,
+        state: &mut MigState,
+    ) -> Result<(), ractor::ActorProcessingErr> {
+        let MigMsg::Reconcile(wanted, reply) = msg;
+        laneway_actors::failpoint::check("mig_manager");
+        let mut reconciler = state.reconciler.take().unwrap_or_default();
+        let (backend, sup) = (state.args.backend.clone(), state.args.sup.clone());
+        let (reconciler, held) = tokio::task::spawn_blocking(move || {
+            let running = |gpu: &str, devices: &[String]| {
+                sup.status()
+                    .iter()
+                    .filter(|r| r.state != ReplicaState::Stopped)
+                    .filter(|r| r.device == gpu || devices.contains(&r.device))
+                    .count()
+            };
+            let held = reconciler.reconcile(backend.as_ref(), &wanted, running);
+            (reconciler, held)
+        })
+        .await?;
+        state.reconciler = Some(reconciler);
+        let _ = reply.send(held);
+        Ok(())
+    }
+}
+
+/// What the heartbeat session works with (cloned into each incarnation).
+#[derive(Clone)]
+struct SessionParts {
+    cfg: AgentConfig,
+    backend: Arc<dyn GpuBackend>,
+    sup: Arc<Supervisor>,
+    placed: Placed,
+    statics: Vec<ReplicaSpec>,
+    jobs: JobRunner,
+    view: Arc<watch::Sender<AgentView>>,
+    mig: MigSlot,
+    board: laneway_actors::ActorBoard,
+}
+
+/// `HeartbeatSession`: registers with the leader and keeps one heartbeat stream to it,
+/// following redirects and reconnecting with jittered back-off. Each `Connect` runs one
+/// session until its stream ends (ticking the board on every beat), then arms the next.
+struct HeartbeatSession;
+
+/// Open (or reopen) the stream.
+struct Connect;
+
+struct SessionState {
+    parts: SessionParts,
+    identity: crate::identity::Identity,
+    /// The agent's certificate was looked at (once per incarnation, before the first session).
+    identity_ensured: bool,
+    next: usize,
+    redirect: Option<String>,
+    backoff: Duration,
+    hops: u32,
+}
+
+impl ractor::Actor for HeartbeatSession {
+    type Msg = Connect;
+    type State = SessionState;
+    type Arguments = SessionParts;
+
+    async fn pre_start(
+        &self,
+        _myself: ractor::ActorRef<Connect>,
+        parts: SessionParts,
+    ) -> Result<SessionState, ractor::ActorProcessingErr> {
+        let identity =
+            crate::identity::Identity::new(&parts.cfg.node_id, &parts.cfg.data_dir, parts.cfg.credentials.clone());
+        Ok(SessionState {
+            parts,
+            identity,
+            identity_ensured: false,
+            next: 0,
+            redirect: None,
+            backoff: Duration::from_millis(100),
+            hops: 0,
+        })
+    }
+
+    async fn post_start(
+        &self,
+        myself: ractor::ActorRef<Connect>,
+        _state: &mut SessionState,
+    ) -> Result<(), ractor::ActorProcessingErr> {
+        myself.send_message(Connect)?;
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        myself: ractor::ActorRef<Connect>,
+        _msg: Connect,
+        st: &mut SessionState,
+    ) -> Result<(), ractor::ActorProcessingErr> {
+        laneway_actors::failpoint::check("heartbeat_session");
+        let p = st.parts.clone();
+        if !st.identity_ensured {
+            st.identity.ensure(&p.cfg.controllers).await;
+            st.identity_ensured = true;
+        }
+        let addr = st
+            .redirect
+            .take()
+            .unwrap_or_else(|| p.cfg.controllers[st.next % p.cfg.controllers.len()].clone());
+        let end = session(&p, &addr, &mut st.backoff, &st.identity).await;
+        p.board.ticked(SESSION);
+        match end {
+            SessionEnd::Redirect(leader) => {
+                tracing::debug!(from = %addr, to = %leader, "following the leader");
+                st.redirect = Some(leader);
+                // Controllers with stale leader hints must not bounce a fleet in a tight loop
+                // during an election: a few hops free, then the backoff applies.
+                st.hops += 1;
+                if st.hops <= 3 {
+                    myself.send_message(Connect)?;
+                    return Ok(());
+                }
+                st.hops = 0;
+            }
+            SessionEnd::Failed(why) => {
+                p.view.send_modify(|v| v.connected_to = None);
+                tracing::debug!(controller = %addr, %why, "heartbeat session ended");
+                st.next += 1;
+            }
+        }
+        // Jittered exponential backoff: many agents must not reconnect in lockstep.
+        let jittered = st.backoff.mul_f64(rand::rng().random_range(0.5..1.5));
+        st.backoff = (st.backoff * 2).min(Duration::from_secs(2));
+        myself.send_after(jittered, || Connect);
+        Ok(())
+    }
 }
 
 enum SessionEnd {
@@ -182,79 +498,22 @@ fn leader_of(status: &tonic::Status) -> Option<String> {
         .map(str::to_string)
 }
 
-async fn heartbeat_loop(
-    cfg: AgentConfig,
-    backend: Arc<dyn GpuBackend>,
-    sup: Arc<Supervisor>,
-    placed: Placed,
-    statics: Vec<ReplicaSpec>,
-    jobs: JobRunner,
-    view: watch::Sender<AgentView>,
-) {
-    let mut next = 0usize;
-    let mut redirect: Option<String> = None;
-    let mut backoff = Duration::from_millis(100);
-    let mut hops = 0u32;
-    let mut mig = crate::mig::Reconciler::default();
-    let identity = crate::identity::Identity::new(&cfg.node_id, &cfg.data_dir, cfg.credentials.clone());
-    identity.ensure(&cfg.controllers).await;
-    loop {
-        let addr = redirect
-            .take()
-            .unwrap_or_else(|| cfg.controllers[next % cfg.controllers.len()].clone());
-        match session(
-            &cfg,
-            backend.as_ref(),
-            &sup,
-            &statics,
-            &placed,
-            &jobs,
-            &mut mig,
-            &addr,
-            &view,
-            &mut backoff,
-            &identity,
-        )
-        .await
-        {
-            SessionEnd::Redirect(leader) => {
-                tracing::debug!(from = %addr, to = %leader, "following the leader");
-                redirect = Some(leader);
-                // Controllers with stale leader hints must not bounce a fleet in a tight loop
-                // during an election: a few hops free, then the backoff applies.
-                hops += 1;
-                if hops <= 3 {
-                    continue;
-                }
-                hops = 0;
-            }
-            SessionEnd::Failed(why) => {
-                view.send_modify(|v| v.connected_to = None);
-                tracing::debug!(controller = %addr, %why, "heartbeat session ended");
-                next += 1;
-            }
-        }
-        // Jittered exponential backoff: many agents must not reconnect in lockstep.
-        let jittered = backoff.mul_f64(rand::rng().random_range(0.5..1.5));
-        tokio::time::sleep(jittered).await;
-        backoff = (backoff * 2).min(Duration::from_secs(2));
-    }
-}
-
-#[allow(clippy::too_many_arguments)] // one session's context; grouping it would only rename it
+/// One session with the controller at `addr`: register, then heartbeat until the stream ends.
 async fn session(
-    cfg: &AgentConfig,
-    backend: &dyn GpuBackend,
-    sup: &Arc<Supervisor>,
-    statics: &[ReplicaSpec],
-    placed: &Placed,
-    jobs: &JobRunner,
-    mig: &mut crate::mig::Reconciler,
+    p: &SessionParts,
     addr: &str,
-    view: &watch::Sender<AgentView>,
     backoff: &mut Duration,
     identity: &crate::identity::Identity,
 ) -> SessionEnd {
+    let (cfg, backend, sup, statics, placed, jobs, view) = (
+        &p.cfg,
+        p.backend.as_ref(),
+        &p.sup,
+        p.statics.as_slice(),
+        &p.placed,
+        &p.jobs,
+        p.view.as_ref(),
+    );
     // A renewal asked for on an earlier stream is asked again on this one.
     identity.forget_pending();
     let tls = identity.client_tls();
@@ -327,6 +586,7 @@ async fn session(
     let beat = |seq: u64| {
         let mut hb = heartbeat(&cfg.node_id, seq, backend_snapshot(backend), sup_snapshot(sup), blobs());
         hb.jobs = jobs.reports();
+        hb.actors = actor_reports(&p.board);
         hb.renew_csr_pem = identity.renewal_csr().unwrap_or_default();
         hb
     };
@@ -342,6 +602,8 @@ async fn session(
         tokio::select! {
             // On the beat, or at once when a job started or finished.
             _ = async { tokio::select! { _ = tick.tick() => {}, _ = wake.notified() => {} } } => {
+                p.board.ticked(SESSION);
+                laneway_actors::failpoint::check("heartbeat_session");
                 seq += 1;
                 if tx.send(beat(seq)).await.is_err() {
                     return SessionEnd::Failed("stream closed".into());
@@ -369,14 +631,7 @@ async fn session(
                         restart_stopped(sup, statics);
                         let wanted: Vec<(String, Vec<String>)> =
                             ds.mig.iter().map(|m| (m.gpu.clone(), m.profiles.clone())).collect();
-                        let running = |gpu: &str, devices: &[String]| {
-                            sup.status()
-                                .iter()
-                                .filter(|r| r.state != ReplicaState::Stopped)
-                                .filter(|r| r.device == gpu || devices.contains(&r.device))
-                                .count()
-                        };
-                        let held = mig.reconcile(backend, &wanted, running);
+                        let held = p.mig.reconcile(wanted).await;
                         if ds.replicas_managed {
                             placed.reconcile(statics, &ds.replicas, &held);
                         }
@@ -481,6 +736,24 @@ fn sup_snapshot(sup: &Supervisor) -> Vec<ReplicaReport> {
         .collect()
 }
 
+/// The agent's actors as its heartbeat carries them (errors cut to 512 characters).
+fn actor_reports(board: &laneway_actors::ActorBoard) -> Vec<laneway_proto::agent::ActorReport> {
+    board
+        .snapshot()
+        .into_iter()
+        .map(|a| laneway_proto::agent::ActorReport {
+            name: a.name,
+            parent: a.parent.unwrap_or_default(),
+            state: a.state.name().to_string(),
+            detail: a.detail,
+            restarts: a.restarts,
+            last_tick_ms_ago: a.last_tick_ms_ago.map_or(-1, |ms| ms as i64),
+            last_error: a.last_error.map(|e| e.chars().take(512).collect()).unwrap_or_default(),
+            crash_loop: a.crash_loop,
+        })
+        .collect()
+}
+
 fn heartbeat(
     node_id: &str,
     sequence: u64,
@@ -497,6 +770,7 @@ fn heartbeat(
         cached_blobs: blobs,
         jobs: Vec::new(),
         renew_csr_pem: String::new(),
+        actors: Vec::new(),
     }
 }
 

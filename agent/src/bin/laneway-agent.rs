@@ -92,6 +92,14 @@ struct RunArgs {
 }
 
 fn run_agent(args: RunArgs, log_format: LogFormat) -> ExitCode {
+    // Chaos only: failpoints (e.g. `actor::replica`) in a testing build.
+    let _failpoints = match laneway_actors::failpoint::setup_from_env("laneway-agent") {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("laneway-agent: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let mut file = match &args.config {
         Some(p) => match laneway_agent::config::read_file(p) {
             Ok(f) => f,
@@ -174,14 +182,21 @@ fn run_agent(args: RunArgs, log_format: LogFormat) -> ExitCode {
                 }
             },
         };
-        let agent = match laneway_agent::runtime::start(cfg, backend).await {
+        let mut agent = match laneway_agent::runtime::start(cfg, backend).await {
             Ok(a) => a,
             Err(e) => {
                 eprintln!("laneway-agent: {e}");
                 return ExitCode::from(2);
             }
         };
-        let _ = tokio::signal::ctrl_c().await;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            why = agent.ended() => {
+                // Replicas keep running: the restarted agent re-adopts them.
+                eprintln!("laneway-agent: {why}; exiting so the service manager restarts the agent");
+                return ExitCode::from(1);
+            }
+        }
         // Replicas keep running: a restarted agent re-adopts them.
         agent.stop();
         ExitCode::SUCCESS

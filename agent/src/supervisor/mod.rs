@@ -2,6 +2,12 @@
 //! for health and warm-up before reporting Ready, restarts crashes with exponential backoff
 //! (reporting a crash loop upward), drains gracefully, and re-adopts or reaps the replicas an
 //! earlier incarnation of the agent left running.
+//!
+//! Each replica's life is a `Replica{id}` actor under the `ReplicaManager` supervisor (ADR
+//! 0018). If that actor fails (a bug, a panic), the replica is reported not ready at once — its
+//! status is never frozen at its last value — and the restarted actor re-adopts the process if
+//! it still runs (it is never orphaned), or starts it again. A drain reaches whichever
+//! incarnation runs, so `drain` always stops the process.
 
 pub mod process;
 pub mod spec;
@@ -33,6 +39,8 @@ pub struct SupervisorConfig {
     pub crash_loop_after: u32,
     /// A replica Ready this long has its crash count reset. Default 60 s.
     pub stable_after: Duration,
+    /// Where the replica actors report (the agent's board).
+    pub board: laneway_actors::ActorBoard,
 }
 
 impl SupervisorConfig {
@@ -43,6 +51,7 @@ impl SupervisorConfig {
             backoff_max: Duration::from_secs(30),
             crash_loop_after: 5,
             stable_after: Duration::from_secs(60),
+            board: laneway_actors::ActorBoard::new(),
         }
     }
 }
@@ -125,14 +134,19 @@ struct Drain {
 struct Handle {
     status: watch::Receiver<ReplicaStatus>,
     drain: mpsc::Sender<Drain>,
-    task: JoinHandle<()>,
     in_flight: Option<InFlightProbe>,
 }
+
+/// Name of the replica actors' supervisor on the board.
+pub const MANAGER: &str = "ReplicaManager";
 
 /// Supervises the replicas of one agent.
 pub struct Supervisor {
     cfg: SupervisorConfig,
     http: reqwest::Client,
+    /// The `ReplicaManager` actor: one `Replica{id}` child per replica.
+    manager: ractor::ActorRef<laneway_actors::SupervisorMsg>,
+    manager_task: Mutex<Option<JoinHandle<()>>>,
     replicas: Mutex<HashMap<String, Handle>>,
     /// Requests in flight per replica, as their probes last read them.
     in_flight: Mutex<HashMap<String, u32>>,
@@ -143,10 +157,9 @@ pub struct Supervisor {
 impl Drop for Supervisor {
     fn drop(&mut self) {
         // Stop supervising, but leave the processes running: replicas keep serving while the
-        // agent restarts, and the next incarnation re-adopts them.
-        for h in self.replicas.lock().unwrap_or_else(|p| p.into_inner()).values() {
-            h.task.abort();
-        }
+        // agent restarts, and the next incarnation re-adopts them. (A kill skips the actors'
+        // clean-up: nothing is signalled.)
+        self.manager.kill();
     }
 }
 
@@ -162,13 +175,21 @@ fn free_port() -> std::io::Result<u16> {
 }
 
 impl Supervisor {
+    /// Needs a Tokio runtime (it starts the `ReplicaManager` actor).
     pub fn new(cfg: SupervisorConfig) -> Self {
+        let (manager, manager_task) = laneway_actors::start_root_now(laneway_actors::SupervisorArgs::new(
+            MANAGER,
+            Some("AgentRoot"),
+            cfg.board.clone(),
+        ));
         Supervisor {
             cfg,
             http: reqwest::Client::builder()
                 .timeout(Duration::from_secs(30))
                 .build()
                 .expect("http client"),
+            manager,
+            manager_task: Mutex::new(Some(manager_task)),
             replicas: Mutex::default(),
             in_flight: Mutex::default(),
             engine: Mutex::default(),
@@ -177,6 +198,17 @@ impl Supervisor {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Handle>> {
         self.replicas.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The board this agent's actors report to.
+    pub fn board(&self) -> &laneway_actors::ActorBoard {
+        &self.cfg.board
+    }
+
+    /// The `ReplicaManager`'s task, once: it ends only if the manager itself failed, and the
+    /// agent then exits (replicas keep running and are re-adopted by the next agent).
+    pub fn take_manager_task(&self) -> Option<JoinHandle<()>> {
+        self.manager_task.lock().unwrap_or_else(|p| p.into_inner()).take()
     }
 
     /// Starts supervising a new replica.
@@ -204,20 +236,33 @@ impl Supervisor {
         let in_flight = spec.runtime.in_flight.clone();
         let (status_tx, status) = watch::channel(initial);
         let (drain, drain_rx) = mpsc::channel(1);
-        let task = tokio::spawn(run(
-            self.cfg.clone(),
-            self.http.clone(),
-            spec.clone(),
-            adopted.map(|o| (Proc::Adopted(o.pid), o.port)),
-            status_tx,
-            drain_rx,
-        ));
+        let id = spec.id.clone();
+        let life = Arc::new(ReplicaLife {
+            cfg: self.cfg.clone(),
+            http: self.http.clone(),
+            spec,
+            status: status_tx,
+            drains: tokio::sync::Mutex::new(drain_rx),
+            adopt: Mutex::new(adopted.map(|o| (o.pid, o.port))),
+        });
+        let failed = life.clone();
+        let child = laneway_actors::ChildSpec::new(format!("Replica{{{id}}}"), move || (ReplicaActor, life.clone()))
+            .transient()
+            .on_failure(Arc::new(move |error: &str| failed.supervision_failed(error)));
+        if self
+            .manager
+            .send_message(laneway_actors::SupervisorMsg::Add(child))
+            .is_err()
+        {
+            return Err(SupervisorError::InvalidSpec(
+                "the agent's replica manager is not running; restart the agent".into(),
+            ));
+        }
         map.insert(
-            spec.id,
+            id,
             Handle {
                 status,
                 drain,
-                task,
                 in_flight,
             },
         );
@@ -398,16 +443,92 @@ async fn wait_ready(http: &reqwest::Client, spec: &ReplicaSpec, port: u16) -> Re
     Ok(())
 }
 
-/// The life of one replica: start (or adopt), health, Ready, and restarts with backoff, until
-/// it is drained.
-async fn run(
+/// What one replica's actor incarnations share: its spec, its status (read by the agent), its
+/// drain requests, and the process to adopt instead of starting one.
+struct ReplicaLife {
     cfg: SupervisorConfig,
     http: reqwest::Client,
     spec: ReplicaSpec,
-    mut adopted: Option<(Proc, u16)>,
     status: watch::Sender<ReplicaStatus>,
-    mut drains: mpsc::Receiver<Drain>,
-) {
+    drains: tokio::sync::Mutex<mpsc::Receiver<Drain>>,
+    /// (pid, port) of a running process of this replica to adopt at the next start.
+    adopt: Mutex<Option<(i32, u16)>>,
+}
+
+impl ReplicaLife {
+    /// The replica's actor failed: it is not ready until a new incarnation has checked it, and
+    /// a process still running is adopted, never orphaned.
+    fn supervision_failed(&self, error: &str) {
+        let (pid, port) = {
+            let s = self.status.borrow();
+            (s.pid, s.port)
+        };
+        if let Some(pid) = pid.filter(|p| process::alive(*p)) {
+            *self.adopt.lock().unwrap_or_else(|p| p.into_inner()) = Some((pid, port));
+        }
+        self.status.send_modify(|s| {
+            let restarts = s.state.restarts() + 1;
+            s.state = ReplicaState::Backoff {
+                restarts,
+                last_exit: format!("the agent's supervision of this replica failed ({error}); restarting it"),
+            };
+        });
+    }
+}
+
+/// `Replica{id}`: one replica's life as an actor. Its one message runs the lifecycle loop
+/// ([`run`]) until the replica is drained; the actor then stops, and its supervisor lets it go.
+struct ReplicaActor;
+
+/// Run the replica's lifecycle.
+struct Live;
+
+impl ractor::Actor for ReplicaActor {
+    type Msg = Live;
+    type State = Arc<ReplicaLife>;
+    type Arguments = Arc<ReplicaLife>;
+
+    async fn pre_start(
+        &self,
+        _myself: ractor::ActorRef<Live>,
+        life: Arc<ReplicaLife>,
+    ) -> Result<Arc<ReplicaLife>, ractor::ActorProcessingErr> {
+        Ok(life)
+    }
+
+    async fn post_start(
+        &self,
+        myself: ractor::ActorRef<Live>,
+        _life: &mut Arc<ReplicaLife>,
+    ) -> Result<(), ractor::ActorProcessingErr> {
+        myself.send_message(Live)?;
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        myself: ractor::ActorRef<Live>,
+        _msg: Live,
+        life: &mut Arc<ReplicaLife>,
+    ) -> Result<(), ractor::ActorProcessingErr> {
+        let adopted = life
+            .adopt
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .map(|(pid, port)| (Proc::Adopted(pid), port));
+        let mut drains = life.drains.lock().await;
+        run(life, adopted, &mut drains).await;
+        // Drained: done (the supervisor does not restart a replica that stopped this way).
+        myself.stop(None);
+        Ok(())
+    }
+}
+
+/// The life of one replica: start (or adopt), health, Ready, and restarts with backoff, until
+/// it is drained.
+async fn run(life: &ReplicaLife, mut adopted: Option<(Proc, u16)>, drains: &mut mpsc::Receiver<Drain>) {
+    let (cfg, http, spec, status) = (&life.cfg, &life.http, &life.spec, &life.status);
     let set = |state: ReplicaState, port: Option<u16>, pid: Option<Option<i32>>| {
         status.send_modify(|s| {
             s.state = state;
@@ -421,18 +542,19 @@ async fn run(
     };
     let log = cfg.dir.join("replicas").join(format!("{}.log", spec.id));
     let _ = std::fs::create_dir_all(cfg.dir.join("replicas"));
-    let mut restarts: u32 = 0;
+    let mut restarts: u32 = status.borrow().state.restarts();
     loop {
+        laneway_actors::failpoint::check("replica");
         let started = match adopted.take() {
             Some(a) => Ok(a),
-            None => free_port().and_then(|port| spawn(&spec, port, &cfg.dir, &log).map(|p| (p, port))),
+            None => free_port().and_then(|port| spawn(spec, port, &cfg.dir, &log).map(|p| (p, port))),
         };
         let last_exit = match started {
             Err(e) => format!("could not start {:?}: {e}", spec.runtime.command[0]),
             Ok((mut p, port)) => {
                 set(ReplicaState::Starting, Some(port), Some(p.pid()));
                 let outcome = tokio::select! {
-                    r = wait_ready(&http, &spec, port) => r.map_err(|e| (e, true)),
+                    r = wait_ready(http, spec, port) => r.map_err(|e| (e, true)),
                     exit = p.wait() => Err((format!("exited while starting: {exit}"), false)),
                     Some(d) = drains.recv() => {
                         drain(&mut p, d, &set).await;
@@ -452,6 +574,7 @@ async fn run(
                         let ready_at = Instant::now();
                         let exit = tokio::select! {
                             exit = p.wait() => exit,
+                            () = laneway_actors::failpoint::armed("replica") => unreachable!("armed never returns"),
                             Some(d) = drains.recv() => {
                                 drain(&mut p, d, &set).await;
                                 return;
