@@ -269,6 +269,7 @@ pub(crate) async fn fake_node(
                 replicas: replicas.clone(),
                 cached_blobs: vec![],
                 jobs: vec![],
+                actors: vec![],
             };
             if tx.send(hb).await.is_err() {
                 return;

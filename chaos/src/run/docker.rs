@@ -127,6 +127,10 @@ impl DockerBackend {
             failpoints: !s.faults.failpoints.trim().is_empty(),
         };
         // A run that died before tearing down leaves its project behind: start clean.
+        anyhow::ensure!(
+            s.faults.agent_failpoints.trim().is_empty(),
+            "agent_failpoints: the docker backend does not pass FAILPOINTS to agents; run this scenario with the process backend"
+        );
         let _ = b.compose(&["down", "-v", "--remove-orphans"], &s.faults.failpoints);
         b.compose(&["up", "-d"], &s.faults.failpoints)
             .context("starting the compose cluster")?;

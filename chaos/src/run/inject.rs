@@ -2,6 +2,7 @@
 //! the run's seeded generator, applied, measured (failover, recovery) and healed before the
 //! next one, and recorded.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use laneway_control::client::AdminClient;
@@ -287,11 +288,169 @@ pub async fn inject<B: Backend>(
                 b.unhang_replica(pid);
             }
         }
+        FaultKind::ActorPanic => {
+            let Some(leader) = leader else {
+                anyhow::bail!("no leader to aim actor_panic at");
+            };
+            // Mostly the leader's actors (where the work is), sometimes a follower's.
+            let (victim, kinds): (usize, &[(&str, &str)]) = if members < 2 || rng.random_bool(0.75) {
+                (leader, &LEADER_ACTORS)
+            } else {
+                (
+                    (leader + 1 + rng.random_range(0..members - 1)) % members,
+                    &EVERY_CONTROLLER_ACTORS,
+                )
+            };
+            let (kind_name, actor) = kinds[rng.random_range(0..kinds.len())];
+            let addr = b.controller_addrs()[victim].clone();
+            rec.target = format!("controller {} actor {actor}", b.controller_id(victim));
+            match actor_panic(&addr, kind_name, actor, bound).await {
+                Ok(ms) => rec.recovery_ms = Some(ms),
+                Err(e) => rec.recovery_error = Some(e),
+            }
+        }
         FaultKind::Crashed => anyhow::bail!("`crashed` is observed, not injected"),
     }
     rec.lasted_ms = started.elapsed().as_millis() as u64;
     rec.crashed_meanwhile = crashed;
     Ok(rec)
+}
+
+/// The leader's actors `actor_panic` aims at: (failpoint kind, board name or prefix).
+const LEADER_ACTORS: [(&str, &str); 6] = [
+    ("scheduler", "Scheduler"),
+    ("lane", "Lane{"),
+    ("job_dispatcher", "JobDispatcher"),
+    ("node_monitor", "NodeMonitor"),
+    ("rollout_judge", "RolloutJudge"),
+    ("leadership", "LeadershipWatcher"),
+];
+/// Actors every controller runs.
+const EVERY_CONTROLLER_ACTORS: [(&str, &str); 3] = [
+    ("load_reporter", "LoadReporter"),
+    ("usage_meter", "UsageMeter"),
+    ("history_sampler", "HistorySampler"),
+];
+
+/// Restarts of the actors of the controller at `addr` whose name starts with `prefix`, and
+/// whether all of them run; `None` when it did not answer.
+async fn restarts_of(addr: &str, prefix: &str) -> Option<(u64, bool)> {
+    let client = crate::run::admin_client(vec![addr.to_string()]).with_call_timeout(Duration::from_secs(2));
+    let r = client
+        .call(|mut c| async move {
+            c.actors(laneway_proto::admin::ActorsRequest { node: String::new() })
+                .await
+        })
+        .await
+        .ok()?;
+    let actors: Vec<serde_json::Value> = r.json.iter().filter_map(|j| serde_json::from_str(j).ok()).collect();
+    let mine: Vec<&serde_json::Value> = actors
+        .iter()
+        .filter(|a| a["name"].as_str().is_some_and(|n| n.starts_with(prefix)))
+        .collect();
+    let restarts = mine.iter().map(|a| a["restarts"].as_u64().unwrap_or(0)).sum();
+    let running = !mine.is_empty() && mine.iter().all(|a| a["state"] == "running");
+    Some((restarts, running))
+}
+
+/// Panics `actor` (failpoint `actor::<kind>`, once) on the controller at `addr`, and waits for
+/// its supervisor to have restarted it: the ms until it runs again.
+async fn actor_panic(addr: &str, kind: &str, actor: &str, bound: Duration) -> Result<u64, String> {
+    let before = restarts_of(addr, actor)
+        .await
+        .ok_or_else(|| format!("controller at {addr} did not list its actors"))?
+        .0;
+    let client = crate::run::admin_client(vec![addr.to_string()]).with_call_timeout(Duration::from_secs(2));
+    let name = format!("actor::{kind}");
+    let set = |actions: &'static str| {
+        let (client, name) = (&client, &name);
+        async move {
+            client
+                .call(|mut c| {
+                    let name = name.clone();
+                    async move {
+                        c.set_failpoint(laneway_proto::admin::SetFailpointRequest {
+                            name,
+                            actions: actions.to_string(),
+                        })
+                        .await
+                    }
+                })
+                .await
+        }
+    };
+    set("1*return")
+        .await
+        .map_err(|e| format!("setting {name} on {addr}: {e} (controllers need a testing build)"))?;
+    let started = Instant::now();
+    let outcome = loop {
+        match restarts_of(addr, actor).await {
+            Some((n, true)) if n > before => break Ok(started.elapsed().as_millis() as u64),
+            _ if started.elapsed() > bound => {
+                break Err(format!(
+                    "{actor} on {addr} was not restarted within {} s of its panic",
+                    bound.as_secs()
+                ))
+            }
+            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    };
+    let _ = set("off").await;
+    outcome
+}
+
+/// Restarts counted on every actor board of the cluster: each controller's, and each agent's
+/// (from its last heartbeat, through the leader), by `process/actor`.
+pub async fn actor_restarts<B: Backend>(b: &B) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    let mut leader_addr = None;
+    for addr in b.controller_addrs() {
+        let client = crate::run::admin_client(vec![addr.clone()]).with_call_timeout(Duration::from_secs(3));
+        if status_of(&addr).await.is_some_and(|s| s.state == "leader") {
+            leader_addr = Some(addr.clone());
+        }
+        let node = String::new();
+        if let Ok(r) = client
+            .call(|mut c| {
+                let node = node.clone();
+                async move { c.actors(laneway_proto::admin::ActorsRequest { node }).await }
+            })
+            .await
+        {
+            count_restarts(&r.json, &mut out);
+        }
+    }
+    let Some(leader) = leader_addr else { return out };
+    let client = crate::run::admin_client(vec![leader]).with_call_timeout(Duration::from_secs(3));
+    for node in b.host_ids() {
+        if let Ok(r) = client
+            .call(|mut c| {
+                let node = node.clone();
+                async move { c.actors(laneway_proto::admin::ActorsRequest { node }).await }
+            })
+            .await
+        {
+            count_restarts(&r.json, &mut out);
+        }
+    }
+    out
+}
+
+fn count_restarts(docs: &[String], out: &mut BTreeMap<String, u64>) {
+    for a in docs
+        .iter()
+        .filter_map(|j| serde_json::from_str::<serde_json::Value>(j).ok())
+    {
+        let n = a["restarts"].as_u64().unwrap_or(0);
+        if n > 0 {
+            let key = format!(
+                "{}/{}",
+                a["process"].as_str().unwrap_or("?"),
+                a["name"].as_str().unwrap_or("?")
+            );
+            out.insert(key, n);
+        }
+    }
 }
 
 /// Sleeps `d`, restarting (and recording) every controller that exits on its own meanwhile.

@@ -220,6 +220,7 @@ async fn drive<B: Backend>(s: &Scenario, seed: u64, b: &mut B, rng: &mut StdRng)
     let addrs = b.controller_addrs();
     caught_up(&addrs, Duration::from_secs(60)).await?;
     let (polls, claims) = monitor.stop().await;
+    let actor_restarts = inject::actor_restarts(b).await;
 
     let tenant_keys: HashMap<String, String> = tenants.into_iter().collect();
     let bound = Duration::from_secs(s.checks.recovery_s);
@@ -238,7 +239,9 @@ async fn drive<B: Backend>(s: &Scenario, seed: u64, b: &mut B, rng: &mut StdRng)
         checkers::sync_lane::check(&history, &faults, s.checks.sync_success_min),
         checkers::replicas::check(&faults, &restored, s.checks.recovery_s),
     ];
-    let json = report(s, seed, b.name(), sent, &history, &faults, &verdicts);
+    let mut json = report(s, seed, b.name(), sent, &history, &faults, &verdicts);
+    json["actor_restarts_total"] = json!(actor_restarts.values().sum::<u64>());
+    json["actor_restarts"] = json!(actor_restarts);
     Ok(Report { json, history, faults })
 }
 
@@ -455,6 +458,10 @@ fn print_table(r: &Value, dir: &std::path::Path) {
     println!(
         "│ failover ms       {}   recovery ms {}",
         r["failover_ms"], r["recovery_ms"]
+    );
+    println!(
+        "│ actor restarts    {} {}",
+        r["actor_restarts_total"], r["actor_restarts"]
     );
     println!("│ lane       requests      ok    shed  failed  success   p50 ms   p99 ms");
     for lane in Lane::ALL {

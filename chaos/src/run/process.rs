@@ -66,6 +66,8 @@ pub struct ProcessBackend {
     pub hung: BTreeSet<i32>,
     /// Whether the controllers run with failpoints.
     failpoints: bool,
+    /// FAILPOINTS of the agents.
+    agent_failpoints: String,
     /// GPU product of each host, in order.
     products: Vec<String>,
 }
@@ -104,6 +106,7 @@ impl ProcessBackend {
             paused: BTreeSet::new(),
             hung: BTreeSet::new(),
             failpoints: !s.faults.failpoints.trim().is_empty(),
+            agent_failpoints: s.faults.agent_failpoints.clone(),
             products: s.hosts.iter().map(|h| h.product.clone()).collect(),
         };
         let mut n = 0;
@@ -218,9 +221,16 @@ impl Backend for ProcessBackend {
     /// Starts (or restarts, with its data) host `i`.
     fn start_host(&mut self, i: usize) -> anyhow::Result<()> {
         let bin = self.bins.agent.clone();
+        let log = std::fs::File::options()
+            .create(true)
+            .append(true)
+            .open(&self.hosts[i].log)?;
+        let mut cmd = Command::new(&bin);
+        if !self.agent_failpoints.trim().is_empty() {
+            cmd.env("FAILPOINTS", &self.agent_failpoints);
+        }
         let h = &mut self.hosts[i];
-        let log = std::fs::File::options().create(true).append(true).open(&h.log)?;
-        let child = Command::new(&bin)
+        let child = cmd
             .args(["run", "--config"])
             .arg(&h.config)
             .env("LANEWAY_LOG", "warn")

@@ -128,6 +128,10 @@ pub struct Faults {
     /// `--features laneway-control/testing`.
     #[serde(default)]
     pub failpoints: String,
+    /// FAILPOINTS of every agent (process backend), e.g. `actor::replica=3%return` for panics
+    /// inside replica actors; needs a testing build too.
+    #[serde(default)]
+    pub agent_failpoints: String,
 }
 
 fn default_start() -> f64 {
@@ -154,6 +158,11 @@ pub enum FaultKind {
     ReplicaHang,
     /// Stop a follower, wipe its data and add it back under a new node id.
     WipeFollower,
+    /// A panic inside one of a controller's actors (the leader's scheduler, a lane, the job
+    /// dispatcher, node monitor, rollout judge or leadership watcher; a follower's load
+    /// reporter, usage meter or history sampler), set at run time through `SetFailpoint`; its
+    /// supervisor restarts it. Needs controllers built with failpoints.
+    ActorPanic,
     /// Cut the leader off the other controllers (docker backend): the leader in the minority.
     PartitionLeader,
     /// Cut a follower off (docker backend): the leader keeps its majority.
@@ -177,6 +186,7 @@ impl FaultKind {
             FaultKind::ReplicaCrash => "replica_crash",
             FaultKind::ReplicaHang => "replica_hang",
             FaultKind::WipeFollower => "wipe_follower",
+            FaultKind::ActorPanic => "actor_panic",
             FaultKind::PartitionLeader => "partition_leader",
             FaultKind::PartitionFollower => "partition_follower",
             FaultKind::PartitionLeaderOneWay => "partition_leader_one_way",
