@@ -52,11 +52,7 @@ th{background:#f0f2f5}td.l,th.l{text-align:left}.bar{display:inline-block;height
 pub fn render(ctx: &Context) -> String {
     let m = ctx.raft.metrics().borrow().clone();
     let leader = m.current_leader;
-    let role = if leader == Some(ctx.node_id) {
-        "leader"
-    } else {
-        "follower"
-    };
+    let role = if ctx.is_leader() { "leader" } else { "follower" };
     let lanes = ctx.router.lane_status();
     let history = ctx.history.lanes();
     let now = crate::jobs::unix_ms();
@@ -173,6 +169,7 @@ pub fn render(ctx: &Context) -> String {
     }
 
     decisions_section(&mut h, &ctx.history.decisions(10), role);
+    actors_section(&mut h, &ctx.actors.snapshot());
     h.push_str("<h2 id=\"events\">Events</h2>");
     if events.is_empty() {
         h.push_str("<span class=\"muted\">none</span>");
@@ -191,6 +188,40 @@ pub fn render(ctx: &Context) -> String {
     }
     h.push_str("</body></html>");
     h
+}
+
+/// This controller's actors: how many run, and every one that failed since the start (crash
+/// loops first), with its last error.
+fn actors_section(h: &mut String, actors: &[laneway_actors::ActorStatus]) {
+    use laneway_actors::ActorState;
+    let running = actors.iter().filter(|a| a.state == ActorState::Running).count();
+    let _ = write!(
+        h,
+        "<h2 id=\"actors\">Actors</h2><div class=\"sub\">{running} of {} running on this controller · `lanectl actors` shows every controller's tree</div>",
+        actors.len()
+    );
+    let mut failed: Vec<&laneway_actors::ActorStatus> = actors.iter().filter(|a| a.restarts > 0).collect();
+    failed.sort_by_key(|a| (!a.crash_loop, std::cmp::Reverse(a.restarts)));
+    if failed.is_empty() {
+        h.push_str("<span class=\"muted\">no actor has failed</span>");
+        return;
+    }
+    h.push_str("<table><tr><th class=\"l\">actor</th><th class=\"l\">state</th><th>restarts</th><th class=\"l\">last error</th></tr>");
+    for a in failed {
+        let state = if a.crash_loop {
+            format!("<span class=\"badge down\">crash loop</span> {}", a.state.name())
+        } else {
+            a.state.name().to_string()
+        };
+        let _ = write!(
+            h,
+            "<tr data-actor=\"{name}\"><td class=\"l\">{name}</td><td class=\"l\">{state}</td><td>{}</td><td class=\"l\">{}</td></tr>",
+            a.restarts,
+            esc(a.last_error.as_deref().unwrap_or("")),
+            name = esc(&a.name),
+        );
+    }
+    h.push_str("</table>");
 }
 
 fn lane_section(h: &mut String, l: &LaneStatus, samples: &[Sample], role: &str) {
@@ -498,6 +529,28 @@ fn decisions_section(h: &mut String, decisions: &[OpsEvent], role: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_crash_looping_actor_is_listed_first_with_its_last_error_escaped() {
+        let b = laneway_actors::ActorBoard::new();
+        for n in ["Scheduler", "Lane{speech}", "NodeMonitor"] {
+            b.started(n, Some("LeaderScope"));
+        }
+        b.failed("Lane{speech}", "boom <once>", false);
+        for _ in 0..10 {
+            b.failed("Scheduler", "index out of range", true);
+        }
+        let mut h = String::new();
+        actors_section(&mut h, &b.snapshot());
+        assert!(h.contains("1 of 3 running"), "{h}");
+        let (sched, lane) = (
+            h.find("data-actor=\"Scheduler\"").unwrap(),
+            h.find("data-actor=\"Lane{speech}\"").unwrap(),
+        );
+        assert!(sched < lane, "the crash loop first: {h}");
+        assert!(h.contains("crash loop") && h.contains("boom &lt;once&gt;"), "{h}");
+        assert!(!h.contains("data-actor=\"NodeMonitor\""), "{h}");
+    }
 
     #[test]
     fn text_is_escaped() {
