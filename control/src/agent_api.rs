@@ -386,10 +386,14 @@ fn agent_actors(ctx: &Context, hb: &Heartbeat) -> Vec<laneway_actors::ActorStatu
             crash_loop: a.crash_loop,
         })
         .collect();
-    let before = ctx.heartbeats.get(&hb.node_id).map(|s| s.actors).unwrap_or_default();
+    // An actor this leader has not heard of yet has nothing to compare with: its restarts
+    // happened before (or under another leader).
+    let Some(before) = ctx.heartbeats.actor_restarts(&hb.node_id) else {
+        return actors;
+    };
     for a in &actors {
-        let was = before.iter().find(|b| b.name == a.name).map_or(0, |b| b.restarts);
-        if a.restarts > was && !before.is_empty() {
+        let was = before.get(&a.name).copied().unwrap_or(0);
+        if a.restarts > was {
             ctx.history.event(
                 "actor",
                 &format!("{}/{}", hb.node_id, a.name),

@@ -104,7 +104,8 @@ pub struct Controller {
     pub router_addr: Option<SocketAddr>,
     pub router: Arc<Router>,
     shutdown: Option<oneshot::Sender<()>>,
-    server: JoinHandle<Result<(), tonic::transport::Error>>,
+    /// The gRPC server's task; `None` once [`Controller::serve_until_stopped`] saw it end.
+    server: Option<JoinHandle<Result<(), tonic::transport::Error>>>,
     router_server: Option<RouterServer>,
     /// The supervised actor tree (ADR 0018).
     actors: crate::actors::Tree,
@@ -281,7 +282,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         router_addr,
         router,
         shutdown: Some(tx),
-        server,
+        server: Some(server),
         router_server,
         actors,
         infrastructure: vec![
@@ -318,7 +319,9 @@ impl Controller {
         if let Err(e) = self.raft.shutdown().await {
             tracing::warn!(error = %e, "raft shutdown");
         }
-        let _ = tokio::time::timeout(Duration::from_secs(5), &mut self.server).await;
+        if let Some(server) = self.server.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+        }
     }
 
     /// Waits until the controller stops serving: the gRPC server stopped (only on shutdown or
@@ -337,7 +340,18 @@ impl Controller {
                 None => std::future::pending().await,
             }
         };
-        let (server, actors) = (&mut self.server, &mut self.actors.handle);
+        let actors = &mut self.actors.handle;
+        let server_slot = &mut self.server;
+        let server = async move {
+            match server_slot.as_mut() {
+                Some(s) => {
+                    let r = s.await;
+                    *server_slot = None;
+                    r
+                }
+                None => std::future::pending().await,
+            }
+        };
         let mut metrics = self.raft.metrics();
         // Raft's core ended (a fatal storage error, a panic in it): nothing is replicated or
         // applied here any more.

@@ -135,7 +135,12 @@ struct Handle {
     status: watch::Receiver<ReplicaStatus>,
     drain: mpsc::Sender<Drain>,
     in_flight: Option<InFlightProbe>,
+    life: Arc<ReplicaLife>,
 }
+
+/// How long past its own timeout and grace a drain waits for the replica's actor before the
+/// supervisor stops the process itself (an actor failing over and over never takes it).
+const DRAIN_FALLBACK: Duration = Duration::from_secs(30);
 
 /// Name of the replica actors' supervisor on the board.
 pub const MANAGER: &str = "ReplicaManager";
@@ -245,8 +250,8 @@ impl Supervisor {
             drains: tokio::sync::Mutex::new(drain_rx),
             adopt: Mutex::new(adopted.map(|o| (o.pid, o.port))),
         });
-        let failed = life.clone();
-        let child = laneway_actors::ChildSpec::new(format!("Replica{{{id}}}"), move || (ReplicaActor, life.clone()))
+        let (failed, handle_life) = (life.clone(), life.clone());
+        let child = laneway_actors::ChildSpec::new(actor_name(&id), move || (ReplicaActor, life.clone()))
             .transient()
             .on_failure(Arc::new(move |error: &str| failed.supervision_failed(error)));
         if self
@@ -264,6 +269,7 @@ impl Supervisor {
                 status,
                 drain,
                 in_flight,
+                life: handle_life,
             },
         );
         Ok(())
@@ -375,26 +381,51 @@ impl Supervisor {
         timeout: Duration,
         grace: Duration,
     ) -> Result<(), SupervisorError> {
-        let tx = self
+        let (tx, life) = self
             .lock()
             .get(id)
-            .map(|h| h.drain.clone())
+            .map(|h| (h.drain.clone(), h.life.clone()))
             .ok_or_else(|| SupervisorError::Unknown(id.to_string()))?;
         let (done, rx) = oneshot::channel();
-        if tx
-            .send(Drain {
-                in_flight,
-                timeout,
-                grace,
-                done,
-            })
-            .await
-            .is_ok()
-        {
-            let _ = rx.await;
+        let bound = timeout + grace + DRAIN_FALLBACK;
+        let drained = tokio::time::timeout(bound, async {
+            let sent = tx
+                .send(Drain {
+                    in_flight,
+                    timeout,
+                    grace,
+                    done,
+                })
+                .await;
+            // Not sent: the replica's life is over (it stopped); nothing to drain.
+            if sent.is_ok() {
+                let _ = rx.await;
+            }
+        })
+        .await;
+        if drained.is_err() {
+            // Its actor never took the drain (failing again and again, or stuck): stop the
+            // process here, and its actor for good, so a drain always stops the replica.
+            tracing::error!(replica = %id, waited_s = bound.as_secs(), "the replica's actor did not take the drain; stopping its process directly");
+            let _ = self
+                .manager
+                .send_message(laneway_actors::SupervisorMsg::Remove(actor_name(id)));
+            let pid = life.status.borrow().pid;
+            if let Some(pid) = pid.filter(|p| process::alive(*p)) {
+                stop(&mut Proc::Adopted(pid), grace).await;
+            }
+            life.status.send_modify(|s| {
+                s.state = ReplicaState::Stopped;
+                s.pid = None;
+            });
         }
         Ok(())
     }
+}
+
+/// A replica's actor name: `Replica{id}`.
+fn actor_name(id: &str) -> String {
+    format!("Replica{{{id}}}")
 }
 
 /// SIGTERM, then SIGKILL if it is still running after `grace`.

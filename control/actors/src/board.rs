@@ -49,7 +49,8 @@ pub struct ActorStatus {
     pub last_tick_ms_ago: Option<u64>,
     /// Its last failure (a panic's message or the error a handler returned).
     pub last_error: Option<String>,
-    /// Failures within the crash-loop window reached the policy's limit.
+    /// Failures within the crash-loop window reached the policy's limit, in the last 5
+    /// minutes.
     pub crash_loop: bool,
 }
 
@@ -61,8 +62,13 @@ struct Entry {
     restarts: u64,
     last_tick: Option<Instant>,
     last_error: Option<String>,
-    crash_loop: bool,
+    /// When a failure last made a crash loop.
+    crash_loop_at: Option<Instant>,
 }
+
+/// A crash loop shows this long after the failure that made it (the window it was counted
+/// over), then clears by itself if the actor stays up.
+const CRASH_LOOP_SHOWN: std::time::Duration = std::time::Duration::from_secs(300);
 
 /// Called for every restart with (actor, message): the controller turns it into an event
 /// (`lanectl events`).
@@ -107,7 +113,7 @@ impl ActorBoard {
             restarts: 0,
             last_tick: None,
             last_error: None,
-            crash_loop: false,
+            crash_loop_at: None,
         });
         e.parent = parent.map(str::to_string);
         e.state = ActorState::Running;
@@ -137,7 +143,9 @@ impl ActorBoard {
             e.state = ActorState::Restarting;
             e.restarts += 1;
             e.last_error = Some(error.to_string());
-            e.crash_loop = crash_loop;
+            if crash_loop {
+                e.crash_loop_at = Some(Instant::now());
+            }
         }
         let listener = self.listener.lock().unwrap_or_else(|p| p.into_inner()).clone();
         if let Some(l) = listener {
@@ -194,7 +202,9 @@ impl ActorBoard {
                 restarts: e.restarts,
                 last_tick_ms_ago: e.last_tick.map(|t| now.saturating_duration_since(t).as_millis() as u64),
                 last_error: e.last_error.clone(),
-                crash_loop: e.crash_loop,
+                crash_loop: e
+                    .crash_loop_at
+                    .is_some_and(|t| now.saturating_duration_since(t) < CRASH_LOOP_SHOWN),
             })
             .collect()
     }
@@ -203,6 +213,17 @@ impl ActorBoard {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_crash_loop_clears_once_the_actor_has_stayed_up_for_its_window() {
+        let b = ActorBoard::new();
+        b.started("Scheduler", None);
+        b.failed("Scheduler", "boom", true);
+        b.started("Scheduler", None);
+        assert!(b.get("Scheduler").unwrap().crash_loop);
+        tokio::time::advance(CRASH_LOOP_SHOWN).await;
+        assert!(!b.get("Scheduler").unwrap().crash_loop);
+    }
 
     #[test]
     fn stopping_a_scope_stops_its_subtree_and_forgetting_removes_it() {

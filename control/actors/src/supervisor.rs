@@ -26,8 +26,12 @@ pub type StartFn = Arc<
 >;
 
 /// How long a stopping supervisor lets a child finish its message before it kills it (a child
-/// in a long handler — a heartbeat session, a replica's life — never takes the stop message).
+/// in a long handler — a heartbeat session, a replica's life — never takes the stop message),
+/// unless the child's spec says otherwise ([`ChildSpec::stop_grace`]).
 const STOP_GRACE: Duration = Duration::from_millis(200);
+/// How long a child that is itself a supervisor may take to stop (its children's graces and
+/// kill waits, nested).
+pub const SUPERVISOR_STOP_GRACE: Duration = Duration::from_secs(10);
 /// How long it waits for a killed child to be gone.
 const KILL_WAIT: Duration = Duration::from_secs(5);
 /// The children a reconciling supervisor should have now.
@@ -53,6 +57,7 @@ pub struct ChildSpec {
     start: StartFn,
     restart: Restart,
     on_failure: Option<FailureFn>,
+    stop_grace: Duration,
 }
 
 impl std::fmt::Debug for ChildSpec {
@@ -82,7 +87,15 @@ impl ChildSpec {
             start,
             restart: Restart::Permanent,
             on_failure: None,
+            stop_grace: STOP_GRACE,
         }
+    }
+
+    /// How long this child may take to stop (its own clean-up: a supervisor stopping its
+    /// subtree) before it is killed. Default 200 ms.
+    pub fn stop_grace(mut self, grace: Duration) -> Self {
+        self.stop_grace = grace;
+        self
     }
 
     /// Not restarted after a normal stop (see [`Restart::Transient`]).
@@ -147,10 +160,11 @@ impl SupervisorArgs {
         self
     }
 
-    /// This supervisor as a child of another (restarted from these same arguments).
+    /// This supervisor as a child of another (restarted from these same arguments); it gets
+    /// [`SUPERVISOR_STOP_GRACE`] to stop its own subtree when its supervisor stops.
     pub fn into_child(self) -> ChildSpec {
         let name = self.name.clone();
-        ChildSpec::new(name, move || (Supervisor, self.clone()))
+        ChildSpec::new(name, move || (Supervisor, self.clone())).stop_grace(SUPERVISOR_STOP_GRACE)
     }
 }
 
@@ -163,8 +177,9 @@ pub enum SupervisorMsg {
     /// Stop this child for good, at once (its work is cut off; it is not restarted and leaves
     /// the board).
     Remove(String),
-    /// Start this failed child again (sent to itself after the child's back-off).
-    Restart(String),
+    /// Start this failed child again (sent to itself after the child's back-off); the number is
+    /// the child's generation, so a timer left from a replaced child does nothing.
+    Restart(String, u64),
     /// Make the children the desired set (sent to itself every reconcile period).
     Reconcile,
     /// The names of the children running now.
@@ -179,16 +194,19 @@ struct Child {
     restarts: Restarts,
     /// Starts when this one ends (see [`SupervisorMsg::Add`]).
     next: Option<ChildSpec>,
+    /// Which spec under this name this is (see [`SupervisorMsg::Restart`]).
+    generation: u64,
 }
 
 impl Child {
-    fn new(spec: ChildSpec) -> Self {
+    fn new(spec: ChildSpec, generation: u64) -> Self {
         Child {
             spec,
             cell: None,
             handle: None,
             restarts: Restarts::default(),
             next: None,
+            generation,
         }
     }
 }
@@ -198,6 +216,8 @@ pub struct SupervisorState {
     args: SupervisorArgs,
     children: BTreeMap<String, Child>,
     by_id: HashMap<ActorId, String>,
+    /// The last generation handed out (every child spec gets the next).
+    generations: u64,
 }
 
 /// The supervisor actor (see the module docs).
@@ -249,8 +269,8 @@ impl SupervisorState {
             "actor failed; restarting it after its back-off"
         );
         self.args.board.failed(name, &error, d.crash_loop);
-        let name = name.to_string();
-        myself.send_after(d.delay, move || SupervisorMsg::Restart(name));
+        let (name, generation) = (name.to_string(), child.generation);
+        myself.send_after(d.delay, move || SupervisorMsg::Restart(name, generation));
     }
 
     /// The child `name` ended and another of that name waits: that one starts instead.
@@ -258,9 +278,14 @@ impl SupervisorState {
         let Some(next) = self.children.get_mut(name).and_then(|c| c.next.take()) else {
             return false;
         };
-        self.children.insert(name.to_string(), Child::new(next));
+        self.insert(name.to_string(), next);
         self.start_child(myself, name).await;
         true
+    }
+
+    fn insert(&mut self, name: String, spec: ChildSpec) {
+        self.generations += 1;
+        self.children.insert(name, Child::new(spec, self.generations));
     }
 
     async fn remove(&mut self, name: &str) {
@@ -290,13 +315,14 @@ impl Actor for Supervisor {
             args,
             children: BTreeMap::new(),
             by_id: HashMap::new(),
+            generations: 0,
         })
     }
 
     async fn post_start(&self, myself: ActorRef<Self::Msg>, state: &mut Self::State) -> Result<(), ActorProcessingErr> {
         for spec in std::mem::take(&mut state.args.children) {
             let name = spec.name.clone();
-            state.children.insert(name.clone(), Child::new(spec));
+            state.insert(name.clone(), spec);
             state.start_child(&myself, &name).await;
         }
         if state.args.reconcile.is_some() {
@@ -309,16 +335,16 @@ impl Actor for Supervisor {
     /// child holds — a database handle, a lock — is let go of before its supervisor ends): a
     /// child that does not take the stop within [`STOP_GRACE`] is killed.
     async fn post_stop(&self, _myself: ActorRef<Self::Msg>, state: &mut Self::State) -> Result<(), ActorProcessingErr> {
-        let running: Vec<(ActorCell, tokio::task::JoinHandle<()>)> = state
+        let running: Vec<(ActorCell, tokio::task::JoinHandle<()>, Duration)> = state
             .children
             .values_mut()
-            .filter_map(|c| Some((c.cell.take()?, c.handle.take()?)))
+            .filter_map(|c| Some((c.cell.take()?, c.handle.take()?, c.spec.stop_grace)))
             .collect();
-        for (cell, _) in &running {
+        for (cell, _, _) in &running {
             cell.stop(Some("its supervisor stopped".into()));
         }
-        let ends = running.into_iter().map(|(cell, mut handle)| async move {
-            if tokio::time::timeout(STOP_GRACE, &mut handle).await.is_err() {
+        let ends = running.into_iter().map(|(cell, mut handle, grace)| async move {
+            if tokio::time::timeout(grace, &mut handle).await.is_err() {
                 cell.kill();
                 let _ = tokio::time::timeout(KILL_WAIT, handle).await;
             }
@@ -340,13 +366,17 @@ impl Actor for Supervisor {
                 match state.children.get_mut(&name) {
                     Some(running) if running.cell.is_some() => running.next = Some(spec),
                     _ => {
-                        state.children.insert(name.clone(), Child::new(spec));
+                        state.insert(name.clone(), spec);
                         state.start_child(&myself, &name).await;
                     }
                 }
             }
             SupervisorMsg::Remove(name) => state.remove(&name).await,
-            SupervisorMsg::Restart(name) => state.start_child(&myself, &name).await,
+            SupervisorMsg::Restart(name, generation) => {
+                if state.children.get(&name).is_some_and(|c| c.generation == generation) {
+                    state.start_child(&myself, &name).await;
+                }
+            }
             SupervisorMsg::Reconcile => {
                 let Some((every, desired)) = state.args.reconcile.clone() else {
                     return Ok(());
@@ -366,7 +396,7 @@ impl Actor for Supervisor {
                     if !state.children.contains_key(&spec.name) {
                         tracing::info!(actor = %spec.name, supervisor = %state.args.name, "starting an actor");
                         let name = spec.name.clone();
-                        state.children.insert(name.clone(), Child::new(spec));
+                        state.insert(name.clone(), spec);
                         state.start_child(&myself, &name).await;
                     }
                 }
@@ -395,7 +425,17 @@ impl Actor for Supervisor {
         match evt {
             SupervisionEvent::ActorFailed(cell, err) => {
                 if let Some(name) = state.by_id.remove(&cell.get_id()) {
-                    if state.start_next(&myself, &name).await {
+                    let waiting = state.children.get(&name).is_some_and(|c| c.next.is_some());
+                    if waiting {
+                        // Said and counted like any failure; then the one waiting starts
+                        // instead of a restart of this one.
+                        let error = err.to_string();
+                        tracing::error!(actor = %name, supervisor = %state.args.name, %error, "actor failed; its successor starts");
+                        state.args.board.failed(&name, &error, false);
+                        if let Some(f) = state.children.get(&name).and_then(|c| c.spec.on_failure.clone()) {
+                            f(&error);
+                        }
+                        state.start_next(&myself, &name).await;
                         return Ok(());
                     }
                     state.failed(&myself, &name, err.to_string());

@@ -30,8 +30,9 @@ pub const NAME: &str = "LeadershipWatcher";
 pub const SCOPE: &str = "LeaderScope";
 /// Looked at again at least this often, even when no metrics change arrives.
 const RECHECK: Duration = Duration::from_secs(1);
-/// How long an old term's scope may take to stop before a new one starts.
-const STOP_WAIT: Duration = Duration::from_secs(5);
+/// How long an old term's scope may take to stop (longer than a supervisor's stop grace and
+/// kill wait together); a new one never starts before it has.
+const STOP_WAIT: Duration = Duration::from_secs(15);
 
 /// The term this node leads according to `m`, if it leads one.
 pub fn leads(m: &RaftMetrics, me: NodeId) -> Option<u64> {
@@ -39,9 +40,10 @@ pub fn leads(m: &RaftMetrics, me: NodeId) -> Option<u64> {
         .then_some(m.current_term)
 }
 
-/// The watcher as a child of the controller's root: its scope is [`term::scope`].
+/// The watcher as a child of the controller's root: its scope is [`term::scope`]. Stopping it
+/// stops the scope first (the whole leader's subtree), so it gets longer than a leaf to stop.
 pub fn child(ctx: Context, cfg: LeaderConfig, provider: Option<Provider>) -> ChildSpec {
-    ChildSpec::new(NAME, move || {
+    let spec = ChildSpec::new(NAME, move || {
         let (c, cfg, provider) = (ctx.clone(), cfg.clone(), provider.clone());
         let heartbeats = ctx.heartbeats.clone();
         (
@@ -56,7 +58,8 @@ pub fn child(ctx: Context, cfg: LeaderConfig, provider: Option<Provider>) -> Chi
                 reset: Arc::new(move || heartbeats.clear()),
             },
         )
-    })
+    });
+    spec.stop_grace(STOP_WAIT + Duration::from_secs(5))
 }
 
 pub struct LeadershipWatcher;
@@ -84,8 +87,11 @@ pub enum WatcherMsg {
 
 pub struct WatcherState {
     args: WatcherArgs,
-    /// The scope running now and its term.
+    /// The scope running now, its term, and the task that ends once it has stopped.
     scope: Option<(u64, ActorRef<SupervisorMsg>)>,
+    scope_task: Option<tokio::task::JoinHandle<()>>,
+    /// Turns openraft's metrics changes into `Check` messages, so a handler never waits.
+    forwarder: Option<tokio::task::JoinHandle<()>>,
     /// The term whose scope failed and waits for its restart.
     failed_term: Option<u64>,
     restarts: Restarts,
@@ -97,14 +103,33 @@ impl WatcherState {
         leads(&self.args.metrics.borrow(), self.args.node_id)
     }
 
-    async fn stop_scope(&mut self, why: &str) {
+    /// Stops the running scope and returns whether it has ended (with every actor under it):
+    /// until it has, no other scope may start.
+    async fn stop_scope(&mut self, why: &str) -> bool {
         if let Some((t, scope)) = self.scope.take() {
             tracing::info!(term = t, %why, "leader's actors stopping");
-            let _ = scope.stop_and_wait(Some(why.to_string()), Some(STOP_WAIT)).await;
+            scope.stop(Some(why.to_string()));
+            let task = self.scope_task.take();
+            let ended = match task {
+                Some(task) => tokio::time::timeout(STOP_WAIT, task).await.is_ok(),
+                None => true,
+            };
+            if !ended {
+                // Killed instead; looked at again on the next check before anything starts.
+                tracing::error!(
+                    term = t,
+                    wait_s = STOP_WAIT.as_secs(),
+                    "the leader's actors did not stop in time; killing them"
+                );
+                scope.kill();
+                let _ = scope.wait(Some(STOP_WAIT)).await;
+            }
             self.args.board.stopped(SCOPE);
             self.args.board.detail(SCOPE, format!("not leading ({why})"));
             (self.args.reset)();
+            return scope.get_status() == ractor::ActorStatus::Stopped;
         }
+        true
     }
 
     async fn start_scope(&mut self, myself: &ActorRef<WatcherMsg>, t: u64) {
@@ -116,10 +141,11 @@ impl WatcherState {
         self.failed_term = None;
         let args = (self.args.scope)(Term::new(t));
         match Actor::spawn_linked(None, laneway_actors::Supervisor, args, myself.get_cell()).await {
-            Ok((scope, _)) => {
+            Ok((scope, task)) => {
                 tracing::info!(term = t, node = self.args.node_id, "leading: leader's actors started");
                 self.restarts.started(Instant::now());
                 self.scope = Some((t, scope));
+                self.scope_task = Some(task);
             }
             Err(e) => self.scope_failed(myself, t, format!("could not start: {e}")),
         }
@@ -149,6 +175,8 @@ impl Actor for LeadershipWatcher {
         Ok(WatcherState {
             args,
             scope: None,
+            scope_task: None,
+            forwarder: None,
             failed_term: None,
             restarts: Restarts::default(),
             policy: RestartPolicy::default(),
@@ -158,9 +186,22 @@ impl Actor for LeadershipWatcher {
     async fn post_start(
         &self,
         myself: ActorRef<WatcherMsg>,
-        _state: &mut WatcherState,
+        state: &mut WatcherState,
     ) -> Result<(), ActorProcessingErr> {
-        myself.send_message(WatcherMsg::Check)?;
+        // A Check on every metrics change, and at least every RECHECK. It ends when this
+        // actor does (its sends fail) or when Raft is gone (the watch closes).
+        let (mut metrics, me) = (state.args.metrics.clone(), myself.clone());
+        state.forwarder = Some(tokio::spawn(async move {
+            loop {
+                if me.send_message(WatcherMsg::Check).is_err() {
+                    return;
+                }
+                if let Ok(Err(_)) = tokio::time::timeout(RECHECK, metrics.changed()).await {
+                    let _ = me.send_message(WatcherMsg::Check);
+                    return;
+                }
+            }
+        }));
         Ok(())
     }
 
@@ -169,6 +210,9 @@ impl Actor for LeadershipWatcher {
         _myself: ActorRef<WatcherMsg>,
         state: &mut WatcherState,
     ) -> Result<(), ActorProcessingErr> {
+        if let Some(f) = state.forwarder.take() {
+            f.abort();
+        }
         state.stop_scope("the controller is stopping").await;
         Ok(())
     }
@@ -187,13 +231,15 @@ impl Actor for LeadershipWatcher {
                 match (leads, current) {
                     (Some(t), Some(c)) if t == c => {}
                     (Some(t), _) => {
-                        state.stop_scope("a new term").await;
-                        // A failed scope waits for its back-off; a new term starts at once.
-                        if state.failed_term != Some(t) {
+                        // A failed scope waits for its back-off; a new term starts at once, once
+                        // the old term's actors are gone.
+                        if state.stop_scope("a new term").await && state.failed_term != Some(t) {
                             state.start_scope(&myself, t).await;
                         }
                     }
-                    (None, Some(_)) => state.stop_scope("no longer the leader").await,
+                    (None, Some(_)) => {
+                        state.stop_scope("no longer the leader").await;
+                    }
                     (None, None) => {}
                 }
                 state.args.board.ticked(NAME);
@@ -204,14 +250,6 @@ impl Actor for LeadershipWatcher {
                         None => "not the leader".to_string(),
                     },
                 );
-                // Wait for openraft to say something changed (or RECHECK). A closed watch means
-                // Raft is gone: not leading, looked at again after RECHECK.
-                let changed = tokio::time::timeout(RECHECK, state.args.metrics.changed()).await;
-                if let Ok(Err(_)) = changed {
-                    state.stop_scope("raft stopped").await;
-                    tokio::time::sleep(RECHECK).await;
-                }
-                myself.send_message(WatcherMsg::Check)?;
             }
             WatcherMsg::Restart(t) => {
                 if state.failed_term == Some(t) && state.scope.is_none() {
@@ -244,6 +282,7 @@ impl Actor for LeadershipWatcher {
             if scope.get_id() == cell.get_id() {
                 let t = *t;
                 state.scope = None;
+                state.scope_task = None;
                 state.scope_failed(&myself, t, error);
             }
         }

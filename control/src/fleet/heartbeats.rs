@@ -61,6 +61,13 @@ impl HeartbeatTable {
             .insert(node_id.to_string(), seen);
     }
 
+    /// Restarts per actor of `node_id`, as its last heartbeat reported them.
+    pub fn actor_restarts(&self, node_id: &str) -> Option<HashMap<String, u64>> {
+        let map = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        map.get(node_id)
+            .map(|s| s.actors.iter().map(|a| (a.name.clone(), a.restarts)).collect())
+    }
+
     pub fn get(&self, node_id: &str) -> Option<Seen> {
         self.seen
             .lock()

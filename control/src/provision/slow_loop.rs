@@ -80,15 +80,16 @@ impl laneway_actors::Ticker for Provisioner {
                 n = notices.recv() => n,
             }
         };
+        let round_due = notice.is_none();
+        if round_due {
+            self.next_round = tokio::time::Instant::now() + Duration::from_secs(self.cfg.tick_s);
+        }
         if !self.ctx.is_leader() {
             return Duration::ZERO;
         }
         match notice {
             Some(node) => preempt(&self.ctx, &node).await,
-            None => {
-                self.next_round = tokio::time::Instant::now() + Duration::from_secs(self.cfg.tick_s);
-                self.round().await;
-            }
+            None => self.round().await,
         }
         Duration::ZERO
     }

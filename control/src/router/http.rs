@@ -144,18 +144,27 @@ async fn until_caught_up(
 pub struct RouterServer {
     pub addr: SocketAddr,
     shutdown: watch::Sender<bool>,
-    task: JoinHandle<()>,
+    /// The accept loop; `None` once [`RouterServer::ended`] saw it end.
+    task: Option<JoinHandle<()>>,
 }
 
 impl RouterServer {
     /// Returns when the accept loop has ended (only on `stop`, unless something broke it).
     pub async fn ended(&mut self) {
-        let _ = (&mut self.task).await;
+        match self.task.as_mut() {
+            Some(t) => {
+                let _ = t.await;
+                self.task = None;
+            }
+            None => std::future::pending().await,
+        }
     }
 
     pub async fn stop(self) {
         let _ = self.shutdown.send(true);
-        let _ = tokio::time::timeout(Duration::from_secs(5), self.task).await;
+        if let Some(task) = self.task {
+            let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
+        }
     }
 }
 
@@ -218,7 +227,7 @@ pub fn serve(
     Ok(RouterServer {
         addr,
         shutdown: tx,
-        task,
+        task: Some(task),
     })
 }
 
