@@ -292,16 +292,19 @@ pub async fn inject<B: Backend>(
             let Some(leader) = leader else {
                 anyhow::bail!("no leader to aim actor_panic at");
             };
-            // Mostly the leader's actors (where the work is), sometimes a follower's.
-            let (victim, kinds): (usize, &[(&str, &str)]) = if members < 2 || rng.random_bool(0.75) {
-                (leader, &LEADER_ACTORS)
+            // Mostly the leader's actors (where the work is), every fourth a follower's; the
+            // actor in turn, so even a short run covers each of them.
+            let n = ACTOR_PANICS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let (victim, kinds, turn): (usize, &[(&str, &str)], usize) = if members < 2 || n % 4 != 3 {
+                (leader, &LEADER_ACTORS, n - n / 4)
             } else {
                 (
                     (leader + 1 + rng.random_range(0..members - 1)) % members,
                     &EVERY_CONTROLLER_ACTORS,
+                    n / 4,
                 )
             };
-            let (kind_name, actor) = kinds[rng.random_range(0..kinds.len())];
+            let (kind_name, actor) = kinds[turn % kinds.len()];
             let addr = b.controller_addrs()[victim].clone();
             rec.target = format!("controller {} actor {actor}", b.controller_id(victim));
             match actor_panic(&addr, kind_name, actor, bound).await {
@@ -315,6 +318,9 @@ pub async fn inject<B: Backend>(
     rec.crashed_meanwhile = crashed;
     Ok(rec)
 }
+
+/// `actor_panic` faults injected so far by this process (they take the actors in turn).
+static ACTOR_PANICS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// The leader's actors `actor_panic` aims at: (failpoint kind, board name or prefix).
 const LEADER_ACTORS: [(&str, &str); 6] = [
