@@ -42,7 +42,7 @@ impl Context {
     /// state, naming itself leader, and with Raft running (openraft leaves `current_leader` as
     /// it was after a shutdown or a fatal error).
     pub fn is_leader(&self) -> bool {
-        crate::actors::leadership::leads(&self.raft.metrics().borrow(), self.node_id).is_some()
+        leads(&self.raft.metrics().borrow(), self.node_id).is_some()
     }
 
     /// A client of the other controllers' admin API (over mTLS, as this controller).
@@ -54,6 +54,14 @@ impl Context {
     pub fn leader(&self) -> Option<(NodeId, String)> {
         current_leader(&self.raft)
     }
+}
+
+/// The term this node leads according to `m`, if it leads one: in the leader state, naming
+/// itself leader, and with Raft running (openraft leaves `current_leader` as it was after a
+/// shutdown or a fatal error, so an ex-leader whose Raft stopped must not keep "leading").
+pub fn leads(m: &crate::typ::RaftMetrics, me: NodeId) -> Option<u64> {
+    (m.state == openraft::ServerState::Leader && m.current_leader == Some(me) && m.running_state.is_ok())
+        .then_some(m.current_term)
 }
 
 /// A client of the controllers' admin API that presents `tls`'s certificate.

@@ -13,21 +13,20 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use std::sync::Arc;
 
 use laneway_actors::{ActorBoard, ChildSpec, RestartPolicy, SupervisorArgs, SupervisorMsg};
-use openraft::ServerState;
 use rand::Rng;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::term::{self, Term};
+use super::term;
 use super::LeaderConfig;
 use crate::context::Context;
 use crate::provision::slow_loop::Provider;
+use crate::scheduler::term::Term;
 use crate::typ::{NodeId, RaftMetrics};
 
 /// Name on the board.
-pub const NAME: &str = "LeadershipWatcher";
-/// Name of the scope on the board (its term is its detail).
-pub const SCOPE: &str = "LeaderScope";
+pub const NAME: &str = super::term::WATCHER;
+pub use super::term::SCOPE;
 /// Looked at again at least this often, even when no metrics change arrives.
 const RECHECK: Duration = Duration::from_secs(1);
 /// How long an old term's scope may take to stop (longer than a supervisor's stop grace and
@@ -35,10 +34,7 @@ const RECHECK: Duration = Duration::from_secs(1);
 const STOP_WAIT: Duration = Duration::from_secs(15);
 
 /// The term this node leads according to `m`, if it leads one.
-pub fn leads(m: &RaftMetrics, me: NodeId) -> Option<u64> {
-    (m.state == ServerState::Leader && m.current_leader == Some(me) && m.running_state.is_ok())
-        .then_some(m.current_term)
-}
+pub use crate::context::leads;
 
 /// The watcher as a child of the controller's root: its scope is [`term::scope`]. Stopping it
 /// stops the scope first (the whole leader's subtree), so it gets longer than a leaf to stop.
@@ -79,7 +75,8 @@ pub struct WatcherArgs {
 
 /// Messages to the watcher.
 pub enum WatcherMsg {
-    /// Compare leadership with the scope, then wait for the next metrics change.
+    /// Compare leadership with the scope (sent on every metrics change, and at least every
+    /// second).
     Check,
     /// Start the scope of `term` again after it failed (sent to itself after the back-off).
     Restart(u64),

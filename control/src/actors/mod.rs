@@ -22,9 +22,8 @@
 pub mod leadership;
 pub mod term;
 
-use std::collections::VecDeque;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use laneway_actors::ticker;
@@ -33,6 +32,7 @@ use ractor::ActorRef;
 
 use crate::context::Context;
 use crate::provision::ProvisionConfig;
+use crate::scheduler::load_reporter::{ActorEvents, MAX_EVENTS_PER_REPORT};
 
 /// What the leader's actors need beyond the context.
 #[derive(Clone)]
@@ -50,13 +50,6 @@ pub struct Tree {
     pub root: ActorRef<SupervisorMsg>,
     pub handle: tokio::task::JoinHandle<()>,
 }
-
-/// Actor events one load report carries at most (a crash loop reports 10 in 5 minutes).
-pub const MAX_EVENTS_PER_REPORT: usize = 32;
-
-/// Restarts of this controller's actors not yet told to the leader (kept when the leader
-/// cannot be reached; the oldest go first when more pile up).
-pub type ActorEvents = Arc<Mutex<VecDeque<laneway_proto::admin::ActorEvent>>>;
 
 /// The board's actors as `lanectl actors` documents, each naming its process.
 pub fn documents(process: &str, actors: Vec<laneway_actors::ActorStatus>) -> Vec<String> {

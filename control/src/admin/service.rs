@@ -308,7 +308,7 @@ impl AdminGrpc {
     /// Refuses a leader-only call on a follower, naming the leader.
     fn leader_only(&self) -> Result<(), AdminError> {
         let m = self.metrics();
-        if crate::actors::leadership::leads(&m, self.node_id).is_some() {
+        if crate::context::leads(&m, self.node_id).is_some() {
             return Ok(());
         }
         let leader = m
@@ -970,7 +970,11 @@ impl AdminService for AdminGrpc {
         self.load.record(r.controller_id, load, tokio::time::Instant::now());
         // A follower's actor restarts, for this leader's events (bounded: a report carries
         // what one controller's actors did in half a second).
-        for e in r.actor_events.iter().take(crate::actors::MAX_EVENTS_PER_REPORT) {
+        for e in r
+            .actor_events
+            .iter()
+            .take(crate::scheduler::load_reporter::MAX_EVENTS_PER_REPORT)
+        {
             let actor: String = e.actor.chars().take(128).collect();
             let message: String = e.message.chars().take(512).collect();
             self.history.event(

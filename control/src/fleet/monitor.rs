@@ -1,14 +1,12 @@
 //! The `NodeMonitor` actor: on the leader, turns heartbeat silence into committed liveness
 //! transitions (the decision is [`super::liveness::decide`]; this only feeds and carries it).
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
 use super::liveness::decide;
 use super::Liveness;
-use crate::actors::term::Term;
 use crate::command::Command;
 use crate::context::Context;
 
@@ -18,15 +16,16 @@ pub const TICK: Duration = Duration::from_millis(500);
 /// The `NodeMonitor` actor's state, for one term.
 pub struct NodeMonitor {
     ctx: Context,
-    term: Arc<Term>,
+    /// When this node started leading the term.
+    since: Instant,
     dead_after: Duration,
 }
 
 impl NodeMonitor {
     /// A node silent for `dead_after` (counted from when it was last heard, or from the start
     /// of this term when this leader has not heard it yet) is declared down.
-    pub fn new(ctx: Context, term: Arc<Term>, dead_after: Duration) -> Self {
-        NodeMonitor { ctx, term, dead_after }
+    pub fn new(ctx: Context, since: Instant, dead_after: Duration) -> Self {
+        NodeMonitor { ctx, since, dead_after }
     }
 }
 
@@ -43,7 +42,7 @@ impl laneway_actors::Ticker for NodeMonitor {
         let transitions = decide(
             &nodes,
             &ctx.heartbeats.last_seen(),
-            self.term.since,
+            self.since,
             Instant::now(),
             dead_after,
         );

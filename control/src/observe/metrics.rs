@@ -69,7 +69,7 @@ fn raft(r: &mut Registry, ctx: &Context) {
         r,
         "is_leader",
         "1 on the leader",
-        i64::from(crate::actors::leadership::leads(&m, ctx.node_id).is_some()),
+        i64::from(crate::context::leads(&m, ctx.node_id).is_some()),
     );
     single(
         r,

@@ -11,11 +11,11 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::actors::term::Term;
 use crate::context::Context;
 use crate::registry::{LaneKind, Registry};
 use crate::scheduler::autoscale::{Inputs, ModelLoad, ScaleState, Signal};
 use crate::scheduler::placement_actor::FAST_TICK;
+use crate::scheduler::term::Term;
 
 /// One lane's actor state.
 pub struct Lane {

@@ -1,13 +1,21 @@
 //! `LoadReporter`: every controller reports its router's load to the leader every
 //! [`REPORT_EVERY`], for the lanes' fast loops (the leader's own straight into the board).
 
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::actors::{ActorEvents, MAX_EVENTS_PER_REPORT};
 use crate::client::AdminClient;
 use crate::context::Context;
+
+/// Actor events one load report carries at most (a crash loop reports 10 in 5 minutes).
+pub const MAX_EVENTS_PER_REPORT: usize = 32;
+
+/// Restarts of this controller's actors not yet told to the leader (kept when the leader
+/// cannot be reached; the oldest go first when more pile up).
+pub type ActorEvents = Arc<Mutex<VecDeque<laneway_proto::admin::ActorEvent>>>;
 
 /// How often each controller reports its router's load to the leader.
 pub const REPORT_EVERY: Duration = Duration::from_millis(500);

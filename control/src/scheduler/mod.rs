@@ -10,3 +10,4 @@ pub mod placement;
 pub mod placement_actor;
 pub mod replicas;
 pub mod rollout_loop;
+pub mod term;

@@ -14,11 +14,11 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::actors::term::{LaneDecision, Term};
 use crate::command::Command;
 use crate::context::Context;
 use crate::registry::Registry;
 use crate::scheduler::replicas;
+use crate::scheduler::term::{LaneDecision, Term};
 
 /// How often the leader plans placement when nothing asks for it sooner.
 pub const TICK: Duration = Duration::from_secs(1);

@@ -3,6 +3,7 @@ use std::sync::Mutex;
 
 use laneway_actors::{ActorState, Ticker};
 use openraft::error::Fatal;
+use openraft::ServerState;
 
 use super::*;
 
