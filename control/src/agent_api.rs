@@ -24,16 +24,54 @@ pub struct AgentGrpc {
     ctx: Context,
     /// Where joins are recorded.
     audit: Option<std::sync::Arc<crate::admin::audit::AuditLog>>,
+    /// Join attempts by peer address.
+    joins: JoinLimiter,
 }
 
 impl AgentGrpc {
     pub fn new(ctx: Context) -> Self {
-        AgentGrpc { ctx, audit: None }
+        AgentGrpc {
+            ctx,
+            audit: None,
+            joins: JoinLimiter::new(),
+        }
     }
 
     pub fn with_audit(mut self, log: std::sync::Arc<crate::admin::audit::AuditLog>) -> Self {
         self.audit = Some(log);
         self
+    }
+}
+
+/// Join attempts a peer address may make at once, and how many a second after that: a fleet
+/// brought up behind one NAT address joins a few dozen hosts in a minute; a flood is cut to a
+/// trickle.
+const JOIN_BURST: u32 = 30;
+const JOINS_PER_SECOND: u32 = 1;
+/// Addresses remembered before the ones that are full again are forgotten.
+const JOIN_PEERS_KEPT: usize = 100_000;
+
+/// Join attempts by peer IP (a GCRA per address, from `governor`).
+struct JoinLimiter(governor::DefaultKeyedRateLimiter<std::net::IpAddr>);
+
+impl JoinLimiter {
+    fn new() -> Self {
+        let quota = governor::Quota::per_second(std::num::NonZeroU32::new(JOINS_PER_SECOND).expect("non-zero"))
+            .allow_burst(std::num::NonZeroU32::new(JOIN_BURST).expect("non-zero"));
+        JoinLimiter(governor::RateLimiter::keyed(quota))
+    }
+
+    /// Ok, or how long until `peer` may try again. A call without an address (in-process) is
+    /// not limited.
+    fn check(&self, peer: Option<std::net::SocketAddr>) -> Result<(), std::time::Duration> {
+        let Some(ip) = peer.map(|a| a.ip()) else { return Ok(()) };
+        if self.0.len() > JOIN_PEERS_KEPT {
+            self.0.retain_recent();
+        }
+        self.0.check_key(&ip).map_err(|not_until| {
+            use governor::clock::Clock as _;
+            not_until.wait_time_from(governor::clock::DefaultClock::default().now())
+        })
     }
 }
 
@@ -53,11 +91,29 @@ fn not_leader(ctx: &Context) -> Status {
 #[tonic::async_trait]
 impl AgentService for AgentGrpc {
     async fn join(&self, req: Request<JoinRequest>) -> Result<Response<JoinReply>, Status> {
-        let who = req.remote_addr().map_or_else(|| "unknown".into(), |a| a.to_string());
+        // Anyone who reaches the listener may call Join: what it costs them is bounded before
+        // anything is written. A peer address gets a burst of attempts, then one a second.
+        let remote = req.remote_addr();
+        let refuse = |status: Status| {
+            if let Some(log) = &self.audit {
+                log.refused(None, remote, "Join", &status);
+            }
+            Err(status)
+        };
+        if let Err(wait) = self.joins.check(remote) {
+            return refuse(Status::resource_exhausted(format!(
+                "too many join attempts from {}; retry in {} s",
+                remote.map_or_else(|| "this address".into(), |a| a.ip().to_string()),
+                wait.as_secs() + 1
+            )));
+        }
         let r = req.into_inner();
+        if let Err(why) = crate::fleet::validate_node_id(&r.node_id) {
+            return refuse(Status::invalid_argument(why));
+        }
         // Never the request itself in the audit log: it holds the token.
         let caller = crate::admin::audit::Caller {
-            who,
+            who: remote.map_or_else(|| "unknown".into(), |a| a.to_string()),
             target: format!("node_id: {:?}", r.node_id),
         };
         let join = async {
@@ -69,7 +125,7 @@ impl AgentService for AgentGrpc {
                     "the controllers hold no CA key (tls.ca_key), so they sign no certificates: give this host one from `lanectl certs issue --kind agent --name NODE` instead of a join token",
                 ));
             };
-            crate::fleet::validate_node_id(&r.node_id).map_err(Status::invalid_argument)?;
+            let key_sha256 = laneway_pki::csr_key_sha256(&r.csr_pem).map_err(|e| Status::invalid_argument(e.to_string()))?;
             let sha256 = crate::registry::hash_key(&r.token);
             let now = crate::jobs::unix_ms();
             // Checked here first, so that a made-up or spent token costs no Raft entry (anyone
@@ -77,11 +133,12 @@ impl AgentService for AgentGrpc {
             let registered = self.ctx.sm.node_flags(&r.node_id).is_some();
             self.ctx
                 .sm
-                .with_registry(|reg| reg.check_join_token(&sha256, &r.node_id, now, registered))
+                .with_registry(|reg| reg.check_join_token(&sha256, &r.node_id, &key_sha256, now, registered))
                 .map_err(Status::permission_denied)?;
             let consume = Command::ConsumeJoinToken {
                 sha256,
                 node_id: r.node_id.clone(),
+                key_sha256,
                 at_ms: now,
             };
             crate::command::check_allowed(&self.ctx.sm, &consume).map_err(Status::failed_precondition)?;
@@ -110,7 +167,7 @@ impl AgentService for AgentGrpc {
             }))
         };
         match &self.audit {
-            Some(log) => log.around(caller, "join", join).await,
+            Some(log) => log.around_public(caller, "join", join).await,
             None => join.await,
         }
     }
@@ -172,6 +229,9 @@ impl AgentService for AgentGrpc {
         }
         // With mTLS, the node the certificate names; every heartbeat must be for it.
         let certified = crate::auth::caller(&req).map(|id| id.name.clone());
+        // Checked again at every message: a stream lives as long as its connection, and a
+        // revocation committed meanwhile must end it.
+        let credential = crate::auth::authenticated(&req);
         let mut inbound = req.into_inner();
         let (tx, rx) = mpsc::channel(16);
         let ctx = self.ctx.clone();
@@ -187,6 +247,11 @@ impl AgentService for AgentGrpc {
                 let reply = tokio::select! {
                     msg = inbound.next() => {
                         let Some(Ok(hb)) = msg else { break };
+                        if let Some(Err(why)) = credential.as_ref().map(|c| crate::auth::recheck(&ctx.sm, c)) {
+                            tracing::warn!(node = %hb.node_id, %why, "heartbeat stream closed: its credential was revoked");
+                            let _ = tx.send(Err(Status::unauthenticated(why))).await;
+                            break;
+                        }
                         let reply = handle(&ctx, certified.as_deref(), &mut bound, &hb);
                         last = Some(hb);
                         reply
@@ -196,6 +261,10 @@ impl AgentService for AgentGrpc {
                             break;
                         }
                         let Some(hb) = last.as_ref().filter(|_| ctx.is_leader()) else { continue };
+                        if let Some(Err(why)) = credential.as_ref().map(|c| crate::auth::recheck(&ctx.sm, c)) {
+                            let _ = tx.send(Err(Status::unauthenticated(why))).await;
+                            break;
+                        }
                         let (jobs, settled) = job_reply(&ctx, hb);
                         if job_keys(&jobs) == sent {
                             continue;
@@ -461,7 +530,9 @@ fn commit_job_reports(ctx: &Context, hb: &Heartbeat) {
     let mut commits = Vec::new();
     ctx.sm.with_jobs(|jobs, _, _| {
         for r in &hb.jobs {
-            let Some(job) = jobs.get(&r.job_id).filter(|j| j.token == Some(r.token)) else {
+            // Only the node the job is assigned to reports on it: a token is a log index any
+            // agent can guess, and must not let one node finish another's job.
+            let Some(job) = jobs.get(&r.job_id).filter(|j| reports_on(j, &hb.node_id, r.token)) else {
                 continue;
             };
             let command = match r.state.as_str() {
@@ -485,7 +556,7 @@ fn commit_job_reports(ctx: &Context, hb: &Heartbeat) {
                     job_id: r.job_id.clone(),
                     token: r.token,
                     completion: Completion::Failed {
-                        reason: format!("on {}: {}", hb.node_id, r.error),
+                        reason: format!("on {}: {}", hb.node_id, crate::text::clip(&r.error, 1024)),
                         retryable: r.retryable,
                     },
                     at_ms: now,
@@ -503,6 +574,11 @@ fn commit_job_reports(ctx: &Context, hb: &Heartbeat) {
         }
         ctx.jobs.commit_report(key, command);
     }
+}
+
+/// Whether `node` may report on `job` with `token`: it holds the job's current attempt.
+fn reports_on(job: &crate::jobs::Job, node: &str, token: u64) -> bool {
+    job.token == Some(token) && job.node.as_deref() == Some(node)
 }
 
 /// The jobs assigned to `hb`'s node now, and the reports it may drop (finished, cancelled,

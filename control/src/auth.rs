@@ -64,13 +64,48 @@ impl Access {
     }
 }
 
-/// The verified identity of a call's client, put into the request's extensions by [`Guarded`].
+/// The verified identity of a call's client and what it presented, put into the request's
+/// extensions by [`Guarded`].
 #[derive(Debug, Clone)]
-pub struct Authenticated(pub PeerIdentity);
+pub struct Authenticated(pub PeerIdentity, pub Credential);
+
+/// What a caller was authenticated with, kept so that a long call (a heartbeat stream) can be
+/// checked again against revocations committed after it started.
+#[derive(Debug, Clone)]
+pub enum Credential {
+    /// A client certificate: its serial and when it became valid.
+    Cert { serial: String, from_ms: u64 },
+    /// An admin bearer token, by its sha256.
+    Token { sha256: String },
+}
 
 /// The caller's identity: `None` in insecure development mode.
 pub fn caller<T>(req: &tonic::Request<T>) -> Option<&PeerIdentity> {
     req.extensions().get::<Authenticated>().map(|a| &a.0)
+}
+
+/// What the caller was authenticated with: `None` in insecure development mode.
+pub fn authenticated<T>(req: &tonic::Request<T>) -> Option<Authenticated> {
+    req.extensions().get::<Authenticated>().cloned()
+}
+
+/// Whether `auth` still holds: its certificate or token not revoked (nor expired) since.
+pub fn recheck(state: &StateMachineStore, auth: &Authenticated) -> Result<(), String> {
+    match &auth.1 {
+        Credential::Cert { serial, from_ms } => {
+            let who = auth.0.to_string();
+            if state.with_registry(|r| r.cert_revoked(serial, &who, *from_ms)) {
+                Err(format!(
+                    "the certificate of {who} (serial {serial}) was revoked; get a new one issued"
+                ))
+            } else {
+                Ok(())
+            }
+        }
+        Credential::Token { sha256 } => state
+            .with_registry(|r| r.admin_token(sha256, crate::jobs::unix_ms()).map(|_| ()))
+            .map_err(|e| e.to_string()),
+    }
 }
 
 /// A service's method table: the access each method needs, `None` for a method it does not
@@ -138,34 +173,24 @@ impl<S: NamedService> NamedService for Guarded<S> {
 impl Policy {
     /// The identity a call to `method` is made with, or why it is refused.
     /// The identity a client certificate (DER) names, unless its serial was revoked.
-    fn identify_cert(&self, der: &[u8]) -> Result<PeerIdentity, String> {
+    fn identify_cert(&self, der: &[u8]) -> Result<(PeerIdentity, Credential), String> {
         let id = laneway_pki::identity_of(der).map_err(|e| e.to_string())?;
+        let serial = laneway_pki::serial_of(der).map_err(|e| e.to_string())?;
+        let (from, _) = laneway_pki::validity_der(der).map_err(|e| e.to_string())?;
+        let from_ms = from
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let auth = Authenticated(id, Credential::Cert { serial, from_ms });
         if let Some(state) = &self.state {
-            let serial = laneway_pki::serial_of(der).map_err(|e| e.to_string())?;
-            let (from, _) = laneway_pki::validity_der(der).map_err(|e| e.to_string())?;
-            let from_ms = from
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis() as u64);
-            let who = id.to_string();
             // This serial, or any certificate of the same identity issued before a revocation
             // (a renewal made with a stolen key included).
-            let revoked = state.with_registry(|r| {
-                r.revoked_certs.contains_key(&serial)
-                    || r.revoked_certs
-                        .values()
-                        .any(|c| c.identity == who && from_ms <= c.at_ms)
-            });
-            if revoked {
-                return Err(format!(
-                    "the certificate of {id} (serial {serial}) was revoked; get a new one issued"
-                ));
-            }
+            recheck(state, &auth)?;
         }
-        Ok(id)
+        Ok((auth.0, auth.1))
     }
 
     /// The identity an admin bearer token stands for.
-    fn identify_token(&self, token: &str) -> Result<PeerIdentity, String> {
+    fn identify_token(&self, token: &str) -> Result<(PeerIdentity, Credential), String> {
         let Some(state) = &self.state else {
             return Err("this listener accepts no bearer tokens".into());
         };
@@ -175,7 +200,8 @@ impl Policy {
                 .map(|(role, name)| (role.to_string(), name.to_string()))
         })?;
         let kind: Kind = role.parse().map_err(|e: laneway_pki::PkiError| e.to_string())?;
-        PeerIdentity::new(&self.cluster, kind, &name).map_err(|e| e.to_string())
+        let id = PeerIdentity::new(&self.cluster, kind, &name).map_err(|e| e.to_string())?;
+        Ok((id, Credential::Token { sha256: sha }))
     }
 
     fn admit(&self, method: &str, peer: Presented) -> Result<Option<PeerIdentity>, Status> {
@@ -240,17 +266,19 @@ where
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
             .map(str::to_string);
-        let peer: Presented = match (self.policy.secure, cert, bearer) {
+        let presented = match (self.policy.secure, cert, bearer) {
             (false, _, _) => None,
             (true, Some(cert), _) => Some(self.policy.identify_cert(cert.as_ref())),
             (true, None, Some(token)) => Some(self.policy.identify_token(&token)),
             (true, None, None) => None,
         };
+        let credential = presented.as_ref().and_then(|p| p.as_ref().ok()).map(|(_, c)| c.clone());
+        let peer: Presented = presented.map(|p| p.map(|(id, _)| id));
         let who = peer.as_ref().and_then(|p| p.as_ref().ok()).cloned();
         match self.policy.admit(&method, peer) {
             Ok(id) => {
-                if let Some(id) = id {
-                    req.extensions_mut().insert(Authenticated(id));
+                if let (Some(id), Some(credential)) = (id, credential) {
+                    req.extensions_mut().insert(Authenticated(id, credential));
                 }
                 let fut = self.inner.call(req);
                 Box::pin(fut)

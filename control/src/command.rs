@@ -27,6 +27,9 @@ pub const COMMAND_FORMAT: u32 = 9;
 /// binary that knows it. Commands of a format above it are refused before they are proposed,
 /// so a controller left on an older binary during a rolling upgrade never meets one.
 pub const FORMAT_SETTING: &str = "cluster.command_format";
+/// Settings under this prefix belong to the cluster, not the operator: never deleted, and the
+/// command format is never lowered (checked by the admin API and again in apply).
+pub const CLUSTER_SETTINGS: &str = "cluster.";
 /// Formats up to this one predate the gate: always allowed (a cluster without the setting was
 /// created before it).
 pub const UNGATED_FORMAT: u32 = 4;
@@ -233,6 +236,10 @@ pub enum Command {
     ConsumeJoinToken {
         sha256: String,
         node_id: String,
+        /// The sha256 of the public key the certificate is signed for (empty in entries
+        /// written before it was recorded).
+        #[serde(default)]
+        key_sha256: String,
         at_ms: u64,
     },
     /// A version of a model (`lanectl model deploy`): the first of its name is an ordinary
@@ -521,12 +528,16 @@ impl Command {
                 .iter()
                 .try_for_each(|g| validate_node_id(&g.node))
                 .map_err(CommandError::InvalidNode),
-            Command::CreateJoinToken { token, .. } => match &token.node_id {
-                Some(n) => validate_node_id(n).map_err(CommandError::InvalidNode),
-                None => Ok(()),
-            },
-            Command::RevokeToken { .. } => Ok(()),
-            Command::CreateAdminToken { token, .. } => {
+            Command::CreateJoinToken { sha256, token } => {
+                validate_sha256(sha256)?;
+                match &token.node_id {
+                    Some(n) => validate_node_id(n).map_err(CommandError::InvalidNode),
+                    None => Ok(()),
+                }
+            }
+            Command::RevokeToken { sha256 } => validate_sha256(sha256),
+            Command::CreateAdminToken { sha256, token } => {
+                validate_sha256(sha256)?;
                 let kind: laneway_pki::Kind = token
                     .role
                     .parse()
@@ -540,16 +551,32 @@ impl Command {
                     .map(|_| ())
                     .map_err(|e| CommandError::Invalid(e.to_string()))
             }
-            Command::RevokeCertificate { serial, .. } => {
-                if serial.is_empty() || serial.len() > 64 || !serial.chars().all(|c| c.is_ascii_hexdigit()) {
+            Command::RevokeCertificate { serial, cert } => {
+                // The identity is what catches the certificate's renewals (and, with no
+                // serial, every certificate of it issued so far).
+                let identity_ok = cert.identity.split_once(':').is_some_and(|(kind, name)| {
+                    kind.parse::<laneway_pki::Kind>().is_ok()
+                        && laneway_pki::PeerIdentity::new("x", kind.parse().expect("parsed"), name).is_ok()
+                });
+                if !identity_ok {
+                    return Err(CommandError::Invalid(format!(
+                        "certificate identity {:?}: kind:name, e.g. agent:gpu-1 or admin:alice (`lanectl certs show` prints it)",
+                        crate::text::clip(&cert.identity, 80)
+                    )));
+                }
+                if serial.len() > 64 || !serial.chars().all(|c| c.is_ascii_hexdigit()) {
                     Err(CommandError::Invalid(format!(
-                        "certificate serial {serial:?}: hex digits, as `lanectl certs show` prints"
+                        "certificate serial {:?}: hex digits, as `lanectl certs show` prints",
+                        crate::text::clip(serial, 80)
                     )))
                 } else {
                     Ok(())
                 }
             }
-            Command::ConsumeJoinToken { node_id, .. } => validate_node_id(node_id).map_err(CommandError::InvalidNode),
+            Command::ConsumeJoinToken { sha256, node_id, .. } => {
+                validate_sha256(sha256)?;
+                validate_node_id(node_id).map_err(CommandError::InvalidNode)
+            }
             Command::DeployVersion(m) => m.validate().map_err(CommandError::Invalid),
             Command::StartRollout(r) => r.validate().map_err(CommandError::Invalid),
             Command::UpdateRollout { model, message, .. } => {
@@ -577,6 +604,18 @@ impl Command {
                 Ok(())
             }
         }
+    }
+}
+
+/// Checks a token's sha256 as commands carry it: 64 lowercase hex digits.
+fn validate_sha256(sha256: &str) -> Result<(), CommandError> {
+    if sha256.len() == 64 && sha256.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+        Ok(())
+    } else {
+        Err(CommandError::Invalid(format!(
+            "token hash {:?}: a sha256 is 64 lowercase hex digits",
+            sha256.chars().take(80).collect::<String>()
+        )))
     }
 }
 

@@ -410,6 +410,15 @@ impl RunArgs {
                 Some(std::sync::Arc::new(ca))
             }
         };
+        if tls.is_none() {
+            insecure_only_on_loopback("listen", &listen.to_string())?;
+            if let Some(a) = &advertise {
+                insecure_only_on_loopback("advertise", a)?;
+            }
+            if let Some(r) = &router.listen {
+                insecure_only_on_loopback("router.listen", &r.to_string())?;
+            }
+        }
         if tls.is_some()
             && matches!(
                 provision.as_ref().map(|p| &p.provider),
@@ -437,6 +446,27 @@ impl RunArgs {
             node_dead_after: std::time::Duration::from_secs(3),
             router,
         })
+    }
+}
+
+/// In insecure development mode every listener and advertised address stays on this host:
+/// without TLS anyone who reaches a port is an admin and can join as an agent.
+fn insecure_only_on_loopback(field: &'static str, addr: &str) -> Result<(), ConfigError> {
+    let host = match addr.parse::<SocketAddr>() {
+        Ok(a) => a.ip().to_string(),
+        Err(_) => addr.rsplit_once(':').map_or(addr, |(h, _)| h).to_string(),
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let loopback = host.eq_ignore_ascii_case("localhost")
+        || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
+    if loopback {
+        Ok(())
+    } else {
+        Err(bad(
+            field,
+            addr,
+            "a loopback address (127.0.0.1, [::1] or localhost) in --insecure-dev, which has no authentication at all; for a cluster other hosts reach, use TLS (`lanectl certs init`, `lanectl certs issue --kind controller`)",
+        ))
     }
 }
 
@@ -675,6 +705,47 @@ mod tests {
         .unwrap_err();
         assert!(e.expected.contains("--insecure-dev"), "{e}");
         assert!(args().resolve().unwrap().tls.is_none());
+    }
+
+    /// Insecure development mode has no authentication: every address stays on this host.
+    #[test]
+    fn insecure_dev_refuses_addresses_other_hosts_reach() {
+        for (a, field) in [
+            (
+                RunArgs {
+                    listen: Some("0.0.0.0:7001".into()),
+                    advertise: Some("127.0.0.1:7001".into()),
+                    ..args()
+                },
+                "listen",
+            ),
+            (
+                RunArgs {
+                    advertise: Some("10.0.0.5:7001".into()),
+                    ..args()
+                },
+                "advertise",
+            ),
+            (
+                RunArgs {
+                    router_listen: Some("0.0.0.0:8080".into()),
+                    ..args()
+                },
+                "router.listen",
+            ),
+        ] {
+            let e = a.resolve().unwrap_err();
+            assert_eq!(e.field, field, "{e}");
+            assert!(e.expected.contains("loopback"), "{e}");
+        }
+        RunArgs {
+            listen: Some("[::1]:7001".into()),
+            advertise: Some("localhost:7001".into()),
+            router_listen: Some("127.0.0.1:8080".into()),
+            ..args()
+        }
+        .resolve()
+        .unwrap();
     }
 
     #[test]

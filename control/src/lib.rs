@@ -28,4 +28,5 @@ pub mod scheduler;
 pub mod server;
 pub mod store;
 pub mod telemetry;
+pub mod text;
 pub mod typ;

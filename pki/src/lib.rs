@@ -188,6 +188,18 @@ pub fn serial_of(cert_der: &[u8]) -> Result<String, PkiError> {
     Ok(hex::encode(cert.raw_serial()))
 }
 
+/// The sha256 (lowercase hex) of the public key a certificate signing request (PEM) is for:
+/// what a join remembers, so that only the same key may ask again with the same token.
+pub fn csr_key_sha256(csr_pem: &str) -> Result<String, PkiError> {
+    use sha2::Digest as _;
+    use x509_parser::prelude::FromDer as _;
+    let (_, pem) = x509_parser::pem::parse_x509_pem(csr_pem.as_bytes())
+        .map_err(|e| PkiError::Invalid(format!("the certificate signing request is not PEM: {e}")))?;
+    let (_, csr) = x509_parser::certification_request::X509CertificationRequest::from_der(&pem.contents)
+        .map_err(|e| PkiError::Invalid(format!("the certificate signing request is not valid: {e}")))?;
+    Ok(hex::encode(sha2::Sha256::digest(csr.certification_request_info.subject_pki.raw)))
+}
+
 /// [`serial_of`] for a PEM certificate.
 pub fn serial_of_pem(cert_pem: &str) -> Result<String, PkiError> {
     serial_of(&first_cert_der(cert_pem)?)

@@ -38,7 +38,10 @@ pub struct Entry {
 pub struct AuditLog {
     path: PathBuf,
     controller: u64,
-    file: Mutex<std::fs::File>,
+    /// The open file and how many bytes it holds.
+    file: Mutex<(std::fs::File, u64)>,
+    /// Size past which the file is rotated.
+    max_bytes: u64,
     /// Refusals written in the current second, and refusals not written since the last one
     /// that was: anyone who reaches the port can be refused, and must not fill the disk.
     refusals: Mutex<(u64, u32, u64)>,
@@ -46,6 +49,15 @@ pub struct AuditLog {
 
 /// Refused calls recorded per second at most; the rest are counted into the next entry.
 const REFUSALS_PER_SECOND: u32 = 20;
+
+/// Longest target and message written, in characters: both may carry what a caller sent.
+pub const MAX_TARGET_CHARS: usize = 512;
+pub const MAX_MESSAGE_CHARS: usize = 1024;
+
+/// Size at which `audit.log` is rotated to `audit.log.1` (and `.1` to `.2`, …).
+pub const ROTATE_BYTES: u64 = 64 * 1024 * 1024;
+/// Rotated files kept beside the current one; the oldest is deleted.
+pub const ROTATED_KEPT: usize = 4;
 
 impl std::fmt::Debug for AuditLog {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -57,26 +69,88 @@ impl std::fmt::Debug for AuditLog {
 pub const MAX_ENTRIES: usize = 10_000;
 
 impl AuditLog {
-    /// Opens (creating it) the log at `path` for appending.
+    /// Opens (creating it) the log at `path` for appending, rotated at [`ROTATE_BYTES`].
     pub fn open(path: &Path, controller: u64) -> std::io::Result<AuditLog> {
+        Self::open_rotating_at(path, controller, ROTATE_BYTES)
+    }
+
+    /// [`AuditLog::open`], rotated at `max_bytes`.
+    pub fn open_rotating_at(path: &Path, controller: u64, max_bytes: u64) -> std::io::Result<AuditLog> {
         let file = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
+        let bytes = file.metadata()?.len();
         Ok(AuditLog {
             path: path.to_path_buf(),
             controller,
-            file: Mutex::new(file),
+            file: Mutex::new((file, bytes)),
+            max_bytes,
             refusals: Mutex::new((0, 0, 0)),
         })
+    }
+
+    /// `audit.log.N`.
+    fn rotated(&self, n: usize) -> PathBuf {
+        let mut p = self.path.clone().into_os_string();
+        p.push(format!(".{n}"));
+        PathBuf::from(p)
+    }
+
+    /// Moves the full file aside (`.1`, the older ones up by one, the oldest deleted) and
+    /// starts a new one.
+    fn rotate(&self, open: &mut (std::fs::File, u64)) -> std::io::Result<()> {
+        for n in (1..ROTATED_KEPT).rev() {
+            let from = self.rotated(n);
+            if from.exists() {
+                std::fs::rename(&from, self.rotated(n + 1))?;
+            }
+        }
+        std::fs::rename(&self.path, self.rotated(1))?;
+        let file = std::fs::OpenOptions::new().create(true).append(true).open(&self.path)?;
+        if let Some(dir) = self.path.parent() {
+            // The renames are durable before anything is written to the new file.
+            std::fs::File::open(dir).and_then(|d| d.sync_all())?;
+        }
+        *open = (file, 0);
+        Ok(())
     }
 
     /// Appends one entry and syncs it. A log that cannot be written is reported, and the call
     /// it records has already happened: it is not undone.
     pub fn record(&self, entry: &Entry) {
-        let mut line = serde_json::to_vec(entry).expect("entry serializes");
+        let mut entry = entry.clone();
+        entry.target = crate::text::clip(&entry.target, MAX_TARGET_CHARS);
+        entry.who = crate::text::clip(&entry.who, MAX_TARGET_CHARS);
+        entry.message = entry.message.map(|m| crate::text::clip(&m, MAX_MESSAGE_CHARS));
+        let mut line = serde_json::to_vec(&entry).expect("entry serializes");
         line.push(b'\n');
-        let mut f = self.file.lock().unwrap_or_else(|p| p.into_inner());
-        if let Err(e) = f.write_all(&line).and_then(|_| f.sync_data()) {
-            tracing::error!(path = %self.path.display(), error = %e, call = entry.call, "audit log write failed");
+        let mut open = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        if open.1 > 0 && open.1 + line.len() as u64 > self.max_bytes {
+            if let Err(e) = self.rotate(&mut open) {
+                tracing::error!(path = %self.path.display(), error = %e, "audit log rotation failed; appending to the current file");
+            }
         }
+        let f = &mut open.0;
+        match f.write_all(&line).and_then(|_| f.sync_data()) {
+            Ok(()) => open.1 += line.len() as u64,
+            Err(e) => {
+                tracing::error!(path = %self.path.display(), error = %e, call = entry.call, "audit log write failed")
+            }
+        }
+    }
+
+    /// Whether one more refusal may be written this second, and how many were not written
+    /// since the last one that was (`None`: this one is not written either).
+    fn refusal_budget(&self, now_ms: u64) -> Option<u64> {
+        let mut r = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
+        let second = now_ms / 1000;
+        if r.0 != second {
+            *r = (second, 0, r.2);
+        }
+        if r.1 >= REFUSALS_PER_SECOND {
+            r.2 += 1;
+            return None;
+        }
+        r.1 += 1;
+        Some(std::mem::take(&mut r.2))
     }
 
     /// Records a call the authorization layer refused (before any handler ran).
@@ -89,20 +163,10 @@ impl AuditLog {
     ) {
         let addr = remote.map_or_else(|| "unknown".into(), |a| a.to_string());
         let now = crate::jobs::unix_ms();
-        let suppressed = {
-            let mut r = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
-            let second = now / 1000;
-            if r.0 != second {
-                *r = (second, 0, r.2);
-            }
-            if r.1 >= REFUSALS_PER_SECOND {
-                r.2 += 1;
-                return;
-            }
-            r.1 += 1;
-            std::mem::take(&mut r.2)
+        let Some(suppressed) = self.refusal_budget(now) else {
+            return;
         };
-        let mut message = status.message().to_string();
+        let mut message = crate::text::clip(status.message(), MAX_MESSAGE_CHARS);
         if suppressed > 0 {
             message.push_str(&format!(
                 " ({suppressed} more refusals before this one were not recorded: over {REFUSALS_PER_SECOND} a second)"
@@ -126,13 +190,40 @@ impl AuditLog {
     where
         F: std::future::Future<Output = Result<Response<T>, Status>>,
     {
+        self.around_with(caller, call, false, f).await
+    }
+
+    /// [`AuditLog::around`] for a call anyone may make (a join): its failures are written
+    /// within the refusals' budget, so a flood of bad calls costs a bounded amount of disk.
+    pub async fn around_public<T, F>(&self, caller: Caller, call: &'static str, f: F) -> Result<Response<T>, Status>
+    where
+        F: std::future::Future<Output = Result<Response<T>, Status>>,
+    {
+        self.around_with(caller, call, true, f).await
+    }
+
+    async fn around_with<T, F>(&self, caller: Caller, call: &'static str, public: bool, f: F) -> Result<Response<T>, Status>
+    where
+        F: std::future::Future<Output = Result<Response<T>, Status>>,
+    {
         let start = tokio::time::Instant::now();
         let result = f.await;
         let now = crate::jobs::unix_ms();
-        let (outcome, message) = match &result {
+        let (outcome, mut message) = match &result {
             Ok(_) => ("ok".to_string(), None),
             Err(s) => (format!("{:?}", s.code()), Some(s.message().to_string())),
         };
+        if public && result.is_err() {
+            match self.refusal_budget(now) {
+                None => return result,
+                Some(0) => {}
+                Some(n) => {
+                    message = message.map(|m| {
+                        format!("{m} ({n} more refusals before this one were not recorded: over {REFUSALS_PER_SECOND} a second)")
+                    })
+                }
+            }
+        }
         self.record(&Entry {
             unix_ms: now,
             at: rfc3339(now),
@@ -149,12 +240,21 @@ impl AuditLog {
 
     /// Entries at or after `since_ms`, oldest first, the last `limit` of them.
     pub fn read(&self, since_ms: u64, limit: usize) -> std::io::Result<Vec<Value>> {
-        let text = std::fs::read_to_string(&self.path)?;
-        let mut out: Vec<Value> = text
-            .lines()
-            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-            .filter(|v| v["unix_ms"].as_u64().is_some_and(|t| t >= since_ms))
-            .collect();
+        let mut out: Vec<Value> = Vec::new();
+        // The rotated files first, oldest first, then the current one.
+        let files = (1..=ROTATED_KEPT).rev().map(|n| self.rotated(n)).chain([self.path.clone()]);
+        for path in files {
+            let text = match std::fs::read_to_string(&path) {
+                Ok(t) => t,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(e),
+            };
+            out.extend(
+                text.lines()
+                    .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+                    .filter(|v| v["unix_ms"].as_u64().is_some_and(|t| t >= since_ms)),
+            );
+        }
         let limit = limit.clamp(1, MAX_ENTRIES);
         if out.len() > limit {
             out.drain(..out.len() - limit);
@@ -245,6 +345,57 @@ mod tests {
         drop(log);
         let log = AuditLog::open(&dir.path().join("audit.log"), 1).unwrap();
         assert_eq!(log.read(0, 100).unwrap().len(), 2);
+    }
+
+    /// What a caller sent is clipped, and the file is rotated: a flood of calls costs a
+    /// bounded amount of disk, and reads still see the rotated entries.
+    #[tokio::test]
+    async fn entries_are_clipped_and_the_file_rotates() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.log");
+        let log = AuditLog::open_rotating_at(&path, 1, 8 * 1024).unwrap();
+        let huge = "x".repeat(1024 * 1024);
+        for _ in 0..200 {
+            let _: Result<Response<()>, Status> = log
+                .around(caller(&huge), "join", async { Err(Status::permission_denied("y".repeat(1 << 20))) })
+                .await;
+        }
+        let mut total = 0;
+        for n in 0..=ROTATED_KEPT + 1 {
+            let p = if n == 0 { path.clone() } else { log.rotated(n) };
+            if let Ok(m) = std::fs::metadata(&p) {
+                assert!(n <= ROTATED_KEPT, "at most {ROTATED_KEPT} rotated files are kept");
+                assert!(m.len() <= 8 * 1024 + 4096, "{} is {} bytes", p.display(), m.len());
+                total += m.len();
+            }
+        }
+        assert!(total <= (ROTATED_KEPT as u64 + 1) * 12 * 1024, "{total} bytes in all");
+        let all = log.read(0, 10_000).unwrap();
+        assert!(all.len() > 5, "entries of the rotated files are read too: {}", all.len());
+        let line = all[0]["target"].as_str().unwrap();
+        assert!(line.len() < 2 * MAX_TARGET_CHARS && line.ends_with("(1048576 bytes in all)"), "{line}");
+    }
+
+    /// Failures of a call anyone may make are written within the refusal budget.
+    #[tokio::test]
+    async fn public_failures_are_written_within_a_budget() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = AuditLog::open(&dir.path().join("audit.log"), 1).unwrap();
+        let start = std::time::Instant::now();
+        for _ in 0..500 {
+            let _: Result<Response<()>, Status> = log
+                .around_public(caller("node_id: \"x\""), "join", async { Err(Status::permission_denied("no")) })
+                .await;
+        }
+        let seconds = start.elapsed().as_secs() as usize + 2;
+        let n = log.read(0, 10_000).unwrap().len();
+        assert!(
+            n <= seconds * REFUSALS_PER_SECOND as usize && n < 500,
+            "{n} entries written for 500 refused joins in under {seconds} s"
+        );
+        let ok: Result<Response<()>, Status> = log.around_public(caller("x"), "join", async { Ok(Response::new(())) }).await;
+        assert!(ok.is_ok());
+        assert_eq!(log.read(0, 10_000).unwrap().last().unwrap()["result"], "ok", "successes are always written");
     }
 
     #[test]

@@ -585,6 +585,13 @@ impl AdminService for AdminGrpc {
     async fn delete_setting(&self, req: Request<DeleteSettingRequest>) -> Result<Response<WriteReply>, Status> {
         self.audited("delete_setting", super::audit::Caller::of(&req), async move {
             let req = req.into_inner();
+            if req.key.starts_with(crate::command::CLUSTER_SETTINGS) {
+                return Err(AdminError::InvalidArgument(format!(
+                    "{} is the cluster's own setting and is never deleted: without it the controllers would stop accepting revocations and token commands (`lanectl cluster finalize-upgrade` raises the command format)",
+                    req.key
+                ))
+                .into());
+            }
             Ok(Response::new(
                 self.write(Command::DeleteSetting { key: req.key }).await?,
             ))
@@ -826,6 +833,8 @@ impl AdminService for AdminGrpc {
                 expires_ms: now + r.ttl_ms,
                 node_id: (!r.node_id.is_empty()).then_some(r.node_id),
                 used_by: None,
+                used_key: None,
+                used_ms: None,
                 revoked: false,
             };
             let expires_ms = record.expires_ms;

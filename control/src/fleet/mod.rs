@@ -80,7 +80,8 @@ pub fn validate_node_id(id: &str) -> Result<(), String> {
         Ok(())
     } else {
         Err(format!(
-            "node id {id:?}: use 1-63 characters of a-z, 0-9 and '-' (not at either end), e.g. gpu-h100-07"
+            "node id {:?}: use 1-63 characters of a-z, 0-9 and '-' (not at either end), e.g. gpu-h100-07",
+            crate::text::clip(id, 64)
         ))
     }
 }

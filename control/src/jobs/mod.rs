@@ -499,7 +499,25 @@ impl Jobs {
         let job = self.jobs.get_mut(id).expect("checked above");
         match completion {
             Completion::Succeeded(result) => {
-                job.result = Some(result.clone());
+                // The result is where this attempt was told to write it, nowhere else (another
+                // tenant's result, say), and its metered GPU time fits the attempt.
+                let expected = laneway_agent::results::result_key(id, token);
+                if result.key != expected {
+                    return Err(format!(
+                        "job {id}: a result at {:?} is refused; this attempt's result is {expected}",
+                        crate::text::clip(&result.key, 128)
+                    ));
+                }
+                if !valid_content_type(&result.content_type) {
+                    return Err(format!(
+                        "job {id}: content type {:?} is refused; give a media type such as application/json",
+                        crate::text::clip(&result.content_type, 128)
+                    ));
+                }
+                let mut result = result.clone();
+                let since = job.assigned_ms.unwrap_or(at_ms);
+                result.gpu_us = result.gpu_us.min(max_gpu_us(since, at_ms));
+                job.result = Some(result);
                 Self::end(job, JobState::Succeeded, at_ms);
             }
             Completion::Failed { reason, retryable } => {
@@ -610,6 +628,33 @@ impl Jobs {
             sorted(&self.by_key),
         )
     }
+}
+
+/// Most GPUs one attempt may be metered for: the most one host holds. The GPU time an agent
+/// reports is capped at this many GPUs busy for the whole attempt, so a compromised agent
+/// cannot bill a tenant for more than its hardware could have done.
+pub const MAX_GPUS_PER_ATTEMPT: u64 = 16;
+
+/// The most GPU time (µs) an attempt assigned at `since_ms` and finished at `at_ms` can have used.
+fn max_gpu_us(since_ms: u64, at_ms: u64) -> u64 {
+    at_ms
+        .saturating_sub(since_ms)
+        .saturating_mul(1000)
+        .saturating_mul(MAX_GPUS_PER_ATTEMPT)
+}
+
+/// A media type (`type/subtype`, optional parameters) short and plain enough to send back as
+/// a header.
+fn valid_content_type(ct: &str) -> bool {
+    let essence = ct.split(';').next().unwrap_or_default().trim();
+    let token = |s: &str| {
+        !s.is_empty()
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"!#$&-^_.+".contains(&b))
+    };
+    ct.len() <= 128
+        && ct.bytes().all(|b| (0x20..0x7f).contains(&b))
+        && essence.split_once('/').is_some_and(|(t, s)| token(t) && token(s))
 }
 
 #[cfg(test)]

@@ -714,3 +714,38 @@ fn a_job_on_a_static_replica_is_priced_by_its_gpu() {
     // 45 GPU-seconds at $0.36/h.
     assert_eq!(row.counts.cost_nanos, 4_500_000);
 }
+
+/// An agent's report is held to the attempt: the result must be the one this attempt was
+/// told to write (not another tenant's), of a plain media type, and the GPU time it meters
+/// is capped at what the attempt's wall time allows.
+#[test]
+fn a_result_is_bound_to_its_attempt_and_its_gpu_time_to_the_wall_clock() {
+    let mut j = Jobs::default();
+    j.submit(&sub("a", "t", None, "1"), None, 1).unwrap();
+    j.submit(&sub("b", "other", None, "2"), None, 2).unwrap();
+    j.assign("a", "n1", "r1", 5, 10_000).unwrap();
+    let theirs = Completion::Succeeded(JobResult {
+        key: "jobs/b/6".into(),
+        bytes: 10,
+        gpu_us: 1,
+        content_type: "application/json".into(),
+    });
+    let e = j.finish("a", 5, &theirs, 11_000).unwrap_err();
+    assert!(e.contains("this attempt's result is jobs/a/5"), "{e}");
+    let html = Completion::Succeeded(JobResult {
+        key: "jobs/a/5".into(),
+        bytes: 10,
+        gpu_us: 1,
+        content_type: "text/html\r\nSet-Cookie: x".into(),
+    });
+    assert!(j.finish("a", 5, &html, 11_000).unwrap_err().contains("content type"));
+    let inflated = Completion::Succeeded(JobResult {
+        key: "jobs/a/5".into(),
+        bytes: 10,
+        gpu_us: u64::MAX,
+        content_type: "application/json; charset=utf-8".into(),
+    });
+    j.finish("a", 5, &inflated, 12_000).unwrap();
+    let billed = j.get("a").unwrap().result.as_ref().unwrap().gpu_us;
+    assert_eq!(billed, 2_000 * 1000 * MAX_GPUS_PER_ATTEMPT, "2 s of the most GPUs one host has");
+}

@@ -515,16 +515,33 @@ pub struct AdminToken {
     pub revoked: bool,
 }
 
-/// A revoked certificate.
+/// A revoked certificate (keyed by its serial), or every certificate of an identity issued
+/// until `at_ms` (keyed by the identity).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RevokedCert {
-    /// `kind:name`, for the record.
+    /// `kind:name`: every certificate of it valid from `at_ms` or earlier is refused too.
     pub identity: String,
     pub at_ms: u64,
 }
 
+/// The key a revocation is kept under: the serial, or for a revocation of an identity's every
+/// certificate the identity (`agent:gpu-1`, never hex, so never a serial).
+pub fn revocation_key(serial: &str, identity: &str) -> String {
+    if serial.is_empty() {
+        identity.to_string()
+    } else {
+        serial.to_ascii_lowercase()
+    }
+}
+
 /// How long a join token's id is: a prefix of its sha256, enough to tell tokens apart.
 pub const JOIN_TOKEN_ID_CHARS: usize = 12;
+
+/// The short id of a token (by its sha256) in messages. Never slices mid-character: this runs
+/// in apply, where a panic on odd input would stop every replica at the same log index.
+pub fn token_id(sha256: &str) -> &str {
+    sha256.get(..JOIN_TOKEN_ID_CHARS).unwrap_or(sha256)
+}
 
 /// A one-time token for a new host to join with (ADR 0013).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -537,8 +554,44 @@ pub struct JoinToken {
     /// The node that joined with it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub used_by: Option<String>,
+    /// The sha256 of the public key it was first used for, and when: a retry (the first
+    /// answer lost) must be for the same key, within [`JOIN_RETRY_MS`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub used_key: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub used_ms: Option<u64>,
     #[serde(default)]
     pub revoked: bool,
+}
+
+/// How long after its first use a join token may be used again, by the same node with the
+/// same key (the host's first answer was lost).
+pub const JOIN_RETRY_MS: u64 = 10 * 60_000;
+
+/// What an overflow endpoint's key variable must start with: a class document (which an
+/// operator writes) may name only variables set on the controllers for that purpose, never
+/// another secret of their environment (`AWS_SECRET_ACCESS_KEY`).
+pub const OVERFLOW_TOKEN_ENV_PREFIX: &str = "LANEWAY_OVERFLOW_";
+
+/// Checks the name of an overflow endpoint's key variable (on write, and again before it is read).
+pub fn check_overflow_token_env(var: &str) -> Result<(), String> {
+    let ok = !var.is_empty()
+        && var.len() <= 128
+        && var
+            .chars()
+            .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_');
+    if !ok {
+        return Err(format!(
+            "token_env {:?}: give the name of an environment variable (A-Z, 0-9, _, e.g. {OVERFLOW_TOKEN_ENV_PREFIX}HOSTED_API), not the key itself",
+            crate::text::clip(var, 64)
+        ));
+    }
+    if !var.starts_with(OVERFLOW_TOKEN_ENV_PREFIX) {
+        return Err(format!(
+            "token_env {var:?}: the variable's name must start with {OVERFLOW_TOKEN_ENV_PREFIX} (e.g. {OVERFLOW_TOKEN_ENV_PREFIX}HOSTED_API), so that no other secret of the controllers' environment can be sent out"
+        ));
+    }
+    Ok(())
 }
 
 /// Ready replicas of the registry entry `entry` among `replicas` (every node's).
@@ -561,7 +614,7 @@ impl Registry {
     /// The role and name an admin token (by its sha256) stands for at `now_ms`, or why it is
     /// refused.
     pub fn admin_token(&self, sha256: &str, now_ms: u64) -> Result<(&str, &str), String> {
-        let id = &sha256[..JOIN_TOKEN_ID_CHARS.min(sha256.len())];
+        let id = token_id(sha256);
         let t = self
             .admin_tokens
             .get(sha256)
@@ -573,6 +626,17 @@ impl Registry {
             return Err(format!("admin token {id} ({}) has expired; make a new one", t.name));
         }
         Ok((&t.role, &t.name))
+    }
+
+    /// Whether a certificate (its serial, its identity `kind:name`, valid from `from_ms`) is
+    /// revoked: by serial, or as a certificate of that identity issued before a revocation of
+    /// the identity or of any of its certificates (a renewal made with a stolen key included).
+    pub fn cert_revoked(&self, serial: &str, identity: &str, from_ms: u64) -> bool {
+        self.revoked_certs.contains_key(serial)
+            || self
+                .revoked_certs
+                .values()
+                .any(|c| c.identity == identity && from_ms <= c.at_ms)
     }
 
     /// Marks the join or admin token with this sha256 revoked.
@@ -590,13 +654,21 @@ impl Registry {
     /// Whether a host may join as `node_id` with the token hashing to `sha256` at `at_ms`
     /// (`registered`: the node id is in the fleet already), without changing anything.
     ///
-    /// A token works for one node id, until it expires: the same node may ask again with it
-    /// (its first answer may have been lost), no other may. A node id already in the cluster
+    /// A token works for one node id, once: the same node may ask again with it for the same
+    /// key within [`JOIN_RETRY_MS`] (its first answer may have been lost); nobody else, and
+    /// no other key, ever may. A node id already in the cluster
     /// (joined before, or registered with a certificate from `lanectl certs issue`) is never
     /// taken by a new host; only a token an admin bound to that id (`--node`) gives it a new
     /// certificate, for the same host after it lost its key.
-    pub fn check_join_token(&self, sha256: &str, node_id: &str, at_ms: u64, registered: bool) -> Result<(), String> {
-        let id = &sha256[..JOIN_TOKEN_ID_CHARS.min(sha256.len())];
+    pub fn check_join_token(
+        &self,
+        sha256: &str,
+        node_id: &str,
+        key_sha256: &str,
+        at_ms: u64,
+        registered: bool,
+    ) -> Result<(), String> {
+        let id = token_id(sha256);
         let Some(t) = self.join_tokens.get(sha256) else {
             return Err("the join token is not known to this cluster; create one with `lanectl token create`".into());
         };
@@ -611,7 +683,17 @@ impl Registry {
             ));
         }
         match &t.used_by {
-            Some(by) if by == node_id => return Ok(()),
+            Some(by) if by == node_id => {
+                let same_key = t.used_key.as_deref().is_some_and(|k| !k.is_empty() && k == key_sha256);
+                let soon = t.used_ms.is_some_and(|u| at_ms < u.saturating_add(JOIN_RETRY_MS));
+                if same_key && soon {
+                    return Ok(());
+                }
+                return Err(format!(
+                    "join token {id} was already used by node {by}; only the same key may use it again, within {} minutes of the join: create a new one (`lanectl token create --node {by}`)",
+                    JOIN_RETRY_MS / 60_000
+                ));
+            }
             Some(by) => {
                 return Err(format!(
                     "join token {id} was already used (by node {by}): a token lets one node in; create a new one"
@@ -634,12 +716,15 @@ impl Registry {
         &mut self,
         sha256: &str,
         node_id: &str,
+        key_sha256: &str,
         at_ms: u64,
         registered: bool,
     ) -> Result<(), String> {
-        self.check_join_token(sha256, node_id, at_ms, registered)?;
-        if let Some(t) = self.join_tokens.get_mut(sha256) {
+        self.check_join_token(sha256, node_id, key_sha256, at_ms, registered)?;
+        if let Some(t) = self.join_tokens.get_mut(sha256).filter(|t| t.used_by.is_none()) {
             t.used_by = Some(node_id.to_string());
+            t.used_key = Some(key_sha256.to_string());
+            t.used_ms = Some(at_ms);
         }
         self.joined.insert(node_id.to_string(), at_ms);
         Ok(())
@@ -754,6 +839,13 @@ impl Class {
             }
             let url = o.url.trim_end_matches('/');
             let https = url.starts_with("https://");
+            if let Ok(parsed) = url::Url::parse(url) {
+                if parsed.query().is_some() || parsed.fragment().is_some() || !parsed.username().is_empty() || parsed.password().is_some() {
+                    return Err(format!(
+                        "class {n}: overflow url {url:?}: no query, fragment or user name; give scheme://host[:port][/prefix] and the key in token_env"
+                    ));
+                }
+            }
             if !(https || url.starts_with("http://"))
                 || format!("{url}/v2/models/m/infer").parse::<hyper::Uri>().is_err()
             {
@@ -770,17 +862,7 @@ impl Class {
                 crate::router::overflow::parse_ca_pem(pem).map_err(|e| format!("class {n}: overflow {e}"))?;
             }
             if let Some(var) = &o.token_env {
-                let ok = !var.is_empty()
-                    && var.len() <= 128
-                    && var
-                        .chars()
-                        .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
-                    && !var.starts_with(|c: char| c.is_ascii_digit());
-                if !ok {
-                    return Err(format!(
-                        "class {n}: overflow token_env {var:?}: give the name of an environment variable (A-Z, 0-9, _, e.g. HOSTED_API_KEY), not the key itself"
-                    ));
-                }
+                check_overflow_token_env(var).map_err(|e| format!("class {n}: overflow {e}"))?;
                 if !https {
                     return Err(format!(
                         "class {n}: overflow token_env: {url:?} is plain http and would carry the key in the clear; use https"
@@ -1421,37 +1503,68 @@ mod tests {
             expires_ms,
             node_id: node_id.map(str::to_string),
             used_by: None,
+            used_key: None,
+            used_ms: None,
             revoked: false,
         };
         r.join_tokens.insert("a".repeat(64), token(1_000, None));
         r.join_tokens.insert("b".repeat(64), token(1_000, Some("n2")));
         r.join_tokens.insert("c".repeat(64), token(5_000, None));
-        let e = r.consume_join_token(&"a".repeat(64), "n1", 1_000, false).unwrap_err();
+        let e = r.consume_join_token(&"a".repeat(64), "n1", "k1", 1_000, false).unwrap_err();
         assert!(e.contains("expired"), "{e}");
-        let e = r.consume_join_token(&"b".repeat(64), "n1", 10, false).unwrap_err();
+        let e = r.consume_join_token(&"b".repeat(64), "n1", "k1", 10, false).unwrap_err();
         assert!(e.contains("is for node n2"), "{e}");
-        r.consume_join_token(&"a".repeat(64), "n1", 999, false).unwrap();
-        r.consume_join_token(&"a".repeat(64), "n1", 999, true)
-            .expect("the same node may ask again (its answer may have been lost)");
-        let e = r.consume_join_token(&"a".repeat(64), "n3", 999, false).unwrap_err();
+        r.consume_join_token(&"a".repeat(64), "n1", "k1", 999, false).unwrap();
+        r.consume_join_token(&"a".repeat(64), "n1", "k1", 999, true)
+            .expect("the same node may ask again with the same key (its answer may have been lost)");
+        let e = r.consume_join_token(&"a".repeat(64), "n1", "k2", 999, true).unwrap_err();
+        assert!(e.contains("only the same key"), "another key never reuses a spent token: {e}");
+        r.join_tokens.get_mut(&"a".repeat(64)).unwrap().expires_ms = 100 * JOIN_RETRY_MS;
+        let e = r
+            .consume_join_token(&"a".repeat(64), "n1", "k1", 999 + JOIN_RETRY_MS, true)
+            .unwrap_err();
+        assert!(e.contains("within 10 minutes"), "nor the same key long after: {e}");
+        let e = r.consume_join_token(&"a".repeat(64), "n3", "k1", 999, false).unwrap_err();
         assert!(e.contains("already used (by node n1)"), "{e}");
-        let e = r.consume_join_token(&"c".repeat(64), "n1", 10, false).unwrap_err();
+        let e = r.consume_join_token(&"c".repeat(64), "n1", "k1", 10, false).unwrap_err();
         assert!(e.contains("never reused"), "{e}");
-        let e = r.consume_join_token(&"c".repeat(64), "n9", 10, true).unwrap_err();
+        let e = r.consume_join_token(&"c".repeat(64), "n9", "k1", 10, true).unwrap_err();
         assert!(
             e.contains("never reused"),
             "a node registered with a certificate is not taken: {e}"
         );
         // A token an admin bound to n2 re-keys it even though it is registered.
-        r.consume_join_token(&"b".repeat(64), "n2", 10, true).unwrap();
+        r.consume_join_token(&"b".repeat(64), "n2", "k1", 10, true).unwrap();
         r.join_tokens.get_mut(&"c".repeat(64)).unwrap().revoked = true;
-        let e = r.consume_join_token(&"c".repeat(64), "n4", 10, false).unwrap_err();
+        let e = r.consume_join_token(&"c".repeat(64), "n4", "k1", 10, false).unwrap_err();
         assert!(e.contains("revoked"), "{e}");
         assert!(r
-            .consume_join_token(&"d".repeat(64), "n5", 10, false)
+            .consume_join_token(&"d".repeat(64), "n5", "k1", 10, false)
             .unwrap_err()
             .contains("not known"));
         assert_eq!(r.joined.keys().collect::<Vec<_>>(), ["n1", "n2"]);
+    }
+
+    /// An overflow endpoint's key comes only from a variable set for it, and its URL carries
+    /// no query or user: a class document cannot send another secret of the controllers'
+    /// environment to a host of the writer's choosing.
+    #[test]
+    fn overflow_keys_come_only_from_laneway_overflow_variables() {
+        let with = |url: &str, var: &str| Class {
+            overflow: Some(OverflowSpec {
+                token_env: Some(var.into()),
+                ..OverflowSpec::for_test(url, 4, 1)
+            }),
+            ..Class::for_test("speech", LaneKind::Sync)
+        };
+        let e = with("https://api.example.com", "AWS_SECRET_ACCESS_KEY").validate().unwrap_err();
+        assert!(e.contains("must start with LANEWAY_OVERFLOW_"), "{e}");
+        for url in ["https://api.example.com/?k=v", "https://api.example.com/#x", "https://u:p@api.example.com"] {
+            let e = with(url, "LANEWAY_OVERFLOW_HOSTED").validate().unwrap_err();
+            assert!(e.contains("no query, fragment or user name"), "{url}: {e}");
+        }
+        with("https://api.example.com/v1", "LANEWAY_OVERFLOW_HOSTED").validate().unwrap();
+        assert!(check_overflow_token_env("HOME").is_err(), "checked again before it is read");
     }
 
     fn class(name: &str, lane: LaneKind, budget: f64) -> Class {

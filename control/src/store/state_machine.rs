@@ -90,14 +90,29 @@ impl AppState {
     /// the command and the index (a job assignment's fencing token is its index).
     pub fn apply(&mut self, command: &Command, index: u64) -> CommandResponse {
         match command {
-            Command::PutSetting { key, value } => CommandResponse {
-                previous: self.settings.insert(key.clone(), value.clone()),
-                ..CommandResponse::default()
-            },
-            Command::DeleteSetting { key } => CommandResponse {
-                previous: self.settings.remove(key),
-                ..CommandResponse::default()
-            },
+            Command::PutSetting { key, value } => {
+                if key == crate::command::FORMAT_SETTING {
+                    let current = self.settings.get(key).map(|v| crate::command::allowed_format(Some(v)));
+                    if current.is_some_and(|c| crate::command::allowed_format(Some(value)) < c) {
+                        return refused(Err(format!(
+                            "{key} is never lowered: a format the cluster finalized may already be in its log"
+                        )));
+                    }
+                }
+                CommandResponse {
+                    previous: self.settings.insert(key.clone(), value.clone()),
+                    ..CommandResponse::default()
+                }
+            }
+            Command::DeleteSetting { key } => {
+                if key.starts_with(crate::command::CLUSTER_SETTINGS) {
+                    return refused(Err(format!("{key} is the cluster's own setting and is never deleted")));
+                }
+                CommandResponse {
+                    previous: self.settings.remove(key),
+                    ..CommandResponse::default()
+                }
+            }
             Command::Batch(commands) => CommandResponse {
                 batch: commands.iter().map(|c| self.apply(c, index)).collect(),
                 ..CommandResponse::default()
@@ -255,7 +270,7 @@ impl AppState {
             Command::RevokeCertificate { serial, cert } => {
                 self.registry
                     .revoked_certs
-                    .insert(serial.to_ascii_lowercase(), cert.clone());
+                    .insert(crate::registry::revocation_key(serial, &cert.identity), cert.clone());
                 CommandResponse::default()
             }
             Command::DeployVersion(m) => refused(self.registry.deploy_version(m).map(|_| ())),
@@ -270,9 +285,15 @@ impl AppState {
                 self.registry
                     .update_rollout(model, *expect_step, *action, *at_ms, message),
             ),
-            Command::ConsumeJoinToken { sha256, node_id, at_ms } => refused(self.registry.consume_join_token(
+            Command::ConsumeJoinToken {
                 sha256,
                 node_id,
+                key_sha256,
+                at_ms,
+            } => refused(self.registry.consume_join_token(
+                sha256,
+                node_id,
+                key_sha256,
                 *at_ms,
                 self.fleet.nodes.contains_key(node_id),
             )),
@@ -1057,7 +1078,15 @@ fn flush(inner: &RwLock<Inner>, db: &Database, persist_lock: &Mutex<()>) -> Resu
         let dirty_ledger = inner.state.ledger.take_dirty();
         let state = &inner.state;
         (
-            touched.settings,
+            // What apply left (a refused write changed nothing), not what the command said.
+            touched
+                .settings
+                .into_keys()
+                .map(|k| {
+                    let v = state.settings.get(&k).cloned();
+                    (k, v)
+                })
+                .collect::<Vec<_>>(),
             inner.last_applied,
             touched.membership.then(|| inner.last_membership.clone()),
             touched.membership.then(|| state.retired_node_ids.clone()),
@@ -1230,7 +1259,10 @@ fn record_touched(command: &Command, t: &mut Touched) {
             key(format!("admintoken/{sha256}"));
         }
         Command::CreateAdminToken { sha256, .. } => key(format!("admintoken/{sha256}")),
-        Command::RevokeCertificate { serial, .. } => key(format!("revokedcert/{}", serial.to_ascii_lowercase())),
+        Command::RevokeCertificate { serial, cert } => key(format!(
+            "revokedcert/{}",
+            crate::registry::revocation_key(serial, &cert.identity)
+        )),
         // The first version is stored under its name, a later one under name@version: one of
         // the two keys is absent and its flush a no-op delete.
         Command::DeployVersion(m) => {
@@ -1536,6 +1568,59 @@ mod tests {
         assert_eq!(sm.applied_index(), 4);
         assert_eq!(sm.get_setting("a").0.as_deref(), Some("2"));
         assert_eq!(sm.job("j2").map(|j| j.seq), Some(4));
+    }
+
+    /// The cluster's own settings hold in apply whatever the admin API let through: the
+    /// command format is never deleted nor lowered (that would refuse revocations and token
+    /// commands from then on), and the refused write is not persisted either.
+    #[tokio::test]
+    async fn the_command_format_is_never_deleted_nor_lowered() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = crate::command::FORMAT_SETTING;
+        {
+            let mut sm = StateMachineStore::open(dir.path()).unwrap();
+            let r = sm
+                .apply(vec![
+                    entry(1, put(f, "9")),
+                    entry(2, Command::DeleteSetting { key: f.into() }),
+                    entry(3, put(f, "5")),
+                    entry(4, put(f, "10")),
+                ])
+                .await
+                .unwrap();
+            assert!(r[0].rejected.is_none(), "{:?}", r[0]);
+            assert!(r[1].rejected.as_deref().unwrap().contains("never deleted"), "{:?}", r[1]);
+            assert!(r[2].rejected.as_deref().unwrap().contains("never lowered"), "{:?}", r[2]);
+            assert!(r[3].rejected.is_none(), "{:?}", r[3]);
+            assert_eq!(sm.get_setting(f).0.as_deref(), Some("10"));
+            sm.flush().unwrap();
+        }
+        let sm = StateMachineStore::open(dir.path()).unwrap();
+        assert_eq!(sm.get_setting(f).0.as_deref(), Some("10"));
+    }
+
+    /// A token hash that is not hex (any replica could be handed one by a buggy or hostile
+    /// proposer) is refused on propose, and apply answers it without panicking: a panic there
+    /// would stop every replica at the same index.
+    #[tokio::test]
+    async fn token_commands_with_odd_hashes_never_panic_apply() {
+        let odd = format!("a{}", "é".repeat(10));
+        let consume = Command::ConsumeJoinToken {
+            sha256: odd.clone(),
+            node_id: "gpu-1".into(),
+            key_sha256: String::new(),
+            at_ms: 1,
+        };
+        let e = consume.validate().unwrap_err().to_string();
+        assert!(e.contains("64 lowercase hex digits"), "{e}");
+        assert!(Command::RevokeToken { sha256: odd.clone() }.validate().is_err());
+        let dir = tempfile::tempdir().unwrap();
+        let mut sm = StateMachineStore::open(dir.path()).unwrap();
+        let r = sm
+            .apply(vec![entry(1, consume), entry(2, Command::RevokeToken { sha256: odd })])
+            .await
+            .unwrap();
+        assert!(r.iter().all(|r| r.rejected.is_some()), "{r:?}");
     }
 
     /// Versions, a rollout and the serving pointer are written by the flush and read back on

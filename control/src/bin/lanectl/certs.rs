@@ -65,12 +65,17 @@ pub enum CertsCmd {
     Show { cert: PathBuf },
     /// Refuse a certificate from now on (a leaked key, a person who left, a host retired):
     /// every controller refuses calls made with it. Needs the cluster (admin).
+    /// Every certificate of the identity issued until now is refused too (its renewals, made
+    /// with the same key, included).
     Revoke {
-        /// The certificate file; or give --serial.
+        /// The certificate file; or give --identity (with --serial for one certificate).
         cert: Option<PathBuf>,
-        /// The serial number (hex), as `certs show` prints it.
-        #[arg(long, conflicts_with = "cert")]
+        /// The serial number (hex), as `certs show` prints it; needs --identity.
+        #[arg(long, conflicts_with = "cert", requires = "identity")]
         serial: Option<String>,
+        /// Whose certificates: kind:name, e.g. agent:gpu-1 (alone: all of them issued so far).
+        #[arg(long, conflicts_with = "cert")]
+        identity: Option<String>,
     },
 }
 
@@ -82,17 +87,23 @@ impl CertsCmd {
 }
 
 /// `certs revoke`: the serial (and identity, for the record) to refuse.
-pub fn revocation(cert: Option<PathBuf>, serial: Option<String>) -> anyhow::Result<(String, String)> {
-    match (cert, serial) {
-        (Some(path), _) => {
+pub fn revocation(
+    cert: Option<PathBuf>,
+    serial: Option<String>,
+    identity: Option<String>,
+) -> anyhow::Result<(String, String)> {
+    match (cert, serial, identity) {
+        (Some(path), _, _) => {
             let pem = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
             Ok((
                 laneway_pki::serial_of_pem(&pem)?,
                 laneway_pki::identity_of_pem(&pem)?.to_string(),
             ))
         }
-        (None, Some(serial)) => Ok((serial.to_ascii_lowercase(), String::new())),
-        (None, None) => anyhow::bail!("give the certificate file or --serial"),
+        (None, serial, Some(identity)) => Ok((serial.unwrap_or_default().to_ascii_lowercase(), identity)),
+        (None, _, None) => anyhow::bail!(
+            "give the certificate file, or --identity kind:name (with --serial for one of its certificates)"
+        ),
     }
 }
 

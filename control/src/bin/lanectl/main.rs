@@ -483,8 +483,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Audit { since, limit } => audit::audit(&client, &cli.addr, out, &since, limit).await?,
         Cmd::Actors { node } => actors::actors(&client, &cli.addr, out, node).await?,
         Cmd::Token(c) => token::run(&client, out, c).await?,
-        Cmd::Certs(certs::CertsCmd::Revoke { cert, serial }) => {
-            let (serial, identity) = certs::revocation(cert, serial)?;
+        Cmd::Certs(certs::CertsCmd::Revoke { cert, serial, identity }) => {
+            let (serial, identity) = certs::revocation(cert, serial, identity)?;
             client
                 .call(|mut c| {
                     let (serial, identity) = (serial.clone(), identity.clone());
@@ -495,7 +495,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 })
                 .await?;
             print(out, json!({"revoked": serial, "identity": identity}), || {
-                format!("certificate {serial} ({identity}) revoked: every controller refuses it from now on")
+                if serial.is_empty() {
+                    format!("every certificate of {identity} issued so far revoked: every controller refuses them from now on")
+                } else {
+                    format!("certificate {serial} ({identity}) revoked, with every certificate of {identity} issued so far: every controller refuses them from now on")
+                }
             });
         }
         Cmd::Certs(_) => unreachable!("offline certs commands are handled before connecting"),
@@ -783,7 +787,7 @@ async fn status(client: &AdminClient, given: &[String], out: Output) -> anyhow::
                         s.committed_index,
                         s.applied_index,
                         s.snapshot_index,
-                        &s.state_hash[..12]
+                        s.state_hash.get(..12).unwrap_or(&s.state_hash)
                     ),
                     Err(e) => println!("{:>4}  {:<21} {:<8} unreachable: {e}", m.node_id, m.addr, m.role),
                 }
