@@ -278,7 +278,7 @@ impl JobRunner {
         let input: Bytes = if job.input_uri.is_empty() {
             Bytes::from(job.input.clone())
         } else {
-            fetch(&job.input_uri).await.map_err(|e| (e, true))?
+            fetch(&job.input_uri, MAX_INPUT_BYTES).await?
         };
         let url = format!("http://127.0.0.1:{port}/v2/models/{}/infer", job.model);
         let timeout = Duration::from_millis(job.timeout_ms.max(1000));
@@ -341,23 +341,78 @@ impl JobRunner {
 
 /// Reads an input given by URL (`file://`, `s3://`, …) or absolute local path, through
 /// `object_store` as the weight cache reads weights.
-async fn fetch(uri: &str) -> Result<Bytes, String> {
+/// Largest job input an agent fetches by URI: the replica is handed it whole.
+pub const MAX_INPUT_BYTES: u64 = 256 * 1024 * 1024;
+
+/// Fetches a job's input. The controllers let a tenant name only locations the operator
+/// allowed for the class; this is the agent's own line behind that: a URL (never a bare
+/// path), a file only by a path with no symlink or `..` in it, and at most `max_bytes`.
+async fn fetch(uri: &str, max_bytes: u64) -> Result<Bytes, (String, bool)> {
+    // Refused: the same on every attempt. Unreachable: worth another.
+    let refused = |e: String| (e, false);
+    let failed = |e: String| (e, true);
+    use futures::StreamExt as _;
     use object_store::ObjectStoreExt;
-    let url = if uri.contains("://") {
-        url::Url::parse(uri).map_err(|e| format!("input {uri} is not a URL: {e}"))?
-    } else {
-        url::Url::from_file_path(uri).map_err(|()| format!("input {uri} is neither a URL nor an absolute path"))?
-    };
-    let (store, path) = object_store::parse_url(&url).map_err(|e| format!("input {uri}: {e}"))?;
-    store
-        .get(&path)
-        .await
-        .map_err(|e| format!("input {uri}: {e}"))?
-        .bytes()
-        .await
-        .map_err(|e| format!("input {uri}: {e}"))
+    let url = url::Url::parse(uri).map_err(|e| refused(format!("input {uri} is not a URL: {e}")))?;
+    if url.scheme() == "file" {
+        let path = url
+            .to_file_path()
+            .map_err(|()| refused(format!("input {uri} is not a local file URL")))?;
+        let real = tokio::fs::canonicalize(&path)
+            .await
+            .map_err(|e| refused(format!("input {uri}: {e}")))?;
+        if real != path {
+            return Err(refused(format!(
+                "input {uri} goes through a symlink or '..' (it is {}); give the file's own path",
+                real.display()
+            )));
+        }
+    }
+    let (store, path) = object_store::parse_url(&url).map_err(|e| refused(format!("input {uri}: {e}")))?;
+    let got = store.get(&path).await.map_err(|e| failed(format!("input {uri}: {e}")))?;
+    let too_big = |n: u64| refused(format!("input {uri} is {n} bytes or more, over the {max_bytes}-byte limit of a job input"));
+    if got.meta.size > max_bytes {
+        return Err(too_big(got.meta.size));
+    }
+    let mut out = bytes::BytesMut::new();
+    let mut stream = got.into_stream();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| failed(format!("input {uri}: {e}")))?;
+        if (out.len() + chunk.len()) as u64 > max_bytes {
+            return Err(too_big((out.len() + chunk.len()) as u64));
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Ok(out.freeze())
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod fetch_tests {
+    use super::fetch;
+
+    /// A job input is read only by its own path, and only up to the limit: a symlink planted
+    /// under an allowed directory, or a huge file, is refused without retries.
+    #[tokio::test]
+    async fn inputs_are_read_by_their_own_path_and_only_up_to_the_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().canonicalize().unwrap();
+        let secret = real.join("agent.pem");
+        std::fs::write(&secret, "-----BEGIN PRIVATE KEY-----").unwrap();
+        let inputs = real.join("inputs");
+        std::fs::create_dir(&inputs).unwrap();
+        std::fs::write(inputs.join("a.json"), "{\"inputs\": []}").unwrap();
+        std::os::unix::fs::symlink(&secret, inputs.join("link.json")).unwrap();
+        let url = |p: &std::path::Path| format!("file://{}", p.display());
+        assert_eq!(&fetch(&url(&inputs.join("a.json")), 1024).await.unwrap()[..], b"{\"inputs\": []}");
+        let (e, retry) = fetch(&url(&inputs.join("link.json")), 1024).await.unwrap_err();
+        assert!(e.contains("symlink") && !retry, "{e}");
+        let (e, _) = fetch(&secret.display().to_string(), 1024).await.unwrap_err();
+        assert!(e.contains("not a URL"), "a bare path is refused: {e}");
+        let (e, retry) = fetch(&url(&inputs.join("a.json")), 4).await.unwrap_err();
+        assert!(e.contains("over the 4-byte limit") && !retry, "{e}");
+    }
 }

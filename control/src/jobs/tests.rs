@@ -410,6 +410,7 @@ fn durable_fleet(nodes: usize) -> AppState {
             slo_p99_ms: None,
             tolerations: vec![],
             time_slicing: false,
+            input_prefixes: vec![],
             llm: None,
         })
         .unwrap();

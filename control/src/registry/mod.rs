@@ -149,6 +149,41 @@ pub struct Class {
     /// replica, within a budget (ADR 0014).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hedge: Option<HedgeSpec>,
+    /// Durable lanes: where a tenant's job may name its input (`input_uri`), as URL prefixes
+    /// the operator allows (`s3://bucket/inputs/`, or a shared mount `file:///srv/inputs/`).
+    /// None (the default): jobs carry their input inline. The agents fetch with their own
+    /// credentials, so a tenant must never choose the location freely (ADR 0019).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub input_prefixes: Vec<String>,
+}
+
+/// Most input prefixes a class allows.
+pub const MAX_INPUT_PREFIXES: usize = 16;
+/// URL schemes an input may be fetched from (object stores, http(s), a shared mount).
+pub const INPUT_SCHEMES: [&str; 6] = ["s3", "gs", "az", "https", "http", "file"];
+
+/// Why `uri` is not a plain location (a query, a user, a `..` or an encoded separator that
+/// could walk out of a prefix), or the URL.
+fn plain_location(uri: &str) -> Result<url::Url, String> {
+    let u = url::Url::parse(uri).map_err(|e| format!("{:?} is not a URL ({e})", crate::text::clip(uri, 128)))?;
+    if !INPUT_SCHEMES.contains(&u.scheme()) {
+        return Err(format!("{}: is not one of {}", u.scheme(), INPUT_SCHEMES.join(", ")));
+    }
+    if u.query().is_some() || u.fragment().is_some() || !u.username().is_empty() || u.password().is_some() {
+        return Err(format!("{:?} has a query, fragment or user name", crate::text::clip(uri, 128)));
+    }
+    let raw = uri.to_ascii_lowercase();
+    // `url` folds `..` away when it parses, so the text is checked as given.
+    let after_scheme = raw.split_once("://").map_or(raw.as_str(), |(_, r)| r);
+    if after_scheme.split('/').any(|seg| seg == ".." || seg == ".")
+        || ["%2e", "%2f", "%5c", "\\", "//"].iter().any(|bad| after_scheme.contains(bad))
+    {
+        return Err(format!(
+            "{:?} has a '.' or '..' segment, an empty segment or an encoded separator",
+            crate::text::clip(uri, 128)
+        ));
+    }
+    Ok(u)
 }
 
 /// A sync lane's hedged requests: a request with no answer after `after_ms` is also sent to
@@ -777,6 +812,7 @@ impl Class {
         Class {
             overflow: None,
             hedge: None,
+            input_prefixes: vec![],
             fallback_response: None,
             cache: None,
             name: name.into(),
@@ -828,9 +864,47 @@ pub fn validate_name(what: &str, name: &str) -> Result<(), String> {
 }
 
 impl Class {
+    /// Whether a tenant's job of this class may name `uri` as its input: a plain location
+    /// under one of the operator's [`Class::input_prefixes`]. Never a bare path, never
+    /// `file://` outside a prefix, never a walk out of one.
+    pub fn check_input_uri(&self, uri: &str) -> Result<(), String> {
+        let n = &self.name;
+        if self.input_prefixes.is_empty() {
+            return Err(format!(
+                "class {n} takes inputs inline only: send {{\"model\": …, \"input\": {{…}}}}; an operator allows locations for input_uri with `lanectl lane set {n} --input-prefix s3://bucket/inputs/`"
+            ));
+        }
+        plain_location(uri).map_err(|e| format!("input_uri: {e}"))?;
+        if self.input_prefixes.iter().any(|p| uri.starts_with(p.as_str())) {
+            Ok(())
+        } else {
+            Err(format!(
+                "input_uri {:?} is not under a location class {n} allows ({}); upload the input there",
+                crate::text::clip(uri, 128),
+                self.input_prefixes.join(", ")
+            ))
+        }
+    }
+
     pub fn validate(&self) -> Result<(), String> {
         validate_name("class", &self.name)?;
         let n = &self.name;
+        if !self.input_prefixes.is_empty() && self.lane != LaneKind::Durable {
+            return Err(format!(
+                "class {n}: input_prefixes are for durable lanes (their jobs may name an input_uri)"
+            ));
+        }
+        if self.input_prefixes.len() > MAX_INPUT_PREFIXES {
+            return Err(format!("class {n}: {MAX_INPUT_PREFIXES} input_prefixes at most"));
+        }
+        for p in &self.input_prefixes {
+            let u = plain_location(p).map_err(|e| format!("class {n}: input prefix {e}"))?;
+            if !p.ends_with('/') || u.path().trim_matches('/').is_empty() && u.scheme() == "file" {
+                return Err(format!(
+                    "class {n}: input prefix {p:?}: end it with '/' and name a directory (file:///srv/inputs/, s3://bucket/inputs/), never a whole host's files"
+                ));
+            }
+        }
         if let Some(o) = &self.overflow {
             if self.lane == LaneKind::Durable {
                 return Err(format!(
@@ -1565,6 +1639,42 @@ mod tests {
         }
         with("https://api.example.com/v1", "LANEWAY_OVERFLOW_HOSTED").validate().unwrap();
         assert!(check_overflow_token_env("HOME").is_err(), "checked again before it is read");
+    }
+
+    /// A tenant names an input only under a location the operator allowed for the class:
+    /// never an agent's own files, a bare path, or a walk out of the prefix.
+    #[test]
+    fn job_inputs_come_only_from_allowed_locations() {
+        let mut c = Class {
+            budget_ms: Millis::from_ms(60_000.0),
+            ..Class::for_test("video", LaneKind::Durable)
+        };
+        let e = c.check_input_uri("s3://bucket/inputs/a.json").unwrap_err();
+        assert!(e.contains("inline only") && e.contains("--input-prefix"), "{e}");
+        c.input_prefixes = vec!["s3://bucket/inputs/".into(), "file:///srv/inputs/".into()];
+        c.validate().unwrap();
+        c.check_input_uri("s3://bucket/inputs/a.json").unwrap();
+        c.check_input_uri("file:///srv/inputs/t1/a.json").unwrap();
+        for bad in [
+            "/var/lib/laneway/tls/agent.pem",
+            "file:///var/lib/laneway/tls/agent.pem",
+            "file:///srv/inputs/../../var/lib/laneway/tls/agent.pem",
+            "file:///srv/inputs/%2e%2e/etc/passwd",
+            "file:///srv/inputs//etc/passwd",
+            "s3://bucket/inputs/a.json?versionId=1",
+            "s3://other/inputs/a.json",
+            "s3://bucket/inputsX/a.json",
+            "ftp://bucket/inputs/a.json",
+        ] {
+            assert!(c.check_input_uri(bad).is_err(), "{bad} must be refused");
+        }
+        for bad_prefix in ["file:///", "s3://bucket/inputs", "http://u:p@h/x/"] {
+            c.input_prefixes = vec![bad_prefix.into()];
+            assert!(c.validate().is_err(), "prefix {bad_prefix} must be refused");
+        }
+        let mut sync = Class::for_test("speech", LaneKind::Sync);
+        sync.input_prefixes = vec!["s3://b/x/".into()];
+        assert!(sync.validate().unwrap_err().contains("durable"));
     }
 
     fn class(name: &str, lane: LaneKind, budget: f64) -> Class {

@@ -296,9 +296,32 @@ async fn a_job_goes_through_to_its_one_result_and_bad_input_is_refused() {
     assert_eq!(all[&running]["state"], "cancelled");
     assert_eq!(all[&running]["result_key"], Value::Null);
 
-    // An input too large to carry inline goes by URI; the agent reads it.
-    let input = root.path().join("input.json");
+    // An input too large to carry inline goes by URI, only from where the operator allowed
+    // the class's jobs to name one: never the agent's own files (#24).
+    let inputs = root.path().canonicalize().unwrap().join("inputs");
+    std::fs::create_dir_all(&inputs).unwrap();
+    let input = inputs.join("input.json");
     std::fs::write(&input, INPUT).unwrap();
+    for uri in [
+        format!("file://{}", input.display()),
+        format!("{}", root.path().join("agent").display()),
+    ] {
+        let (status, v, _) = submit(&http, &base, &key, None, json!({"model": "clip", "input_uri": uri})).await;
+        assert_eq!(status, 400, "a class without input prefixes takes no input_uri: {v}");
+        assert!(v["error"].as_str().unwrap().contains("--input-prefix"), "{v}");
+    }
+    lanectl(
+        &addr,
+        &["lane", "set", "video", "--input-prefix", &format!("file://{}/", inputs.display())],
+    );
+    let escape = format!("file://{}/../agent/node.db", inputs.display());
+    // Once every router has the new class, the escape is refused for what it is.
+    wait_for("the class's input prefix reached the router", Duration::from_secs(10), || async {
+        let (status, v, _) = submit(&http, &base, &key, None, json!({"model": "clip", "input_uri": escape})).await;
+        assert_eq!(status, 400, "no walking out of the prefix: {v}");
+        v["error"].as_str().filter(|e| e.contains("'..' segment")).map(|_| ())
+    })
+    .await;
     let (status, v, _) = submit(
         &http,
         &base,

@@ -67,6 +67,10 @@ pub struct LaneSetArgs {
     /// tainted pool only if the lane tolerates every taint (`lanectl pool taint`).
     #[arg(long, value_delimiter = ',')]
     tolerate: Option<Vec<String>>,
+    /// Durable lanes: locations a job may name as its input_uri, URL prefixes ending in '/'
+    /// (s3://bucket/inputs/, file:///srv/inputs/), comma-separated (`none` clears them).
+    #[arg(long, value_delimiter = ',')]
+    input_prefix: Option<Vec<String>>,
     /// Language-model lanes: objective on time to first token, p99, ms (0 removes it).
     #[arg(long)]
     ttft_slo_ms: Option<f64>,
@@ -608,6 +612,7 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
                     tolerations: vec![],
                     llm: None,
                     time_slicing: false,
+                    input_prefixes: vec![],
                 },
                 (None, None) => anyhow::bail!("class {} is new: give --lane sync|bounded|durable", a.class),
             };
@@ -744,6 +749,9 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
                 if let Some(v) = a.kv_target_pct {
                     l.kv_cache_target_pct = v;
                 }
+            }
+            if let Some(p) = a.input_prefix {
+                c.input_prefixes = p.into_iter().filter(|p| p != "none" && !p.is_empty()).collect();
             }
             if let Some(t) = a.tolerate {
                 c.tolerations = t.into_iter().filter(|t| t != "none" && !t.is_empty()).collect();
