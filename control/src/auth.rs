@@ -185,6 +185,10 @@ impl Policy {
             // This serial, or any certificate of the same identity issued before a revocation
             // (a renewal made with a stolen key included).
             recheck(state, &auth)?;
+            // A controller's certificate counts while it is a member: removal revokes it.
+            if let Some(cid) = auth.0.controller_id() {
+                state.may_speak_as_controller(cid)?;
+            }
         }
         Ok((auth.0, auth.1))
     }

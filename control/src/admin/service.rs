@@ -960,7 +960,15 @@ impl AdminService for AdminGrpc {
 
     async fn report_load(&self, req: Request<LoadReport>) -> Result<Response<LoadReportReply>, Status> {
         self.leader_only()?;
+        // The reporting controller is the one its certificate names, whatever the message says.
+        let certified = crate::auth::caller(&req).and_then(|id| id.controller_id());
         let r = req.into_inner();
+        if let Some(cid) = certified.filter(|c| *c != r.controller_id) {
+            return Err(Status::permission_denied(format!(
+                "this load report speaks for controller {} but came with the certificate of controller {cid}; a controller reports only its own load",
+                r.controller_id
+            )));
+        }
         let load = r
             .models
             .into_iter()

@@ -984,6 +984,26 @@ impl StateMachineStore {
         self.read().last_applied.map_or(0, |l| l.index)
     }
 
+    /// Whether controller `node_id` may speak as one: not removed, and a member (voter or
+    /// learner) of the applied membership once there is one (a node being added is sent the
+    /// log before it has applied any membership).
+    pub fn may_speak_as_controller(&self, node_id: u64) -> Result<(), String> {
+        let inner = self.read();
+        if inner.state.retired_node_ids.contains(&node_id) {
+            return Err(format!(
+                "controller {node_id} was removed from this cluster; its certificate no longer counts (node ids are never reused: issue a new id)"
+            ));
+        }
+        let membership = inner.last_membership.membership();
+        let mut members = membership.nodes().map(|(id, _)| *id).peekable();
+        if members.peek().is_some() && !members.any(|id| id == node_id) {
+            return Err(format!(
+                "controller {node_id} is not a member of this cluster; add it with `lanectl cluster add-learner` first"
+            ));
+        }
+        Ok(())
+    }
+
     /// Whether `node_id` was a member once and has been removed.
     pub fn is_retired(&self, node_id: u64) -> bool {
         self.read().state.retired_node_ids.contains(&node_id)
@@ -1621,6 +1641,33 @@ mod tests {
             .await
             .unwrap();
         assert!(r.iter().all(|r| r.rejected.is_some()), "{r:?}");
+    }
+
+    /// A controller certificate counts only for a member: a node never added, or one removed
+    /// (ids are never reused), is refused; before any membership is applied (a node being
+    /// added) nobody is.
+    #[tokio::test]
+    async fn only_members_speak_as_controllers() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut sm = StateMachineStore::open(dir.path()).unwrap();
+        sm.may_speak_as_controller(7).expect("no membership applied yet");
+        let membership = |ids: &[u64]| {
+            let nodes: BTreeMap<u64, ControllerNode> = ids
+                .iter()
+                .map(|id| (*id, ControllerNode { addr: format!("c{id}:7000") }))
+                .collect();
+            openraft::Membership::new(vec![ids.iter().copied().collect()], nodes)
+        };
+        let m = |index: u64, ids: &[u64]| Entry {
+            log_id: openraft::LogId::new(openraft::CommittedLeaderId::new(1, 1), index),
+            payload: EntryPayload::Membership(membership(ids)),
+        };
+        sm.apply(vec![m(1, &[1, 2, 3]), m(2, &[1, 2])]).await.unwrap();
+        sm.may_speak_as_controller(1).unwrap();
+        let e = sm.may_speak_as_controller(3).unwrap_err();
+        assert!(e.contains("was removed"), "{e}");
+        let e = sm.may_speak_as_controller(9).unwrap_err();
+        assert!(e.contains("not a member"), "{e}");
     }
 
     /// Versions, a rollout and the serving pointer are written by the flush and read back on

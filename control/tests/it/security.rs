@@ -328,12 +328,22 @@ async fn start_leader(n1: &mut Node) {
     .await;
 }
 
-/// `Join` over TLS without a client certificate, as a new host does.
+/// `Join` over TLS without a client certificate, as a new host does, with a new key.
 async fn join(addr: &str, certs: &Path, token: &str, node_id: &str) -> Result<(String, String), tonic::Status> {
+    join_with(addr, certs, token, node_id, laneway_pki::new_csr().unwrap()).await
+}
+
+/// [`join`] with the key and request `csr`.
+pub(crate) async fn join_with(
+    addr: &str,
+    certs: &Path,
+    token: &str,
+    node_id: &str,
+    csr: laneway_pki::Issued,
+) -> Result<(String, String), tonic::Status> {
     let ca = std::fs::read_to_string(certs.join("ca.pem")).unwrap();
     let tls = laneway_pki::client_without_identity(&ca, laneway_pki::ANY_CONTROLLER);
     let ch = laneway_pki::endpoint(addr, Some(tls)).unwrap().connect().await.unwrap();
-    let csr = laneway_pki::new_csr().unwrap();
     let r = AgentServiceClient::new(ch)
         .join(JoinRequest {
             token: token.into(),
@@ -386,13 +396,24 @@ async fn agents_join_once_with_a_token_and_renew_over_their_heartbeats() {
     // A token lets one new node in, once; its certificate names that node.
     let t = token("").await;
     assert!(t.token.len() >= 7 + 64, "at least 256 bits: {}", t.token);
-    let (cert, key) = join(&n1.addr, &certs, &t.token, "gpu-j")
+    let csr = laneway_pki::new_csr().unwrap();
+    let again = laneway_pki::Issued {
+        cert_pem: csr.cert_pem.clone(),
+        key_pem: csr.key_pem.clone(),
+    };
+    let (cert, key) = join_with(&n1.addr, &certs, &t.token, "gpu-j", csr)
         .await
         .expect("a fresh token joins");
     assert_eq!(laneway_pki::identity_of_pem(&cert).unwrap().to_string(), "agent:gpu-j");
-    join(&n1.addr, &certs, &t.token, "gpu-j")
+    join_with(&n1.addr, &certs, &t.token, "gpu-j", again)
         .await
-        .expect("the same node may ask again with its token (its first answer may have been lost)");
+        .expect("the same node may ask again with its token and key (its first answer may have been lost)");
+    let e = join(&n1.addr, &certs, &t.token, "gpu-j").await.unwrap_err();
+    assert!(
+        e.message().contains("only the same key"),
+        "a spent token never certifies another key: {}",
+        e.message()
+    );
     let e = join(&n1.addr, &certs, &t.token, "gpu-k").await.unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied);
     assert!(e.message().contains("already used"), "{}", e.message());
@@ -467,6 +488,48 @@ async fn agents_join_once_with_a_token_and_renew_over_their_heartbeats() {
         "agent:gpu-j",
         "the renewal keeps the node's identity"
     );
+
+    // Revoking the identity ends the open stream at its next heartbeat: a stream does not
+    // outlive a revocation, and renews nothing after it.
+    admin
+        .call(|mut c| async move {
+            c.revoke_certificate(laneway_proto::admin::RevokeCertificateRequest {
+                serial: String::new(),
+                identity: "agent:gpu-j".into(),
+            })
+            .await
+        })
+        .await
+        .unwrap();
+    tx.send(Heartbeat {
+        node_id: "gpu-j".into(),
+        sequence: 2,
+        renew_csr_pem: laneway_pki::new_csr().unwrap().cert_pem,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let e = loop {
+        match replies.message().await {
+            Ok(Some(r)) => assert!(r.renewed_cert_pem.is_empty(), "renewed after its revocation"),
+            Ok(None) => panic!("the stream ended without saying why"),
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(e.code(), Code::Unauthenticated, "{e}");
+    assert!(e.message().contains("revoked"), "{}", e.message());
+    // A revocation names whose certificates it is.
+    let e = admin
+        .call(|mut c| async move {
+            c.revoke_certificate(laneway_proto::admin::RevokeCertificateRequest {
+                serial: "ab12".into(),
+                identity: String::new(),
+            })
+            .await
+        })
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("kind:name"), "{e}");
 
     // Joins are in the audit log, without the token.
     let audit = std::fs::read_to_string(n1.dir.join("data").join("audit.log")).unwrap();
