@@ -312,6 +312,10 @@ fn sync_replicas(ctx: &Context, hb: &Heartbeat) {
     if reported == ctx.sm.node_replicas(&hb.node_id) {
         return;
     }
+    if let Err(why) = crate::registry::validate_replica_report(&reported) {
+        tracing::warn!(node = %hb.node_id, %why, "replica report refused");
+        return;
+    }
     if !ctx.heartbeats.should_propose(&hb.node_id, &reported, Instant::now()) {
         return;
     }

@@ -17,10 +17,10 @@ use crate::registry::{Class, DesiredReplica, Model, ReplicaRecord, Tenant, Tenan
 /// Highest command format this binary can apply. Format 2 added the registry commands, format 3
 /// the durable job queue, format 4 spot preemption notices, format 5 the ledger (prices and
 /// usage reports), format 6 language-model lanes (token policies, specs, limits and usage), format 7 the slow
-/// loop's node requests and capacity marks, format 8 join tokens, format 9 model versions and rollouts; a command is written with the lowest format that can express it
+/// loop's node requests and capacity marks, format 8 join tokens, format 9 model versions and rollouts, format 10 operator-approved static replicas and job input locations; a command is written with the lowest format that can express it
 /// ([`Command::format`]), so an older controller keeps applying what it knows and stops only
 /// at the first command it cannot understand.
-pub const COMMAND_FORMAT: u32 = 9;
+pub const COMMAND_FORMAT: u32 = 10;
 
 /// The cluster setting holding the highest command format every member can apply, written at
 /// `cluster init` and raised by `lanectl cluster finalize-upgrade` once every member runs a
@@ -129,6 +129,9 @@ pub enum Command {
         node_id: String,
         replicas: Vec<ReplicaRecord>,
     },
+    /// Whether the routers take the node's static replicas (from its own `[[replica]]`
+    /// configuration, not placed by the scheduler): an operator's word, never an agent's.
+    SetNodeStatic { node_id: String, allowed: bool },
     /// The scheduler's placements on one node (the whole set).
     SetDesiredReplicas {
         node_id: String,
@@ -304,6 +307,7 @@ impl Command {
             | Command::SetNodeFlags { .. } => 1,
             Command::Batch(commands) => commands.iter().map(Command::format).max().unwrap_or(1),
             // An older binary refuses a class with fields it does not know.
+            Command::PutClass(c) if !c.input_prefixes.is_empty() => 10,
             Command::PutClass(c)
                 if c.cache.is_some() || c.fallback_response.is_some() || c.overflow.is_some() || c.hedge.is_some() =>
             {
@@ -336,6 +340,7 @@ impl Command {
             | Command::RotateTenantKey { .. }
             | Command::SetNodeReplicas { .. }
             | Command::SetDesiredReplicas { .. } => 2,
+            Command::SetNodeStatic { .. } => 10,
             Command::NodeDown { .. }
             | Command::SubmitJob(_)
             | Command::AssignJobs { .. }
@@ -377,7 +382,9 @@ impl Command {
                         .sum::<usize>()
                     + r.labels.iter().map(|(k, v)| 8 + k.len() + v.len()).sum::<usize>()
             }
-            Command::SetNodeLiveness { node_id, .. } | Command::SetNodeFlags { node_id, .. } => node_id.len() + 16,
+            Command::SetNodeLiveness { node_id, .. }
+            | Command::SetNodeFlags { node_id, .. }
+            | Command::SetNodeStatic { node_id, .. } => node_id.len() + 16,
             Command::PutClass(_) => 512,
             Command::PutModel(m) => serde_json::to_vec(m).map_or(4096, |b| b.len()),
             Command::CreateTenant(t) => 256 + t.limits.len() * 64,
@@ -466,9 +473,13 @@ impl Command {
             | Command::NodeDown { node_id, .. }
             | Command::PreemptNode { node_id, .. }
             | Command::SetNodeFlags { node_id, .. }
-            | Command::SetNodeReplicas { node_id, .. }
+            | Command::SetNodeStatic { node_id, .. }
             | Command::SetDesiredReplicas { node_id, .. } => {
                 validate_node_id(node_id).map_err(CommandError::InvalidNode)
+            }
+            Command::SetNodeReplicas { node_id, replicas } => {
+                validate_node_id(node_id).map_err(CommandError::InvalidNode)?;
+                crate::registry::validate_replica_report(replicas).map_err(CommandError::Invalid)
             }
             Command::PutClass(c) => c.validate().map_err(CommandError::Invalid),
             Command::PutModel(m) => m.validate().map_err(CommandError::Invalid),
@@ -638,6 +649,35 @@ pub fn validate_key(key: &str) -> Result<(), CommandError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A cluster from before the gate (no format setting, or a lower one) takes only the
+    /// formats that predate it; what it holds is read as written.
+    #[test]
+    fn the_gate_reads_the_cluster_setting() {
+        assert_eq!(allowed_format(None), UNGATED_FORMAT);
+        assert_eq!(allowed_format(Some("3")), UNGATED_FORMAT);
+        assert_eq!(allowed_format(Some("not a number")), UNGATED_FORMAT);
+        assert_eq!(allowed_format(Some(" 10 ")), 10);
+        let static_replicas = Command::SetNodeStatic {
+            node_id: "gpu-1".into(),
+            allowed: true,
+        };
+        assert_eq!(static_replicas.format(), 10, "an older binary never meets it");
+        let report = Command::SetNodeReplicas {
+            node_id: "gpu-1".into(),
+            replicas: vec![
+                crate::registry::ReplicaRecord {
+                    id: "r".into(),
+                    model: "m".into(),
+                    device: "GPU-1".into(),
+                    state: "ready".into(),
+                    endpoint: "h:1".into(),
+                };
+                crate::registry::MAX_REPLICAS_PER_NODE + 1
+            ],
+        };
+        assert!(report.validate().unwrap_err().to_string().contains("at most"));
+    }
 
     #[test]
     fn validation_names_the_problem() {

@@ -1455,6 +1455,13 @@ impl AdminService for AdminGrpc {
                 "cordon" => (Some(true), None),
                 "uncordon" => (Some(false), Some(false)),
                 "drain" => (None, Some(true)),
+                "allow-static" | "disallow-static" => {
+                    let command = Command::SetNodeStatic {
+                        node_id: req.node_id,
+                        allowed: req.action == "allow-static",
+                    };
+                    return Ok(Response::new(self.write(command).await?));
+                }
                 "preempt" => {
                     let command = Command::PreemptNode {
                         node_id: req.node_id,
@@ -1464,7 +1471,7 @@ impl AdminService for AdminGrpc {
                 }
                 other => {
                     return Err(AdminError::InvalidArgument(format!(
-                        "action {other:?}: expected cordon, uncordon, drain or preempt"
+                        "action {other:?}: expected cordon, uncordon, drain, preempt, allow-static or disallow-static"
                     ))
                     .into())
                 }

@@ -43,6 +43,8 @@ pub struct GpuSeen {
 
 /// How long the leader waits for a replica proposal to apply before proposing it again.
 const REPROPOSE_AFTER: std::time::Duration = std::time::Duration::from_secs(2);
+/// Shortest time between two proposals of a node's replica set.
+const MIN_PROPOSE_INTERVAL: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// Heartbeats seen by this controller while leader.
 #[derive(Default)]
@@ -97,6 +99,9 @@ impl HeartbeatTable {
         let mut p = self.proposed.lock().unwrap_or_else(|p| p.into_inner());
         match p.get(node_id) {
             Some((set, at)) if set == replicas && now.saturating_duration_since(*at) < REPROPOSE_AFTER => false,
+            // A new set at most every MIN_PROPOSE_INTERVAL: an agent alternating its report
+            // cannot write an entry per heartbeat; the latest set goes on a later one.
+            Some((_, at)) if now.saturating_duration_since(*at) < MIN_PROPOSE_INTERVAL => false,
             _ => {
                 p.insert(node_id.to_string(), (replicas.to_vec(), now));
                 true

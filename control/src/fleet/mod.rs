@@ -65,6 +65,10 @@ pub struct NodeRecord {
     pub cordoned: bool,
     /// Replicas are being moved off.
     pub draining: bool,
+    /// The routers take the replicas the node runs from its own configuration (static
+    /// replicas), not only those the scheduler placed there (`lanectl node allow-static`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub static_replicas: bool,
 }
 
 /// Checks a node id: 1–63 characters of `[a-z0-9-]`, not starting or ending with '-'.
@@ -181,10 +185,10 @@ impl Fleet {
                 }
             }
         }
-        let (cordoned, draining) = self
+        let (cordoned, draining, static_replicas) = self
             .nodes
             .get(&reg.node_id)
-            .map_or((false, false), |n| (n.cordoned, n.draining));
+            .map_or((false, false, false), |n| (n.cordoned, n.draining, n.static_replicas));
         if let Some(old) = self.nodes.get(&reg.node_id) {
             for g in &old.registration.gpus {
                 self.gpu_owner.remove(&g.uuid);
@@ -200,8 +204,19 @@ impl Fleet {
                 liveness: Liveness::Up,
                 cordoned,
                 draining,
+                static_replicas,
             },
         );
+        Ok(())
+    }
+
+    /// Lets the routers take `node_id`'s static replicas, or stops them.
+    pub fn set_static(&mut self, node_id: &str, allowed: bool) -> Result<(), String> {
+        let n = self
+            .nodes
+            .get_mut(node_id)
+            .ok_or_else(|| format!("no node {node_id}; `lanectl node list` shows the registered nodes"))?;
+        n.static_replicas = allowed;
         Ok(())
     }
 

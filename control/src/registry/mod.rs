@@ -477,6 +477,37 @@ pub struct ReplicaRecord {
     pub endpoint: String,
 }
 
+/// Most replicas one node reports.
+pub const MAX_REPLICAS_PER_NODE: usize = 128;
+
+/// Checks what an agent reports of its replicas before it is proposed: a bounded set of
+/// short, plain names (a compromised agent must not write megabytes per heartbeat).
+pub fn validate_replica_report(replicas: &[ReplicaRecord]) -> Result<(), String> {
+    if replicas.len() > MAX_REPLICAS_PER_NODE {
+        return Err(format!(
+            "{} replicas reported: a node runs {MAX_REPLICAS_PER_NODE} at most",
+            replicas.len()
+        ));
+    }
+    for r in replicas {
+        for (what, v, max) in [
+            ("id", &r.id, 128),
+            ("model", &r.model, 160),
+            ("device", &r.device, 128),
+            ("state", &r.state, 32),
+            ("endpoint", &r.endpoint, 300),
+        ] {
+            if v.len() > max || v.chars().any(|c| c.is_control() || c.is_whitespace()) {
+                return Err(format!(
+                    "replica {what} {:?}: {max} bytes at most, no spaces or control characters",
+                    crate::text::clip(v, 64)
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// A replica the scheduler placed: intent, committed before any agent acts on it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DesiredReplica {

@@ -499,8 +499,26 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &Table) -> Table {
         if node.liveness != Liveness::Up {
             continue;
         }
+        // What an agent reports is routed only as far as the controllers placed it there (the
+        // same id and model), or as a static replica of a node an operator vouched for: a
+        // compromised agent cannot take another model's traffic.
+        let placed = registry.desired.get(node_id);
+        let vouched = |r: &&crate::registry::ReplicaRecord| {
+            node.static_replicas
+                || placed.is_some_and(|d| d.iter().any(|p| p.id == r.id && p.model == r.model))
+        };
         for r in replicas.iter().filter(|r| r.state == "ready") {
             let name = format!("{node_id}/{}", r.id);
+            if !vouched(&r) {
+                unroutable.push((
+                    name,
+                    format!(
+                        "replica of {} was not placed here by the scheduler; an operator routes a node's static replicas with `lanectl node allow-static {node_id}`",
+                        r.model
+                    ),
+                ));
+                continue;
+            }
             let Some(model) = registry.models.get(&r.model) else {
                 unroutable.push((name, format!("model {} is not registered", r.model)));
                 continue;
@@ -652,6 +670,8 @@ pub fn test_fixture() -> (Fleet, Registry) {
             replica_host: "127.0.0.1".into(),
         })
         .unwrap();
+    // The tests' replicas are set by hand, as static replicas are.
+    fleet.set_static("n1", true).unwrap();
     let mut reg = Registry::default();
     reg.put_class(&Class {
         warm_floor: 1,
@@ -757,6 +777,34 @@ mod tests {
         };
         reg.set_node_replicas("n1", &[replica("a", "ready"), replica("bb", "starting")]);
         (fleet, reg)
+    }
+
+    /// A ready replica an agent reports routes only if the scheduler placed it there (same
+    /// id and model) or an operator allowed the node's static replicas: a compromised agent
+    /// cannot claim another model's traffic.
+    #[test]
+    fn only_placed_or_vouched_replicas_route() {
+        let (mut fleet, mut reg) = setup();
+        fleet.set_static("n1", false).unwrap();
+        let t = build(&fleet, &reg, &Table::default());
+        assert!(t.models["whisper"].replicas.is_empty(), "an agent's word alone routes nothing");
+        assert!(
+            t.unroutable.iter().any(|(n, why)| n == "n1/a" && why.contains("allow-static n1")),
+            "{:?}",
+            t.unroutable
+        );
+        let placed = |model: &str| crate::registry::DesiredReplica {
+            id: "a".into(),
+            model: model.into(),
+            gpu: "GPU-1".into(),
+            product: "L4".into(),
+        };
+        reg.desired.insert("n1".into(), vec![placed("other")]);
+        let t = build(&fleet, &reg, &Table::default());
+        assert!(t.models["whisper"].replicas.is_empty(), "placed for another model");
+        reg.desired.insert("n1".into(), vec![placed("whisper")]);
+        let t = build(&fleet, &reg, &Table::default());
+        assert_eq!(t.models["whisper"].replicas.len(), 1, "placed by the scheduler");
     }
 
     #[test]

@@ -151,6 +151,7 @@ impl AppState {
                     refused(Err(format!("no node {node_id}")))
                 }
             }
+            Command::SetNodeStatic { node_id, allowed } => refused(self.fleet.set_static(node_id, *allowed)),
             Command::NodeDown { node_id, at_ms } => {
                 let r = self.fleet.set_liveness(node_id, Liveness::Down);
                 if r.is_ok() {
@@ -1242,6 +1243,7 @@ fn record_touched(command: &Command, t: &mut Touched) {
         }
         Command::SetNodeLiveness { node_id, .. }
         | Command::SetNodeFlags { node_id, .. }
+        | Command::SetNodeStatic { node_id, .. }
         | Command::NodeDown { node_id, .. }
         | Command::PreemptNode { node_id, .. } => {
             nodes.insert(node_id.clone());

@@ -213,6 +213,11 @@ enum NodeCmd {
     Uncordon { node_id: String },
     /// Move replicas off this node (implies cordon).
     Drain { node_id: String },
+    /// Route the replicas this node runs from its own `[[replica]]` configuration (the
+    /// routers take only scheduled replicas otherwise: an agent's word is not enough).
+    AllowStatic { node_id: String },
+    /// Stop routing this node's static replicas.
+    DisallowStatic { node_id: String },
     /// A spot preemption notice (for the cloud's termination handler): drain the node and put
     /// its durable jobs back in the queue now, fenced, so they restart elsewhere before it dies.
     Preempt { node_id: String },
@@ -521,6 +526,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Cmd::Node(NodeCmd::Cordon { node_id }) => node_flag(&client, out, node_id, "cordon").await?,
         Cmd::Node(NodeCmd::Uncordon { node_id }) => node_flag(&client, out, node_id, "uncordon").await?,
+        Cmd::Node(NodeCmd::AllowStatic { node_id }) => node_flag(&client, out, node_id, "allow-static").await?,
+        Cmd::Node(NodeCmd::DisallowStatic { node_id }) => node_flag(&client, out, node_id, "disallow-static").await?,
         Cmd::Node(NodeCmd::Drain { node_id }) => node_flag(&client, out, node_id, "drain").await?,
         Cmd::Node(NodeCmd::Preempt { node_id }) => node_flag(&client, out, node_id, "preempt").await?,
         Cmd::Settings(SettingsCmd::Delete { key }) => {
