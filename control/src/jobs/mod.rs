@@ -238,6 +238,10 @@ pub struct Jobs {
     /// Placed jobs per node (every heartbeat reply lists its node's).
     #[serde(skip)]
     placed: HashMap<String, BTreeSet<String>>,
+    /// Every job of a tenant, by `(seq, id)`: a tenant's list reads its own jobs, never a
+    /// scan of every tenant's under the state lock.
+    #[serde(skip)]
+    by_tenant: HashMap<String, BTreeSet<(u64, String)>>,
     /// Job ids changed since the state machine last persisted them, with their `seq` (the
     /// persisted key of a job is `(seq, id)`, so a removed job's row can still be found).
     #[serde(skip)]
@@ -262,12 +266,17 @@ impl Jobs {
         self.active.clear();
         self.queues.clear();
         self.placed.clear();
+        self.by_tenant.clear();
         let ids: Vec<String> = self.jobs.keys().cloned().collect();
         for id in ids {
             let j = &self.jobs[&id];
             if let Some(k) = &j.idempotency_key {
                 self.by_key.insert((j.tenant.clone(), k.clone()), id.clone());
             }
+            self.by_tenant
+                .entry(j.tenant.clone())
+                .or_default()
+                .insert((j.seq, id.clone()));
             self.index(&id, true);
         }
     }
@@ -337,6 +346,15 @@ impl Jobs {
             load.entry(model.clone()).or_default().1 = self.queued(model) as u32;
         }
         load
+    }
+
+    /// `tenant`'s jobs, newest first.
+    pub fn of_tenant<'a>(&'a self, tenant: &str) -> impl Iterator<Item = &'a Job> + 'a {
+        self.by_tenant
+            .get(tenant)
+            .into_iter()
+            .flat_map(|set| set.iter().rev())
+            .filter_map(|(_, id)| self.jobs.get(id))
     }
 
     /// Jobs assigned to or running on `node`.
@@ -437,6 +455,10 @@ impl Jobs {
         if let Some(k) = &s.idempotency_key {
             self.by_key.insert((s.tenant.clone(), k.clone()), s.id.clone());
         }
+        self.by_tenant
+            .entry(s.tenant.clone())
+            .or_default()
+            .insert((job.seq, s.id.clone()));
         self.jobs.insert(s.id.clone(), job);
         self.index(&s.id, true);
         self.touch(&s.id);
@@ -596,6 +618,12 @@ impl Jobs {
         for id in &old {
             if let Some(j) = self.jobs.remove(id) {
                 self.touch_seq(id, j.seq);
+                if let Some(set) = self.by_tenant.get_mut(&j.tenant) {
+                    set.remove(&(j.seq, id.clone()));
+                    if set.is_empty() {
+                        self.by_tenant.remove(&j.tenant);
+                    }
+                }
                 if let Some(k) = j.idempotency_key {
                     self.by_key.remove(&(j.tenant, k));
                 }
@@ -614,6 +642,7 @@ impl Jobs {
         Vec<(String, BTreeMap<String, BTreeSet<(u64, String)>>)>,
         Vec<(String, BTreeSet<String>)>,
         Vec<((String, String), String)>,
+        Vec<(String, BTreeSet<(u64, String)>)>,
     ) {
         fn sorted<K: Ord + Clone, V: Clone>(m: &HashMap<K, V>) -> Vec<(K, V)> {
             let mut v: Vec<(K, V)> = m.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
@@ -626,6 +655,7 @@ impl Jobs {
             sorted(&self.queues),
             sorted(&self.placed),
             sorted(&self.by_key),
+            sorted(&self.by_tenant),
         )
     }
 }

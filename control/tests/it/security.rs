@@ -648,3 +648,59 @@ fn laneway_pki_der(pem: &str) -> rustls::pki_types::CertificateDer<'static> {
     use rustls::pki_types::pem::PemObject as _;
     rustls::pki_types::CertificateDer::from_pem_slice(pem.as_bytes()).unwrap()
 }
+
+/// `/metrics` and `/ui` name nodes, GPUs, pools and costs: on a cluster with TLS they need a
+/// viewer's admin token (bearer, or a browser's basic authentication), whoever reaches the
+/// tenant-facing port.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_and_the_dashboard_need_a_viewer_token_on_a_tls_cluster() {
+    let root = tempfile::tempdir().unwrap();
+    let certs = root.path().join("certs");
+    make_certs(&certs);
+    let n1 = leading_node(root.path(), &certs).await;
+    let base = format!("http://{}", n1.router_addr);
+    let http = reqwest::Client::new();
+    let get = |path: &str, auth: Option<String>| {
+        let mut r = http.get(format!("{base}{path}"));
+        if let Some(a) = auth {
+            r = r.header("authorization", a);
+        }
+        async move {
+            let resp = r.send().await.unwrap();
+            let status = resp.status().as_u16();
+            let challenge = resp.headers().get("www-authenticate").is_some();
+            (status, challenge, resp.text().await.unwrap())
+        }
+    };
+    let (status, challenge, body) = wait_for("the router answers", Duration::from_secs(20), || async {
+        let r = http.get(format!("{base}/metrics")).send().await.ok()?;
+        Some((r.status().as_u16(), r.headers().get("www-authenticate").is_some(), r.text().await.ok()?))
+    })
+    .await;
+    assert_eq!(status, 401, "{body}");
+    assert!(challenge && body.contains("--role viewer"), "{body}");
+    assert!(!body.contains("laneway_"), "no metric leaks with the refusal");
+    let (status, _, _) = get("/ui", Some("Bearer lwadm_made_up".into())).await;
+    assert_eq!(status, 401);
+
+    let token = n1
+        .client()
+        .call(|mut c| async move {
+            c.create_admin_token(laneway_proto::admin::CreateAdminTokenRequest {
+                role: "viewer".into(),
+                name: "prometheus".into(),
+                ttl_ms: 3_600_000,
+            })
+            .await
+        })
+        .await
+        .unwrap()
+        .token;
+    let (status, _, body) = get("/metrics", Some(format!("Bearer {token}"))).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("laneway_raft_is_leader"), "{body}");
+    use base64::Engine as _;
+    let basic = base64::engine::general_purpose::STANDARD.encode(format!("dash:{token}"));
+    let (status, _, body) = get("/ui", Some(format!("Basic {basic}"))).await;
+    assert_eq!(status, 200, "{body}");
+}
