@@ -51,6 +51,14 @@ pub struct FileRouterConfig {
     pub max_body_bytes: Option<usize>,
     pub header_read_timeout_ms: Option<u64>,
     pub max_connections: Option<usize>,
+    /// A request's whole body must arrive within this, ms (408 after). Default 30000.
+    pub body_timeout_ms: Option<u64>,
+    /// Request body bytes all requests hold at once (503 above). Default max(256 MiB, 4 × max_body_bytes).
+    pub max_body_bytes_in_flight: Option<usize>,
+    /// Largest answer read whole from a replica or overflow endpoint (502 above). Default max(64 MiB, max_body_bytes).
+    pub max_answer_bytes: Option<usize>,
+    /// Longest line or event of a streamed answer (the stream ends with an error event above). Default 1 MiB.
+    pub max_event_bytes: Option<usize>,
     /// HTTPS: the router's certificate chain and key (PEM), for the name clients use.
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
@@ -457,8 +465,8 @@ fn insecure_only_on_loopback(field: &'static str, addr: &str) -> Result<(), Conf
         Err(_) => addr.rsplit_once(':').map_or(addr, |(h, _)| h).to_string(),
     };
     let host = host.trim_start_matches('[').trim_end_matches(']');
-    let loopback = host.eq_ignore_ascii_case("localhost")
-        || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
+    let loopback =
+        host.eq_ignore_ascii_case("localhost") || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
     if loopback {
         Ok(())
     } else {
@@ -585,11 +593,37 @@ fn resolve_router(
     if !(1..=1_000_000).contains(&max_connections) {
         return Err(bad("router.max_connections", max_connections, "between 1 and 1000000"));
     }
+    let body_ms = file.body_timeout_ms.unwrap_or(d.body_timeout.as_millis() as u64);
+    if !(100..=600_000).contains(&body_ms) {
+        return Err(bad("router.body_timeout_ms", body_ms, "between 100 and 600000"));
+    }
+    if let Some(n) = file.max_body_bytes_in_flight.filter(|n| *n < max_body_bytes) {
+        return Err(bad(
+            "router.max_body_bytes_in_flight",
+            n,
+            format!("at least router.max_body_bytes ({max_body_bytes}), or no request could ever be read"),
+        ));
+    }
+    if let Some(n) = file.max_answer_bytes.filter(|n| *n < 1024) {
+        return Err(bad("router.max_answer_bytes", n, "at least 1024"));
+    }
+    let max_event_bytes = file.max_event_bytes.unwrap_or(d.max_event_bytes);
+    if max_event_bytes < 1024 || file.max_answer_bytes.is_some_and(|a| max_event_bytes > a) {
+        return Err(bad(
+            "router.max_event_bytes",
+            max_event_bytes,
+            "at least 1024 and at most router.max_answer_bytes",
+        ));
+    }
     Ok(crate::router::http::RouterSettings {
         listen,
         max_body_bytes,
         header_read_timeout: std::time::Duration::from_millis(header_ms),
         max_connections,
+        body_timeout: std::time::Duration::from_millis(body_ms),
+        max_body_bytes_in_flight: file.max_body_bytes_in_flight,
+        max_answer_bytes: file.max_answer_bytes,
+        max_event_bytes,
         tls,
     })
 }

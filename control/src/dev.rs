@@ -438,6 +438,14 @@ pub async fn wait_routable(controller: &Controller, model: &str) -> bool {
 
 /// Starts a single-node cluster and initializes it if its data dir is new.
 pub async fn start(args: DevArgs) -> Result<DevController, DevError> {
+    // Dev mode has no authentication at all: it stays on this host.
+    for (flag, addr) in [("--listen", args.listen), ("--router-listen", args.router_listen)] {
+        if !addr.ip().is_loopback() {
+            return Err(DevError::Other(format!(
+                "{flag} {addr}: dev mode has no authentication, so it listens on loopback only (127.0.0.1 or [::1]); for a cluster other hosts reach, run `laneway-control run` with TLS"
+            )));
+        }
+    }
     let (data_dir, temp) = match args.data_dir {
         Some(d) => (d, None),
         None => {

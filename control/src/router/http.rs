@@ -1,12 +1,13 @@
 //! The router's HTTP face: KServe Open Inference Protocol (v2) paths, and a listener with limits
-//! on everything a client controls (connections, header read time, body size, request time).
+//! on everything a client controls (connections, header read time, body size and read time,
+//! bodies in flight, request time; see [`super::body`]).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::body::Body;
+use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -41,6 +42,16 @@ pub struct RouterSettings {
     pub max_connections: usize,
     /// HTTPS, when the operator gave the router a certificate; `None`: plain HTTP.
     pub tls: Option<HttpsSettings>,
+    /// A request's whole body must arrive within this (408 after). Default 30 s.
+    pub body_timeout: Duration,
+    /// Request body bytes all requests hold at once (503 above); `None`: the larger of
+    /// 256 MiB and 4 × `max_body_bytes`.
+    pub max_body_bytes_in_flight: Option<usize>,
+    /// Largest answer read whole from a replica or an overflow endpoint (502 above); `None`:
+    /// the larger of 64 MiB and `max_body_bytes`.
+    pub max_answer_bytes: Option<usize>,
+    /// Longest line or event of a streamed answer. Default 1 MiB.
+    pub max_event_bytes: usize,
 }
 
 /// The router's HTTPS certificate, loaded.
@@ -67,6 +78,20 @@ impl PartialEq for HttpsSettings {
 
 impl Eq for HttpsSettings {}
 
+impl RouterSettings {
+    /// The limits on what the router reads: the defaults for its largest body.
+    pub fn body_limits(&self) -> super::body::BodyLimits {
+        let d = super::body::BodyLimits::for_max_body(self.max_body_bytes);
+        super::body::BodyLimits {
+            body_timeout: self.body_timeout,
+            max_body_bytes_in_flight: self.max_body_bytes_in_flight.unwrap_or(d.max_body_bytes_in_flight),
+            max_answer_bytes: self.max_answer_bytes.unwrap_or(d.max_answer_bytes),
+            max_event_bytes: self.max_event_bytes,
+            ..d
+        }
+    }
+}
+
 impl Default for RouterSettings {
     fn default() -> Self {
         RouterSettings {
@@ -75,6 +100,10 @@ impl Default for RouterSettings {
             header_read_timeout: Duration::from_secs(5),
             max_connections: 4096,
             tls: None,
+            body_timeout: Duration::from_secs(30),
+            max_body_bytes_in_flight: None,
+            max_answer_bytes: None,
+            max_event_bytes: 1024 * 1024,
         }
     }
 }
@@ -88,8 +117,9 @@ pub const DEGRADED: HeaderName = HeaderName::from_static("x-laneway-degraded");
 /// The version of the model that answered (during a rollout, which side of the split).
 pub const MODEL_VERSION: HeaderName = HeaderName::from_static("x-laneway-model-version");
 
-/// The router's HTTP app.
-pub fn app(router: Arc<Router>, max_body_bytes: usize) -> axum::Router {
+/// The router's HTTP app. Its handlers read request bodies themselves, after authentication
+/// and within the router's [`super::body::BodyLimits`].
+pub fn app(router: Arc<Router>) -> axum::Router {
     axum::Router::new()
         .route("/v2/health/live", get(|| async { StatusCode::OK }))
         .route("/v2/health/ready", get(ready))
@@ -111,8 +141,8 @@ pub fn app(router: Arc<Router>, max_body_bytes: usize) -> axum::Router {
                 &Meta::default(),
             )
         })
-        .layer(DefaultBodyLimit::max(max_body_bytes))
         .layer(axum::middleware::from_fn_with_state(router.clone(), until_caught_up))
+        .layer(axum::middleware::from_fn(super::body::close_unless_read))
         .with_state(router)
 }
 
@@ -169,7 +199,7 @@ impl RouterServer {
 }
 
 /// Serves the router, and `extra` routes beside it (the controller's `/metrics` and `/ui`), on
-/// an already-bound listener, with the settings' limits.
+/// an already-bound listener, with the settings' limits (which it gives the router).
 pub fn serve(
     router: Arc<Router>,
     extra: axum::Router,
@@ -177,7 +207,8 @@ pub fn serve(
     settings: &RouterSettings,
 ) -> std::io::Result<RouterServer> {
     let addr = listener.local_addr()?;
-    let app = app(router, settings.max_body_bytes).merge(extra);
+    router.set_body_limits(settings.body_limits());
+    let app = app(router).merge(extra);
     let permits = Arc::new(Semaphore::new(settings.max_connections));
     let header_timeout = settings.header_read_timeout;
     let tls = settings.tls.as_ref().map(|t| t.acceptor.clone());
@@ -233,6 +264,9 @@ pub fn serve(
 
 /// Serves one HTTP/1.1 connection until it closes or the router stops (then gracefully, for up
 /// to 5 s).
+/// Read buffer of one connection, bytes: request headers must fit (nginx allows 32 KiB).
+pub const MAX_CONNECTION_BUFFER: usize = 32 * 1024;
+
 async fn serve_connection<I, S>(io: I, svc: S, header_timeout: Duration, mut stop: watch::Receiver<bool>)
 where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
@@ -245,6 +279,9 @@ where
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(header_timeout)
+        // What a connection buffers of a request at most (headers included): thousands of
+        // clients sending bodies at once must not cost the router hyper's 400 KB each.
+        .max_buf_size(MAX_CONNECTION_BUFFER)
         .keep_alive(true)
         .serve_connection(io, svc);
     let mut conn = std::pin::pin!(conn);
@@ -521,25 +558,23 @@ pub(super) fn check_body(body: &[u8]) -> Result<InferRequest, String> {
     })
 }
 
-/// The request body, or the answer to a body that could not be read: over the router's limit
-/// is `413` with `what_to_do`. The rest of such a body is never read, so the connection cannot
-/// carry another request: the answer says so (`Connection: close`), or a client would reuse it
-/// and lose its next request.
-pub(super) fn read_body(body: Result<Bytes, BytesRejection>, what_to_do: &str, meta: &Meta) -> Result<Bytes, Response> {
-    body.map_err(|rej| {
-        let mut r = if rej.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                format!("the request body is over the router's limit (router.max_body_bytes); {what_to_do}"),
-                meta,
-            )
-        } else {
-            error(rej.status(), rej.body_text(), meta)
-        };
-        r.headers_mut()
-            .insert(axum::http::header::CONNECTION, HeaderValue::from_static("close"));
-        r
-    })
+/// The request body, read now that the request's key was checked (within the router's limits
+/// and deadline, counted from `since`, when the handler began), with its share of the budget
+/// of bodies in flight; or the answer to a body that could not be read. `what_to_do` says what
+/// a client whose body is too large can send instead.
+pub(super) async fn read_body(
+    router: &Router,
+    body: Body,
+    headers: &HeaderMap,
+    since: Instant,
+    what_to_do: &str,
+    meta: &Meta,
+) -> Result<(Bytes, super::body::BodyShare), Response> {
+    router
+        .bodies()
+        .read(body, headers, since)
+        .await
+        .map_err(|e| e.response(what_to_do, meta))
 }
 
 /// Merges the degraded lane's parameters into the request's `parameters`.
@@ -564,7 +599,7 @@ async fn infer(
     State(router): State<Arc<Router>>,
     Path(model): Path<String>,
     headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: Body,
 ) -> Response {
     let span = tracing::debug_span!(
         target: "laneway_trace",
@@ -588,13 +623,8 @@ async fn infer(
     resp
 }
 
-async fn serve_infer(
-    router: Arc<Router>,
-    model: String,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let arrived = Instant::now();
+async fn serve_infer(router: Arc<Router>, model: String, headers: HeaderMap, body: Body) -> Response {
+    let since = Instant::now();
     let mut meta = Meta {
         request_id: request_id(&headers),
         ..Meta::default()
@@ -616,10 +646,15 @@ async fn serve_infer(
         Err(canned) => return canned,
     };
     let class = route.class.clone();
-    let body = match read_body(body, "send a smaller input or a URI", &meta) {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
+    // Only now, the key checked and the model known, is the body read.
+    let (body, _body_share) =
+        match read_body(&router, body, &headers, since, "send a smaller input or a URI", &meta).await {
+            Ok(b) => b,
+            Err(r) => return r,
+        };
+    // The lane's clocks (its budget, the request timeout) start once the whole request is
+    // here: a slow upload does not spend them.
+    let arrived = Instant::now();
     if let Err(msg) = check_body(&body) {
         return error(StatusCode::BAD_REQUEST, msg, &meta);
     }
@@ -743,6 +778,24 @@ async fn overflow(
     drop(slot);
     let f = match sent {
         Ok(f) if super::overflow::answered(f.status) => f,
+        Err(ForwardError::AnswerTooLarge { limit }) => {
+            // It answered (and charged for it), more than the router passes on: not the
+            // endpoint's fault, and not to be sent anywhere again.
+            let r = error(
+                StatusCode::BAD_GATEWAY,
+                super::body::answer_too_large("the overflow endpoint", limit),
+                meta,
+            );
+            return Ok(overflow_answered(
+                router,
+                ov,
+                route,
+                meta,
+                record,
+                (arrived, started),
+                r,
+            ));
+        }
         other => {
             let why = match other {
                 Ok(f) => format!("answered {}", f.status),
@@ -1000,8 +1053,14 @@ async fn dispatch(
                         guard.slot.name
                     ),
                 ),
+                ForwardError::AnswerTooLarge { limit } => (
+                    StatusCode::BAD_GATEWAY,
+                    super::body::answer_too_large(&format!("replica {}", guard.slot.name), *limit),
+                ),
             };
-            if !matches!(e, ForwardError::NotDelivered(_)) {
+            // An unreached replica was dealt with by the retry; an answer too large is the
+            // request's doing, not the replica's fault.
+            if !matches!(e, ForwardError::NotDelivered(_) | ForwardError::AnswerTooLarge { .. }) {
                 router.eject(&guard.slot, &msg);
             }
             error(status, msg, &meta)
@@ -1075,7 +1134,7 @@ async fn hedged(
     // A copy that failed is ejected as any failure would be, except for running out of time:
     // it only had what the first send left of the deadline.
     let copy_failed = |r: &Result<super::Forwarded, ForwardError>| match r {
-        Err(ForwardError::Timeout) => {}
+        Err(ForwardError::Timeout | ForwardError::AnswerTooLarge { .. }) => {}
         Err(ForwardError::NotDelivered(why)) => router.eject(&second_slot, why),
         Err(e) => router.eject(&second_slot, &format!("hedged copy: {e:?}")),
         Ok(f) if super::ejects_replica(&second_slot, f.status) => {
@@ -1917,7 +1976,7 @@ mod tests {
         let hosted = serve(hosted_router, axum::Router::new(), listener, &settings).unwrap();
 
         // Our fleet: one replica with four slots, 400 ms a batch.
-        let var = "LANEWAY_TEST_OVERFLOW_KEY";
+        let var = "LANEWAY_OVERFLOW_TEST_KEY";
         std::env::set_var(var, "sk-hosted");
         let (fleet, mut reg) = super::super::table::test_fixture();
         let mut speech = reg.classes["speech"].clone();

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::rejection::BytesRejection;
+use axum::body::Body;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -36,7 +36,7 @@ const LIST_LIMIT: usize = 1000;
 /// `POST /v1/jobs` body.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct SubmitBody {
+pub(super) struct SubmitBody {
     model: String,
     /// The inference request the job runs (an Open Inference Protocol request).
     #[serde(default)]
@@ -225,6 +225,13 @@ pub(super) async fn submit(
     if let Err(e) = submission.validate() {
         return error(StatusCode::BAD_REQUEST, e, meta);
     }
+    // The agents fetch an input with their own credentials: only from where the operator
+    // allowed this class's jobs to name one.
+    if let Some(uri) = &submission.input_uri {
+        if let Err(e) = class.check_input_uri(uri) {
+            return error(StatusCode::BAD_REQUEST, e, meta);
+        }
+    }
     #[cfg(feature = "testing")]
     fail::fail_point!("router::ack_before_commit", |_| {
         planted_ack_before_commit(router, gateway, &submission, meta)
@@ -356,21 +363,19 @@ pub(super) async fn submit_infer(
 }
 
 /// `POST /v1/jobs`.
-pub(super) async fn post_job(
-    State(router): State<Arc<Router>>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+pub(super) async fn post_job(State(router): State<Arc<Router>>, headers: HeaderMap, body: Body) -> Response {
+    let since = tokio::time::Instant::now();
     let mut meta = meta_for(&headers);
     let table = router.table();
     let tenant = match authenticate(&table, &headers, &meta) {
         Ok(t) => t,
         Err(r) => return r,
     };
-    let body = match read_body(body, "submit a job with input_uri", &meta) {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
+    let (body, _body_share) =
+        match read_body(&router, body, &headers, since, "submit a job with input_uri", &meta).await {
+            Ok(b) => b,
+            Err(r) => return r,
+        };
     let de = &mut serde_json::Deserializer::from_slice(&body);
     let req: SubmitBody = match serde_path_to_error::deserialize(de) {
         Ok(r) => r,
@@ -506,13 +511,12 @@ pub(super) async fn list_jobs(
     };
     let limit = q.limit.unwrap_or(100).min(LIST_LIMIT);
     let jobs: Vec<Value> = router.sm.with_jobs(|jobs, _, _| {
-        let mut mine: Vec<&Job> = jobs
-            .jobs
-            .values()
-            .filter(|j| j.tenant == tenant.name && state.is_none_or(|s| j.state == s))
-            .collect();
-        mine.sort_by_key(|j| std::cmp::Reverse(j.seq));
-        mine.into_iter().take(limit).map(view).collect()
+        // The tenant's own jobs only (an index, newest first): never a scan of every tenant's.
+        jobs.of_tenant(&tenant.name)
+            .filter(|j| state.is_none_or(|s| j.state == s))
+            .take(limit)
+            .map(view)
+            .collect()
     });
     json_response(StatusCode::OK, json!({ "jobs": jobs }), &meta)
 }

@@ -22,7 +22,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -33,10 +32,12 @@ use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
 use super::admission::TokenBucket;
+use super::body::{read_answer, AnswerError};
 use super::http::{authenticate, error, lookup, read_body, request_id, stamp, with_retry_after, Meta};
 use super::lane::SlotGuard;
 use super::metrics::{Labels, LaneHistograms};
 use super::table::{ModelRoute, TenantRoute};
+use super::token_count::TokenCount;
 use super::{Admitted, ForwardError, Refusal, RequestRecord, Router, TenantGuard};
 use crate::registry::{Class, LaneKind};
 
@@ -48,30 +49,17 @@ const MAX_TTFT_SAMPLES: usize = 4096;
 const MAX_ITL_SAMPLES: usize = 16384;
 
 /// `POST /v1/chat/completions`.
-pub(super) async fn chat_completions(
-    State(router): State<Arc<Router>>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+pub(super) async fn chat_completions(State(router): State<Arc<Router>>, headers: HeaderMap, body: Body) -> Response {
     serve(router, Endpoint::Chat, headers, body).await
 }
 
 /// `POST /v1/completions`.
-pub(super) async fn completions(
-    State(router): State<Arc<Router>>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+pub(super) async fn completions(State(router): State<Arc<Router>>, headers: HeaderMap, body: Body) -> Response {
     serve(router, Endpoint::Completion, headers, body).await
 }
 
-async fn serve(
-    router: Arc<Router>,
-    endpoint: Endpoint,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let arrived = Instant::now();
+async fn serve(router: Arc<Router>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
+    let since = Instant::now();
     let mut meta = Meta {
         request_id: request_id(&headers),
         ..Meta::default()
@@ -81,10 +69,14 @@ async fn serve(
         Ok(t) => t,
         Err(r) => return r,
     };
-    let body = match read_body(body, "send a shorter prompt", &meta) {
+    // Only now, the key checked, is the body read.
+    let (body, _body_share) = match read_body(&router, body, &headers, since, "send a shorter prompt", &meta).await {
         Ok(b) => b,
         Err(r) => return r,
     };
+    // The lane's clocks (its budget, the request timeout) start once the whole request is
+    // here: a slow upload does not spend them.
+    let arrived = Instant::now();
     let req = match CompletionRequest::parse(endpoint, &body) {
         Ok(r) => r,
         Err(e) => {
@@ -107,6 +99,9 @@ async fn serve(
         Ok(r) => r,
         Err(canned) => return canned,
     };
+    // What the client sent is what is counted (the router's own changes below add nothing to
+    // the prompt).
+    let sent = body.clone();
     let body = if Arc::ptr_eq(&route, &asked) {
         body
     } else {
@@ -137,20 +132,31 @@ async fn serve(
             &meta,
         );
     }
-    let input = req.input_tokens();
-    let max_tokens = req.max_tokens.unwrap_or(spec.default_max_tokens);
-    let needed = u64::from(input) + u64::from(max_tokens);
-    if needed > u64::from(spec.context_tokens) {
+    let count = match TokenCount::of(endpoint, &sent, &req, spec.default_max_tokens) {
+        Ok(c) => c,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("invalid completion request: {e}"),
+                &meta,
+            )
+        }
+    };
+    let (input, max_tokens) = (count.input, count.max_tokens);
+    if count.per_sequence() > u64::from(spec.context_tokens) {
         return error(
             StatusCode::BAD_REQUEST,
             format!(
-                "model {} has a context of {} tokens; this request needs about {needed} ({input} input, estimated at {CHARS_PER_TOKEN} characters a token, + max_tokens {max_tokens}); shorten the prompt or lower max_tokens",
-                route.name, spec.context_tokens
+                "model {} has a context of {} tokens; this request needs about {} ({input} input — messages, tools and other parts, estimated at {CHARS_PER_TOKEN} characters a token — + max_tokens {max_tokens}); shorten the prompt or lower max_tokens",
+                route.name,
+                spec.context_tokens,
+                count.per_sequence()
             ),
             &meta,
         );
     }
-    let needed = u32::try_from(needed).unwrap_or(u32::MAX);
+    // Every sequence the engine generates (n, best_of, a batch of prompts) takes its max_tokens.
+    let needed = count.total();
     let mut record = RequestRecord::new(&meta.request_id, &route, &tenant.name);
     record.input_tokens = input;
     // Only a whole answer sampled greedily is the same answer next time.
@@ -281,9 +287,24 @@ impl Overflowing {
                 frame
             }))
         } else {
-            let bytes = match tokio::time::timeout_at(deadline, upstream.collect()).await {
-                Ok(Ok(b)) => b.to_bytes(),
-                Ok(Err(e)) => {
+            let limit = router.bodies().limits().max_answer_bytes;
+            let bytes = match tokio::time::timeout_at(deadline, read_answer(upstream, limit)).await {
+                Ok(Ok(b)) => b,
+                Ok(Err(AnswerError::TooLarge { limit })) => {
+                    // It answered (and charged for it), more than the router passes on: not
+                    // the endpoint's fault, and not to be sent anywhere again.
+                    drop(slot);
+                    let r = error(
+                        StatusCode::BAD_GATEWAY,
+                        super::body::answer_too_large("the overflow endpoint", limit),
+                        meta,
+                    );
+                    let times = (self.arrived, started);
+                    return Ok(super::http::overflow_answered(
+                        router, ov, route, meta, record, times, r,
+                    ));
+                }
+                Ok(Err(AnswerError::Broken(e))) => {
                     super::http::overflow_failed(router, ov, route, &format!("broke off its answer: {e}"));
                     return Err(record);
                 }
@@ -346,7 +367,7 @@ impl Router {
         };
         if tokens > per_min {
             return Err(TokenRefusal::Never(format!(
-                "this request counts about {tokens} tokens (input + max_tokens), more than tenant {}'s whole minute on class {} ({per_min} tokens/min); lower max_tokens or split the prompt",
+                "this request counts about {tokens} tokens (input + max_tokens for each choice), more than tenant {}'s whole minute on class {} ({per_min} tokens/min); lower max_tokens or n, or split the prompt",
                 tenant.name, class.name
             )));
         }
@@ -362,7 +383,7 @@ impl Router {
             TokenRefusal::Wait(
                 wait,
                 format!(
-                    "tenant {} is over its {per_min} tokens/min on class {} (this request counts about {tokens}: input + max_tokens); retry after the Retry-After",
+                    "tenant {} is over its {per_min} tokens/min on class {} (this request counts about {tokens}: input + max_tokens for each choice); retry after the Retry-After",
                     tenant.name, class.name
                 ),
             )
@@ -463,8 +484,12 @@ impl Call {
                             guard.slot.name
                         ),
                     ),
+                    ForwardError::AnswerTooLarge { limit } => (
+                        StatusCode::BAD_GATEWAY,
+                        super::body::answer_too_large(&format!("replica {}", guard.slot.name), *limit),
+                    ),
                 };
-                if !matches!(e, ForwardError::NotDelivered(_)) {
+                if !matches!(e, ForwardError::NotDelivered(_) | ForwardError::AnswerTooLarge { .. }) {
                     self.router.eject(&guard.slot, &msg);
                 }
                 self.record.service_ms = started.elapsed().as_secs_f64() * 1000.0;
@@ -485,10 +510,16 @@ impl Call {
             return self.relay(parts, upstream, guard, started, deadline);
         }
         // Whole answers (and errors) are read within the deadline and measured at once.
-        let collected = tokio::time::timeout_at(deadline, upstream.collect()).await;
+        let limit = self.router.bodies().limits().max_answer_bytes;
+        let collected = tokio::time::timeout_at(deadline, read_answer(upstream, limit)).await;
         let bytes = match collected {
-            Ok(Ok(b)) => b.to_bytes(),
-            Ok(Err(e)) => {
+            Ok(Ok(b)) => b,
+            Ok(Err(AnswerError::TooLarge { limit })) => {
+                // The request's doing (what it asked for), not the replica's fault: not ejected.
+                let msg = super::body::answer_too_large(&format!("replica {}", guard.slot.name), limit);
+                return self.failed(StatusCode::BAD_GATEWAY, msg, &guard, started);
+            }
+            Ok(Err(AnswerError::Broken(e))) => {
                 let msg = format!("replica {} broke off its answer: {e}", guard.slot.name);
                 self.router.eject(&guard.slot, &msg);
                 return self.failed(StatusCode::BAD_GATEWAY, msg, &guard, started);
@@ -625,7 +656,7 @@ impl Call {
             deadline,
             started,
             last_token_at: None,
-            sse: SseScanner::new(self.strip_usage),
+            sse: SseScanner::new(self.strip_usage, self.router.bodies().limits().max_event_bytes),
             token_events: 0,
             usage: None,
             labels,
@@ -657,11 +688,18 @@ impl Call {
                     (!rest.is_empty()).then_some((Ok(rest), r))
                 }
                 Some(Some(Ok(frame))) => match frame.into_data() {
-                    Ok(data) => {
-                        r.scan(&data, Instant::now());
-                        let data = if r.sse.strips() { r.sse.take_out() } else { data };
-                        Some((Ok(data), r))
-                    }
+                    Ok(data) => match r.scan(&data, Instant::now()) {
+                        Ok(()) => {
+                            let data = if r.sse.strips() { r.sse.take_out() } else { data };
+                            Some((Ok(data), r))
+                        }
+                        Err(too_long) => {
+                            let msg = r.fail(StatusCode::BAD_GATEWAY, &too_long.to_string());
+                            let mut out = r.sse.cut_off(data).to_vec();
+                            out.extend_from_slice(&error_event(&msg));
+                            Some((Ok(Bytes::from(out)), r))
+                        }
+                    },
                     Err(_) => Some((Ok(Bytes::new()), r)),
                 },
                 Some(Some(Err(e))) => {
@@ -722,7 +760,7 @@ struct Delta {
 }
 
 #[derive(Deserialize, Clone, Copy)]
-struct ReportedUsage {
+pub(super) struct ReportedUsage {
     prompt_tokens: u32,
     completion_tokens: u32,
     /// The simulated server's GPU time for the request; real servers do not report it.
@@ -742,13 +780,22 @@ impl Chunk {
     }
 }
 
+/// A server-sent event stream's line (or, stripping, event) over the router's limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("sent a server-sent event line or event over the router's limit of {limit} bytes (router.max_event_bytes); the stream was cut off there")]
+pub(super) struct EventTooLong {
+    limit: usize,
+}
+
 /// Reads server-sent events as they pass, across frame boundaries. When it strips the usage
 /// chunk (the router asked for it, the client did not), it also rebuilds what passes on: whole
-/// events only, without that one; otherwise frames pass on untouched.
-#[derive(Default)]
-struct SseScanner {
+/// events only, without that one; otherwise frames pass on untouched. What it holds is bounded:
+/// a line (and, stripping, an event) longer than `max_event_bytes` ends the scan.
+pub(super) struct SseScanner {
     /// An event line split across frames.
     carry: Vec<u8>,
+    /// The longest line, and the longest event stripping, it reads.
+    max_event_bytes: usize,
     strip_usage: bool,
     /// Stripping: the lines read of the event not yet ended.
     event: Vec<u8>,
@@ -759,10 +806,14 @@ struct SseScanner {
 }
 
 impl SseScanner {
-    fn new(strip_usage: bool) -> Self {
+    pub(super) fn new(strip_usage: bool, max_event_bytes: usize) -> Self {
         SseScanner {
+            carry: Vec::new(),
+            max_event_bytes,
             strip_usage,
-            ..SseScanner::default()
+            event: Vec::new(),
+            event_is_usage: false,
+            out: Vec::new(),
         }
     }
 
@@ -770,11 +821,19 @@ impl SseScanner {
         self.strip_usage
     }
 
-    /// Events in `data` that carry a token, and the usage if one reported it.
-    fn scan(&mut self, data: &[u8]) -> (u32, Option<ReportedUsage>) {
+    /// Events in `data` that carry a token, and the usage if one reported it; or, for a line
+    /// (or an event) over the limit, the error, after which the stream must end
+    /// ([`SseScanner::cut_off`]).
+    pub(super) fn scan(&mut self, data: &[u8]) -> Result<(u32, Option<ReportedUsage>), EventTooLong> {
+        let too_long = EventTooLong {
+            limit: self.max_event_bytes,
+        };
         let (mut tokens, mut usage) = (0, None);
         let mut rest = data;
         while let Some(i) = rest.iter().position(|b| *b == b'\n') {
+            if self.carry.len() + i > self.max_event_bytes {
+                return Err(too_long);
+            }
             let line = if self.carry.is_empty() {
                 &rest[..i]
             } else {
@@ -793,6 +852,9 @@ impl SseScanner {
                 }
             }
             if self.strip_usage {
+                if self.event.len() + line.len() + 1 > self.max_event_bytes {
+                    return Err(too_long);
+                }
                 self.event.extend_from_slice(line);
                 self.event.push(b'\n');
                 if line.trim_ascii().is_empty() {
@@ -808,12 +870,30 @@ impl SseScanner {
             self.carry.clear();
             rest = &rest[i + 1..];
         }
+        if self.carry.len() + rest.len() > self.max_event_bytes {
+            return Err(too_long);
+        }
         self.carry.extend_from_slice(rest);
-        (tokens, usage)
+        Ok((tokens, usage))
+    }
+
+    /// After [`EventTooLong`] on `data`: what still passes on before the error event, and
+    /// nothing is held any more. Stripping, the whole events read before the long one; else
+    /// `data` as it came and a blank line, which ends the line cut off mid-way.
+    fn cut_off(&mut self, data: Bytes) -> Bytes {
+        let out = std::mem::take(&mut self.out);
+        (self.carry, self.event) = (Vec::new(), Vec::new());
+        if self.strip_usage {
+            return Bytes::from(out);
+        }
+        let mut passed = Vec::with_capacity(data.len() + 2);
+        passed.extend_from_slice(&data);
+        passed.extend_from_slice(b"\n\n");
+        Bytes::from(passed)
     }
 
     /// Stripping: the whole events read so far, to pass on.
-    fn take_out(&mut self) -> Bytes {
+    pub(super) fn take_out(&mut self) -> Bytes {
         Bytes::from(std::mem::take(&mut self.out))
     }
 
@@ -906,14 +986,14 @@ struct Relay {
 
 impl Relay {
     /// Reads the events in `data` (without changing it): tokens, and the usage if reported.
-    fn scan(&mut self, data: &[u8], now: Instant) {
-        let (tokens, usage) = self.sse.scan(data);
+    fn scan(&mut self, data: &[u8], now: Instant) -> Result<(), EventTooLong> {
+        let (tokens, usage) = self.sse.scan(data)?;
         self.usage = usage.or(self.usage);
         if tokens == 0 {
-            return;
+            return Ok(());
         }
         self.token_events += tokens;
-        let Some(call) = &mut self.call else { return };
+        let Some(call) = &mut self.call else { return Ok(()) };
         match self.last_token_at {
             None => call.record.ttft_ms = Some(now.saturating_duration_since(call.arrived).as_secs_f64() * 1000.0),
             Some(last) => {
@@ -928,6 +1008,7 @@ impl Relay {
             }
         }
         self.last_token_at = Some(now);
+        Ok(())
     }
 
     /// Ends the stream as failed; returns the message for the error event.
@@ -1127,6 +1208,8 @@ impl LlmStats {
 mod tests {
     use super::*;
 
+    const MIB: usize = 1024 * 1024;
+
     #[test]
     fn quantiles_by_nearest_rank() {
         let v: Vec<f64> = (1..=100).map(f64::from).collect();
@@ -1138,18 +1221,20 @@ mod tests {
 
     #[test]
     fn events_split_across_frames_are_read_once() {
-        let mut s = SseScanner::default();
+        let mut s = SseScanner::new(false, MIB);
         let events = b"data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\ndata: {\"choices\":[{\"delta\":{\"content\":\"t1 \"}}]}\n\ndata: {\"choices\":[{\"text\":\"t2\"}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":2}}\n\ndata: [DONE]\n\n";
         // Cut everywhere: the counts do not depend on where frames end.
         for cut in 1..events.len() {
-            let mut s2 = SseScanner::default();
-            let (a, u1) = s2.scan(&events[..cut]);
-            let (b, u2) = s2.scan(&events[cut..]);
+            let mut s2 = SseScanner::new(false, MIB);
+            let (a, u1) = s2.scan(&events[..cut]).unwrap();
+            let (b, u2) = s2.scan(&events[cut..]).unwrap();
             assert_eq!(a + b, 2, "cut at {cut}");
             let u = u2.or(u1).expect("usage read");
             assert_eq!((u.prompt_tokens, u.completion_tokens), (7, 2));
         }
-        let (n, _) = s.scan(b"event: error\ndata: {\"error\":{\"message\":\"x\"}}\n\n");
+        let (n, _) = s
+            .scan(b"event: error\ndata: {\"error\":{\"message\":\"x\"}}\n\n")
+            .unwrap();
         assert_eq!(n, 0, "an error event is not a token");
 
         // Stripping the usage chunk the client did not ask for: the rest passes on byte for
@@ -1159,20 +1244,62 @@ mod tests {
             "",
         );
         for cut in 1..events.len() {
-            let mut s = SseScanner::new(true);
-            let (a, u1) = s.scan(&events[..cut]);
+            let mut s = SseScanner::new(true, MIB);
+            let (a, u1) = s.scan(&events[..cut]).unwrap();
             let mut out = s.take_out().to_vec();
-            let (b, u2) = s.scan(&events[cut..]);
+            let (b, u2) = s.scan(&events[cut..]).unwrap();
             out.extend_from_slice(&s.take_out());
             out.extend_from_slice(&s.rest());
             assert_eq!((a + b, u2.or(u1).is_some()), (2, true), "cut at {cut}");
             assert_eq!(String::from_utf8_lossy(&out), expected, "cut at {cut}");
         }
         // A last event without its blank line is not lost.
-        let mut s = SseScanner::new(true);
-        s.scan(b"data: {\"choices\":[{\"text\":\"t1\"}]}\n\ndata: [DONE]");
+        let mut s = SseScanner::new(true, MIB);
+        s.scan(b"data: {\"choices\":[{\"text\":\"t1\"}]}\n\ndata: [DONE]")
+            .unwrap();
         assert_eq!(&s.take_out()[..], b"data: {\"choices\":[{\"text\":\"t1\"}]}\n\n");
         assert_eq!(&s.rest()[..], b"data: [DONE]");
+    }
+
+    /// A line (or, stripping, an event) longer than the limit ends the scan wherever the frames
+    /// were cut, instead of growing the scanner's buffers; what was whole before it still
+    /// passes on.
+    #[test]
+    fn a_line_or_event_over_the_limit_ends_the_stream() {
+        let good = b"data: {\"choices\":[{\"text\":\"t1\"}]}\n\n";
+        let long = format!("data: {}", "x".repeat(200));
+        for strip in [false, true] {
+            // Never ended: the line grows across frames.
+            let mut s = SseScanner::new(strip, 100);
+            assert_eq!(s.scan(good).unwrap().0, 1);
+            let mut failed = None;
+            for (i, chunk) in long.as_bytes().chunks(30).enumerate() {
+                if let Err(e) = s.scan(chunk) {
+                    failed = Some((i, e));
+                    break;
+                }
+            }
+            let (i, e) = failed.expect("the long line was refused");
+            assert_eq!(e, EventTooLong { limit: 100 });
+            assert!(i <= 4, "refused as it passed the limit, not at its end: chunk {i}");
+            assert!(s.carry.len() <= 100 && s.event.len() <= 100, "strip {strip}");
+            let passed = s.cut_off(Bytes::from_static(b"xx"));
+            assert!(s.carry.is_empty() && s.event.is_empty());
+            if strip {
+                assert_eq!(&passed[..], &good[..], "the whole event before it");
+            } else {
+                assert_eq!(&passed[..], b"xx\n\n", "the frame, and its line ended");
+            }
+            // Ended, in one frame.
+            let mut s = SseScanner::new(strip, 100);
+            assert!(s.scan(format!("{long}\n\n").as_bytes()).is_err(), "strip {strip}");
+        }
+        // Stripping: an event of short lines that adds up past the limit.
+        let mut s = SseScanner::new(true, 100);
+        let event = "data: x\n".repeat(20);
+        assert!(s.scan(event.as_bytes()).is_err());
+        let mut s = SseScanner::new(false, 100);
+        assert!(s.scan(event.as_bytes()).is_ok(), "passing through, only lines are held");
     }
 
     #[test]
@@ -1699,6 +1826,76 @@ mod tests {
             .unwrap();
         assert_eq!(v2.status(), 400, "a model without [llm] is not served here");
         assert!(v2.text().await.unwrap().contains("/v2/models/whisper/infer"));
+        drop(router);
+        server.stop().await;
+    }
+
+    /// What a request costs counts everything that reaches the engine: each of its `n` choices
+    /// takes `max_tokens`, and tool definitions and images are prompt tokens, against both the
+    /// tenant's minute and the model's context.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn choices_tools_and_images_count_against_the_minute_and_the_context() {
+        let addr = replica(None).await;
+        let limit = TenantLimit {
+            concurrency: 100,
+            rate_per_s: 100,
+            burst: 100,
+            tokens_per_min: Some(40),
+        };
+        let (router, server, _dir) = router(&[addr], Some(limit)).await;
+        let with = |extra: serde_json::Value| {
+            let mut body = ask("hi", 10, false);
+            for (k, v) in extra.as_object().unwrap() {
+                body[k] = v.clone();
+            }
+            body
+        };
+        // 3 input + 10 output fits the 40-token minute once; four choices of 10 never do.
+        for extra in [
+            serde_json::json!({"n": 4}),
+            serde_json::json!({"best_of": 4}),
+            serde_json::json!({"tools": [{"type": "function", "function": {"name": "f", "description": "d".repeat(200)}}]}),
+        ] {
+            let r = chat(&server, with(extra.clone())).send().await.unwrap();
+            assert_eq!(r.status(), 400, "{extra}");
+            let e = r.text().await.unwrap();
+            assert!(e.contains("40 tokens/min"), "{extra}: {e}");
+        }
+        let image = serde_json::json!([{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]);
+        let r = chat(
+            &server,
+            serde_json::json!({"model": "chat", "messages": [{"role": "user", "content": image}], "max_tokens": 1}),
+        )
+        .send()
+        .await
+        .unwrap();
+        assert_eq!(r.status(), 400, "an image is more than the minute");
+        // The context: 16,000 characters of tool definitions are about 4,000 tokens of prompt.
+        let tools =
+            serde_json::json!([{"type": "function", "function": {"name": "f", "description": "d".repeat(16_000)}}]);
+        let r = chat(&server, with(serde_json::json!({"tools": tools, "max_tokens": 200})))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400);
+        let e = r.text().await.unwrap();
+        assert!(e.contains("context of 4096 tokens") && e.contains("tools"), "{e}");
+        let r = chat(&server, with(serde_json::json!({"n": "4"}))).send().await.unwrap();
+        assert_eq!(r.status(), 400);
+        let e: serde_json::Value = r.json().await.unwrap();
+        assert!(
+            e["error"]
+                .as_str()
+                .unwrap()
+                .contains("`n` = \"4\": expected a whole number"),
+            "{e}"
+        );
+        assert_eq!(chat(&server, ask("hi", 10, false)).send().await.unwrap().status(), 200);
+        assert_eq!(
+            replica_metric(addr, "laneway_sim_llm_finished_total").await,
+            1.0,
+            "only the request that fits reached the replica"
+        );
         drop(router);
         server.stop().await;
     }

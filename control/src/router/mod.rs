@@ -8,7 +8,10 @@
 //! without touching the Raft group.
 
 pub mod admission;
+pub mod body;
 pub mod cache;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod http;
 pub mod jobs;
 pub mod lane;
@@ -16,6 +19,7 @@ pub mod llm;
 pub mod metrics;
 pub mod overflow;
 pub mod table;
+pub mod token_count;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -23,7 +27,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::StatusCode;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -60,6 +64,8 @@ pub fn replica_timeout_ms(left: Duration) -> u64 {
     left.saturating_sub((left / 10).min(Duration::from_millis(50)))
         .as_millis() as u64
 }
+/// Largest health-probe answer the router reads, bytes (a probe that answers more failed).
+pub const PROBE_ANSWER_BYTES: usize = 64 * 1024;
 /// Request records kept for `lanectl lane show` and the meter.
 pub const RECORDS_KEPT: usize = 4096;
 /// The tenant shadow copies are metered to (no tenant asked for them).
@@ -139,6 +145,9 @@ pub enum ForwardError {
     /// The replica took the request and failed (connection reset mid-request, bad response):
     /// not retried, since it may have run.
     Failed(String),
+    /// The answer is larger than the router reads whole ([`body::BodyLimits::max_answer_bytes`]):
+    /// not retried (it ran), and not held against the replica (the request asked for it).
+    AnswerTooLarge { limit: usize },
 }
 
 /// One request as the router saw it; the meter's raw material.
@@ -261,6 +270,9 @@ pub struct Router {
     /// looked: until then its state may be older than what clients were already told (a
     /// restarted or new member), and the router answers 503 instead of from that state.
     caught_up: Arc<AtomicBool>,
+    /// What the router reads (request bodies, answers): its limits, and the budget of request
+    /// bodies in flight. Set by [`http::serve`] from the listener's settings.
+    bodies: RwLock<Arc<body::BodyGate>>,
 }
 
 impl Router {
@@ -289,6 +301,7 @@ impl Router {
             results: std::sync::OnceLock::new(),
             // A router without a controller has nothing to catch up with.
             caught_up: Arc::new(AtomicBool::new(true)),
+            bodies: RwLock::new(Arc::new(body::BodyGate::new(body::BodyLimits::default()))),
         });
         router.rebuild();
         router
@@ -388,6 +401,17 @@ impl Router {
         self.table.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
+    /// What reads request bodies, within the router's limits.
+    pub fn bodies(&self) -> Arc<body::BodyGate> {
+        self.bodies.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Sets the limits on what the router reads (a new budget of bodies in flight: call it
+    /// before serving).
+    pub fn set_body_limits(&self, limits: body::BodyLimits) {
+        *self.bodies.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(body::BodyGate::new(limits));
+    }
+
     fn now_ms(&self, now: Instant) -> u64 {
         now.saturating_duration_since(self.epoch).as_millis() as u64
     }
@@ -452,7 +476,8 @@ impl Router {
         let answer = async {
             let resp = self.client.request(req).await.ok()?;
             let status = resp.status();
-            resp.into_body().collect().await.ok()?;
+            // Read (so the connection can be reused), but a health answer is small.
+            body::read_answer(resp.into_body(), PROBE_ANSWER_BYTES).await.ok()?;
             Some(status.is_success())
         };
         matches!(tokio::time::timeout(table::PROBE_TIMEOUT, answer).await, Ok(Some(true)))
@@ -883,11 +908,14 @@ impl Router {
     {
         let deadline = Instant::now() + timeout;
         let (parts, body) = self.send_head(client, out, body, timeout).await?.into_parts();
-        let body = tokio::time::timeout_at(deadline, body.collect())
+        let limit = self.bodies().limits().max_answer_bytes;
+        let body = tokio::time::timeout_at(deadline, body::read_answer(body, limit))
             .await
             .map_err(|_| ForwardError::Timeout)?
-            .map_err(|e| ForwardError::Failed(format!("reading the answer: {e}")))?
-            .to_bytes();
+            .map_err(|e| match e {
+                body::AnswerError::TooLarge { limit } => ForwardError::AnswerTooLarge { limit },
+                body::AnswerError::Broken(why) => ForwardError::Failed(format!("reading the answer: {why}")),
+            })?;
         let gpu_ms = parts
             .headers
             .get(GPU_MS_HEADER)
@@ -1025,10 +1053,14 @@ impl Router {
                     f.status.as_u16()
                 }
                 Err(e) => {
-                    router.eject(slot, &format!("shadow copy: {e:?}"));
+                    if !matches!(e, ForwardError::AnswerTooLarge { .. }) {
+                        router.eject(slot, &format!("shadow copy: {e:?}"));
+                    }
                     match e {
                         ForwardError::Timeout => 504,
-                        _ => 502,
+                        ForwardError::NotDelivered(_)
+                        | ForwardError::Failed(_)
+                        | ForwardError::AnswerTooLarge { .. } => 502,
                     }
                 }
             };
@@ -1206,6 +1238,7 @@ mod tests {
             slo_p99_ms: None,
             tolerations: vec![],
             time_slicing: false,
+            input_prefixes: vec![],
             llm: None,
         })
     }

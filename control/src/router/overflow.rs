@@ -143,6 +143,8 @@ fn connect(spec: &OverflowSpec) -> Result<(OverflowClient, Option<HeaderValue>),
     let authorization = match spec.token_env.as_deref() {
         None => None,
         Some(var) => {
+            // Checked again here: a class written before the prefix rule names any variable.
+            crate::registry::check_overflow_token_env(var)?;
             let token = std::env::var(var).map_err(|_| {
                 format!(
                     "${var} (its bearer token) is not set in this controller's environment; set it on every controller"
@@ -328,13 +330,13 @@ mod tests {
     #[test]
     fn an_unusable_endpoint_says_why() {
         let o = Arc::new(Overflow::new(OverflowSpec {
-            token_env: Some("LANEWAY_TEST_NO_SUCH_VARIABLE".into()),
+            token_env: Some("LANEWAY_OVERFLOW_TEST_NO_SUCH_VARIABLE".into()),
             ..overflow(1).spec.clone()
         }));
         let status = o.status(0);
         assert!(!status.usable);
         assert!(
-            status.state.contains("$LANEWAY_TEST_NO_SUCH_VARIABLE") && status.state.contains("not set"),
+            status.state.contains("$LANEWAY_OVERFLOW_TEST_NO_SUCH_VARIABLE") && status.state.contains("not set"),
             "{status:?}"
         );
         assert!(o.try_acquire(0).is_none());

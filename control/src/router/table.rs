@@ -504,8 +504,7 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &Table) -> Table {
         // compromised agent cannot take another model's traffic.
         let placed = registry.desired.get(node_id);
         let vouched = |r: &&crate::registry::ReplicaRecord| {
-            node.static_replicas
-                || placed.is_some_and(|d| d.iter().any(|p| p.id == r.id && p.model == r.model))
+            node.static_replicas || placed.is_some_and(|d| d.iter().any(|p| p.id == r.id && p.model == r.model))
         };
         for r in replicas.iter().filter(|r| r.state == "ready") {
             let name = format!("{node_id}/{}", r.id);
@@ -787,9 +786,14 @@ mod tests {
         let (mut fleet, mut reg) = setup();
         fleet.set_static("n1", false).unwrap();
         let t = build(&fleet, &reg, &Table::default());
-        assert!(t.models["whisper"].replicas.is_empty(), "an agent's word alone routes nothing");
         assert!(
-            t.unroutable.iter().any(|(n, why)| n == "n1/a" && why.contains("allow-static n1")),
+            t.models["whisper"].replicas.is_empty(),
+            "an agent's word alone routes nothing"
+        );
+        assert!(
+            t.unroutable
+                .iter()
+                .any(|(n, why)| n == "n1/a" && why.contains("allow-static n1")),
             "{:?}",
             t.unroutable
         );

@@ -1,0 +1,69 @@
+//! Entry points for the fuzz targets (`fuzz/fuzz_targets/`): the router's parsers of what
+//! clients and replicas send, each checked for what must hold whatever the input (no panic,
+//! bounded buffers, a canonical cache key). Not an API.
+
+use laneway_agent::llm::{CompletionRequest, Endpoint};
+
+/// A KServe v2 inference body: checked or refused.
+pub fn kserve_body(data: &[u8]) {
+    let _ = super::http::check_body(data);
+}
+
+/// A `POST /v1/jobs` body, as the handler reads it.
+pub fn job_submission(data: &[u8]) {
+    let _ = serde_json::from_slice::<super::jobs::SubmitBody>(data);
+}
+
+/// A chat or completion request: parsed, and its tokens counted without overflow.
+pub fn completion(data: &[u8]) {
+    for endpoint in [Endpoint::Chat, Endpoint::Completion] {
+        if let Ok(req) = CompletionRequest::parse(endpoint, data) {
+            if let Ok(count) = super::token_count::TokenCount::of(endpoint, data, &req, 256) {
+                let _ = (count.total(), count.per_sequence());
+            }
+        }
+        let _ = super::llm::answer_usage(data);
+    }
+}
+
+/// A replica's event stream cut at `cut`: the scanner never holds more than its limit, and
+/// the same bytes in one piece or two give the same tokens.
+pub fn sse(data: &[u8], cut: usize) {
+    const LIMIT: usize = 4096;
+    let cut = cut.min(data.len());
+    let mut whole = super::llm::SseScanner::new(true, LIMIT);
+    let mut split = super::llm::SseScanner::new(true, LIMIT);
+    let one = whole.scan(data).map(|(n, _)| n);
+    let two = split
+        .scan(&data[..cut])
+        .and_then(|(a, _)| split.scan(&data[cut..]).map(|(b, _)| a + b));
+    if let (Ok(a), Ok(b)) = (one, two) {
+        assert_eq!(a, b, "tokens depend on where the stream was cut");
+    }
+    assert!(whole.take_out().len() <= data.len() + 64, "the scanner grew its output");
+}
+
+/// The result cache's key: a JSON body and the same body re-encoded (another key order or
+/// spacing) have the same key.
+pub fn cache_key(data: &[u8]) {
+    let cache = super::cache::ClassCache::new(crate::registry::CacheSpec {
+        ttl_s: 60,
+        max_mib: 1,
+        shared: false,
+    });
+    let Some(key) = cache.key("m", "1", "kserve", "t", data) else {
+        return;
+    };
+    let value: serde_json::Value = serde_json::from_slice(data).expect("the key was made from JSON");
+    let pretty = serde_json::to_vec_pretty(&value).expect("JSON re-encodes");
+    assert_eq!(
+        cache.key("m", "1", "kserve", "t", &pretty),
+        Some(key),
+        "the key is not canonical"
+    );
+    assert_ne!(
+        cache.key("m", "1", "kserve", "u", data),
+        Some(key),
+        "tenants share a key"
+    );
+}
