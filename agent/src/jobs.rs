@@ -369,8 +369,15 @@ async fn fetch(uri: &str, max_bytes: u64) -> Result<Bytes, (String, bool)> {
         }
     }
     let (store, path) = object_store::parse_url(&url).map_err(|e| refused(format!("input {uri}: {e}")))?;
-    let got = store.get(&path).await.map_err(|e| failed(format!("input {uri}: {e}")))?;
-    let too_big = |n: u64| refused(format!("input {uri} is {n} bytes or more, over the {max_bytes}-byte limit of a job input"));
+    let got = store
+        .get(&path)
+        .await
+        .map_err(|e| failed(format!("input {uri}: {e}")))?;
+    let too_big = |n: u64| {
+        refused(format!(
+            "input {uri} is {n} bytes or more, over the {max_bytes}-byte limit of a job input"
+        ))
+    };
     if got.meta.size > max_bytes {
         return Err(too_big(got.meta.size));
     }
@@ -407,7 +414,10 @@ mod fetch_tests {
         std::fs::write(inputs.join("a.json"), "{\"inputs\": []}").unwrap();
         std::os::unix::fs::symlink(&secret, inputs.join("link.json")).unwrap();
         let url = |p: &std::path::Path| format!("file://{}", p.display());
-        assert_eq!(&fetch(&url(&inputs.join("a.json")), 1024).await.unwrap()[..], b"{\"inputs\": []}");
+        assert_eq!(
+            &fetch(&url(&inputs.join("a.json")), 1024).await.unwrap()[..],
+            b"{\"inputs\": []}"
+        );
         let (e, retry) = fetch(&url(&inputs.join("link.json")), 1024).await.unwrap_err();
         assert!(e.contains("symlink") && !retry, "{e}");
         let (e, _) = fetch(&secret.display().to_string(), 1024).await.unwrap_err();

@@ -125,7 +125,8 @@ impl AgentService for AgentGrpc {
                     "the controllers hold no CA key (tls.ca_key), so they sign no certificates: give this host one from `lanectl certs issue --kind agent --name NODE` instead of a join token",
                 ));
             };
-            let key_sha256 = laneway_pki::csr_key_sha256(&r.csr_pem).map_err(|e| Status::invalid_argument(e.to_string()))?;
+            let key_sha256 =
+                laneway_pki::csr_key_sha256(&r.csr_pem).map_err(|e| Status::invalid_argument(e.to_string()))?;
             let sha256 = crate::registry::hash_key(&r.token);
             let now = crate::jobs::unix_ms();
             // Checked here first, so that a made-up or spent token costs no Raft entry (anyone
@@ -285,12 +286,9 @@ impl AgentService for AgentGrpc {
     }
 }
 
-/// Commits the node's replicas when their routable facts (state, endpoint) differ from what
-/// the state holds. In-flight counts and other fast-moving numbers never reach the log.
-fn sync_replicas(ctx: &Context, hb: &Heartbeat) {
-    let Some(host) = ctx.sm.replica_host(&hb.node_id) else {
-        return;
-    };
+/// What a heartbeat says of the node's replicas, as the state records them (sorted by id),
+/// each dialled at the node's `host`.
+pub fn replica_records(hb: &Heartbeat, host: &str) -> Vec<ReplicaRecord> {
     let mut reported: Vec<ReplicaRecord> = hb
         .replicas
         .iter()
@@ -309,6 +307,16 @@ fn sync_replicas(ctx: &Context, hb: &Heartbeat) {
         })
         .collect();
     reported.sort_by(|a, b| a.id.cmp(&b.id));
+    reported
+}
+
+/// Commits the node's replicas when their routable facts (state, endpoint) differ from what
+/// the state holds. In-flight counts and other fast-moving numbers never reach the log.
+fn sync_replicas(ctx: &Context, hb: &Heartbeat) {
+    let Some(host) = ctx.sm.replica_host(&hb.node_id) else {
+        return;
+    };
+    let reported = replica_records(hb, &host);
     if reported == ctx.sm.node_replicas(&hb.node_id) {
         return;
     }

@@ -131,7 +131,10 @@ pub enum Command {
     },
     /// Whether the routers take the node's static replicas (from its own `[[replica]]`
     /// configuration, not placed by the scheduler): an operator's word, never an agent's.
-    SetNodeStatic { node_id: String, allowed: bool },
+    SetNodeStatic {
+        node_id: String,
+        allowed: bool,
+    },
     /// The scheduler's placements on one node (the whole set).
     SetDesiredReplicas {
         node_id: String,

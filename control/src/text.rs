@@ -19,6 +19,9 @@ mod tests {
         assert_eq!(clip("gpu-1", 8), "gpu-1");
         let long = "é".repeat(100);
         let c = clip(&long, 10);
-        assert!(c.starts_with(&"é".repeat(10)) && c.ends_with("(200 bytes in all)"), "{c}");
+        assert!(
+            c.starts_with(&"é".repeat(10)) && c.ends_with("(200 bytes in all)"),
+            "{c}"
+        );
     }
 }

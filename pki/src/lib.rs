@@ -197,7 +197,9 @@ pub fn csr_key_sha256(csr_pem: &str) -> Result<String, PkiError> {
         .map_err(|e| PkiError::Invalid(format!("the certificate signing request is not PEM: {e}")))?;
     let (_, csr) = x509_parser::certification_request::X509CertificationRequest::from_der(&pem.contents)
         .map_err(|e| PkiError::Invalid(format!("the certificate signing request is not valid: {e}")))?;
-    Ok(hex::encode(sha2::Sha256::digest(csr.certification_request_info.subject_pki.raw)))
+    Ok(hex::encode(sha2::Sha256::digest(
+        csr.certification_request_info.subject_pki.raw,
+    )))
 }
 
 /// [`serial_of`] for a PEM certificate.

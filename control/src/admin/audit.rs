@@ -202,7 +202,13 @@ impl AuditLog {
         self.around_with(caller, call, true, f).await
     }
 
-    async fn around_with<T, F>(&self, caller: Caller, call: &'static str, public: bool, f: F) -> Result<Response<T>, Status>
+    async fn around_with<T, F>(
+        &self,
+        caller: Caller,
+        call: &'static str,
+        public: bool,
+        f: F,
+    ) -> Result<Response<T>, Status>
     where
         F: std::future::Future<Output = Result<Response<T>, Status>>,
     {
@@ -242,7 +248,10 @@ impl AuditLog {
     pub fn read(&self, since_ms: u64, limit: usize) -> std::io::Result<Vec<Value>> {
         let mut out: Vec<Value> = Vec::new();
         // The rotated files first, oldest first, then the current one.
-        let files = (1..=ROTATED_KEPT).rev().map(|n| self.rotated(n)).chain([self.path.clone()]);
+        let files = (1..=ROTATED_KEPT)
+            .rev()
+            .map(|n| self.rotated(n))
+            .chain([self.path.clone()]);
         for path in files {
             let text = match std::fs::read_to_string(&path) {
                 Ok(t) => t,
@@ -357,7 +366,9 @@ mod tests {
         let huge = "x".repeat(1024 * 1024);
         for _ in 0..200 {
             let _: Result<Response<()>, Status> = log
-                .around(caller(&huge), "join", async { Err(Status::permission_denied("y".repeat(1 << 20))) })
+                .around(caller(&huge), "join", async {
+                    Err(Status::permission_denied("y".repeat(1 << 20)))
+                })
                 .await;
         }
         let mut total = 0;
@@ -371,9 +382,16 @@ mod tests {
         }
         assert!(total <= (ROTATED_KEPT as u64 + 1) * 12 * 1024, "{total} bytes in all");
         let all = log.read(0, 10_000).unwrap();
-        assert!(all.len() > 5, "entries of the rotated files are read too: {}", all.len());
+        assert!(
+            all.len() > 5,
+            "entries of the rotated files are read too: {}",
+            all.len()
+        );
         let line = all[0]["target"].as_str().unwrap();
-        assert!(line.len() < 2 * MAX_TARGET_CHARS && line.ends_with("(1048576 bytes in all)"), "{line}");
+        assert!(
+            line.len() < 2 * MAX_TARGET_CHARS && line.ends_with("(1048576 bytes in all)"),
+            "{line}"
+        );
     }
 
     /// Failures of a call anyone may make are written within the refusal budget.
@@ -381,10 +399,12 @@ mod tests {
     async fn public_failures_are_written_within_a_budget() {
         let dir = tempfile::tempdir().unwrap();
         let log = AuditLog::open(&dir.path().join("audit.log"), 1).unwrap();
-        let start = std::time::Instant::now();
+        let start = tokio::time::Instant::now();
         for _ in 0..500 {
             let _: Result<Response<()>, Status> = log
-                .around_public(caller("node_id: \"x\""), "join", async { Err(Status::permission_denied("no")) })
+                .around_public(caller("node_id: \"x\""), "join", async {
+                    Err(Status::permission_denied("no"))
+                })
                 .await;
         }
         let seconds = start.elapsed().as_secs() as usize + 2;
@@ -393,9 +413,15 @@ mod tests {
             n <= seconds * REFUSALS_PER_SECOND as usize && n < 500,
             "{n} entries written for 500 refused joins in under {seconds} s"
         );
-        let ok: Result<Response<()>, Status> = log.around_public(caller("x"), "join", async { Ok(Response::new(())) }).await;
+        let ok: Result<Response<()>, Status> = log
+            .around_public(caller("x"), "join", async { Ok(Response::new(())) })
+            .await;
         assert!(ok.is_ok());
-        assert_eq!(log.read(0, 10_000).unwrap().last().unwrap()["result"], "ok", "successes are always written");
+        assert_eq!(
+            log.read(0, 10_000).unwrap().last().unwrap()["result"],
+            "ok",
+            "successes are always written"
+        );
     }
 
     #[test]

@@ -748,5 +748,9 @@ fn a_result_is_bound_to_its_attempt_and_its_gpu_time_to_the_wall_clock() {
     });
     j.finish("a", 5, &inflated, 12_000).unwrap();
     let billed = j.get("a").unwrap().result.as_ref().unwrap().gpu_us;
-    assert_eq!(billed, 2_000 * 1000 * MAX_GPUS_PER_ATTEMPT, "2 s of the most GPUs one host has");
+    assert_eq!(
+        billed,
+        2_000 * 1000 * MAX_GPUS_PER_ATTEMPT,
+        "2 s of the most GPUs one host has"
+    );
 }

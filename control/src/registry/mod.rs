@@ -170,13 +170,18 @@ fn plain_location(uri: &str) -> Result<url::Url, String> {
         return Err(format!("{}: is not one of {}", u.scheme(), INPUT_SCHEMES.join(", ")));
     }
     if u.query().is_some() || u.fragment().is_some() || !u.username().is_empty() || u.password().is_some() {
-        return Err(format!("{:?} has a query, fragment or user name", crate::text::clip(uri, 128)));
+        return Err(format!(
+            "{:?} has a query, fragment or user name",
+            crate::text::clip(uri, 128)
+        ));
     }
     let raw = uri.to_ascii_lowercase();
     // `url` folds `..` away when it parses, so the text is checked as given.
     let after_scheme = raw.split_once("://").map_or(raw.as_str(), |(_, r)| r);
     if after_scheme.split('/').any(|seg| seg == ".." || seg == ".")
-        || ["%2e", "%2f", "%5c", "\\", "//"].iter().any(|bad| after_scheme.contains(bad))
+        || ["%2e", "%2f", "%5c", "\\", "//"]
+            .iter()
+            .any(|bad| after_scheme.contains(bad))
     {
         return Err(format!(
             "{:?} has a '.' or '..' segment, an empty segment or an encoded separator",
@@ -945,7 +950,11 @@ impl Class {
             let url = o.url.trim_end_matches('/');
             let https = url.starts_with("https://");
             if let Ok(parsed) = url::Url::parse(url) {
-                if parsed.query().is_some() || parsed.fragment().is_some() || !parsed.username().is_empty() || parsed.password().is_some() {
+                if parsed.query().is_some()
+                    || parsed.fragment().is_some()
+                    || !parsed.username().is_empty()
+                    || parsed.password().is_some()
+                {
                     return Err(format!(
                         "class {n}: overflow url {url:?}: no query, fragment or user name; give scheme://host[:port][/prefix] and the key in token_env"
                     ));
@@ -1615,23 +1624,36 @@ mod tests {
         r.join_tokens.insert("a".repeat(64), token(1_000, None));
         r.join_tokens.insert("b".repeat(64), token(1_000, Some("n2")));
         r.join_tokens.insert("c".repeat(64), token(5_000, None));
-        let e = r.consume_join_token(&"a".repeat(64), "n1", "k1", 1_000, false).unwrap_err();
+        let e = r
+            .consume_join_token(&"a".repeat(64), "n1", "k1", 1_000, false)
+            .unwrap_err();
         assert!(e.contains("expired"), "{e}");
-        let e = r.consume_join_token(&"b".repeat(64), "n1", "k1", 10, false).unwrap_err();
+        let e = r
+            .consume_join_token(&"b".repeat(64), "n1", "k1", 10, false)
+            .unwrap_err();
         assert!(e.contains("is for node n2"), "{e}");
         r.consume_join_token(&"a".repeat(64), "n1", "k1", 999, false).unwrap();
         r.consume_join_token(&"a".repeat(64), "n1", "k1", 999, true)
             .expect("the same node may ask again with the same key (its answer may have been lost)");
-        let e = r.consume_join_token(&"a".repeat(64), "n1", "k2", 999, true).unwrap_err();
-        assert!(e.contains("only the same key"), "another key never reuses a spent token: {e}");
+        let e = r
+            .consume_join_token(&"a".repeat(64), "n1", "k2", 999, true)
+            .unwrap_err();
+        assert!(
+            e.contains("only the same key"),
+            "another key never reuses a spent token: {e}"
+        );
         r.join_tokens.get_mut(&"a".repeat(64)).unwrap().expires_ms = 100 * JOIN_RETRY_MS;
         let e = r
             .consume_join_token(&"a".repeat(64), "n1", "k1", 999 + JOIN_RETRY_MS, true)
             .unwrap_err();
         assert!(e.contains("within 10 minutes"), "nor the same key long after: {e}");
-        let e = r.consume_join_token(&"a".repeat(64), "n3", "k1", 999, false).unwrap_err();
+        let e = r
+            .consume_join_token(&"a".repeat(64), "n3", "k1", 999, false)
+            .unwrap_err();
         assert!(e.contains("already used (by node n1)"), "{e}");
-        let e = r.consume_join_token(&"c".repeat(64), "n1", "k1", 10, false).unwrap_err();
+        let e = r
+            .consume_join_token(&"c".repeat(64), "n1", "k1", 10, false)
+            .unwrap_err();
         assert!(e.contains("never reused"), "{e}");
         let e = r.consume_join_token(&"c".repeat(64), "n9", "k1", 10, true).unwrap_err();
         assert!(
@@ -1641,7 +1663,9 @@ mod tests {
         // A token an admin bound to n2 re-keys it even though it is registered.
         r.consume_join_token(&"b".repeat(64), "n2", "k1", 10, true).unwrap();
         r.join_tokens.get_mut(&"c".repeat(64)).unwrap().revoked = true;
-        let e = r.consume_join_token(&"c".repeat(64), "n4", "k1", 10, false).unwrap_err();
+        let e = r
+            .consume_join_token(&"c".repeat(64), "n4", "k1", 10, false)
+            .unwrap_err();
         assert!(e.contains("revoked"), "{e}");
         assert!(r
             .consume_join_token(&"d".repeat(64), "n5", "k1", 10, false)
@@ -1662,14 +1686,25 @@ mod tests {
             }),
             ..Class::for_test("speech", LaneKind::Sync)
         };
-        let e = with("https://api.example.com", "AWS_SECRET_ACCESS_KEY").validate().unwrap_err();
+        let e = with("https://api.example.com", "AWS_SECRET_ACCESS_KEY")
+            .validate()
+            .unwrap_err();
         assert!(e.contains("must start with LANEWAY_OVERFLOW_"), "{e}");
-        for url in ["https://api.example.com/?k=v", "https://api.example.com/#x", "https://u:p@api.example.com"] {
+        for url in [
+            "https://api.example.com/?k=v",
+            "https://api.example.com/#x",
+            "https://u:p@api.example.com",
+        ] {
             let e = with(url, "LANEWAY_OVERFLOW_HOSTED").validate().unwrap_err();
             assert!(e.contains("no query, fragment or user name"), "{url}: {e}");
         }
-        with("https://api.example.com/v1", "LANEWAY_OVERFLOW_HOSTED").validate().unwrap();
-        assert!(check_overflow_token_env("HOME").is_err(), "checked again before it is read");
+        with("https://api.example.com/v1", "LANEWAY_OVERFLOW_HOSTED")
+            .validate()
+            .unwrap();
+        assert!(
+            check_overflow_token_env("HOME").is_err(),
+            "checked again before it is read"
+        );
     }
 
     /// A tenant names an input only under a location the operator allowed for the class:

@@ -154,6 +154,11 @@ impl Node {
         c.wait().ok()
     }
 
+    /// The running process's id.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// `kill -9`.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {

@@ -312,15 +312,25 @@ async fn a_job_goes_through_to_its_one_result_and_bad_input_is_refused() {
     }
     lanectl(
         &addr,
-        &["lane", "set", "video", "--input-prefix", &format!("file://{}/", inputs.display())],
+        &[
+            "lane",
+            "set",
+            "video",
+            "--input-prefix",
+            &format!("file://{}/", inputs.display()),
+        ],
     );
     let escape = format!("file://{}/../agent/node.db", inputs.display());
     // Once every router has the new class, the escape is refused for what it is.
-    wait_for("the class's input prefix reached the router", Duration::from_secs(10), || async {
-        let (status, v, _) = submit(&http, &base, &key, None, json!({"model": "clip", "input_uri": escape})).await;
-        assert_eq!(status, 400, "no walking out of the prefix: {v}");
-        v["error"].as_str().filter(|e| e.contains("'..' segment")).map(|_| ())
-    })
+    wait_for(
+        "the class's input prefix reached the router",
+        Duration::from_secs(10),
+        || async {
+            let (status, v, _) = submit(&http, &base, &key, None, json!({"model": "clip", "input_uri": escape})).await;
+            assert_eq!(status, 400, "no walking out of the prefix: {v}");
+            v["error"].as_str().filter(|e| e.contains("'..' segment")).map(|_| ())
+        },
+    )
     .await;
     let (status, v, _) = submit(
         &http,

@@ -2,6 +2,7 @@
 
 mod actors;
 mod agents;
+mod attacks;
 mod cluster;
 mod harness;
 mod jobs;

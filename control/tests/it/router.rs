@@ -186,6 +186,14 @@ async fn env(replicas: Vec<StaticReplica>) -> Env {
         .unwrap()
         .to_string();
     let agent = agent("gpu-1", "L4", vec![addr.clone()], root.path(), replicas).await;
+    // The test's replicas are the agent's own static ones: routed once an operator vouches.
+    wait_for("gpu-1's static replicas allowed", Duration::from_secs(15), || async {
+        lanectl_output(&addr, &["node", "allow-static", "gpu-1"])
+            .status
+            .success()
+            .then_some(())
+    })
+    .await;
     Env {
         _reaper: Reaper(agent.supervisor.clone()),
         base: format!("http://{}", nodes[0].router_addr),

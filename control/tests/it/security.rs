@@ -22,7 +22,7 @@ use crate::harness::{client_tls, wait_for, Node, CLUSTER};
 const DAY: Duration = Duration::from_secs(86_400);
 
 /// A CA and the certificates the test uses, as `lanectl certs` lays them out.
-fn make_certs(dir: &Path) {
+pub(crate) fn make_certs(dir: &Path) {
     std::fs::create_dir_all(dir).unwrap();
     let ca = Ca::create(CLUSTER, DAY).unwrap();
     std::fs::write(dir.join("ca.pem"), ca.cert_pem()).unwrap();
@@ -30,6 +30,8 @@ fn make_certs(dir: &Path) {
     for (kind, name, valid_for) in [
         (Kind::Controller, "1", DAY),
         (Kind::Controller, "2", DAY),
+        (Kind::Controller, "3", DAY),
+        (Kind::Controller, "9", DAY),
         (Kind::Admin, "root", DAY),
         (Kind::Viewer, "dash", DAY),
         (Kind::Operator, "ops", DAY),
@@ -302,7 +304,7 @@ async fn leading_node(root: &Path, certs: &Path) -> Node {
 }
 
 /// Starts `n1` (configured for mTLS) and initializes it as its cluster's only voter.
-async fn start_leader(n1: &mut Node) {
+pub(crate) async fn start_leader(n1: &mut Node) {
     n1.start();
     let admin = n1.client().with_retry_for(Duration::from_secs(15));
     wait_for("node 1 answers over mTLS", Duration::from_secs(20), || async {
@@ -674,7 +676,11 @@ async fn metrics_and_the_dashboard_need_a_viewer_token_on_a_tls_cluster() {
     };
     let (status, challenge, body) = wait_for("the router answers", Duration::from_secs(20), || async {
         let r = http.get(format!("{base}/metrics")).send().await.ok()?;
-        Some((r.status().as_u16(), r.headers().get("www-authenticate").is_some(), r.text().await.ok()?))
+        Some((
+            r.status().as_u16(),
+            r.headers().get("www-authenticate").is_some(),
+            r.text().await.ok()?,
+        ))
     })
     .await;
     assert_eq!(status, 401, "{body}");
