@@ -11,5 +11,9 @@ secs="${1:-60}"
 export RUSTC_BOOTSTRAP="${RUSTC_BOOTSTRAP:-1}"
 for t in controller_config agent_config snapshot_decode command_apply command_sequence router_parsers agent_messages raft_payload; do
   echo "== $t (${secs}s)"
-  cargo fuzz run "$t" -- -max_total_time="$secs" -rss_limit_mb=4096
+  # fuzz/seeds/<target> (committed) starts the search from real inputs; fuzz/corpus keeps
+  # what it finds.
+  seeds=()
+  [ -d "fuzz/seeds/$t" ] && seeds=("fuzz/corpus/$t" "fuzz/seeds/$t") && mkdir -p "fuzz/corpus/$t"
+  cargo fuzz run "$t" "${seeds[@]}" -- -max_total_time="$secs" -rss_limit_mb=4096
 done

@@ -43,8 +43,10 @@ pub fn sse(data: &[u8], cut: usize) {
     assert!(whole.take_out().len() <= data.len() + 64, "the scanner grew its output");
 }
 
-/// The result cache's key: a JSON body and the same body re-encoded (another key order or
-/// spacing) have the same key.
+/// The result cache's key: a JSON body and the same value encoded otherwise (another key
+/// order or spacing) have the same key. (The same value: serde_json's float parsing is not
+/// always correctly rounded, so a long number may read back as its neighbour; such bodies get
+/// different keys, a miss and never a wrong answer.)
 pub fn cache_key(data: &[u8]) {
     let cache = super::cache::ClassCache::new(crate::registry::CacheSpec {
         ttl_s: 60,
@@ -56,11 +58,14 @@ pub fn cache_key(data: &[u8]) {
     };
     let value: serde_json::Value = serde_json::from_slice(data).expect("the key was made from JSON");
     let pretty = serde_json::to_vec_pretty(&value).expect("JSON re-encodes");
-    assert_eq!(
-        cache.key("m", "1", "kserve", "t", &pretty),
-        Some(key),
-        "the key is not canonical"
-    );
+    let again: serde_json::Value = serde_json::from_slice(&pretty).expect("re-encoded JSON parses");
+    if again == value {
+        assert_eq!(
+            cache.key("m", "1", "kserve", "t", &pretty),
+            Some(key),
+            "the key is not canonical"
+        );
+    }
     assert_ne!(
         cache.key("m", "1", "kserve", "u", data),
         Some(key),
