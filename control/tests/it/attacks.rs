@@ -264,6 +264,20 @@ async fn the_network_attacks_of_issue_24_are_refused() {
         .unwrap()
         .api_key;
 
+    // Every router knows the tenant (its table follows the log a moment behind).
+    for n in &nodes {
+        wait_for("the routers know the tenant", Duration::from_secs(15), || async {
+            let r = http
+                .get(format!("http://{}/v1/jobs", n.router_addr))
+                .bearer_auth(&key)
+                .send()
+                .await
+                .ok()?;
+            (r.status() != 401).then_some(())
+        })
+        .await;
+    }
+
     // 5. A tenant names a GPU host's own key as its job's input.
     let r = http
         .post(format!("http://{}/v1/jobs", leader.router_addr))
