@@ -22,6 +22,27 @@ pub struct Member {
     child: Option<Child>,
 }
 
+/// What a crash left in the log at `path`: its last panic and the lines after it up to the
+/// backtrace, or else its last `lines` lines; or why there is no log.
+fn log_tail(path: &Path, lines: usize) -> String {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) => return format!("(no log: {e})"),
+    };
+    let all: Vec<&str> = text.lines().collect();
+    if let Some(at) = all.iter().rposition(|l| l.contains("panicked at")) {
+        let mut out: Vec<&str> = all[at.saturating_sub(2)..]
+            .iter()
+            .take_while(|l| !l.starts_with("stack backtrace:"))
+            .take(lines)
+            .copied()
+            .collect();
+        out.push("(backtrace in the log)");
+        return out.join("\n");
+    }
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
 /// Controllers started from one binary in one temp dir.
 pub struct ProcessCluster {
     bin: PathBuf,
@@ -183,9 +204,17 @@ impl ProcessCluster {
         let mut gone = Vec::new();
         for (i, m) in self.members.iter_mut().enumerate() {
             if let Some(c) = m.child.as_mut() {
-                if matches!(c.try_wait(), Ok(Some(_))) {
+                if let Ok(Some(status)) = c.try_wait() {
                     m.child = None;
                     gone.push(i);
+                    // Said now: the logs go with the temp dir at the end of the run (unless
+                    // LANEWAY_CHAOS_KEEP), and a member that died by itself needs explaining.
+                    eprintln!(
+                        "controller {} exited by itself ({status}); the end of {}:\n{}",
+                        m.id,
+                        m.log.display(),
+                        log_tail(&m.log, 15)
+                    );
                 }
             }
         }
