@@ -385,7 +385,7 @@ async fn actor_panic(addr: &str, kind: &str, actor: &str, bound: Duration) -> Re
                 .await
         }
     };
-    let term = crate::process_cluster::status_of(addr).await.map(|s| s.term);
+    let term = status_of(addr).await.map(|s| s.term);
     set("1*return")
         .await
         .map_err(|e| format!("setting {name} on {addr}: {e} (controllers need a testing build)"))?;
@@ -396,11 +396,7 @@ async fn actor_panic(addr: &str, kind: &str, actor: &str, bound: Duration) -> Re
             // An election meanwhile (two loaded cores miss a heartbeat now and then) replaces
             // the leader's actors wholesale: a new term's scope starts them afresh, with no
             // restart to count. The replicas checker still judges the fleet.
-            _ if term.is_some()
-                && crate::process_cluster::status_of(addr)
-                    .await
-                    .is_some_and(|s| Some(s.term) != term) =>
-            {
+            _ if term.is_some() && status_of(addr).await.is_some_and(|s| Some(s.term) != term) => {
                 break Ok(started.elapsed().as_millis() as u64)
             }
             _ if started.elapsed() > bound => {

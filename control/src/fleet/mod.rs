@@ -212,12 +212,15 @@ impl Fleet {
 
     /// Lets the routers take `node_id`'s static replicas, or stops them.
     pub fn set_static(&mut self, node_id: &str, allowed: bool) -> Result<(), String> {
-        let n = self
-            .nodes
-            .get_mut(node_id)
-            .ok_or_else(|| format!("no node {node_id}; `lanectl node list` shows the registered nodes"))?;
-        n.static_replicas = allowed;
+        self.node_mut(node_id)?.static_replicas = allowed;
         Ok(())
+    }
+
+    /// The registered node `node_id`, to change, or what to do when there is none.
+    fn node_mut(&mut self, node_id: &str) -> Result<&mut NodeRecord, String> {
+        self.nodes
+            .get_mut(node_id)
+            .ok_or_else(|| format!("no node {node_id}; `lanectl node list` shows the registered nodes"))
     }
 
     pub fn set_liveness(&mut self, node_id: &str, liveness: Liveness) -> Result<(), String> {
@@ -230,10 +233,7 @@ impl Fleet {
     }
 
     pub fn set_flags(&mut self, node_id: &str, cordoned: Option<bool>, draining: Option<bool>) -> Result<(), String> {
-        let n = self
-            .nodes
-            .get_mut(node_id)
-            .ok_or_else(|| format!("no node {node_id}; `lanectl node list` shows the registered nodes"))?;
+        let n = self.node_mut(node_id)?;
         if let Some(c) = cordoned {
             n.cordoned = c;
         }
