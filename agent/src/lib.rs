@@ -8,7 +8,7 @@ pub mod config;
 pub mod gpu;
 pub mod identity;
 pub mod jobs;
-pub mod llm;
+pub use laneway_core::llm;
 pub mod logging;
 pub mod metrics;
 pub mod mig;

@@ -37,10 +37,7 @@ impl std::fmt::Debug for ResultStore {
     }
 }
 
-/// The key of the result an attempt writes.
-pub fn result_key(job_id: &str, token: u64) -> String {
-    format!("jobs/{job_id}/{token}")
-}
+pub use laneway_core::jobs::result_key;
 
 impl ResultStore {
     /// Opens `location`: a directory path or `file://` URL (created if missing), or an

@@ -142,7 +142,10 @@ impl AgentService for AgentGrpc {
                 key_sha256,
                 at_ms: now,
             };
-            crate::command::check_allowed(&self.ctx.sm, &consume).map_err(Status::failed_precondition)?;
+            self.ctx
+                .sm
+                .check_allowed(&consume)
+                .map_err(Status::failed_precondition)?;
             // The request must be good before the token is spent on it.
             let cert = ca
                 .sign_csr(&r.csr_pem, laneway_pki::Kind::Agent, &r.node_id, AGENT_CERT_LIFETIME)

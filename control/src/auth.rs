@@ -203,7 +203,7 @@ impl Policy {
             r.admin_token(&sha, crate::jobs::unix_ms())
                 .map(|(role, name)| (role.to_string(), name.to_string()))
         })?;
-        let kind: Kind = role.parse().map_err(|e: laneway_pki::PkiError| e.to_string())?;
+        let kind: Kind = role.parse().map_err(|e: laneway_pki::IdentityError| e.to_string())?;
         let id = PeerIdentity::new(&self.cluster, kind, &name).map_err(|e| e.to_string())?;
         Ok((id, Credential::Token { sha256: sha }))
     }
@@ -328,6 +328,14 @@ pub fn agent_methods(method: &str) -> Option<Access> {
         "Join" => Some(Access::Token),
         _ => None,
     }
+}
+
+/// A new random API key: `lw_` and 32 random bytes in hex.
+pub fn new_api_key() -> String {
+    use rand::RngCore;
+    let mut bytes = [0u8; 32];
+    rand::rng().fill_bytes(&mut bytes);
+    format!("lw_{}", hex::encode(bytes))
 }
 
 #[cfg(test)]

@@ -346,8 +346,9 @@ async fn commit(controller: &Controller, command: crate::command::Command) -> Re
 
 /// Registers the example classes and models and issues the `dev` tenant a fresh key.
 async fn register_examples(controller: &Controller, registry: &DevRegistry) -> Result<String, DevError> {
+    use crate::auth::new_api_key;
     use crate::command::Command;
-    use crate::registry::{hash_key, new_api_key, Tenant};
+    use crate::registry::{hash_key, Tenant};
     for c in &registry.class {
         commit(controller, Command::PutClass(c.clone())).await?;
     }

@@ -3,13 +3,17 @@
 //! A controller is one member of a small Raft group (openraft over tonic, redb storage) that holds
 //! the fleet's desired state. This crate holds the storage, the replicated state machine, the
 //! Raft transport, the operator API, configuration, and the client used by `lanectl`.
+//!
+//! The domain and the pure decisions are `laneway_core`; the modules re-exported here keep the
+//! paths the shells use (`crate::registry::Model`) while the code lives in the lower layer.
+
+pub use laneway_core::{admission, command, gpu, llm, node, planner, registry, runtime_spec, state, text};
 
 pub mod actors;
 pub mod admin;
 pub mod agent_api;
 pub mod auth;
 pub mod client;
-pub mod command;
 pub mod config;
 pub mod context;
 pub mod dev;
@@ -17,16 +21,12 @@ pub mod fleet;
 pub mod jobs;
 pub mod ledger;
 pub mod network;
-pub mod node;
 pub mod observe;
-pub mod planner;
 pub mod proposer;
 pub mod provision;
-pub mod registry;
 pub mod router;
 pub mod scheduler;
 pub mod server;
 pub mod store;
 pub mod telemetry;
-pub mod text;
 pub mod typ;

@@ -6,7 +6,7 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(env) = serde_json::from_slice::<laneway_control::command::CommandEnvelope>(data) {
-        let mut state = laneway_control::store::state_machine::AppState::default();
+        let mut state = laneway_core::state::AppState::default();
         let _ = state.apply(&env.command, 1);
         let _ = state.apply(&env.command, 2);
     }

@@ -4,7 +4,7 @@
 #![no_main]
 
 use laneway_control::command::{Command, CommandEnvelope};
-use laneway_control::store::state_machine::AppState;
+use laneway_core::state::AppState;
 use libfuzzer_sys::fuzz_target;
 
 /// A state with something in it for commands to hit: a node, a class, a model, a tenant.

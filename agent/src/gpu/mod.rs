@@ -2,7 +2,7 @@
 //! dev mode, tests and chaos.
 
 pub mod nvml;
-pub mod product;
+pub use laneway_core::gpu::product;
 pub mod sim;
 
 use serde::{Deserialize, Serialize};

@@ -10,7 +10,7 @@
 //! incarnation runs, so `drain` always stops the process.
 
 pub mod process;
-pub mod spec;
+pub use laneway_core::runtime_spec as spec;
 
 use std::collections::HashMap;
 use std::path::PathBuf;

@@ -4,7 +4,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::registry::{hash_key, new_api_key, Class, Model, Tenant, TenantLimit};
+use crate::auth::new_api_key;
+use crate::registry::{hash_key, Class, Model, Tenant, TenantLimit};
 use laneway_proto::admin::admin_service_server::AdminService;
 use laneway_proto::admin::{ActorsRequest, SetFailpointReply, SetFailpointRequest};
 use laneway_proto::admin::{
@@ -209,7 +210,9 @@ impl AdminGrpc {
             | crate::command::CommandError::InvalidNode(_)
             | crate::command::CommandError::Invalid(_) => AdminError::InvalidArgument(e.to_string()),
         })?;
-        crate::command::check_allowed(&self.sm, &command).map_err(AdminError::FailedPrecondition)?;
+        self.sm
+            .check_allowed(&command)
+            .map_err(AdminError::FailedPrecondition)?;
         let (log_index, resp) = self.proposer.propose(command).await.map_err(|e| self.raft_error(e))?;
         if let Some(reason) = resp.rejected {
             return Err(AdminError::FailedPrecondition(reason));
@@ -602,6 +605,12 @@ impl AdminService for AdminGrpc {
     async fn put_class(&self, req: Request<PutDocumentRequest>) -> Result<Response<WriteReply>, Status> {
         self.audited("put_class", super::audit::Caller::of_document(&req), async move {
             let class: Class = parse_document("class", &req.into_inner().json)?;
+            // The core checks the PEM's shape; that each certificate is a usable CA needs the
+            // TLS library, so it is checked here, before anything is proposed.
+            if let Some(pem) = class.overflow.as_ref().and_then(|o| o.ca_pem.as_deref()) {
+                crate::router::overflow::parse_ca_pem(pem)
+                    .map_err(|e| AdminError::InvalidArgument(format!("class {}: overflow {e}", class.name)))?;
+            }
             Ok(Response::new(self.write(Command::PutClass(class)).await?))
         })
         .await
@@ -1354,7 +1363,7 @@ impl AdminService for AdminGrpc {
                 applied_ms: Some(crate::jobs::unix_ms()),
                 ..plan
             }));
-            crate::command::check_allowed(&self.sm, &commands[0]).map_err(AdminError::FailedPrecondition)?;
+            self.sm.check_allowed(&commands[0]).map_err(AdminError::FailedPrecondition)?;
             let (log_index, resp) = self
                 .proposer
                 .propose(Command::Batch(commands))

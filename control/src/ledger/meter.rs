@@ -195,7 +195,7 @@ pub async fn send_once(ctx: &crate::context::Context, leaders: &crate::client::A
     let seq = report.seq;
     let requests: u64 = report.rows.iter().map(|r| r.requests).sum();
     let mut command = crate::command::Command::RecordUsage(report);
-    if crate::command::check_allowed(&ctx.sm, &command).is_err() {
+    if ctx.sm.check_allowed(&command).is_err() {
         // A cluster not yet finalized at format 9 cannot count slow requests: they are left
         // out (rollouts need format 9 anyway) rather than holding back the usage itself.
         if let crate::command::Command::RecordUsage(r) = &mut command {
@@ -204,7 +204,7 @@ pub async fn send_once(ctx: &crate::context::Context, leaders: &crate::client::A
             }
         }
     }
-    if let Err(e) = crate::command::check_allowed(&ctx.sm, &command) {
+    if let Err(e) = ctx.sm.check_allowed(&command) {
         // Not yet: the report stays pending (and usage keeps adding up in the meter) until
         // the upgrade is finalized.
         tracing::debug!(seq, error = %e, "usage report held back");

@@ -7,7 +7,7 @@
 //! replica, lanes' queues, tenants' buckets), which is per router by design: routers scale out
 //! without touching the Raft group.
 
-pub mod admission;
+pub use laneway_core::admission;
 pub mod body;
 pub mod cache;
 #[doc(hidden)]

@@ -1,13 +1,11 @@
-//! Scheduling decisions (issue #6), each a pure function of state, observations and time whose
-//! output is committed through Raft by a leader-only actor. Placement is the first of them.
+//! The leader's scheduling actors: each feeds a pure decision from `laneway_core::scheduler`
+//! (re-exported here) and commits its output through Raft.
 
-pub mod autoscale;
+pub use laneway_core::scheduler::*;
+
 pub mod lane_actor;
 pub mod load_board;
 pub mod load_reporter;
-pub mod mig_plan;
-pub mod placement;
 pub mod placement_actor;
-pub mod replicas;
 pub mod rollout_loop;
 pub mod term;

@@ -114,7 +114,7 @@ async fn commit(ctx: &Context, model: &str, step: usize, action: RolloutAction, 
         at_ms: crate::jobs::unix_ms(),
         message: why.clone(),
     };
-    if let Err(e) = crate::command::check_allowed(&ctx.sm, &command) {
+    if let Err(e) = ctx.sm.check_allowed(&command) {
         tracing::warn!(%model, error = %e, "rollout step held back");
         return;
     }

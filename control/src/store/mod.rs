@@ -19,8 +19,9 @@ use std::path::Path;
 
 pub use error::StoreError;
 pub use header::Identity;
+pub use laneway_core::state::AppState;
 pub use log_store::LogStore;
-pub use state_machine::{AppState, StateMachineStore};
+pub use state_machine::StateMachineStore;
 
 /// File name of the Raft log database inside a data dir.
 pub const LOG_DB_FILE: &str = "raft-log.redb";

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::state_machine::AppState;
 use crate::typ::SnapshotMeta;
+use laneway_core::state::AppState;
 
 /// Current snapshot file format.
 pub const SNAPSHOT_FORMAT: u32 = 1;

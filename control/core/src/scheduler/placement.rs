@@ -47,7 +47,7 @@ pub struct NodeView {
     /// Up and not cordoned.
     pub schedulable: bool,
     /// How the node's cards are paid for.
-    pub tier: crate::ledger::Tier,
+    pub tier: crate::capacity::Tier,
 }
 
 /// One product a model may run on, and what one replica needs there.
@@ -66,7 +66,7 @@ pub struct Request {
     /// Taints the model's lane tolerates.
     pub tolerations: Vec<String>,
     /// Capacity tier to try first (then any the taints allow): reserved for warm floors.
-    pub prefer_tier: Option<crate::ledger::Tier>,
+    pub prefer_tier: Option<crate::capacity::Tier>,
 }
 
 /// Where a replica goes.
@@ -154,7 +154,7 @@ impl FleetIndex {
     }
 
     /// Whether a node may take the request in this pass (its tier, when the pass has one).
-    fn in_pass(node: &NodeView, tier: Option<crate::ledger::Tier>) -> bool {
+    fn in_pass(node: &NodeView, tier: Option<crate::capacity::Tier>) -> bool {
         tier.is_none_or(|t| node.tier == t)
     }
 
@@ -164,7 +164,7 @@ impl FleetIndex {
         &self,
         req: &Request,
         fit: &ProductFit,
-        tier: Option<crate::ledger::Tier>,
+        tier: Option<crate::capacity::Tier>,
     ) -> Option<(bool, (u32, u16))> {
         let nodes = self.cached.get(&req.model)?;
         let mut best: Option<(Rank, At)> = None;
@@ -219,7 +219,7 @@ impl FleetIndex {
         &mut self,
         req: &Request,
         fit: &ProductFit,
-        tier: Option<crate::ledger::Tier>,
+        tier: Option<crate::capacity::Tier>,
     ) -> Option<(bool, (u32, u16))> {
         let pools: Vec<String> = self.pools.get(&fit.product)?.iter().cloned().collect();
         let mut best: Option<(Rank, At)> = None;
@@ -283,7 +283,7 @@ impl FleetIndex {
     /// Places one replica, updating the index.
     pub fn place(&mut self, req: &Request) -> Result<Placement, Unplaced> {
         // The preferred tier first (on every listed product), then any tier.
-        let passes: Vec<Option<crate::ledger::Tier>> = match req.prefer_tier {
+        let passes: Vec<Option<crate::capacity::Tier>> = match req.prefer_tier {
             Some(t) => vec![Some(t), None],
             None => vec![None],
         };
@@ -402,7 +402,7 @@ pub fn synthetic_fleet(nodes: usize, gpus: usize, products: &[(&str, u32)]) -> V
                 cached_models: HashSet::new(),
                 replicas: HashMap::new(),
                 schedulable: true,
-                tier: crate::ledger::Tier::OnDemand,
+                tier: crate::capacity::Tier::OnDemand,
             }
         })
         .collect()
@@ -446,7 +446,7 @@ mod tests {
             cached_models: HashSet::new(),
             replicas: HashMap::new(),
             schedulable: true,
-            tier: crate::ledger::Tier::OnDemand,
+            tier: crate::capacity::Tier::OnDemand,
         }
     }
 

@@ -11,7 +11,6 @@
 
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
 use std::time::{Duration, SystemTime};
 
 use rcgen::{
@@ -20,125 +19,14 @@ use rcgen::{
 };
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig};
 
+pub use laneway_core::identity::{IdentityError, Kind, PeerIdentity};
+
 /// The DNS name every controller certificate carries.
 pub const ANY_CONTROLLER: &str = "controller.laneway";
 
 /// The DNS name only controller `id`'s certificate carries.
 pub fn controller_server_name(id: u64) -> String {
     format!("controller-{id}.laneway")
-}
-
-/// What a certificate's holder is, and for people and scripts, what they may do.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Kind {
-    /// A `laneway-control` process; its name is its Raft node id.
-    Controller,
-    /// A `laneway-agent`; its name is its node id.
-    Agent,
-    /// Reads everything, changes nothing.
-    Viewer,
-    /// Runs the fleet: models, classes, tenants, prices, nodes, MIG layouts.
-    Operator,
-    /// Everything, including cluster membership and credentials.
-    Admin,
-}
-
-impl Kind {
-    pub const ALL: [Kind; 5] = [Kind::Controller, Kind::Agent, Kind::Viewer, Kind::Operator, Kind::Admin];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Kind::Controller => "controller",
-            Kind::Agent => "agent",
-            Kind::Viewer => "viewer",
-            Kind::Operator => "operator",
-            Kind::Admin => "admin",
-        }
-    }
-
-    /// A person's or a script's role (viewer, operator, admin), as opposed to a process.
-    pub fn is_role(self) -> bool {
-        matches!(self, Kind::Viewer | Kind::Operator | Kind::Admin)
-    }
-}
-
-impl fmt::Display for Kind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for Kind {
-    type Err = PkiError;
-    fn from_str(s: &str) -> Result<Self, PkiError> {
-        Kind::ALL.into_iter().find(|k| k.as_str() == s).ok_or_else(|| {
-            PkiError::Invalid(format!(
-                "unknown kind {s:?}; use controller, agent, viewer, operator or admin"
-            ))
-        })
-    }
-}
-
-/// Who holds a certificate.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct PeerIdentity {
-    pub cluster: String,
-    pub kind: Kind,
-    pub name: String,
-}
-
-impl PeerIdentity {
-    /// Checks the parts: a cluster and a name of letters, digits, `-`, `_` and `.`.
-    pub fn new(cluster: &str, kind: Kind, name: &str) -> Result<PeerIdentity, PkiError> {
-        for (what, v) in [("cluster name", cluster), ("name", name)] {
-            let ok = !v.is_empty()
-                && v.len() <= 128
-                && v.chars()
-                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
-            if !ok {
-                return Err(PkiError::Invalid(format!(
-                    "{what} {v:?} cannot go in a certificate: use 1-128 letters, digits, '-', '_' or '.'"
-                )));
-            }
-        }
-        if kind == Kind::Controller && name.parse::<u64>().is_err() {
-            return Err(PkiError::Invalid(format!(
-                "a controller's name is its node id (a number), not {name:?}"
-            )));
-        }
-        Ok(PeerIdentity {
-            cluster: cluster.to_string(),
-            kind,
-            name: name.to_string(),
-        })
-    }
-
-    pub fn uri(&self) -> String {
-        format!("laneway://{}/{}/{}", self.cluster, self.kind, self.name)
-    }
-
-    fn from_uri(uri: &str) -> Option<Result<PeerIdentity, PkiError>> {
-        let rest = uri.strip_prefix("laneway://")?;
-        let mut parts = rest.split('/');
-        let (Some(cluster), Some(kind), Some(name), None) = (parts.next(), parts.next(), parts.next(), parts.next())
-        else {
-            return Some(Err(PkiError::Invalid(format!("malformed identity {uri:?}"))));
-        };
-        Some(kind.parse().and_then(|kind| PeerIdentity::new(cluster, kind, name)))
-    }
-
-    /// The controller's Raft node id, when this is a controller.
-    pub fn controller_id(&self) -> Option<u64> {
-        (self.kind == Kind::Controller)
-            .then(|| self.name.parse().ok())
-            .flatten()
-    }
-}
-
-impl fmt::Display for PeerIdentity {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}", self.kind, self.name)
-    }
 }
 
 /// What went wrong with keys, certificates or TLS settings.
@@ -154,6 +42,12 @@ pub enum PkiError {
     },
     #[error("certificate: {0}")]
     Rcgen(#[from] rcgen::Error),
+}
+
+impl From<IdentityError> for PkiError {
+    fn from(e: IdentityError) -> Self {
+        PkiError::Invalid(e.0)
+    }
 }
 
 /// Parses a certificate (DER) and returns the identity in its SAN.

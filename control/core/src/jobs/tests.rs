@@ -2,7 +2,7 @@ use super::dispatch::{dispatch, Assignment};
 use super::*;
 use crate::command::Command;
 use crate::registry::{ReplicaRecord, Tenant, TenantLimit};
-use crate::store::AppState;
+use crate::state::AppState;
 
 fn sub(id: &str, tenant: &str, key: Option<&str>, body: &str) -> JobSubmission {
     JobSubmission {

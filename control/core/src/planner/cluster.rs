@@ -191,7 +191,7 @@ mod tests {
     use super::*;
     use crate::registry::{LaneKind, Millis, Profile};
 
-    const FILE: &str = include_str!("../../../deploy/examples/fleet.toml");
+    const FILE: &str = include_str!("../../../../deploy/examples/fleet.toml");
 
     fn class(name: &str, lane: LaneKind, budget: f64, rank: u32) -> Class {
         Class {

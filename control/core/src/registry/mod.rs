@@ -356,7 +356,7 @@ pub struct Runtime {
     /// Where replicas report requests in flight (`{ path = "/metrics", metric = "…" }`);
     /// agents read it with every heartbeat.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub in_flight: Option<laneway_agent::supervisor::InFlightProbe>,
+    pub in_flight: Option<crate::runtime_spec::InFlightProbe>,
 }
 
 fn default_health() -> String {
@@ -544,13 +544,13 @@ pub struct Registry {
     pub mig: BTreeMap<String, BTreeMap<String, Vec<String>>>,
     /// Nodes the slow loop asked for, by request id (= the node id), until given back.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub node_requests: BTreeMap<String, crate::provision::NodeRequest>,
+    pub node_requests: BTreeMap<String, crate::capacity::NodeRequest>,
     /// `product@region` → a recent capacity failure there (launches wait until it expires).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub capacity_marks: BTreeMap<String, crate::provision::CapacityMark>,
+    pub capacity_marks: BTreeMap<String, crate::capacity::CapacityMark>,
     /// The latest MIG capacity plan (`lanectl mig plan`), applied or not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mig_plan: Option<crate::scheduler::mig_plan::MigPlan>,
+    pub mig_plan: Option<crate::capacity::MigPlan>,
     /// Join tokens by the sha256 (hex) of the token (the token itself is never stored); their
     /// id is its first 12 characters. Kept after use, as a record of who joined with what.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -802,7 +802,7 @@ impl Registry {
     }
 }
 
-#[cfg(test)]
+#[cfg(any(test, feature = "test-util"))]
 impl Registry {
     /// Deploys version `version` of the registered `model` (same specification) and starts a
     /// shadow rollout of it copying every request.
@@ -826,10 +826,10 @@ impl Registry {
     }
 }
 
-#[cfg(test)]
+#[cfg(any(test, feature = "test-util"))]
 impl OverflowSpec {
     /// A plain-http endpoint for tests: no CA, no key.
-    pub(crate) fn for_test(url: &str, max_in_flight: u32, micros_per_request: u64) -> OverflowSpec {
+    pub fn for_test(url: &str, max_in_flight: u32, micros_per_request: u64) -> OverflowSpec {
         OverflowSpec {
             url: url.into(),
             max_in_flight,
@@ -840,11 +840,11 @@ impl OverflowSpec {
     }
 }
 
-#[cfg(test)]
+#[cfg(any(test, feature = "test-util"))]
 impl Class {
     /// A lane for tests: 60% target, no queue budget, no floor, rank 0, a 1 s timeout, a card
     /// per replica.
-    pub(crate) fn for_test(name: &str, lane: LaneKind) -> Class {
+    pub fn for_test(name: &str, lane: LaneKind) -> Class {
         Class {
             overflow: None,
             hedge: None,
@@ -961,7 +961,7 @@ impl Class {
                 }
             }
             if !(https || url.starts_with("http://"))
-                || format!("{url}/v2/models/m/infer").parse::<hyper::Uri>().is_err()
+                || format!("{url}/v2/models/m/infer").parse::<http::Uri>().is_err()
             {
                 return Err(format!(
                     "class {n}: overflow url {url:?}: give http://host:port[/prefix] or https://host[:port][/prefix]"
@@ -973,7 +973,7 @@ impl Class {
                         "class {n}: overflow ca_pem is for an https endpoint; {url:?} is plain http"
                     ));
                 }
-                crate::router::overflow::parse_ca_pem(pem).map_err(|e| format!("class {n}: overflow {e}"))?;
+                check_ca_pem(pem).map_err(|e| format!("class {n}: overflow {e}"))?;
             }
             if let Some(var) = &o.token_env {
                 check_overflow_token_env(var).map_err(|e| format!("class {n}: overflow {e}"))?;
@@ -1597,12 +1597,19 @@ pub fn hash_key(key: &str) -> String {
     hex::encode(sha2::Sha256::digest(key.as_bytes()))
 }
 
-/// A new random API key: `lw_` and 32 random bytes in hex.
-pub fn new_api_key() -> String {
-    use rand::RngCore;
-    let mut bytes = [0u8; 32];
-    rand::rng().fill_bytes(&mut bytes);
-    format!("lw_{}", hex::encode(bytes))
+/// Checks the PEM shape of an overflow endpoint's CA: one or more well-formed CERTIFICATE
+/// blocks. Whether each is a usable CA certificate needs a TLS library: the admin API checks it
+/// before it proposes a class, and the router where it builds the client
+/// (`laneway_control::router::overflow::parse_ca_pem`).
+pub fn check_ca_pem(pem: &str) -> Result<(), String> {
+    use rustls_pki_types::pem::PemObject;
+    let certs = rustls_pki_types::CertificateDer::pem_slice_iter(pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("ca_pem is not PEM: {e}"))?;
+    if certs.is_empty() {
+        return Err("ca_pem holds no certificate (expected -----BEGIN CERTIFICATE-----)".into());
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -1893,7 +1900,7 @@ mod tests {
 mod example_tests {
     #[test]
     fn the_example_model_file_is_valid() {
-        let m: super::Model = toml::from_str(include_str!("../../../deploy/examples/models/whisper.toml")).unwrap();
+        let m: super::Model = toml::from_str(include_str!("../../../../deploy/examples/models/whisper.toml")).unwrap();
         m.validate().unwrap();
         assert_eq!(m.profiles["L4"].max_batch, 8);
     }

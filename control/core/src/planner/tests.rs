@@ -78,7 +78,7 @@ fn floor_absorption_is_floor_capacity_over_arrivals_in_a_cold_start() {
 
 #[test]
 fn example_scenario_shares_sum_to_100() {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples/fleet.toml");
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/examples/fleet.toml");
     let s = Scenario::from_file(&path).expect("the shipped example is valid");
     let p = plan(&s, &[3.0, 10.0]).unwrap();
     let traffic: f64 = p.lanes.iter().map(|l| l.traffic_share_pct).sum();
@@ -158,7 +158,7 @@ memory_gb = 24
 fn a_profile_too_slow_for_the_slo_is_skipped_not_fatal() {
     // Speech with a 150 ms SLO: the L4 profile (150 ms + 20 ms window) cannot make it, the H100
     // one can; the plan uses the H100.
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples/fleet.toml");
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/examples/fleet.toml");
     let text = std::fs::read_to_string(path)
         .unwrap()
         .replace("slo_p99_ms = 400", "slo_p99_ms = 150");

@@ -7,42 +7,12 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use laneway_agent::gpu::Product;
-use laneway_agent::mig;
-use serde::{Deserialize, Serialize};
+use crate::gpu::mig;
+use crate::gpu::Product;
 
+pub use crate::capacity::{MigPlan, PlannedGpu};
 use crate::fleet::{Fleet, Liveness};
 use crate::registry::Registry;
-
-/// One GPU in a plan: its layout now and the one proposed (empty = the whole card).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PlannedGpu {
-    pub node: String,
-    pub gpu: String,
-    pub product: String,
-    pub current: Vec<String>,
-    pub planned: Vec<String>,
-    /// The models whose slices the planned layout holds.
-    pub for_models: Vec<String>,
-}
-
-impl PlannedGpu {
-    pub fn changes(&self) -> bool {
-        self.current != self.planned
-    }
-}
-
-/// A numbered MIG capacity plan.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct MigPlan {
-    pub version: u64,
-    pub created_ms: u64,
-    pub gpus: Vec<PlannedGpu>,
-    /// Demand the MIG-capable GPUs cannot hold, and other remarks for the reviewer.
-    pub notes: Vec<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub applied_ms: Option<u64>,
-}
 
 /// Slices wanted: (product, profile) → (model, replicas) in registry order.
 type Demand = BTreeMap<String, Vec<(String, String, u32)>>;

@@ -8,17 +8,10 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+pub use super::Assignment;
 use super::Jobs;
 use crate::fleet::{Fleet, Liveness};
 use crate::registry::{LaneKind, Registry};
-
-/// One assignment the dispatcher proposes.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct Assignment {
-    pub job_id: String,
-    pub node_id: String,
-    pub replica_id: String,
-}
 
 /// A replica that can take jobs, and how many more.
 struct Slot {

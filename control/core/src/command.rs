@@ -8,10 +8,11 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::capacity::Tier;
 use crate::fleet::{validate_node_id, NodeRegistration};
-use crate::jobs::dispatch::Assignment;
+use crate::jobs::Assignment;
 use crate::jobs::{Completion, JobOutcome, JobSubmission};
-use crate::ledger::{Tier, UsageReport};
+use crate::ledger::UsageReport;
 use crate::registry::{Class, DesiredReplica, Model, ReplicaRecord, Tenant, TenantLimit};
 
 /// Highest command format this binary can apply. Format 2 added the registry commands, format 3
@@ -42,9 +43,10 @@ pub fn allowed_format(setting: Option<&str>) -> u32 {
         .max(UNGATED_FORMAT)
 }
 
-/// Refuses a command the cluster's members cannot all apply yet.
-pub fn check_allowed(sm: &crate::store::StateMachineStore, command: &Command) -> Result<(), String> {
-    let allowed = allowed_format(sm.get_setting(FORMAT_SETTING).0.as_deref());
+/// Refuses a command the cluster's members cannot all apply yet. `format_setting` is the
+/// applied value of [`FORMAT_SETTING`].
+pub fn check_allowed(format_setting: Option<&str>, command: &Command) -> Result<(), String> {
+    let allowed = allowed_format(format_setting);
     let needs = command.format();
     if needs <= allowed {
         return Ok(());
@@ -205,17 +207,17 @@ pub enum Command {
         taints: Vec<String>,
     },
     /// The slow loop's record of a node it asked a provider for (created or replaced whole).
-    PutNodeRequest(crate::provision::NodeRequest),
+    PutNodeRequest(crate::capacity::NodeRequest),
     /// A node request is over: it failed, or its node was given back.
     RemoveNodeRequest {
         id: String,
     },
     /// A MIG capacity plan: the next version (refused otherwise), or the latest marked applied.
-    PutMigPlan(crate::scheduler::mig_plan::MigPlan),
+    PutMigPlan(crate::capacity::MigPlan),
     /// Set (or, with `None`, clear) the insufficient-capacity mark of `product@region`.
     SetCapacityMark {
         key: String,
-        mark: Option<crate::provision::CapacityMark>,
+        mark: Option<crate::capacity::CapacityMark>,
     },
     /// A new one-time join token (only its sha256 is replicated).
     CreateJoinToken {
@@ -552,16 +554,16 @@ impl Command {
             Command::RevokeToken { sha256 } => validate_sha256(sha256),
             Command::CreateAdminToken { sha256, token } => {
                 validate_sha256(sha256)?;
-                let kind: laneway_pki::Kind = token
+                let kind: crate::identity::Kind = token
                     .role
                     .parse()
-                    .map_err(|e: laneway_pki::PkiError| CommandError::Invalid(e.to_string()))?;
+                    .map_err(|e: crate::identity::IdentityError| CommandError::Invalid(e.to_string()))?;
                 if !kind.is_role() {
                     return Err(CommandError::Invalid(format!(
                         "an admin token's role is viewer, operator or admin, not {kind}"
                     )));
                 }
-                laneway_pki::PeerIdentity::new("x", kind, &token.name)
+                crate::identity::PeerIdentity::new("x", kind, &token.name)
                     .map(|_| ())
                     .map_err(|e| CommandError::Invalid(e.to_string()))
             }
@@ -569,8 +571,8 @@ impl Command {
                 // The identity is what catches the certificate's renewals (and, with no
                 // serial, every certificate of it issued so far).
                 let identity_ok = cert.identity.split_once(':').is_some_and(|(kind, name)| {
-                    kind.parse::<laneway_pki::Kind>().is_ok()
-                        && laneway_pki::PeerIdentity::new("x", kind.parse().expect("parsed"), name).is_ok()
+                    kind.parse::<crate::identity::Kind>().is_ok()
+                        && crate::identity::PeerIdentity::new("x", kind.parse().expect("parsed"), name).is_ok()
                 });
                 if !identity_ok {
                     return Err(CommandError::Invalid(format!(

@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use super::placement::{FleetIndex, GpuView, NodeView, ProductFit, Request, Unplaced};
-use crate::ledger::Tier;
+use crate::capacity::Tier;
 
 /// Taint of spot nodes; only durable lanes tolerate it.
 pub const SPOT_TAINT: &str = "laneway.io/spot";

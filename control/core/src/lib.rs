@@ -1,0 +1,28 @@
+//! Laneway's domain and every pure decision.
+//!
+//! The replicated command set and the state it is applied to ([`command`], [`state`]), the
+//! fleet, registry, jobs, ledger and provisioning areas of that state, and the policies that
+//! read it and propose commands: placement, autoscaling, admission, job dispatch, MIG plans,
+//! provisioning, rollout judging, the capacity planner. GPU products and MIG geometry are shared
+//! with the agent.
+//!
+//! No I/O and no wall clock here: every decision takes `now` and returns a plan or commands.
+//! This crate must not depend on openraft, redb, hyper, axum or tonic; `.ci/layering` checks it.
+
+pub mod admission;
+pub mod capacity;
+pub mod command;
+pub mod fleet;
+pub mod gpu;
+pub mod identity;
+pub mod jobs;
+pub mod ledger;
+pub mod llm;
+pub mod node;
+pub mod planner;
+pub mod provision;
+pub mod registry;
+pub mod runtime_spec;
+pub mod scheduler;
+pub mod state;
+pub mod text;
