@@ -529,11 +529,11 @@ fn desired_state(ctx: &Context, hb: &Heartbeat, jobs: Vec<AssignedJob>, settled:
         sequence: hb.sequence,
         cordoned,
         draining,
-        replicas: ctx.sm.desired_for(&hb.node_id),
+        replicas: desired_for(&ctx.sm, &hb.node_id),
         replicas_managed: true,
         jobs,
         settled,
-        mig: ctx.sm.mig_for(&hb.node_id),
+        mig: mig_for(&ctx.sm, &hb.node_id),
         renewed_cert_pem: String::new(),
     }
 }
@@ -642,5 +642,90 @@ fn job_reply(ctx: &Context, hb: &Heartbeat) -> (Vec<AssignedJob>, Vec<JobRef>) {
             })
             .collect();
         (assigned, settled)
+    })
+}
+
+/// The replicas placed on a node, with how to run them (the model's runtime, with
+/// `{product}` and `{max_batch}` filled in from the placement).
+/// The MIG layouts wanted on a node's GPUs.
+/// The MIG layouts the controllers want on `node_id`, as the heartbeat reply carries them.
+pub fn mig_for(sm: &crate::store::StateMachineStore, node_id: &str) -> Vec<laneway_proto::agent::MigLayout> {
+    sm.with_registry(|r| {
+        r.mig
+            .get(node_id)
+            .into_iter()
+            .flatten()
+            .map(|(gpu, profiles)| laneway_proto::agent::MigLayout {
+                gpu: gpu.clone(),
+                profiles: profiles.clone(),
+            })
+            .collect()
+    })
+}
+
+/// The replicas placed on `node_id`, as the heartbeat reply carries them: each model's runtime
+/// command with its placeholders filled in.
+pub fn desired_for(sm: &crate::store::StateMachineStore, node_id: &str) -> Vec<laneway_proto::agent::DesiredReplica> {
+    sm.with_registry(|r| {
+        r.desired
+            .get(node_id)
+            .into_iter()
+            .flatten()
+            .filter_map(|d| {
+                let m = r.models.get(&d.model)?;
+                let max_batch = m.profiles.get(&d.product).map_or(1, |p| p.max_batch).to_string();
+                Some(laneway_proto::agent::DesiredReplica {
+                    id: d.id.clone(),
+                    model: d.model.clone(),
+                    device: d.gpu.clone(),
+                    command: m
+                        .runtime
+                        .command
+                        .iter()
+                        .map(|a| {
+                            // The server serves the public name (a later version's entry is
+                            // name@version; its clients still ask for name).
+                            a.replace("{model}", m.public_name())
+                                .replace("{product}", &d.product)
+                                .replace("{max_batch}", &max_batch)
+                        })
+                        .collect(),
+                    env: m.runtime.env.clone().into_iter().collect(),
+                    health_path: m.runtime.health_path.clone(),
+                    start_timeout_ms: 60_000,
+                    in_flight_path: m
+                        .runtime
+                        .in_flight
+                        .as_ref()
+                        .map_or_else(String::new, |p| p.path.clone()),
+                    in_flight_metric: m
+                        .runtime
+                        .in_flight
+                        .as_ref()
+                        .map_or_else(String::new, |p| p.metric.clone()),
+                    waiting_metric: m
+                        .runtime
+                        .in_flight
+                        .as_ref()
+                        .and_then(|p| p.waiting.clone())
+                        .unwrap_or_default(),
+                    kv_cache_metric: m
+                        .runtime
+                        .in_flight
+                        .as_ref()
+                        .and_then(|p| p.kv_cache.clone())
+                        .unwrap_or_default(),
+                    weights: m
+                        .weights
+                        .iter()
+                        .map(|a| laneway_proto::agent::WeightArtifact {
+                            uri: a.uri.clone(),
+                            sha256: a.sha256.clone(),
+                            size_bytes: a.size_bytes,
+                        })
+                        .collect(),
+                })
+            })
+            .collect()
     })
 }

@@ -4,8 +4,8 @@ use std::sync::Arc;
 
 use crate::fleet::heartbeats::HeartbeatTable;
 use crate::proposer::Proposer;
+use crate::raft_types::{NodeId, Raft};
 use crate::store::{LogStore, StateMachineStore};
-use crate::typ::{NodeId, Raft};
 
 /// Handles to the controller's Raft node, stores, proposer and heartbeat table.
 #[derive(Clone)]
@@ -59,7 +59,7 @@ impl Context {
 /// The term this node leads according to `m`, if it leads one: in the leader state, naming
 /// itself leader, and with Raft running (openraft leaves `current_leader` as it was after a
 /// shutdown or a fatal error, so an ex-leader whose Raft stopped must not keep "leading").
-pub fn leads(m: &crate::typ::RaftMetrics, me: NodeId) -> Option<u64> {
+pub fn leads(m: &crate::raft_types::RaftMetrics, me: NodeId) -> Option<u64> {
     (m.state == openraft::ServerState::Leader && m.current_leader == Some(me) && m.running_state.is_ok())
         .then_some(m.current_term)
 }

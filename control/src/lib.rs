@@ -1,11 +1,15 @@
 //! Laneway controller.
 //!
 //! A controller is one member of a small Raft group (openraft over tonic, redb storage) that holds
-//! the fleet's desired state. This crate holds the storage, the replicated state machine, the
-//! Raft transport, the operator API, configuration, and the client used by `lanectl`.
+//! the fleet's desired state. This crate is the wiring and the I/O shells: the server, leadership
+//! and the actor trees, the Raft transport, the admin and agent APIs, the router, observability,
+//! configuration, dev mode, and the client used by `lanectl`.
 //!
-//! The domain and the pure decisions are `laneway_core`; the modules re-exported here keep the
-//! paths the shells use (`crate::registry::Model`) while the code lives in the lower layer.
+//! The domain and the pure decisions are `laneway_core`, storage is `laneway_store`; the modules
+//! re-exported here keep the paths the shells use (`crate::registry::Model`) while the code lives
+//! in the lower layers.
+
+pub use laneway_store::{self as store, raft_types};
 
 pub use laneway_core::{admission, command, gpu, llm, node, planner, registry, runtime_spec, state, text};
 
@@ -27,6 +31,4 @@ pub mod provision;
 pub mod router;
 pub mod scheduler;
 pub mod server;
-pub mod store;
 pub mod telemetry;
-pub mod typ;

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use crate::command::{Command, CommandEnvelope, CommandResponse};
-use crate::typ::{NodeId, Raft};
+use crate::raft_types::{NodeId, Raft};
 use openraft::error::{ClientWriteError, RaftError};
 
 /// Most commands folded into one entry.

@@ -21,10 +21,10 @@ use crate::network::raft_client::NetworkFactory;
 use crate::network::raft_service::RaftGrpc;
 use crate::network::MAX_RAFT_MESSAGE_BYTES;
 use crate::proposer::Proposer;
+use crate::raft_types::Raft;
 use crate::router::http::{self, RouterServer};
 use crate::router::Router;
 use crate::store::{self, Identity, StateMachineStore, StoreError};
-use crate::typ::Raft;
 use laneway_proto::agent::agent_service_server::AgentServiceServer;
 
 /// Limits of the gRPC listener (Raft, admin and agent APIs), set explicitly rather than left to

@@ -1,7 +1,7 @@
 //! A Raft RPC's payload as a peer sends it: decoded or refused, never a panic.
 #![no_main]
 
-use laneway_control::typ::TypeConfig;
+use laneway_control::raft_types::TypeConfig;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

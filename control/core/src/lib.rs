@@ -12,6 +12,8 @@
 pub mod admission;
 pub mod capacity;
 pub mod command;
+#[cfg(any(test, feature = "test-util"))]
+pub mod fixtures;
 pub mod fleet;
 pub mod gpu;
 pub mod identity;

@@ -21,8 +21,8 @@ use super::term;
 use super::LeaderConfig;
 use crate::context::Context;
 use crate::provision::slow_loop::Provider;
+use crate::raft_types::{NodeId, RaftMetrics};
 use crate::scheduler::term::Term;
-use crate::typ::{NodeId, RaftMetrics};
 
 /// Name on the board.
 pub const NAME: &str = super::term::WATCHER;

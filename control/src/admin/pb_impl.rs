@@ -3,7 +3,7 @@
 use laneway_proto::admin::Member;
 use openraft::ServerState;
 
-use crate::typ::StoredMembership;
+use crate::raft_types::StoredMembership;
 
 /// Lists the members of a membership config, voters first.
 pub fn members(membership: &StoredMembership) -> Vec<Member> {

@@ -38,8 +38,8 @@ use crate::context::Context;
 use crate::fleet::heartbeats::HeartbeatTable;
 use crate::node::ControllerNode;
 use crate::proposer::Proposer;
+use crate::raft_types::{NodeId, Raft, RaftMetrics};
 use crate::store::{LogStore, StateMachineStore};
-use crate::typ::{NodeId, Raft, RaftMetrics};
 
 fn to_json<T: serde::Serialize>(v: &T) -> String {
     serde_json::to_string(v).expect("registry types serialize")

@@ -18,7 +18,7 @@ use super::{JobOutcome, JobSubmission};
 use crate::client::AdminClient;
 use crate::command::{Command, CommandResponse};
 use crate::proposer::Proposer;
-use crate::typ::{NodeId, Raft};
+use crate::raft_types::{NodeId, Raft};
 
 /// How long a follower waits to apply up to the leader's read index.
 const APPLY_WAIT: Duration = Duration::from_secs(2);

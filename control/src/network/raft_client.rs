@@ -19,7 +19,7 @@ use tonic::transport::Channel;
 
 use super::{MAX_RAFT_MESSAGE_BYTES, PAYLOAD_FORMAT, TARGET_APPEND_BYTES};
 use crate::node::ControllerNode;
-use crate::typ::{NodeId, TypeConfig};
+use crate::raft_types::{NodeId, TypeConfig};
 
 /// How long to wait for a TCP connection to a peer.
 const CONNECT_TIMEOUT: Duration = Duration::from_millis(300);

@@ -8,7 +8,7 @@ use serde::Serialize;
 use tonic::{Request, Response, Status};
 
 use super::PAYLOAD_FORMAT;
-use crate::typ::{NodeId, Raft, TypeConfig};
+use crate::raft_types::{NodeId, Raft, TypeConfig};
 use openraft::raft::{AppendEntriesRequest, InstallSnapshotRequest, VoteRequest};
 
 /// Serves peers' Raft RPCs for one controller.

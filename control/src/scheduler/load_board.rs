@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::autoscale::ModelLoad;
-use crate::typ::NodeId;
+use crate::raft_types::NodeId;
 
 /// A report older than this is ignored (its router stopped reporting: gone or cut off).
 pub const REPORT_TTL: Duration = Duration::from_secs(3);

@@ -25,14 +25,14 @@ use serde::{Deserialize, Serialize};
 
 use super::snapshot_file::{self, SnapshotFile, SNAPSHOT_FORMAT};
 use super::{StoreError, SNAPSHOT_DIR, STATE_DB_FILE};
-use crate::command::{Command, CommandResponse, COMMAND_FORMAT};
-use crate::fleet::{Fleet, Liveness};
+use laneway_core::command::{Command, CommandResponse, COMMAND_FORMAT};
+use laneway_core::fleet::{Fleet, Liveness};
 
-use crate::ledger::Ledger;
-use crate::node::ControllerNode;
-use crate::registry::Registry;
-use crate::state::AppState;
-use crate::typ::{Entry, LogId, SnapshotMeta, StorageError, TypeConfig};
+use crate::raft_types::{Entry, LogId, SnapshotMeta, StorageError, TypeConfig};
+use laneway_core::ledger::Ledger;
+use laneway_core::node::ControllerNode;
+use laneway_core::registry::Registry;
+use laneway_core::state::AppState;
 
 const SETTINGS: TableDefinition<&str, &str> = TableDefinition::new("settings");
 const SM_META: TableDefinition<&str, &[u8]> = TableDefinition::new("sm_meta");
@@ -124,7 +124,7 @@ fn migrate_jobs_v1(txn: &redb::WriteTransaction) -> Result<(), redb::Error> {
         let mut new = txn.open_table(JOBS)?;
         for row in old.iter()? {
             let (k, v) = row?;
-            let seq = serde_json::from_slice::<crate::jobs::Job>(v.value()).map_or(0, |j| j.seq);
+            let seq = serde_json::from_slice::<laneway_core::jobs::Job>(v.value()).map_or(0, |j| j.seq);
             new.insert((seq, k.value()), v.value())?;
         }
     }
@@ -346,9 +346,12 @@ impl StateMachineStore {
     }
 
     /// Refuses a command the cluster's members cannot all apply yet (the applied
-    /// `cluster.command_format`, see [`crate::command::check_allowed`]).
+    /// `cluster.command_format`, see [`laneway_core::command::check_allowed`]).
     pub fn check_allowed(&self, command: &Command) -> Result<(), String> {
-        crate::command::check_allowed(self.get_setting(crate::command::FORMAT_SETTING).0.as_deref(), command)
+        laneway_core::command::check_allowed(
+            self.get_setting(laneway_core::command::FORMAT_SETTING).0.as_deref(),
+            command,
+        )
     }
 
     /// Cordoned and draining flags of a registered node (cheap: no state copy).
@@ -388,12 +391,12 @@ impl StateMachineStore {
     }
 
     /// One job, as applied here.
-    pub fn job(&self, id: &str) -> Option<crate::jobs::Job> {
+    pub fn job(&self, id: &str) -> Option<laneway_core::jobs::Job> {
         self.read().state.jobs.get(id).cloned()
     }
 
     /// Runs `f` on the applied jobs, fleet and registry without copying them.
-    pub fn with_jobs<T>(&self, f: impl FnOnce(&crate::jobs::Jobs, &Fleet, &Registry) -> T) -> T {
+    pub fn with_jobs<T>(&self, f: impl FnOnce(&laneway_core::jobs::Jobs, &Fleet, &Registry) -> T) -> T {
         let inner = self.read();
         f(&inner.state.jobs, &inner.state.fleet, &inner.state.registry)
     }
@@ -405,7 +408,7 @@ impl StateMachineStore {
     }
 
     /// The replicas last committed for a node.
-    pub fn node_replicas(&self, node_id: &str) -> Vec<crate::registry::ReplicaRecord> {
+    pub fn node_replicas(&self, node_id: &str) -> Vec<laneway_core::registry::ReplicaRecord> {
         self.read()
             .state
             .registry
@@ -423,90 +426,6 @@ impl StateMachineStore {
             .nodes
             .get(node_id)
             .map(|n| n.registration.replica_host().to_string())
-    }
-
-    /// The replicas placed on a node, with how to run them (the model's runtime, with
-    /// `{product}` and `{max_batch}` filled in from the placement).
-    /// The MIG layouts wanted on a node's GPUs.
-    pub fn mig_for(&self, node_id: &str) -> Vec<laneway_proto::agent::MigLayout> {
-        let inner = self.read();
-        inner
-            .state
-            .registry
-            .mig
-            .get(node_id)
-            .into_iter()
-            .flatten()
-            .map(|(gpu, profiles)| laneway_proto::agent::MigLayout {
-                gpu: gpu.clone(),
-                profiles: profiles.clone(),
-            })
-            .collect()
-    }
-
-    pub fn desired_for(&self, node_id: &str) -> Vec<laneway_proto::agent::DesiredReplica> {
-        let inner = self.read();
-        let r = &inner.state.registry;
-        r.desired
-            .get(node_id)
-            .into_iter()
-            .flatten()
-            .filter_map(|d| {
-                let m = r.models.get(&d.model)?;
-                let max_batch = m.profiles.get(&d.product).map_or(1, |p| p.max_batch).to_string();
-                Some(laneway_proto::agent::DesiredReplica {
-                    id: d.id.clone(),
-                    model: d.model.clone(),
-                    device: d.gpu.clone(),
-                    command: m
-                        .runtime
-                        .command
-                        .iter()
-                        .map(|a| {
-                            // The server serves the public name (a later version's entry is
-                            // name@version; its clients still ask for name).
-                            a.replace("{model}", m.public_name())
-                                .replace("{product}", &d.product)
-                                .replace("{max_batch}", &max_batch)
-                        })
-                        .collect(),
-                    env: m.runtime.env.clone().into_iter().collect(),
-                    health_path: m.runtime.health_path.clone(),
-                    start_timeout_ms: 60_000,
-                    in_flight_path: m
-                        .runtime
-                        .in_flight
-                        .as_ref()
-                        .map_or_else(String::new, |p| p.path.clone()),
-                    in_flight_metric: m
-                        .runtime
-                        .in_flight
-                        .as_ref()
-                        .map_or_else(String::new, |p| p.metric.clone()),
-                    waiting_metric: m
-                        .runtime
-                        .in_flight
-                        .as_ref()
-                        .and_then(|p| p.waiting.clone())
-                        .unwrap_or_default(),
-                    kv_cache_metric: m
-                        .runtime
-                        .in_flight
-                        .as_ref()
-                        .and_then(|p| p.kv_cache.clone())
-                        .unwrap_or_default(),
-                    weights: m
-                        .weights
-                        .iter()
-                        .map(|a| laneway_proto::agent::WeightArtifact {
-                            uri: a.uri.clone(),
-                            sha256: a.sha256.clone(),
-                            size_bytes: a.size_bytes,
-                        })
-                        .collect(),
-                })
-            })
-            .collect()
     }
 
     /// Runs `f` on the applied ledger and fleet without copying them.
@@ -810,13 +729,13 @@ fn record_touched(command: &Command, t: &mut Touched) {
         Command::CreateAdminToken { sha256, .. } => key(format!("admintoken/{sha256}")),
         Command::RevokeCertificate { serial, cert } => key(format!(
             "revokedcert/{}",
-            crate::registry::revocation_key(serial, &cert.identity)
+            laneway_core::registry::revocation_key(serial, &cert.identity)
         )),
         // The first version is stored under its name, a later one under name@version: one of
         // the two keys is absent and its flush a no-op delete.
         Command::DeployVersion(m) => {
             key(format!("model/{}", m.name));
-            key(format!("model/{}", crate::registry::rollout::entry_key(&m.name, &m.version)));
+            key(format!("model/{}", laneway_core::registry::rollout::entry_key(&m.name, &m.version)));
         }
         Command::StartRollout(r) => key(format!("rollout/{}", r.model)),
         Command::UpdateRollout { model, .. } => {
@@ -1053,8 +972,8 @@ mod tests {
         }
     }
 
-    fn submission(id: &str) -> crate::jobs::JobSubmission {
-        crate::jobs::JobSubmission {
+    fn submission(id: &str) -> laneway_core::jobs::JobSubmission {
+        laneway_core::jobs::JobSubmission {
             id: id.into(),
             tenant: "t".into(),
             model: "m".into(),
@@ -1071,7 +990,7 @@ mod tests {
     fn entry(index: u64, command: Command) -> Entry {
         Entry {
             log_id: openraft::LogId::new(openraft::CommittedLeaderId::new(1, 1), index),
-            payload: EntryPayload::Normal(crate::command::CommandEnvelope::new(command)),
+            payload: EntryPayload::Normal(laneway_core::command::CommandEnvelope::new(command)),
         }
     }
 
@@ -1125,7 +1044,7 @@ mod tests {
     #[tokio::test]
     async fn the_command_format_is_never_deleted_nor_lowered() {
         let dir = tempfile::tempdir().unwrap();
-        let f = crate::command::FORMAT_SETTING;
+        let f = laneway_core::command::FORMAT_SETTING;
         {
             let mut sm = StateMachineStore::open(dir.path()).unwrap();
             let r = sm
@@ -1219,7 +1138,7 @@ mod tests {
     /// a snapshot, also on what it applies next.
     #[test]
     fn a_sequence_applies_the_same_on_copies_and_after_a_snapshot() {
-        let (fleet, registry) = crate::router::table::test_fixture();
+        let (fleet, registry) = laneway_core::fixtures::test_fixture();
         let seeded = AppState {
             fleet,
             registry,
@@ -1228,7 +1147,7 @@ mod tests {
         let commands = [
             Command::SubmitJob(submission("j1")),
             Command::AssignJobs {
-                assignments: vec![crate::jobs::dispatch::Assignment {
+                assignments: vec![laneway_core::jobs::dispatch::Assignment {
                     job_id: "j1".into(),
                     node_id: "n1".into(),
                     replica_id: "a".into(),
@@ -1238,7 +1157,7 @@ mod tests {
             Command::FinishJob {
                 job_id: "j1".into(),
                 token: 2,
-                completion: crate::jobs::Completion::Succeeded(crate::jobs::JobResult {
+                completion: laneway_core::jobs::Completion::Succeeded(laneway_core::jobs::JobResult {
                     key: "jobs/j1/2".into(),
                     bytes: 1,
                     gpu_us: u64::MAX,
@@ -1250,9 +1169,9 @@ mod tests {
                 node_id: "n1".into(),
                 allowed: false,
             },
-            put(crate::command::FORMAT_SETTING, "10"),
+            put(laneway_core::command::FORMAT_SETTING, "10"),
             Command::DeleteSetting {
-                key: crate::command::FORMAT_SETTING.into(),
+                key: laneway_core::command::FORMAT_SETTING.into(),
             },
             Command::RevokeToken {
                 sha256: "é".repeat(40)
@@ -1281,13 +1200,13 @@ mod tests {
     /// open: a restarted controller (or a new leader) judges the step that was committed.
     #[tokio::test]
     async fn versions_and_rollouts_are_persisted_by_the_flush() {
-        use crate::registry::rollout::{RolloutAction, RolloutRequest};
+        use laneway_core::registry::rollout::{RolloutAction, RolloutRequest};
         let dir = tempfile::tempdir().unwrap();
-        let (fleet, reg) = crate::router::table::test_fixture();
+        let (fleet, reg) = laneway_core::fixtures::test_fixture();
         let node = fleet.nodes["n1"].registration.clone();
         let class = reg.classes["speech"].clone();
         let v1 = reg.models["whisper"].clone();
-        let v2 = crate::registry::Model {
+        let v2 = laneway_core::registry::Model {
             version: "2".into(),
             ..v1.clone()
         };
@@ -1338,7 +1257,7 @@ mod tests {
         drop(sm);
         let mut sm = StateMachineStore::open(dir.path()).unwrap();
         // A promotion needs a ready replica of the new version.
-        let ready = crate::registry::ReplicaRecord {
+        let ready = laneway_core::registry::ReplicaRecord {
             id: "b".into(),
             model: "whisper@2".into(),
             device: "GPU-1".into(),
@@ -1382,12 +1301,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let t0 = 1_800_000_000_000;
         let report = |seq: u64, at_ms: u64| {
-            Command::RecordUsage(crate::ledger::UsageReport {
+            Command::RecordUsage(laneway_core::ledger::UsageReport {
                 reporter: 1,
                 incarnation: "i".into(),
                 seq,
                 at_ms,
-                rows: vec![crate::ledger::Usage {
+                rows: vec![laneway_core::ledger::Usage {
                     overflow_nanos: 0,
                     class: "speech".into(),
                     lane: "sync".into(),
@@ -1413,17 +1332,17 @@ mod tests {
                     1,
                     Command::SetPrice {
                         product: "L4".into(),
-                        tier: crate::ledger::Tier::Spot,
+                        tier: laneway_core::ledger::Tier::Spot,
                         micros_per_hour: Some(300_000),
                     },
                 ),
                 entry(2, report(1, t0)),
                 // The ledger's clock moves an hour per report at most.
-                entry(3, report(2, t0 + crate::ledger::HOUR_MS)),
-                entry(4, report(3, t0 + 2 * crate::ledger::HOUR_MS)),
-                entry(5, report(4, t0 + 3 * crate::ledger::HOUR_MS)),
+                entry(3, report(2, t0 + laneway_core::ledger::HOUR_MS)),
+                entry(4, report(3, t0 + 2 * laneway_core::ledger::HOUR_MS)),
+                entry(5, report(4, t0 + 3 * laneway_core::ledger::HOUR_MS)),
                 // A retry of seq 4 changes nothing.
-                entry(6, report(4, t0 + 3 * crate::ledger::HOUR_MS)),
+                entry(6, report(4, t0 + 3 * laneway_core::ledger::HOUR_MS)),
             ])
             .await
             .unwrap();
@@ -1434,7 +1353,7 @@ mod tests {
         let sm = StateMachineStore::open(dir.path()).unwrap();
         let after = sm.with_ledger(|l, _| l.clone());
         assert_eq!(after, before);
-        assert_eq!(after.price("L4", crate::ledger::Tier::Spot), Some(300_000));
+        assert_eq!(after.price("L4", laneway_core::ledger::Tier::Spot), Some(300_000));
         let requests: u64 = after
             .minutes
             .values()

@@ -10,7 +10,7 @@ use openraft::{AnyError, OptionalSend, RaftLogReader, StorageIOError};
 
 use super::log_db::LogDb;
 use super::{Identity, StoreError};
-use crate::typ::{Entry, LogId, LogState, StorageError, TypeConfig, Vote};
+use crate::raft_types::{Entry, LogId, LogState, StorageError, TypeConfig, Vote};
 
 /// The Raft log store handed to openraft; cheap to clone (readers share the same log).
 #[derive(Clone)]

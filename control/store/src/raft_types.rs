@@ -3,8 +3,8 @@
 
 use std::io::Cursor;
 
-use crate::command::{CommandEnvelope, CommandResponse};
-use crate::node::ControllerNode;
+use laneway_core::command::{CommandEnvelope, CommandResponse};
+use laneway_core::node::ControllerNode;
 
 openraft::declare_raft_types!(
     /// Type configuration of the controllers' Raft group.

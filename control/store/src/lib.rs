@@ -1,4 +1,5 @@
-//! Durable storage of a controller: the Raft log and vote ([`log_store`]), the replicated state
+//! Durable storage of a controller (laneway-store, the layer under the controller's wiring and
+//! over `laneway_core`): the Raft log and vote ([`log_store`]), the replicated state
 //! machine and its snapshots ([`state_machine`]), both in redb, and the data-version header that
 //! is read before anything else ([`header`]).
 //!
@@ -12,6 +13,7 @@ pub mod error;
 pub mod header;
 pub mod log_db;
 pub mod log_store;
+pub mod raft_types;
 pub mod snapshot_file;
 pub mod state_machine;
 

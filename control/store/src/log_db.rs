@@ -25,7 +25,7 @@ use serde::Serialize;
 
 use super::header::{self, DataHeader, Identity};
 use super::StoreError;
-use crate::typ::{Entry, LogId, Vote};
+use crate::raft_types::{Entry, LogId, Vote};
 use openraft::RaftLogId;
 
 const LOG: TableDefinition<u64, &[u8]> = TableDefinition::new("log");

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::typ::SnapshotMeta;
+use crate::raft_types::SnapshotMeta;
 use laneway_core::state::AppState;
 
 /// Current snapshot file format.
