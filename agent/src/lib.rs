@@ -17,4 +17,5 @@ pub mod results;
 pub mod runtime;
 pub mod sim_model;
 pub mod supervisor;
+pub mod view;
 pub mod weight_cache;

@@ -16,8 +16,8 @@ use prometheus_client::registry::{Registry, Unit};
 use tokio::sync::watch;
 
 use crate::gpu::GpuBackend;
-use crate::runtime::AgentView;
 use crate::supervisor::Supervisor;
+use crate::view::AgentView;
 
 /// A label set whose values are escaped as the exposition format requires.
 pub type Labels = Vec<(&'static str, LabelValue)>;

@@ -96,7 +96,7 @@ impl AgentService for AgentGrpc {
         let remote = req.remote_addr();
         let refuse = |status: Status| {
             if let Some(log) = &self.audit {
-                log.refused(None, remote, "Join", &status);
+                log.record_refusal(None, remote, "Join", &status);
             }
             Err(status)
         };

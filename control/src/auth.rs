@@ -20,7 +20,6 @@ use tonic::codegen::{http, BoxFuture, Context, Poll, Service};
 use tonic::server::NamedService;
 use tonic::Status;
 
-use crate::admin::audit::AuditLog;
 use crate::store::StateMachineStore;
 
 /// What a method needs of its caller.
@@ -112,19 +111,32 @@ pub fn recheck(state: &StateMachineStore, auth: &Authenticated) -> Result<(), St
 /// know (refused).
 pub type MethodTable = fn(&str) -> Option<Access>;
 
+/// Where the guard records the calls it refused before any handler ran (the admin audit log,
+/// `crate::admin::audit::AuditLog`). A trait so the guard does not depend on the audit log's
+/// module, which reads the authenticated caller back from this one.
+pub trait RefusalLog: Send + Sync {
+    /// Records one refused call: who presented what (if anything), from where, and why.
+    fn refused(&self, who: Option<&PeerIdentity>, remote: Option<std::net::SocketAddr>, method: &str, status: &Status);
+}
+
 /// What every service of one controller is guarded with.
 #[derive(Clone)]
 pub struct Guard {
     cluster: String,
     /// `false`: insecure development mode.
     secure: bool,
-    audit: Option<Arc<AuditLog>>,
+    audit: Option<Arc<dyn RefusalLog>>,
     /// Where revoked certificates and admin tokens are looked up.
     state: Option<StateMachineStore>,
 }
 
 impl Guard {
-    pub fn new(cluster: &str, secure: bool, audit: Option<Arc<AuditLog>>, state: Option<StateMachineStore>) -> Self {
+    pub fn new(
+        cluster: &str,
+        secure: bool,
+        audit: Option<Arc<dyn RefusalLog>>,
+        state: Option<StateMachineStore>,
+    ) -> Self {
         Guard {
             cluster: cluster.to_string(),
             secure,
@@ -159,7 +171,7 @@ struct Policy {
     cluster: String,
     secure: bool,
     table: MethodTable,
-    audit: Option<Arc<AuditLog>>,
+    audit: Option<Arc<dyn RefusalLog>>,
     state: Option<StateMachineStore>,
 }
 

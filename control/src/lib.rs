@@ -11,7 +11,7 @@
 
 pub use laneway_store::{self as store, raft_types};
 
-pub use laneway_core::{admission, command, gpu, llm, node, planner, registry, runtime_spec, state, text};
+pub use laneway_core::{admission, command, gpu, llm, node, planner, registry, runtime_spec, state, text, usage};
 
 pub mod actors;
 pub mod admin;
@@ -23,6 +23,7 @@ pub mod context;
 pub mod dev;
 pub mod fleet;
 pub mod jobs;
+pub mod leader;
 pub mod ledger;
 pub mod network;
 pub mod observe;

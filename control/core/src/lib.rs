@@ -28,3 +28,4 @@ pub mod runtime_spec;
 pub mod scheduler;
 pub mod state;
 pub mod text;
+pub mod usage;

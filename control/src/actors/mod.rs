@@ -106,7 +106,7 @@ pub async fn start(ctx: &Context, cfg: LeaderConfig) -> Result<Tree, String> {
         .child({
             let ctx = ctx.clone();
             ticker::child("HistorySampler", board, move || {
-                crate::observe::history::HistorySampler::new(ctx.clone())
+                crate::observe::sampler::HistorySampler::new(ctx.clone())
             })
         })
         .child(leadership::child(ctx.clone(), cfg, provider));

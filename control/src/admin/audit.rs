@@ -154,7 +154,7 @@ impl AuditLog {
     }
 
     /// Records a call the authorization layer refused (before any handler ran).
-    pub fn refused(
+    pub fn record_refusal(
         &self,
         who: Option<&laneway_pki::PeerIdentity>,
         remote: Option<std::net::SocketAddr>,
@@ -300,6 +300,18 @@ impl Caller {
             who: peer(req),
             target: document_name(&req.get_ref().json),
         }
+    }
+}
+
+impl crate::auth::RefusalLog for AuditLog {
+    fn refused(
+        &self,
+        who: Option<&laneway_pki::PeerIdentity>,
+        remote: Option<std::net::SocketAddr>,
+        method: &str,
+        status: &Status,
+    ) {
+        self.record_refusal(who, remote, method, status);
     }
 }
 

@@ -96,7 +96,7 @@ impl JobGateway {
         proposer: Proposer,
         tls: Option<&laneway_pki::Tls>,
     ) -> (Self, tokio::task::JoinHandle<()>) {
-        let leaders = Arc::new(crate::context::controllers_client(tls, FORWARD_TIMEOUT));
+        let leaders = Arc::new(crate::leader::controllers_client(tls, FORWARD_TIMEOUT));
         let (forward, rx) = mpsc::channel(FORWARD_QUEUE);
         let task = tokio::spawn(forward_loop(raft.clone(), leaders.clone(), rx));
         let gateway = JobGateway {
@@ -135,7 +135,7 @@ impl JobGateway {
     }
 
     fn leader(&self) -> Option<(NodeId, String)> {
-        crate::context::current_leader(&self.raft)
+        crate::leader::current_leader(&self.raft)
     }
 
     /// Commits `write` on the leader (this controller must be it): used by `JobWrite` calls.
@@ -237,7 +237,7 @@ async fn forward_batch(raft: &Raft, leaders: &AdminClient, batch: Vec<Forward>) 
         }
     };
     // Whoever leads now: the leader may have changed while the writes were queued.
-    let Some((leader, addr)) = crate::context::current_leader(raft) else {
+    let Some((leader, addr)) = crate::leader::current_leader(raft) else {
         return fail_all(
             replies,
             "no controller leader is elected right now (an election is in progress)".into(),

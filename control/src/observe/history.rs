@@ -4,16 +4,15 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Mutex;
-use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::context::Context;
+use crate::router::lane::LaneStatus;
 
 /// Samples kept per lane (one a second: five minutes).
 pub const KEPT: usize = 300;
 /// Latency percentiles are taken over the requests that finished in this window.
-const LATENCY_WINDOW_MS: u64 = 5_000;
+pub const LATENCY_WINDOW_MS: u64 = 5_000;
 /// Operational events kept (scaling, placement, replicas that cannot be placed).
 const EVENTS_KEPT: usize = 1_000;
 
@@ -96,26 +95,18 @@ impl History {
         es.iter().rev().filter(|e| e.kind == "scale").take(n).cloned().collect()
     }
 
-    /// Takes one sample of every lane.
-    pub fn sample(&self, ctx: &Context, now_ms: u64) {
-        let lanes = ctx.router.lane_status();
-        let latencies = ctx.router.latencies_since(now_ms.saturating_sub(LATENCY_WINDOW_MS));
-        let util = lane_gpu_utilisation(ctx);
-        let window = std::time::Duration::from_millis(LATENCY_WINDOW_MS);
-        let token_p99: std::collections::HashMap<String, (Option<f64>, Option<f64>)> = lanes
-            .iter()
-            .map(|l| {
-                (
-                    l.class.clone(),
-                    ctx.router
-                        .llm_stats()
-                        .lane_p99(&l.class, window, tokio::time::Instant::now()),
-                )
-            })
-            .collect();
+    /// Keeps one sample of every lane, from what the sampler (`super::sampler`) read at
+    /// `now_ms`.
+    pub fn record(&self, now_ms: u64, observed: &Observed) {
+        let Observed {
+            lanes,
+            latencies,
+            util,
+            token_p99,
+        } = observed;
         let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
         let mut kept = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
-        for l in &lanes {
+        for l in lanes {
             let counter = |k: &str| l.counters.get(k).and_then(|v| v.as_u64()).unwrap_or(0);
             let admitted = counter("admitted");
             let shed = counter("refused") + counter("throttled") + counter("expired");
@@ -143,6 +134,17 @@ impl History {
     }
 }
 
+/// What the sampler read of every lane at one instant.
+pub struct Observed {
+    pub lanes: Vec<LaneStatus>,
+    /// Latencies of the last [`LATENCY_WINDOW_MS`] per class, ms.
+    pub latencies: HashMap<String, Vec<f64>>,
+    /// Mean GPU utilisation per class, %.
+    pub util: HashMap<String, f64>,
+    /// Time-to-first-token and inter-token p99 per class, ms.
+    pub token_p99: HashMap<String, (Option<f64>, Option<f64>)>,
+}
+
 /// The `q` quantile (nearest rank) of `values`.
 pub fn percentile(values: &[f64], q: f64) -> Option<f64> {
     if values.is_empty() {
@@ -152,56 +154,6 @@ pub fn percentile(values: &[f64], q: f64) -> Option<f64> {
     v.sort_by(f64::total_cmp);
     let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
     Some(v[rank - 1])
-}
-
-/// Mean utilisation of the GPUs that run each class's replicas, from the heartbeats this
-/// controller has (none unless it leads).
-pub fn lane_gpu_utilisation(ctx: &Context) -> HashMap<String, f64> {
-    let seen = ctx.heartbeats.all();
-    if seen.is_empty() {
-        return HashMap::new();
-    }
-    // GPU (or MIG device) UUID → utilisation of its card.
-    let mut util: HashMap<&str, u32> = HashMap::new();
-    for s in seen.values() {
-        for g in &s.gpus {
-            util.insert(&g.uuid, g.utilisation_pct);
-            for m in &g.mig_devices {
-                util.insert(m, g.utilisation_pct);
-            }
-        }
-    }
-    let registry = ctx.sm.registry();
-    let mut sums: HashMap<String, (f64, u32)> = HashMap::new();
-    for r in registry.replicas.values().flatten() {
-        let (Some(model), Some(u)) = (registry.models.get(&r.model), util.get(r.device.as_str())) else {
-            continue;
-        };
-        let e = sums.entry(model.class.clone()).or_default();
-        e.0 += f64::from(*u);
-        e.1 += 1;
-    }
-    sums.into_iter().map(|(c, (sum, n))| (c, sum / f64::from(n))).collect()
-}
-
-/// The `HistorySampler` actor: samples every lane once a second.
-pub struct HistorySampler {
-    ctx: Context,
-}
-
-impl HistorySampler {
-    pub fn new(ctx: Context) -> Self {
-        HistorySampler { ctx }
-    }
-}
-
-impl laneway_actors::Ticker for HistorySampler {
-    const KIND: &'static str = "history_sampler";
-
-    async fn tick(&mut self) -> Duration {
-        self.ctx.history.sample(&self.ctx, crate::jobs::unix_ms());
-        Duration::from_secs(1)
-    }
 }
 
 #[cfg(test)]

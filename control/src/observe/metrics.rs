@@ -41,7 +41,7 @@ pub fn render(ctx: &Context) -> Result<String, std::fmt::Error> {
         "Leader only: mean utilisation (0-1) of the GPUs running the lane's replicas",
         None,
     );
-    for (class, u) in super::history::lane_gpu_utilisation(ctx) {
+    for (class, u) in super::sampler::lane_gpu_utilisation(ctx) {
         if let Some(l) = lanes.iter().find(|l| l.class == class) {
             util.get_or_create(&labels([("class", class), ("lane", l.lane.clone())]))
                 .set(u / 100.0);

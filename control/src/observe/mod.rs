@@ -9,6 +9,7 @@
 
 pub mod history;
 pub mod metrics;
+pub mod sampler;
 pub mod ui;
 
 use axum::extract::State;

@@ -386,7 +386,7 @@ pub(super) fn healthy_or_fallback(
         r.headers_mut()
             .insert(DEGRADED, HeaderValue::from_static("fallback-response"));
         stamp(r.headers_mut(), meta);
-        let mut record = RequestRecord::new(&meta.request_id, route, &tenant.name);
+        let mut record = super::record_for(&meta.request_id, route, &tenant.name);
         record.status = status.as_u16();
         record.degraded = true;
         router.record(record);
@@ -661,7 +661,7 @@ async fn serve_infer(router: Arc<Router>, model: String, headers: HeaderMap, bod
     if class.lane == crate::registry::LaneKind::Durable {
         return super::jobs::submit_infer(&router, &tenant, &route, body, &headers, &meta).await;
     }
-    let mut record = RequestRecord::new(&meta.request_id, &route, &tenant.name);
+    let mut record = super::record_for(&meta.request_id, &route, &tenant.name);
     record = match from_cache(
         &router, &table, &route, &tenant, &headers, &body, "infer", &mut meta, record,
     ) {

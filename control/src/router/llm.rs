@@ -157,7 +157,7 @@ async fn serve(router: Arc<Router>, endpoint: Endpoint, headers: HeaderMap, body
     }
     // Every sequence the engine generates (n, best_of, a batch of prompts) takes its max_tokens.
     let needed = count.total();
-    let mut record = RequestRecord::new(&meta.request_id, &route, &tenant.name);
+    let mut record = super::record_for(&meta.request_id, &route, &tenant.name);
     record.input_tokens = input;
     // Only a whole answer sampled greedily is the same answer next time.
     if !req.stream && greedy(&body) {

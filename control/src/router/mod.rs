@@ -34,7 +34,6 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use rand::Rng;
-use serde::{Deserialize, Serialize};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -150,77 +149,31 @@ pub enum ForwardError {
     AnswerTooLarge { limit: usize },
 }
 
-/// One request as the router saw it; the meter's raw material.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct RequestRecord {
-    pub request_id: String,
-    pub unix_ms: u64,
-    pub lane: String,
-    pub class: String,
-    pub model: String,
-    /// Model version that served it (the ledger compares versions' cost per request).
-    #[serde(default)]
-    pub version: String,
-    pub tenant: String,
-    pub status: u16,
-    pub replica: Option<String>,
-    pub product: Option<String>,
-    pub mig_profile: Option<String>,
-    pub queue_ms: f64,
-    pub service_ms: f64,
-    pub gpu_ms: Option<f64>,
-    pub degraded: bool,
-    /// Language models: tokens in and out (as the replica reported them, else estimated) and
-    /// the time to the first token (streamed) or to the whole answer.
-    #[serde(default)]
-    pub input_tokens: u32,
-    #[serde(default)]
-    pub output_tokens: u32,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ttft_ms: Option<f64>,
-    /// What the overflow endpoint charged for it, micro-dollars (0: served by the fleet).
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub overflow_micros: u64,
-    /// Its lane's objective, ms (`slo_p99_ms`, else the request timeout): a request slower
-    /// than this is metered as slow (what a rollout judges latency on).
-    #[serde(skip)]
-    pub objective_ms: f64,
-}
+pub use laneway_core::usage::RequestRecord;
 
-fn is_zero(v: &u64) -> bool {
-    *v == 0
-}
-
-impl RequestRecord {
-    /// Whether it took longer than its lane's objective.
-    pub fn is_slow(&self) -> bool {
-        self.queue_ms + self.service_ms > self.objective_ms
-    }
-
-    /// The record of a request to `route` from `tenant`, before anything happened to it.
-    pub fn new(request_id: &str, route: &ModelRoute, tenant: &str) -> Self {
-        RequestRecord {
-            request_id: request_id.to_string(),
-            unix_ms: crate::jobs::unix_ms(),
-            lane: route.class.lane.to_string(),
-            class: route.class.name.clone(),
-            model: route.public.clone(),
-            version: route.version.clone(),
-            tenant: tenant.to_string(),
-            status: 0,
-            replica: None,
-            product: None,
-            mig_profile: None,
-            queue_ms: 0.0,
-            service_ms: 0.0,
-            gpu_ms: None,
-            degraded: false,
-            input_tokens: 0,
-            output_tokens: 0,
-            ttft_ms: None,
-            overflow_micros: 0,
-            objective_ms: route.class.slo_p99_ms.unwrap_or(route.class.request_timeout_ms).as_ms(),
-        }
+/// The record of a request to `route` from `tenant`, before anything happened to it.
+pub fn record_for(request_id: &str, route: &ModelRoute, tenant: &str) -> RequestRecord {
+    RequestRecord {
+        request_id: request_id.to_string(),
+        unix_ms: crate::jobs::unix_ms(),
+        lane: route.class.lane.to_string(),
+        class: route.class.name.clone(),
+        model: route.public.clone(),
+        version: route.version.clone(),
+        tenant: tenant.to_string(),
+        status: 0,
+        replica: None,
+        product: None,
+        mig_profile: None,
+        queue_ms: 0.0,
+        service_ms: 0.0,
+        gpu_ms: None,
+        degraded: false,
+        input_tokens: 0,
+        output_tokens: 0,
+        ttft_ms: None,
+        overflow_micros: 0,
+        objective_ms: route.class.slo_p99_ms.unwrap_or(route.class.request_timeout_ms).as_ms(),
     }
 }
 
@@ -252,7 +205,7 @@ pub struct Router {
     client: Client<HttpConnector, Full<Bytes>>,
     records: Mutex<VecDeque<RequestRecord>>,
     /// Usage served and not yet committed to the ledger.
-    meter: crate::ledger::meter::Meter,
+    meter: crate::usage::Meter,
     histograms: metrics::LaneHistograms,
     /// Language models: recent TTFT and ITL samples and token counts.
     llm_stats: llm::LlmStats,
@@ -290,7 +243,7 @@ impl Router {
             tenants: Mutex::default(),
             client,
             records: Mutex::new(VecDeque::with_capacity(RECORDS_KEPT)),
-            meter: crate::ledger::meter::Meter::new(),
+            meter: crate::usage::Meter::new(uuid::Uuid::new_v4().simple().to_string()),
             histograms: metrics::LaneHistograms::default(),
             llm_stats: llm::LlmStats::default(),
             token_buckets: Mutex::default(),
@@ -1024,7 +977,7 @@ impl Router {
             Some(_) => llm::whole_answer(body),
             None => body.clone(),
         };
-        let mut record = RequestRecord::new(&format!("{request_id}-shadow"), &shadow, SHADOW_TENANT);
+        let mut record = record_for(&format!("{request_id}-shadow"), &shadow, SHADOW_TENANT);
         tokio::spawn(async move {
             let slot = &held.0;
             let started = Instant::now();
@@ -1081,7 +1034,7 @@ impl Router {
     }
 
     /// This router's meter.
-    pub fn meter(&self) -> &crate::ledger::meter::Meter {
+    pub fn meter(&self) -> &crate::usage::Meter {
         &self.meter
     }
 
