@@ -40,14 +40,6 @@ pub struct HeartbeatArgs {
 const STREAMS_PER_CONNECTION: usize = 100;
 const GPUS_PER_NODE: usize = 8;
 
-pub(crate) fn cpu_ticks(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = stat.rsplit_once(')')?.1;
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    // Fields 14 and 15 (utime, stime) are at 11 and 12 after the command name.
-    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
-}
-
 async fn channels(addr: &str, n: usize) -> anyhow::Result<Vec<Channel>> {
     let mut out = Vec::new();
     for _ in 0..n.div_ceil(STREAMS_PER_CONNECTION) {
@@ -147,13 +139,13 @@ pub async fn run(args: HeartbeatArgs) -> anyhow::Result<()> {
             agents.spawn(agent(chan, node_name(i), hist, sent, acked, measuring));
         }
         tokio::time::sleep(Duration::from_secs(2)).await; // streams open, phases spread
-        let cpu0 = cpu_ticks(leader_pid).unwrap_or(0);
+        let cpu0 = crate::support::cpu::cpu_ticks(leader_pid).unwrap_or(0);
         measuring.store(true, Ordering::SeqCst);
         let t0 = Instant::now();
         tokio::time::sleep(Duration::from_secs(args.duration_secs)).await;
         measuring.store(false, Ordering::SeqCst);
         let secs = t0.elapsed().as_secs_f64();
-        let cpu1 = cpu_ticks(leader_pid).unwrap_or(0);
+        let cpu1 = crate::support::cpu::cpu_ticks(leader_pid).unwrap_or(0);
         agents.abort_all();
         let h = hist.lock().unwrap().clone();
         let (s, a) = (sent.load(Ordering::SeqCst), acked.load(Ordering::SeqCst));

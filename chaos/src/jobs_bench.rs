@@ -19,7 +19,8 @@ use serde_json::json;
 use tokio::time::Instant;
 
 use crate::process_cluster::ProcessCluster;
-use crate::router_bench::{client, free_port, open_loop, register, saturate, send, KillOnDrop, Target};
+use crate::support::fleet::register;
+use crate::support::http::{client, free_port, open_loop, saturate, send, KillOnDrop, Target};
 
 /// Flags of `laneway-chaos jobs`.
 #[derive(Debug, clap::Args)]

@@ -17,7 +17,8 @@ use serde_json::json;
 use tokio::time::Instant;
 
 use crate::process_cluster::ProcessCluster;
-use crate::router_bench::{client, free_port, play_agent, register, HttpClient, KillOnDrop, Target};
+use crate::support::fleet::{play_agent, register};
+use crate::support::http::{client, free_port, HttpClient, KillOnDrop, Target};
 
 /// Flags of `laneway-chaos llm`.
 #[derive(Debug, clap::Args)]

@@ -12,6 +12,7 @@ mod process_cluster;
 mod router_bench;
 mod run;
 mod scaling_bench;
+mod support;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

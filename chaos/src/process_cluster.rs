@@ -6,9 +6,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use crate::support::admin::{status_of, wait_until};
 use anyhow::{bail, Context};
 use laneway_control::client::AdminClient;
-use laneway_proto::admin::{AddLearnerRequest, InitRequest, NodeStatus, PromoteRequest, StatusRequest};
+use laneway_proto::admin::{AddLearnerRequest, InitRequest, PromoteRequest};
 use tokio::time::Instant;
 
 /// One controller process of the cluster.
@@ -372,28 +373,4 @@ impl Drop for ProcessCluster {
             self.kill(i);
         }
     }
-}
-
-/// One member's own status, or None if it does not answer within 500 ms.
-pub async fn status_of(addr: &str) -> Option<NodeStatus> {
-    let c = crate::run::admin_client(vec![addr.to_string()]).with_call_timeout(Duration::from_millis(500));
-    c.call_one(addr, |mut cl| async move { cl.status(StatusRequest {}).await })
-        .await
-        .ok()
-}
-
-/// Polls `f` until true or `limit` passes.
-pub async fn wait_until<F, Fut>(limit: Duration, mut f: F) -> anyhow::Result<()>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if f().await {
-            return Ok(());
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    bail!("condition not met within {limit:?}")
 }

@@ -21,13 +21,15 @@ use anyhow::{bail, Context};
 use laneway_control::client::AdminClient;
 use laneway_control::ledger::Tier;
 use laneway_control::provision::{provider, NodeRequest, RequestState};
-use laneway_proto::admin::{ListNodesRequest, ListRegistryRequest, NameRequest, PutDocumentRequest, PutSettingRequest};
+use laneway_proto::admin::{ListNodesRequest, NameRequest, PutSettingRequest};
 use laneway_proto::agent::GpuInfo;
-use serde_json::{json, Value};
+use serde_json::json;
 use tokio::time::Instant;
 
 use crate::process_cluster::ProcessCluster;
-use crate::router_bench::{client, fake_node, register, send, Target};
+use crate::support::admin::{docs, put, ready};
+use crate::support::fleet::{fake_node, register};
+use crate::support::http::{client, send, Target};
 
 /// Flags of `laneway-chaos scaling`.
 #[derive(Debug, clap::Args)]
@@ -73,52 +75,12 @@ impl Drop for Host {
     }
 }
 
-/// (node, replica) documents of a registry kind.
-pub(crate) async fn docs(admin: &AdminClient, kind: &str) -> Vec<Value> {
-    let kind = kind.to_string();
-    admin
-        .call(|mut c| {
-            let kind = kind.clone();
-            async move { c.list_registry(ListRegistryRequest { kind }).await }
-        })
-        .await
-        .map(|r| r.json.iter().filter_map(|j| serde_json::from_str(j).ok()).collect())
-        .unwrap_or_default()
-}
-
 async fn placed(admin: &AdminClient, model: &str) -> usize {
     docs(admin, "desired")
         .await
         .iter()
         .filter(|d| d["replica"]["model"] == model)
         .count()
-}
-
-/// Ready replicas of `model`, by node.
-pub(crate) async fn ready(admin: &AdminClient, model: &str) -> Vec<String> {
-    docs(admin, "replicas")
-        .await
-        .iter()
-        .filter(|d| d["replica"]["model"] == model && d["replica"]["state"] == "ready")
-        .map(|d| d["node"].as_str().unwrap_or_default().to_string())
-        .collect()
-}
-
-pub(crate) async fn put(admin: &AdminClient, class: bool, doc: Value) -> anyhow::Result<()> {
-    let json = doc.to_string();
-    admin
-        .call(|mut c| {
-            let json = json.clone();
-            async move {
-                if class {
-                    c.put_class(PutDocumentRequest { json }).await
-                } else {
-                    c.put_model(PutDocumentRequest { json }).await
-                }
-            }
-        })
-        .await?;
-    Ok(())
 }
 
 /// Polls `f` every 10 ms until it holds; the time it took, or an error after `limit`.

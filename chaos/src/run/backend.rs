@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 
 use super::scenario::FaultKind;
-use crate::process_cluster::status_of;
+use crate::support::admin::status_of;
 
 pub(crate) trait Backend {
     fn name(&self) -> &'static str;

@@ -16,7 +16,7 @@ use nix::unistd::Pid;
 
 use super::backend::Backend;
 use super::scenario::{FaultKind, Scenario};
-use crate::process_cluster::{status_of, wait_until};
+use crate::support::admin::{status_of, wait_until};
 
 /// The compose file's fleet (see deploy/compose.yaml and deploy/container/agents/).
 const HOSTS: [(&str, &str); 4] = [
@@ -146,7 +146,7 @@ impl DockerBackend {
         }
         // Formed by the compose file's bootstrap service, over mTLS with the certificates its
         // certs service wrote (`up` returns once that one-shot service has completed).
-        super::use_admin_tls(b.admin_tls()?);
+        crate::support::admin::use_admin_tls(b.admin_tls()?);
         let addrs = b.controller_addrs();
         wait_until(Duration::from_secs(120), || {
             let addrs = addrs.clone();

@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use super::backend::Backend;
 use super::scenario::{FaultKind, Scenario};
 use super::traffic::{Lane, Targets};
-use crate::process_cluster::status_of;
+use crate::support::admin::status_of;
 
 /// One injected fault, as the report shows it.
 #[derive(Debug, Clone, Serialize)]
@@ -87,7 +87,7 @@ async fn floors_ready<B: Backend>(
         }
         let mut short = None;
         for (model, floor) in floors() {
-            let ready = crate::scaling_bench::ready(admin, model)
+            let ready = crate::support::admin::ready(admin, model)
                 .await
                 .into_iter()
                 .filter(|n| Some(n.as_str()) != without)
@@ -114,7 +114,7 @@ async fn floors_ready<B: Backend>(
 /// Where every replica is and in what state (`node: model/state, …`), for a violation's message.
 async fn picture(admin: &AdminClient) -> String {
     let mut by_node: std::collections::BTreeMap<String, Vec<String>> = Default::default();
-    for d in crate::scaling_bench::docs(admin, "replicas").await {
+    for d in crate::support::admin::docs(admin, "replicas").await {
         by_node
             .entry(d["node"].as_str().unwrap_or("?").to_string())
             .or_default()
@@ -124,7 +124,7 @@ async fn picture(admin: &AdminClient) -> String {
                 d["replica"]["state"].as_str().unwrap_or("?")
             ));
     }
-    let placed = crate::scaling_bench::docs(admin, "desired").await;
+    let placed = crate::support::admin::docs(admin, "desired").await;
     let mut wanted: std::collections::BTreeMap<String, usize> = Default::default();
     for d in &placed {
         *wanted
@@ -182,7 +182,7 @@ pub async fn inject<B: Backend>(
     s: &Scenario,
     targets: &Targets,
 ) -> anyhow::Result<FaultRecord> {
-    let admin = crate::run::admin_client(b.controller_addrs()).with_retry_for(Duration::from_secs(5));
+    let admin = crate::support::admin::admin_client(b.controller_addrs()).with_retry_for(Duration::from_secs(5));
     let bound = Duration::from_secs(s.checks.recovery_s);
     let started = Instant::now();
     let mut rec = FaultRecord::new(t0.elapsed().as_millis() as u64, kind, String::new());
@@ -256,7 +256,7 @@ pub async fn inject<B: Backend>(
             let hosts = b.host_ids();
             let running: Vec<usize> = (0..hosts.len()).filter(|&j| b.host_running(j)).collect();
             anyhow::ensure!(!running.is_empty(), "no running host to kill");
-            let clip_nodes = crate::scaling_bench::ready(&admin, Lane::Durable.model()).await;
+            let clip_nodes = crate::support::admin::ready(&admin, Lane::Durable.model()).await;
             let victim = running
                 .iter()
                 .copied()
@@ -341,7 +341,7 @@ const EVERY_CONTROLLER_ACTORS: [(&str, &str); 3] = [
 /// Restarts of the actors of the controller at `addr` whose name starts with `prefix`, and
 /// whether all of them run; `None` when it did not answer.
 async fn restarts_of(addr: &str, prefix: &str) -> Option<(u64, bool)> {
-    let client = crate::run::admin_client(vec![addr.to_string()]).with_call_timeout(Duration::from_secs(2));
+    let client = crate::support::admin::admin_client(vec![addr.to_string()]).with_call_timeout(Duration::from_secs(2));
     let r = client
         .call(|mut c| async move {
             c.actors(laneway_proto::admin::ActorsRequest { node: String::new() })
@@ -366,7 +366,7 @@ async fn actor_panic(addr: &str, kind: &str, actor: &str, bound: Duration) -> Re
         .await
         .ok_or_else(|| format!("controller at {addr} did not list its actors"))?
         .0;
-    let client = crate::run::admin_client(vec![addr.to_string()]).with_call_timeout(Duration::from_secs(2));
+    let client = crate::support::admin::admin_client(vec![addr.to_string()]).with_call_timeout(Duration::from_secs(2));
     let name = format!("actor::{kind}");
     let set = |actions: &'static str| {
         let (client, name) = (&client, &name);
@@ -418,7 +418,7 @@ pub async fn actor_restarts<B: Backend>(b: &B) -> BTreeMap<String, u64> {
     let mut out = BTreeMap::new();
     let mut leader_addr = None;
     for addr in b.controller_addrs() {
-        let client = crate::run::admin_client(vec![addr.clone()]).with_call_timeout(Duration::from_secs(3));
+        let client = crate::support::admin::admin_client(vec![addr.clone()]).with_call_timeout(Duration::from_secs(3));
         if status_of(&addr).await.is_some_and(|s| s.state == "leader") {
             leader_addr = Some(addr.clone());
         }
@@ -434,7 +434,7 @@ pub async fn actor_restarts<B: Backend>(b: &B) -> BTreeMap<String, u64> {
         }
     }
     let Some(leader) = leader_addr else { return out };
-    let client = crate::run::admin_client(vec![leader]).with_call_timeout(Duration::from_secs(3));
+    let client = crate::support::admin::admin_client(vec![leader]).with_call_timeout(Duration::from_secs(3));
     for node in b.host_ids() {
         if let Ok(r) = client
             .call(|mut c| {
@@ -492,7 +492,7 @@ pub async fn supervise<B: Backend>(
 
 /// Waits until the warm floors are met after healing (the run's final recovery check).
 pub async fn floors_restored<B: Backend>(b: &mut B, limit: Duration) -> Result<u64, String> {
-    let admin = crate::run::admin_client(b.controller_addrs()).with_retry_for(Duration::from_secs(5));
+    let admin = crate::support::admin::admin_client(b.controller_addrs()).with_retry_for(Duration::from_secs(5));
     let mut crashed = Vec::new();
     floors_ready(b, &admin, None, limit, &mut crashed).await
 }

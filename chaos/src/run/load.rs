@@ -24,7 +24,7 @@ use tokio::time::Instant;
 use super::backend::Backend;
 use super::process::{BinArgs, ProcessBackend};
 use super::traffic::{self, Lane, Request, Targets};
-use crate::process_cluster::status_of;
+use crate::support::admin::status_of;
 
 /// Flags of `laneway-chaos load`.
 #[derive(Debug, clap::Args)]
@@ -133,8 +133,8 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<()> {
         args.step_s
     );
     let mut b = ProcessBackend::start(&s, args.bins.resolve()).await?;
-    super::use_admin_tls(None);
-    let admin = super::admin_client(b.controller_addrs()).with_retry_for(Duration::from_secs(15));
+    crate::support::admin::use_admin_tls(None);
+    let admin = crate::support::admin::admin_client(b.controller_addrs()).with_retry_for(Duration::from_secs(15));
     let tenants = super::register(&admin, &s, &b).await?;
     for product in b.products() {
         let usd_per_hour = args.usd_per_gpu_hour;
@@ -437,12 +437,7 @@ async fn sample_peaks(b: &ProcessBackend, peaks: &mut BTreeMap<String, LanePeak>
 /// CPU ticks (user + system) of each controller process, from /proc.
 fn cpu_ticks(b: &ProcessBackend) -> Vec<u64> {
     (0..b.controller_addrs().len())
-        .map(|i| {
-            b.cluster
-                .pid(i)
-                .and_then(crate::heartbeat_bench::cpu_ticks)
-                .unwrap_or(0)
-        })
+        .map(|i| b.cluster.pid(i).and_then(crate::support::cpu::cpu_ticks).unwrap_or(0))
         .collect()
 }
 

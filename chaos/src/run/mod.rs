@@ -36,21 +36,8 @@ use self::inject::FaultRecord;
 use self::process::{BinArgs, Bins, ProcessBackend};
 use self::scenario::{BackendKind, FaultKind, Scenario};
 use self::traffic::{Lane, Request, Targets};
-use crate::process_cluster::status_of;
-
-/// TLS towards the cluster under test, set once per run from its backend.
-static ADMIN_TLS: std::sync::OnceLock<Option<tonic::transport::ClientTlsConfig>> = std::sync::OnceLock::new();
-
-/// Sets how the harness authenticates to the cluster under test (once per process: the first
-/// call wins, and one process runs clusters of one backend).
-pub fn use_admin_tls(tls: Option<tonic::transport::ClientTlsConfig>) {
-    let _ = ADMIN_TLS.set(tls);
-}
-
-/// An admin client of the cluster under test (over mTLS when its backend runs with it).
-pub fn admin_client(addrs: Vec<String>) -> AdminClient {
-    AdminClient::new(addrs).with_tls(ADMIN_TLS.get().cloned().flatten())
-}
+use crate::support::admin::status_of;
+use crate::support::admin::use_admin_tls;
 
 /// Flags of `laneway-chaos run`.
 #[derive(Debug, clap::Args)]
@@ -175,7 +162,7 @@ async fn drive<B: Backend>(s: &Scenario, seed: u64, b: &mut B, rng: &mut StdRng)
         );
     }
     use_admin_tls(b.admin_tls()?);
-    let admin = crate::run::admin_client(b.controller_addrs()).with_retry_for(Duration::from_secs(15));
+    let admin = crate::support::admin::admin_client(b.controller_addrs()).with_retry_for(Duration::from_secs(15));
     let tenants = register(&admin, s, b).await?;
     let ready = inject::floors_restored(b, Duration::from_secs(90)).await;
     if let Err(e) = ready {
@@ -327,7 +314,7 @@ pub(crate) async fn register<B: Backend>(
         .map(|c| (true, c))
         .chain(models.into_iter().map(|m| (false, m)))
     {
-        crate::scaling_bench::put(admin, is_class, doc)
+        crate::support::admin::put(admin, is_class, doc)
             .await
             .context("registering the harness's classes and models")?;
     }

@@ -304,8 +304,8 @@ impl Backend for ProcessBackend {
                 self.cluster.kill(i);
                 self.cluster.restart(i)?;
                 let addr = self.cluster.members[i].addr.clone();
-                crate::process_cluster::wait_until(std::time::Duration::from_secs(20), || async {
-                    crate::process_cluster::status_of(&addr)
+                crate::support::admin::wait_until(std::time::Duration::from_secs(20), || async {
+                    crate::support::admin::status_of(&addr)
                         .await
                         .is_some_and(|s| s.leader_id != 0)
                 })

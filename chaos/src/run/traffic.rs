@@ -20,7 +20,7 @@ use serde::Serialize;
 use tokio::time::Instant;
 
 use super::scenario::Traffic;
-use crate::router_bench::{client, HttpClient};
+use crate::support::http::{client, HttpClient};
 
 /// The three lanes of the mix, each with the model the harness registers for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

@@ -35,8 +35,8 @@ impl Writer {
                 let mut n = 0u64;
                 while !stop.load(Ordering::SeqCst) {
                     tokio::time::sleep_until(start + gap * n as u32).await;
-                    let client =
-                        crate::run::admin_client(addrs.read().unwrap().clone()).with_retry_for(Duration::from_secs(3));
+                    let client = crate::support::admin::admin_client(addrs.read().unwrap().clone())
+                        .with_retry_for(Duration::from_secs(3));
                     let acked = acked.clone();
                     tasks.spawn(async move {
                         let put = client
@@ -75,7 +75,7 @@ pub async fn check(offered: u64, acked: &[u64], addrs: &[String]) -> Verdict {
     let mut missing = 0u64;
     let mut first = Vec::new();
     for addr in addrs {
-        let one = crate::run::admin_client(vec![addr.clone()]);
+        let one = crate::support::admin::admin_client(vec![addr.clone()]);
         for &n in acked {
             let got = one
                 .call_one(addr, |mut c| async move {

@@ -14,8 +14,8 @@ use serde_json::{json, Value};
 use tokio::time::Instant;
 
 use super::{get, Verdict};
-use crate::router_bench::client;
 use crate::run::traffic::Request;
+use crate::support::http::client;
 
 /// Most lost or stuck job ids named in the violations.
 const NAMED: usize = 5;
@@ -142,7 +142,7 @@ fn terminal(v: &Value) -> bool {
 
 /// The job's record from the first router that knows it; `None` when none does.
 async fn view_anywhere(
-    http: &crate::router_bench::HttpClient,
+    http: &crate::support::http::HttpClient,
     routers: &[String],
     id: &str,
     key: &str,

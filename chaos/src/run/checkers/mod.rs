@@ -12,7 +12,7 @@ use http_body_util::{BodyExt, Full};
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::router_bench::HttpClient;
+use crate::support::http::HttpClient;
 
 /// Every checker's name, as reports and `expect_violations` spell them.
 pub const NAMES: [&str; 5] = ["jobs", "raft", "admin_writes", "sync_lane", "replicas"];

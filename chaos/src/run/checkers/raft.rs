@@ -12,7 +12,7 @@ use serde_json::json;
 use tokio::time::Instant;
 
 use super::Verdict;
-use crate::process_cluster::status_of;
+use crate::support::admin::status_of;
 
 /// Watches who claims leadership in which term.
 pub struct Monitor {
@@ -91,7 +91,7 @@ pub async fn check(polls: u64, claims: &BTreeMap<u64, BTreeSet<u64>>, addrs: &[S
             .violations
             .push("the controllers never reached the same applied index within 30 s of healing".into()),
     }
-    let admin = crate::run::admin_client(addrs.to_vec()).with_retry_for(Duration::from_secs(15));
+    let admin = crate::support::admin::admin_client(addrs.to_vec()).with_retry_for(Duration::from_secs(15));
     let start = Instant::now();
     let wrote = admin
         .call(|mut c| async move {

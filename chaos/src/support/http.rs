@@ -1,0 +1,145 @@
+//! The benches' and checkers' HTTP side: a pooled client, one request, closed-loop saturation,
+//! open-loop load with latency from the intended send, and processes killed on drop.
+
+use std::process::Child;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::bail;
+use bytes::Bytes;
+use hdrhistogram::Histogram;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use tokio::time::Instant;
+
+pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+/// One request target (the replica directly, a router, an etcd member): where to POST what.
+#[derive(Clone)]
+pub struct Target {
+    pub name: &'static str,
+    pub uri: hyper::Uri,
+    /// Bearer API key, if the target wants one.
+    pub key: Option<String>,
+    pub body: Bytes,
+}
+
+pub async fn send(client: &HttpClient, t: &Target) -> anyhow::Result<()> {
+    let mut req = hyper::Request::post(t.uri.clone()).header("content-type", "application/json");
+    if let Some(k) = &t.key {
+        req = req.header("authorization", format!("Bearer {k}"));
+    }
+    let resp = client.request(req.body(Full::new(t.body.clone()))?).await?;
+    let status = resp.status();
+    resp.into_body().collect().await?;
+    if !status.is_success() {
+        bail!("{} answered {status}", t.name);
+    }
+    Ok(())
+}
+
+pub fn client(connections: usize) -> HttpClient {
+    let mut c = HttpConnector::new();
+    c.set_nodelay(true);
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(connections)
+        .build(c)
+}
+
+/// Closed loop: `connections` clients back to back for `d`, spread over `targets`; successful
+/// requests per second and failures.
+pub async fn saturate(targets: &[Target], connections: usize, d: Duration) -> anyhow::Result<(f64, u64)> {
+    let client = client(connections);
+    let end = Instant::now() + d;
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..connections {
+        let (client, t) = (client.clone(), targets[i % targets.len()].clone());
+        tasks.push(tokio::spawn(async move {
+            let (mut ok, mut failed) = (0u64, 0u64);
+            while Instant::now() < end {
+                match send(&client, &t).await {
+                    Ok(()) => ok += 1,
+                    Err(_) => failed += 1,
+                }
+            }
+            (ok, failed)
+        }));
+    }
+    let (mut ok, mut failed) = (0, 0);
+    for task in tasks {
+        let (o, f) = task.await?;
+        ok += o;
+        failed += f;
+    }
+    Ok((ok as f64 / start.elapsed().as_secs_f64(), failed))
+}
+
+/// Latencies of one target in an open-loop run.
+struct OpenLoop {
+    hist: Mutex<Histogram<u64>>,
+    failed: std::sync::atomic::AtomicU64,
+}
+
+/// Open loop at `rate`/s per target for `d`, the targets' arrivals interleaved in the same
+/// window so that both see the same machine noise; latency from each intended send time, µs.
+pub async fn open_loop(targets: &[Target], rate: u64, d: Duration) -> anyhow::Result<Vec<(Histogram<u64>, u64)>> {
+    let client = client(256);
+    let results: Vec<Arc<OpenLoop>> = targets
+        .iter()
+        .map(|_| {
+            Ok(Arc::new(OpenLoop {
+                hist: Mutex::new(Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?),
+                failed: Default::default(),
+            }))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let total_rate = rate * targets.len() as u64;
+    let n = total_rate * d.as_secs();
+    let start = Instant::now() + Duration::from_millis(50);
+    let mut tasks = Vec::with_capacity(n as usize);
+    for i in 0..n {
+        let intended = start + Duration::from_nanos(i * 1_000_000_000 / total_rate);
+        tokio::time::sleep_until(intended).await;
+        let k = (i % targets.len() as u64) as usize;
+        let (client, t, out) = (client.clone(), targets[k].clone(), results[k].clone());
+        tasks.push(tokio::spawn(async move {
+            match send(&client, &t).await {
+                Ok(()) => {
+                    let us = intended.elapsed().as_micros() as u64;
+                    let _ = out.hist.lock().unwrap_or_else(|p| p.into_inner()).record(us.max(1));
+                }
+                Err(_) => {
+                    out.failed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    for task in tasks {
+        task.await?;
+    }
+    Ok(results
+        .iter()
+        .map(|r| {
+            (
+                r.hist.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+                r.failed.load(std::sync::atomic::Ordering::Relaxed),
+            )
+        })
+        .collect())
+}
+
+pub fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+pub struct KillOnDrop(pub Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
