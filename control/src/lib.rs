@@ -9,6 +9,7 @@
 //! re-exported here keep the paths the shells use (`crate::registry::Model`) while the code lives
 //! in the lower layers.
 
+pub use laneway_client as client;
 pub use laneway_store::{self as store, raft_types};
 
 pub use laneway_core::{admission, command, gpu, llm, node, planner, registry, runtime_spec, state, text, usage};
@@ -17,7 +18,6 @@ pub mod actors;
 pub mod admin;
 pub mod agent_api;
 pub mod auth;
-pub mod client;
 pub mod config;
 pub mod context;
 pub mod dev;

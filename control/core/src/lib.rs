@@ -18,6 +18,7 @@ pub mod fleet;
 pub mod gpu;
 pub mod identity;
 pub mod jobs;
+pub mod lane_report;
 pub mod ledger;
 pub mod llm;
 pub mod node;

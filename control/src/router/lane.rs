@@ -15,8 +15,9 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::admission::{DrainRate, Level, OverloadState};
-use super::table::ReplicaSlot;
+use super::slot::ReplicaSlot;
 use crate::registry::LaneKind;
+pub use laneway_core::lane_report::LaneStatus;
 
 /// A queued request waiting for a slot of `model`.
 pub struct Waiter {
@@ -262,45 +263,6 @@ impl Drop for SlotGuard {
     }
 }
 
-/// What `lanectl lane show` prints about a lane's live state on one router.
-#[derive(Debug, Clone, Serialize, serde::Deserialize)]
-pub struct LaneStatus {
-    pub class: String,
-    pub lane: String,
-    /// `normal`, `degraded` (bounded lane on its degraded settings) or `short` (a sync lane
-    /// refused work in the last second).
-    pub level: String,
-    pub queue_depth: usize,
-    /// Completions per second measured over the last 2 s (None: too few to trust).
-    pub drain_per_s: Option<f64>,
-    pub pressure: f64,
-    pub in_flight: u32,
-    pub slots: u32,
-    pub ready_replicas: usize,
-    pub counters: serde_json::Value,
-    /// Seconds since the level last changed.
-    pub level_for_s: f64,
-    /// Durable lanes: the replicated job queue (the same on every controller) — jobs queued,
-    /// assigned and running, and the seconds the queue takes to drain at the ready replicas'
-    /// throughput (the number shedding uses).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub jobs: Option<serde_json::Value>,
-    /// The class's latency objective (p99, ms), if it has one.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub slo_p99_ms: Option<f64>,
-    /// Language-model lanes: objectives on time to first token and inter-token latency, ms.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ttft_slo_p99_ms: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub itl_slo_p99_ms: Option<f64>,
-    /// Language models of the lane this router streamed for lately: TTFT, ITL and tokens.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub llm: Vec<super::llm::LlmSummary>,
-    /// The lane's overflow endpoint on this router, if the class has one.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub overflow: Option<super::overflow::OverflowStatus>,
-}
-
 impl LaneState {
     /// The level name for status output.
     pub fn level_name(&self, sync_short: bool) -> &'static str {
@@ -358,7 +320,7 @@ mod tests {
     }
 
     fn slot(model: &str) -> Arc<ReplicaSlot> {
-        crate::router::table::test_slot(model, 2)
+        crate::router::slot::test_slot(model, 2)
     }
 
     #[test]

@@ -28,7 +28,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use laneway_agent::llm::{prefix_hash, CompletionRequest, Endpoint, CHARS_PER_TOKEN};
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use tokio::time::Instant;
 
 use super::admission::TokenBucket;
@@ -40,6 +40,7 @@ use super::table::{ModelRoute, TenantRoute};
 use super::token_count::TokenCount;
 use super::{Admitted, ForwardError, Refusal, RequestRecord, Router, TenantGuard};
 use crate::registry::{Class, LaneKind};
+pub use laneway_core::lane_report::LlmSummary;
 
 /// The window of the TTFT the fast loop scales on.
 pub const SIGNAL_WINDOW: Duration = Duration::from_secs(10);
@@ -1058,21 +1059,6 @@ impl Drop for Relay {
             self.finish(StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST));
         }
     }
-}
-
-/// One language model's recent figures on this router (the last [`RECENT`]).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct LlmSummary {
-    pub model: String,
-    pub requests: u64,
-    pub ttft_p50_ms: Option<f64>,
-    pub ttft_p99_ms: Option<f64>,
-    pub itl_p50_ms: Option<f64>,
-    pub itl_p99_ms: Option<f64>,
-    pub input_tokens: u64,
-    pub output_tokens: u64,
-    /// Output tokens per second of GPU time the replicas reported.
-    pub output_tokens_per_gpu_s: Option<f64>,
 }
 
 /// Recent samples of one (class, model).

@@ -18,6 +18,7 @@ pub mod lane;
 pub mod llm;
 pub mod metrics;
 pub mod overflow;
+pub mod slot;
 pub mod table;
 pub mod token_count;
 

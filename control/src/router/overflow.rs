@@ -21,6 +21,7 @@ use rustls::pki_types::pem::PemObject as _;
 use rustls::pki_types::CertificateDer;
 
 use crate::registry::OverflowSpec;
+pub use laneway_core::lane_report::OverflowStatus;
 
 /// Failures in a row that open the breaker.
 pub const BREAKER_FAILURES: u32 = 5;
@@ -58,19 +59,6 @@ pub struct Overflow {
     failures: AtomicU32,
     /// Closed until this many ms on the router's clock (0: closed).
     open_until_ms: AtomicU64,
-}
-
-/// A lane's overflow endpoint as one router sees it (`lanectl lane show`, metrics).
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct OverflowStatus {
-    pub url: String,
-    /// Whether it takes requests now (configured here, breaker closed).
-    pub usable: bool,
-    /// `ready`, or why not: the breaker is open (for how long), or this router cannot use it
-    /// (its environment lacks the key, the CA does not parse).
-    pub state: String,
-    pub in_flight: u32,
-    pub max_in_flight: u32,
 }
 
 /// A request's hold on one of the endpoint's slots.

@@ -18,9 +18,24 @@ pub fn control_bin() -> &'static str {
     env!("CARGO_BIN_EXE_laneway-control")
 }
 
-/// Path of the lanectl binary Cargo built for this test.
-pub fn lanectl_bin() -> &'static str {
-    env!("CARGO_BIN_EXE_lanectl")
+/// Path of the lanectl binary (its own package, `control/cli`, builds it).
+pub fn lanectl_bin() -> PathBuf {
+    sibling_bin("lanectl", "lanectl")
+}
+
+/// A binary of another package of this workspace, built next to this test's own directory
+/// (Cargo names only its own package's binaries in `CARGO_BIN_EXE_`): `cargo test --workspace`
+/// builds every package's binaries before it runs any test.
+pub fn sibling_bin(name: &str, package: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().and_then(|d| d.parent()).unwrap();
+    let bin = dir.join(name);
+    assert!(
+        bin.exists(),
+        "{} is missing: run the tests with `cargo test --workspace` (or `cargo build -p {package}` first)",
+        bin.display()
+    );
+    bin
 }
 
 /// Runs lanectl against the controller at `addr`; panics with its stderr if it fails.

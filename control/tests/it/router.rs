@@ -19,18 +19,9 @@ use super::harness::{lanectl_ok, wait_for, Node};
 
 const BODY: &str = r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1.0]}]}"#;
 
-/// The simulated model server Cargo built next to this test (another package's binary, so
-/// no `CARGO_BIN_EXE_`): `cargo test --workspace` builds it.
+/// The simulated model server (the agent package's binary).
 pub(super) fn sim_model_bin() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().and_then(|d| d.parent()).unwrap();
-    let bin = dir.join("laneway-sim-model");
-    assert!(
-        bin.exists(),
-        "{} is missing: run the tests with `cargo test --workspace` (or `cargo build -p laneway-agent` first)",
-        bin.display()
-    );
-    bin
+    super::harness::sibling_bin("laneway-sim-model", "laneway-agent")
 }
 
 fn sim_replica(id: &str, model: &str, service_ms: u32, max_batch: u32, gpu: u32, extra: &[&str]) -> StaticReplica {

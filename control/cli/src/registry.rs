@@ -5,10 +5,10 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
 use clap::Subcommand;
-use laneway_control::client::AdminClient;
-use laneway_control::registry::{Class, Degraded, LaneKind, LlmPolicy, Millis, Model, Profile};
-use laneway_control::router::lane::LaneStatus;
-use laneway_control::router::RequestRecord;
+use laneway_client::AdminClient;
+use laneway_core::lane_report::LaneStatus;
+use laneway_core::registry::{Class, Degraded, LaneKind, LlmPolicy, Millis, Model, Profile};
+use laneway_core::usage::RequestRecord;
 use laneway_proto::admin::{
     CreateTenantRequest, LaneStatusRequest, ListRegistryRequest, NameRequest, PutDocumentRequest,
     SetTenantLimitRequest, TenantKeyReply, WriteReply,
@@ -251,7 +251,7 @@ pub async fn list(client: &AdminClient, kind: &str) -> anyhow::Result<Vec<Value>
 }
 
 /// The registry and the traffic the addressed router observed, for `plan --from-cluster`.
-pub async fn cluster_inputs(client: &AdminClient) -> anyhow::Result<laneway_control::planner::cluster::ClusterInputs> {
+pub async fn cluster_inputs(client: &AdminClient) -> anyhow::Result<laneway_core::planner::cluster::ClusterInputs> {
     let classes = list(client, "classes")
         .await?
         .into_iter()
@@ -276,14 +276,14 @@ pub async fn cluster_inputs(client: &AdminClient) -> anyhow::Result<laneway_cont
             for r in &records {
                 *by_class.entry(r.class.clone()).or_insert(0u64) += 1;
             }
-            Some(laneway_control::planner::cluster::Observed {
+            Some(laneway_core::planner::cluster::Observed {
                 requests_by_class: by_class,
                 window_s: (last - first) as f64 / 1000.0,
             })
         }
         _ => None,
     };
-    Ok(laneway_control::planner::cluster::ClusterInputs {
+    Ok(laneway_core::planner::cluster::ClusterInputs {
         classes,
         models,
         observed,
@@ -395,7 +395,7 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
             let models = model_placement(client, &class).await?;
             // The leader's recent decisions about this class's models (best effort: a cluster
             // without a leader still shows the rest).
-            let since = laneway_control::jobs::unix_ms().saturating_sub(3_600_000);
+            let since = crate::unix_ms().saturating_sub(3_600_000);
             let decisions: Vec<Value> = super::events(client, since)
                 .await
                 .unwrap_or_default()
@@ -463,7 +463,7 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
                             ms(l.ttft_slo_p99_ms),
                             ms(l.itl_slo_p99_ms),
                             l.scale_on.as_str(),
-                            if l.scale_on == laneway_control::registry::ScaleSignal::KvCache {
+                            if l.scale_on == laneway_core::registry::ScaleSignal::KvCache {
                                 format!(" (target {}%)", l.kv_cache_target_pct)
                             } else {
                                 String::new()
@@ -540,7 +540,7 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
                         for e in &decisions {
                             t.push_str(&format!(
                                 "\n  {} {} {}: {}",
-                                laneway_control::ledger::fmt_unix_ms(e["at_ms"].as_u64().unwrap_or(0)),
+                                laneway_core::ledger::fmt_unix_ms(e["at_ms"].as_u64().unwrap_or(0)),
                                 e["kind"].as_str().unwrap_or(""),
                                 e["subject"].as_str().unwrap_or(""),
                                 e["message"].as_str().unwrap_or("")
@@ -634,7 +634,7 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
             match a.overflow_url.as_deref() {
                 Some("off") => c.overflow = None,
                 Some(url) => {
-                    let o = c.overflow.get_or_insert(laneway_control::registry::OverflowSpec {
+                    let o = c.overflow.get_or_insert(laneway_core::registry::OverflowSpec {
                         url: String::new(),
                         max_in_flight: 16,
                         micros_per_request: 0,
@@ -681,7 +681,7 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
             match a.fallback_response.as_deref() {
                 Some("off") => c.fallback_response = None,
                 Some(body) => {
-                    c.fallback_response = Some(laneway_control::registry::FallbackResponse {
+                    c.fallback_response = Some(laneway_core::registry::FallbackResponse {
                         status: 200,
                         body: body.to_string(),
                     })
@@ -693,7 +693,7 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
                 Some(ttl) => {
                     let ttl = humantime::parse_duration(ttl)
                         .map_err(|e| anyhow::anyhow!("--cache-ttl {ttl:?}: {e}; e.g. 30s, 10m, 1h, or off"))?;
-                    let cache = c.cache.get_or_insert(laneway_control::registry::CacheSpec {
+                    let cache = c.cache.get_or_insert(laneway_core::registry::CacheSpec {
                         ttl_s: 60,
                         max_mib: 256,
                         shared: false,
@@ -705,7 +705,7 @@ pub async fn lane(client: &AdminClient, out: Output, cmd: LaneCmd) -> anyhow::Re
             match a.hedge_after_ms {
                 Some(ms) if ms <= 0.0 => c.hedge = None,
                 Some(ms) => {
-                    let h = c.hedge.get_or_insert(laneway_control::registry::HedgeSpec {
+                    let h = c.hedge.get_or_insert(laneway_core::registry::HedgeSpec {
                         after_ms: Millis::from_ms(ms),
                         percent: 5,
                     });

@@ -5,8 +5,8 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use clap::Subcommand;
-use laneway_control::client::AdminClient;
-use laneway_control::ledger::query::LedgerReport;
+use laneway_client::AdminClient;
+use laneway_core::ledger::query::LedgerReport;
 use laneway_proto::admin::{LedgerRequest, ListRegistryRequest, SetPriceRequest};
 use serde_json::json;
 
@@ -131,7 +131,7 @@ pub fn render(r: &LedgerReport, since: &str) -> String {
         "NAME", "LANE", "REQUESTS", "TRAFFIC", "GPU-SEC", "COST $", "COST%", "$/1K REQ"
     );
     let _ = writeln!(s, "{header}");
-    let line = |s: &mut String, x: &laneway_control::ledger::query::LedgerRow| {
+    let line = |s: &mut String, x: &laneway_core::ledger::query::LedgerRow| {
         let _ = writeln!(
             s,
             "{:<28} {:<8} {:>10} {:>7.1}% {:>11.1} {:>11.4} {:>7.1}% {:>11.4}",
@@ -200,7 +200,7 @@ pub fn render(r: &LedgerReport, since: &str) -> String {
             let _ = writeln!(
                 s,
                 "  {} {}: {}",
-                laneway_control::ledger::fmt_unix_ms(e.at_ms),
+                laneway_core::ledger::fmt_unix_ms(e.at_ms),
                 e.kind,
                 e.message
             );

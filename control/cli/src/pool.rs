@@ -1,7 +1,7 @@
 //! `lanectl pool …`: taints on pools, which only lanes that tolerate them use.
 
 use clap::Subcommand;
-use laneway_control::client::AdminClient;
+use laneway_client::AdminClient;
 use laneway_proto::admin::{ListRegistryRequest, SetPoolTaintsRequest};
 use serde_json::json;
 
@@ -123,7 +123,7 @@ async fn requests(client: &AdminClient, out: Output) -> anyhow::Result<()> {
                     s("state"),
                     format!("{}×{}", r["gpus"], s("product")),
                     s("tier"),
-                    laneway_control::ledger::fmt_unix_ms(r["requested_ms"].as_u64().unwrap_or(0)),
+                    laneway_core::ledger::fmt_unix_ms(r["requested_ms"].as_u64().unwrap_or(0)),
                     models.join(",")
                 ));
             }
@@ -136,7 +136,7 @@ async fn requests(client: &AdminClient, out: Output) -> anyhow::Result<()> {
                     .as_str()
                     .filter(|r| !r.is_empty())
                     .unwrap_or("the default region"),
-                laneway_control::ledger::fmt_unix_ms(m["until_ms"].as_u64().unwrap_or(0)),
+                laneway_core::ledger::fmt_unix_ms(m["until_ms"].as_u64().unwrap_or(0)),
                 m["why"].as_str().unwrap_or("")
             ));
         }

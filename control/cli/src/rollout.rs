@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 use clap::Subcommand;
-use laneway_control::client::AdminClient;
-use laneway_control::registry::rollout::{Guards, Rollout, RolloutRequest, Strategy, DEFAULT_STEPS};
+use laneway_client::AdminClient;
+use laneway_core::registry::rollout::{Guards, Rollout, RolloutRequest, Strategy, DEFAULT_STEPS};
 use laneway_proto::admin::{PutDocumentRequest, UpdateRolloutRequest};
 use serde_json::json;
 

@@ -1,7 +1,7 @@
 //! `lanectl actors`: every actor of every controller (or of one agent, `--node`), as a tree:
 //! state, restarts, time since its last tick, what it holds and its last error (ADR 0018).
 
-use laneway_control::client::AdminClient;
+use laneway_client::AdminClient;
 use laneway_proto::admin::ActorsRequest;
 use serde_json::Value;
 

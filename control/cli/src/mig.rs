@@ -4,7 +4,7 @@
 use std::fmt::Write as _;
 
 use clap::Subcommand;
-use laneway_control::client::AdminClient;
+use laneway_client::AdminClient;
 use laneway_proto::admin::{ApplyMigPlanRequest, PlanMigRequest, SetMigLayoutRequest};
 use serde_json::json;
 
@@ -165,7 +165,7 @@ fn plan_text(plan: &serde_json::Value) -> String {
     let mut s = format!(
         "MIG plan {version} ({})\n{:<16} {:<28} {:<10} {:<30} {:<30} {}\n",
         match plan["applied_ms"].as_u64() {
-            Some(at) => format!("applied {}", laneway_control::ledger::fmt_unix_ms(at)),
+            Some(at) => format!("applied {}", laneway_core::ledger::fmt_unix_ms(at)),
             None => "not applied".to_string(),
         },
         "NODE",

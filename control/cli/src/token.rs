@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use clap::Subcommand;
-use laneway_control::client::AdminClient;
+use laneway_client::AdminClient;
 use laneway_proto::admin::{CreateAdminTokenRequest, CreateJoinTokenRequest, RevokeTokenRequest};
 use serde_json::json;
 

@@ -16,8 +16,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use laneway_control::client::AdminClient;
-use laneway_control::planner;
+use laneway_client::AdminClient;
+use laneway_core::planner;
 use laneway_proto::admin::{
     AddLearnerRequest, DeleteSettingRequest, FinalizeUpgradeRequest, GetSettingRequest, InitRequest, ListNodesRequest,
     MembershipReply, NodeInfo, NodeStatus, PromoteRequest, PutSettingRequest, RemoveRequest, SetNodeFlagsRequest,
@@ -236,6 +236,13 @@ enum SettingsCmd {
     Set { key: String, value: String },
     /// Delete a setting.
     Delete { key: String },
+}
+
+/// Wall-clock milliseconds since the Unix epoch (for `--since` windows).
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 fn main() -> ExitCode {
@@ -463,7 +470,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Events { since, follow } => {
             let window = humantime::parse_duration(&since)
                 .map_err(|e| anyhow::anyhow!("--since {since:?}: {e}; give a duration such as 15m or 1h"))?;
-            let mut from = laneway_control::jobs::unix_ms().saturating_sub(window.as_millis() as u64);
+            let mut from = crate::unix_ms().saturating_sub(window.as_millis() as u64);
             loop {
                 let evs = events(&client, from).await?;
                 for e in &evs {
@@ -471,7 +478,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                         Output::Json => println!("{e}"),
                         Output::Table => println!(
                             "{} {:<16} {:<20} {}",
-                            laneway_control::ledger::fmt_unix_ms(e["at_ms"].as_u64().unwrap_or(0)),
+                            laneway_core::ledger::fmt_unix_ms(e["at_ms"].as_u64().unwrap_or(0)),
                             e["kind"].as_str().unwrap_or(""),
                             e["subject"].as_str().unwrap_or(""),
                             e["message"].as_str().unwrap_or("")

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use laneway_control::client::AdminClient;
+use laneway_client::AdminClient;
 use laneway_proto::admin::{AuditRequest, StatusRequest};
 use serde_json::Value;
 
@@ -39,7 +39,7 @@ pub async fn audit(
 ) -> anyhow::Result<()> {
     let window = humantime::parse_duration(since)
         .map_err(|e| anyhow::anyhow!("--since {since:?}: {e}; give a duration such as 15m or 24h"))?;
-    let since_ms = laneway_control::jobs::unix_ms().saturating_sub(window.as_millis() as u64);
+    let since_ms = crate::unix_ms().saturating_sub(window.as_millis() as u64);
     let (addr_of, quick) = members(client, given).await?;
     let mut entries: Vec<Value> = Vec::new();
     for (id, addr) in &addr_of {
