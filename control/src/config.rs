@@ -191,7 +191,7 @@ pub struct ControllerConfig {
     /// A node whose heartbeats stop for this long is declared down. Default 3 s.
     pub node_dead_after: std::time::Duration,
     /// The inference router's listener and limits.
-    pub router: crate::router::http::RouterSettings,
+    pub router: crate::router::server::RouterSettings,
     /// Results store of the durable lanes (directory or object-store URL).
     pub results_store: String,
     /// The slow loop's configuration; `None`: no provisioner.
@@ -528,7 +528,7 @@ fn resolve_router(
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
     file: &FileRouterConfig,
-) -> Result<crate::router::http::RouterSettings, ConfigError> {
+) -> Result<crate::router::server::RouterSettings, ConfigError> {
     let tls = match (tls_cert, tls_key) {
         (None, None) => None,
         (Some(cert), Some(key)) => {
@@ -543,7 +543,7 @@ fn resolve_router(
             };
             let acceptor = laneway_pki::https_acceptor(&read(&cert)?, &read(&key)?)
                 .map_err(|e| bad("router.tls_cert", cert.display().to_string(), e.to_string()))?;
-            Some(crate::router::http::HttpsSettings {
+            Some(crate::router::server::HttpsSettings {
                 acceptor,
                 cert_path: cert,
             })
@@ -556,7 +556,7 @@ fn resolve_router(
             ))
         }
     };
-    let d = crate::router::http::RouterSettings::default();
+    let d = crate::router::server::RouterSettings::default();
     let raw = flag
         .or_else(|| file.listen.clone())
         .unwrap_or_else(|| "127.0.0.1:8080".into());
@@ -615,7 +615,7 @@ fn resolve_router(
             "at least 1024 and at most router.max_answer_bytes",
         ));
     }
-    Ok(crate::router::http::RouterSettings {
+    Ok(crate::router::server::RouterSettings {
         listen,
         max_body_bytes,
         header_read_timeout: std::time::Duration::from_millis(header_ms),

@@ -473,7 +473,7 @@ pub async fn start(args: DevArgs) -> Result<DevController, DevError> {
             .map(crate::provision::ProvisionConfig::load)
             .transpose()
             .map_err(|e| DevError::Other(e.to_string()))?,
-        router: crate::router::http::RouterSettings {
+        router: crate::router::server::RouterSettings {
             listen: Some(args.router_listen),
             ..Default::default()
         },

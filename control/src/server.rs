@@ -22,7 +22,7 @@ use crate::network::raft_service::RaftGrpc;
 use crate::network::MAX_RAFT_MESSAGE_BYTES;
 use crate::proposer::Proposer;
 use crate::raft_types::Raft;
-use crate::router::http::{self, RouterServer};
+use crate::router::server::{self as router_server, RouterServer};
 use crate::router::Router;
 use crate::store::{self, Identity, StateMachineStore, StoreError};
 use laneway_proto::agent::agent_service_server::AgentServiceServer;
@@ -202,12 +202,12 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
     let router_task = router.start();
     let router_server = match router_listener {
         Some(l) => Some(
-            http::serve(router.clone(), crate::observe::routes(ctx.clone()), l, &cfg.router).map_err(|source| {
-                StartError::Bind {
+            router_server::serve(router.clone(), crate::observe::routes(ctx.clone()), l, &cfg.router).map_err(
+                |source| StartError::Bind {
                     addr: cfg.router.listen.unwrap_or(addr),
                     source,
-                }
-            })?,
+                },
+            )?,
         ),
         None => None,
     };

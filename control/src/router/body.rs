@@ -2,7 +2,7 @@
 //! and overflow endpoints.
 //!
 //! A request body is read only once the request's API key has been checked: handlers take the
-//! unread [`Body`] and hand it to [`BodyGate::read`] after [`super::http::authenticate`], so an
+//! unread [`Body`] and hand it to [`BodyGate::read`] after [`super::pipeline::authenticate`], so an
 //! anonymous request is answered from its headers and its body never costs memory. The read has
 //! a whole-body deadline (a client that trickles its body holds a connection no longer than
 //! that), and every body held in memory counts against one budget of bytes for all requests
@@ -25,7 +25,7 @@ use hyper::body::{Frame, SizeHint};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
-use super::http::{error, with_retry_after, Meta};
+use super::answer::{error, with_retry_after, Meta};
 
 const MIB: usize = 1024 * 1024;
 
@@ -536,7 +536,7 @@ mod over_tcp {
 
     use super::*;
     use crate::registry::{hash_key, LlmSpec, ReplicaRecord, Tenant};
-    use crate::router::http::{serve, RouterServer, RouterSettings};
+    use crate::router::server::{serve, RouterServer, RouterSettings};
     use crate::router::Router;
 
     /// How long a test waits for an answer the router must give (far more than it needs).

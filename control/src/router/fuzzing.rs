@@ -6,7 +6,7 @@ use laneway_agent::llm::{CompletionRequest, Endpoint};
 
 /// A KServe v2 inference body: checked or refused.
 pub fn kserve_body(data: &[u8]) {
-    let _ = super::http::check_body(data);
+    let _ = super::pipeline::check_body(data);
 }
 
 /// A `POST /v1/jobs` body, as the handler reads it.

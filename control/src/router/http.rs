@@ -2,476 +2,25 @@
 //! on everything a client controls (connections, header read time, body size and read time,
 //! bodies in flight, request time; see [`super::body`]).
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
 use axum::Json;
 use bytes::Bytes;
-use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::service::TowerToHyperService;
-use serde::de::IgnoredAny;
-use serde::Deserialize;
 use serde_json::{json, Value};
-use tokio::net::TcpListener;
-use tokio::sync::{watch, Semaphore};
-use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::table::{ModelRoute, Table, TenantRoute};
-use super::{retry_after_header, Admitted, ForwardError, Refusal, RequestRecord, Router};
-use crate::registry::hash_key;
-
-/// Limits of the router's listener.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RouterSettings {
-    /// Where the router listens; `None` runs no router on this controller.
-    pub listen: Option<SocketAddr>,
-    /// Largest request body, bytes (413 above). Default 8 MiB.
-    pub max_body_bytes: usize,
-    /// A client must send its request headers within this (slowloris guard). Default 5 s.
-    /// hyper also applies it to idle keep-alive connections, so it is the idle timeout too
-    /// (Apache's KeepAliveTimeout default); clients keep their pool idle timeout under it.
-    pub header_read_timeout: Duration,
-    /// Open connections at most; more are closed at accept. Default 4096.
-    pub max_connections: usize,
-    /// HTTPS, when the operator gave the router a certificate; `None`: plain HTTP.
-    pub tls: Option<HttpsSettings>,
-    /// A request's whole body must arrive within this (408 after). Default 30 s.
-    pub body_timeout: Duration,
-    /// Request body bytes all requests hold at once (503 above); `None`: the larger of
-    /// 256 MiB and 4 × `max_body_bytes`.
-    pub max_body_bytes_in_flight: Option<usize>,
-    /// Largest answer read whole from a replica or an overflow endpoint (502 above); `None`:
-    /// the larger of 64 MiB and `max_body_bytes`.
-    pub max_answer_bytes: Option<usize>,
-    /// Longest line or event of a streamed answer. Default 1 MiB.
-    pub max_event_bytes: usize,
-}
-
-/// The router's HTTPS certificate, loaded.
-#[derive(Clone)]
-pub struct HttpsSettings {
-    pub acceptor: tokio_rustls::TlsAcceptor,
-    /// Where the certificate came from (for logs and comparisons).
-    pub cert_path: std::path::PathBuf,
-}
-
-impl std::fmt::Debug for HttpsSettings {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HttpsSettings")
-            .field("cert_path", &self.cert_path)
-            .finish_non_exhaustive()
-    }
-}
-
-impl PartialEq for HttpsSettings {
-    fn eq(&self, other: &Self) -> bool {
-        self.cert_path == other.cert_path
-    }
-}
-
-impl Eq for HttpsSettings {}
-
-impl RouterSettings {
-    /// The limits on what the router reads: the defaults for its largest body.
-    pub fn body_limits(&self) -> super::body::BodyLimits {
-        let d = super::body::BodyLimits::for_max_body(self.max_body_bytes);
-        super::body::BodyLimits {
-            body_timeout: self.body_timeout,
-            max_body_bytes_in_flight: self.max_body_bytes_in_flight.unwrap_or(d.max_body_bytes_in_flight),
-            max_answer_bytes: self.max_answer_bytes.unwrap_or(d.max_answer_bytes),
-            max_event_bytes: self.max_event_bytes,
-            ..d
-        }
-    }
-}
-
-impl Default for RouterSettings {
-    fn default() -> Self {
-        RouterSettings {
-            listen: None,
-            max_body_bytes: 8 * 1024 * 1024,
-            header_read_timeout: Duration::from_secs(5),
-            max_connections: 4096,
-            tls: None,
-            body_timeout: Duration::from_secs(30),
-            max_body_bytes_in_flight: None,
-            max_answer_bytes: None,
-            max_event_bytes: 1024 * 1024,
-        }
-    }
-}
-
-pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
-pub const LANE: HeaderName = HeaderName::from_static("x-laneway-lane");
-pub const CLASS: HeaderName = HeaderName::from_static("x-laneway-class");
-pub const REPLICA: HeaderName = HeaderName::from_static("x-laneway-replica");
-pub const QUEUE_MS: HeaderName = HeaderName::from_static("x-laneway-queue-ms");
-pub const DEGRADED: HeaderName = HeaderName::from_static("x-laneway-degraded");
-/// The version of the model that answered (during a rollout, which side of the split).
-pub const MODEL_VERSION: HeaderName = HeaderName::from_static("x-laneway-model-version");
-
-/// The router's HTTP app. Its handlers read request bodies themselves, after authentication
-/// and within the router's [`super::body::BodyLimits`].
-pub fn app(router: Arc<Router>) -> axum::Router {
-    axum::Router::new()
-        .route("/v2/health/live", get(|| async { StatusCode::OK }))
-        .route("/v2/health/ready", get(ready))
-        .route("/v2/models/{model}", get(metadata))
-        .route("/v2/models/{model}/ready", get(model_ready))
-        .route("/v2/models/{model}/infer", post(infer))
-        .route("/v1/chat/completions", post(super::llm::chat_completions))
-        .route("/v1/completions", post(super::llm::completions))
-        .route("/v1/jobs", post(super::jobs::post_job).get(super::jobs::list_jobs))
-        .route(
-            "/v1/jobs/{id}",
-            get(super::jobs::get_job).delete(super::jobs::cancel_job),
-        )
-        .route("/v1/jobs/{id}/result", get(super::jobs::get_result))
-        .fallback(|| async {
-            error(
-                StatusCode::NOT_FOUND,
-                "no such path; the router serves POST /v2/models/{model}/infer, GET /v2/models/{model}, GET /v2/health/live|ready, language models at POST /v1/chat/completions and /v1/completions, jobs at POST|GET /v1/jobs, GET|DELETE /v1/jobs/{id}, GET /v1/jobs/{id}/result, and GET /metrics and /ui".into(),
-                &Meta::default(),
-            )
-        })
-        .layer(axum::middleware::from_fn_with_state(router.clone(), until_caught_up))
-        .layer(axum::middleware::from_fn(super::body::close_unless_read))
-        .with_state(router)
-}
-
-/// A restarted or newly added controller answers nothing from its state until it has caught
-/// up with the leader: an older state would deny API keys, models and jobs that the cluster
-/// already has. Health probes pass through (`/v2/health/ready` says 503 meanwhile).
-async fn until_caught_up(
-    State(router): State<Arc<Router>>,
-    req: axum::extract::Request,
-    next: axum::middleware::Next,
-) -> Response {
-    if router.is_ready() || req.uri().path().starts_with("/v2/health/") {
-        return next.run(req).await;
-    }
-    with_retry_after(
-        error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "this controller is catching up with the cluster (it just started or joined); retry in a moment or through another controller".into(),
-            &Meta {
-                request_id: request_id(req.headers()),
-                ..Meta::default()
-            },
-        ),
-        Duration::from_secs(1),
-    )
-}
-
-/// A running router listener.
-pub struct RouterServer {
-    pub addr: SocketAddr,
-    shutdown: watch::Sender<bool>,
-    /// The accept loop; `None` once [`RouterServer::ended`] saw it end.
-    task: Option<JoinHandle<()>>,
-}
-
-impl RouterServer {
-    /// Returns when the accept loop has ended (only on `stop`, unless something broke it).
-    pub async fn ended(&mut self) {
-        match self.task.as_mut() {
-            Some(t) => {
-                let _ = t.await;
-                self.task = None;
-            }
-            None => std::future::pending().await,
-        }
-    }
-
-    pub async fn stop(self) {
-        let _ = self.shutdown.send(true);
-        if let Some(task) = self.task {
-            let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
-        }
-    }
-}
-
-/// Serves the router, and `extra` routes beside it (the controller's `/metrics` and `/ui`), on
-/// an already-bound listener, with the settings' limits (which it gives the router).
-pub fn serve(
-    router: Arc<Router>,
-    extra: axum::Router,
-    listener: TcpListener,
-    settings: &RouterSettings,
-) -> std::io::Result<RouterServer> {
-    let addr = listener.local_addr()?;
-    router.set_body_limits(settings.body_limits());
-    let app = app(router).merge(extra);
-    let permits = Arc::new(Semaphore::new(settings.max_connections));
-    let header_timeout = settings.header_read_timeout;
-    let tls = settings.tls.as_ref().map(|t| t.acceptor.clone());
-    let (tx, mut rx) = watch::channel(false);
-    let task = tokio::spawn(async move {
-        let mut refused_logged = Instant::now() - Duration::from_secs(60);
-        loop {
-            let (stream, peer) = tokio::select! {
-                r = listener.accept() => match r {
-                    Ok(s) => s,
-                    Err(e) => {
-                        // EMFILE and friends: back off instead of spinning.
-                        tracing::warn!(error = %e, "router accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
-                _ = rx.changed() => return,
-            };
-            let Ok(permit) = permits.clone().try_acquire_owned() else {
-                if refused_logged.elapsed() > Duration::from_secs(10) {
-                    tracing::warn!(%peer, "router at its connection limit; closing new connections");
-                    refused_logged = Instant::now();
-                }
-                drop(stream);
-                continue;
-            };
-            let _ = stream.set_nodelay(true);
-            let svc = TowerToHyperService::new(app.clone());
-            let stop = rx.clone();
-            let tls = tls.clone();
-            tokio::spawn(async move {
-                match tls {
-                    None => serve_connection(TokioIo::new(stream), svc, header_timeout, stop).await,
-                    // The handshake gets the header timeout too: a client that opens a
-                    // connection and says nothing holds a permit no longer than that.
-                    Some(acceptor) => match tokio::time::timeout(header_timeout, acceptor.accept(stream)).await {
-                        Ok(Ok(tls)) => serve_connection(TokioIo::new(tls), svc, header_timeout, stop).await,
-                        Ok(Err(e)) => tracing::debug!(%peer, error = %e, "router TLS handshake failed"),
-                        Err(_) => tracing::debug!(%peer, "router TLS handshake timed out"),
-                    },
-                }
-                drop(permit);
-            });
-        }
-    });
-    Ok(RouterServer {
-        addr,
-        shutdown: tx,
-        task: Some(task),
-    })
-}
-
-/// Serves one HTTP/1.1 connection until it closes or the router stops (then gracefully, for up
-/// to 5 s).
-/// Read buffer of one connection, bytes: request headers must fit (nginx allows 32 KiB).
-pub const MAX_CONNECTION_BUFFER: usize = 32 * 1024;
-
-async fn serve_connection<I, S>(io: I, svc: S, header_timeout: Duration, mut stop: watch::Receiver<bool>)
-where
-    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-    S: hyper::service::HttpService<hyper::body::Incoming> + Send,
-    S::Future: Send + 'static,
-    S::ResBody: Send + 'static,
-    <S::ResBody as hyper::body::Body>::Data: Send,
-    <S::ResBody as hyper::body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    let conn = hyper::server::conn::http1::Builder::new()
-        .timer(TokioTimer::new())
-        .header_read_timeout(header_timeout)
-        // What a connection buffers of a request at most (headers included): thousands of
-        // clients sending bodies at once must not cost the router hyper's 400 KB each.
-        .max_buf_size(MAX_CONNECTION_BUFFER)
-        .keep_alive(true)
-        .serve_connection(io, svc);
-    let mut conn = std::pin::pin!(conn);
-    tokio::select! {
-        _ = conn.as_mut() => {}
-        _ = stop.changed() => {
-            conn.as_mut().graceful_shutdown();
-            let _ = tokio::time::timeout(Duration::from_secs(5), conn).await;
-        }
-    }
-}
-
-/// What every response says about the request, as far as it is known.
-#[derive(Default, Clone)]
-pub(super) struct Meta {
-    pub(super) request_id: String,
-    pub(super) lane: Option<&'static str>,
-    pub(super) class: Option<HeaderValue>,
-    /// The version of the model that serves the request, for [`stamp_version`].
-    pub(super) version: Option<HeaderValue>,
-    /// The model this request was for, when its fallback answers it.
-    pub(super) fallback_for: Option<HeaderValue>,
-    /// Where to keep the answer, and what the response says about the cache (`miss` or
-    /// `bypass`).
-    pub(super) cache: Option<(Arc<super::cache::ClassCache>, super::cache::Key, &'static str)>,
-}
-
-pub(super) fn error(status: StatusCode, message: String, meta: &Meta) -> Response {
-    let mut r = (
-        status,
-        Json(json!({
-            "error": message,
-            "request_id": meta.request_id,
-            "lane": meta.lane,
-        })),
-    )
-        .into_response();
-    stamp(r.headers_mut(), meta);
-    r
-}
-
-pub(super) fn stamp(h: &mut HeaderMap, meta: &Meta) {
-    if let Ok(v) = HeaderValue::from_str(&meta.request_id) {
-        h.insert(REQUEST_ID, v);
-    }
-    h.insert(LANE, HeaderValue::from_static(meta.lane.unwrap_or("none")));
-    if let Some(c) = &meta.class {
-        h.insert(CLASS, c.clone());
-    }
-    if let Some(m) = &meta.fallback_for {
-        h.insert(FALLBACK_FOR, m.clone());
-    }
-}
-
-/// Names the model version on a response one of its replicas (or the cache of its answers)
-/// gave, failures included; never on a refusal made before a version was involved.
-pub(super) fn stamp_version(h: &mut HeaderMap, meta: &Meta) {
-    if let Some(v) = &meta.version {
-        h.insert(MODEL_VERSION, v.clone());
-    }
-}
-
-/// Response header on an answer a fallback model gave: the model the request was for.
-pub const FALLBACK_FOR: &str = "x-laneway-fallback-for";
-
-/// The route that answers a request for `route` at `now_ms`: itself while it has a healthy
-/// replica; else its fallback model if that one has (and the request's path `accepts` it);
-/// else `Err` with the class's canned answer when it configures one and the request can take
-/// it (`canned`; marked degraded, metered to `tenant` as a request no replica served), or
-/// itself (refused as usual).
-pub(super) fn healthy_or_fallback(
-    router: &Router,
-    table: &Table,
-    route: &Arc<ModelRoute>,
-    tenant: &TenantRoute,
-    meta: &mut Meta,
-    accepts: impl Fn(&ModelRoute) -> bool,
-    canned: bool,
-) -> Result<Arc<ModelRoute>, Response> {
-    let now_ms = router.now_ms(Instant::now());
-    if route.is_healthy(now_ms) {
-        return Ok(route.clone());
-    }
-    let fallback = route.fallback.as_deref().and_then(|f| table.route(f, now_ms));
-    if let Some(fb) =
-        fallback.filter(|f| f.is_healthy(now_ms) && f.class.lane != crate::registry::LaneKind::Durable && accepts(f))
-    {
-        tracing::debug!(model = %route.public, fallback = %fb.public, "no healthy replica: the fallback model answers");
-        meta.fallback_for = HeaderValue::from_str(&route.public).ok();
-        meta.lane = Some(fb.class.lane.as_str());
-        meta.class = Some(fb.class_header.clone());
-        meta.version = Some(fb.version_header.clone());
-        return Ok(fb);
-    }
-    if let Some(canned) = route.class.fallback_response.as_ref().filter(|_| canned) {
-        let status = StatusCode::from_u16(canned.status).unwrap_or(StatusCode::OK);
-        let mut r = (status, canned.body.clone()).into_response();
-        r.headers_mut().insert(
-            axum::http::header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        r.headers_mut()
-            .insert(DEGRADED, HeaderValue::from_static("fallback-response"));
-        stamp(r.headers_mut(), meta);
-        let mut record = super::record_for(&meta.request_id, route, &tenant.name);
-        record.status = status.as_u16();
-        record.degraded = true;
-        router.record(record);
-        return Err(r);
-    }
-    Ok(route.clone())
-}
-
-pub(super) fn with_retry_after(mut r: Response, wait: Duration) -> Response {
-    r.headers_mut()
-        .insert(axum::http::header::RETRY_AFTER, retry_after_header(wait));
-    r
-}
-
-/// The request id: the client's `x-request-id` when it is a sane token, else a new one.
-pub(super) fn request_id(headers: &HeaderMap) -> String {
-    headers
-        .get(REQUEST_ID)
-        .and_then(|v| v.to_str().ok())
-        .filter(|s| !s.is_empty() && s.len() <= 128 && s.bytes().all(|b| b.is_ascii_graphic()))
-        .map_or_else(
-            // 128 random bits from the thread's seeded generator: no getrandom syscall per
-            // request (uuid::new_v4 makes one).
-            || format!("{:032x}", rand::random::<u128>()),
-            str::to_string,
-        )
-}
-
-/// Authenticates the bearer API key.
-pub(super) fn authenticate(table: &Table, headers: &HeaderMap, meta: &Meta) -> Result<Arc<TenantRoute>, Response> {
-    let Some(value) = headers.get(axum::http::header::AUTHORIZATION) else {
-        return Err(error(
-            StatusCode::UNAUTHORIZED,
-            "missing API key: send `Authorization: Bearer <key>` (`lanectl tenant create` issues keys)".into(),
-            meta,
-        ));
-    };
-    let key = value
-        .to_str()
-        .ok()
-        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
-        .map(str::trim)
-        .unwrap_or_default();
-    if key.is_empty() {
-        return Err(error(
-            StatusCode::UNAUTHORIZED,
-            "the Authorization header must be `Bearer <key>`".into(),
-            meta,
-        ));
-    }
-    table.tenants.get(&hash_key(key)).cloned().ok_or_else(|| {
-        error(
-            StatusCode::UNAUTHORIZED,
-            "unknown API key (rotated or mistyped?); `lanectl tenant rotate-key` issues a new one".into(),
-            meta,
-        )
-    })
-}
-
-pub(super) fn lookup(
-    router: &Router,
-    table: &Table,
-    model: &str,
-    meta: &mut Meta,
-) -> Result<Arc<ModelRoute>, Response> {
-    let route = table.route(model, router.now_ms(Instant::now())).ok_or_else(|| {
-        error(
-            StatusCode::NOT_FOUND,
-            format!("model {model:?} is not registered; `lanectl model list` shows the models"),
-            meta,
-        )
-    })?;
-    meta.lane = Some(route.class.lane.as_str());
-    meta.class = Some(route.class_header.clone());
-    meta.version = Some(route.version_header.clone());
-    Ok(route)
-}
-
-async fn ready(State(router): State<Arc<Router>>) -> StatusCode {
-    if router.is_ready() {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    }
-}
+use super::answer::{error, request_id, stamp, stamp_version, with_retry_after, Meta, DEGRADED, QUEUE_MS, REPLICA};
+use super::pipeline::{
+    authenticate, check_body, from_cache, healthy_or_fallback, lookup, overflow_answered, overflow_failed, read_body,
+    refusal_response,
+};
+use super::table::{ModelRoute, Table};
+use super::{Admitted, ForwardError, Refusal, RequestRecord, Router};
 
 /// The request's metadata, its tenant checked and its model looked up (the GET paths).
 fn authorized(router: &Router, model: &str, headers: &HeaderMap) -> Result<(Meta, Arc<ModelRoute>), Response> {
@@ -485,7 +34,7 @@ fn authorized(router: &Router, model: &str, headers: &HeaderMap) -> Result<(Meta
     Ok((meta, route))
 }
 
-async fn metadata(State(router): State<Arc<Router>>, Path(model): Path<String>, headers: HeaderMap) -> Response {
+pub async fn metadata(State(router): State<Arc<Router>>, Path(model): Path<String>, headers: HeaderMap) -> Response {
     let (meta, route) = match authorized(&router, &model, &headers) {
         Ok(x) => x,
         Err(r) => return r,
@@ -503,7 +52,7 @@ async fn metadata(State(router): State<Arc<Router>>, Path(model): Path<String>, 
     r
 }
 
-async fn model_ready(State(router): State<Arc<Router>>, Path(model): Path<String>, headers: HeaderMap) -> Response {
+pub async fn model_ready(State(router): State<Arc<Router>>, Path(model): Path<String>, headers: HeaderMap) -> Response {
     let (meta, route) = match authorized(&router, &model, &headers) {
         Ok(x) => x,
         Err(r) => return r,
@@ -518,63 +67,6 @@ async fn model_ready(State(router): State<Arc<Router>>, Path(model): Path<String
     let mut r = StatusCode::OK.into_response();
     stamp(r.headers_mut(), &meta);
     r
-}
-
-/// The Open Inference Protocol request, checked field by field before it costs a replica slot.
-/// Tensor data is not inspected (only required), so checking costs no copy of it.
-#[derive(Deserialize)]
-#[allow(dead_code)]
-pub(super) struct InferRequest {
-    #[serde(default)]
-    id: Option<String>,
-    inputs: Vec<InferInput>,
-    #[serde(default)]
-    parameters: Option<serde_json::Map<String, Value>>,
-    #[serde(default)]
-    outputs: Option<Vec<IgnoredAny>>,
-}
-
-#[derive(Deserialize)]
-#[allow(dead_code)]
-struct InferInput {
-    name: String,
-    shape: Vec<i64>,
-    datatype: String,
-    #[serde(default)]
-    parameters: Option<IgnoredAny>,
-    data: IgnoredAny,
-}
-
-pub(super) fn check_body(body: &[u8]) -> Result<InferRequest, String> {
-    let de = &mut serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(de).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner();
-        if path == "." {
-            format!("invalid inference request: {inner}")
-        } else {
-            format!("invalid inference request at `{path}`: {inner}")
-        }
-    })
-}
-
-/// The request body, read now that the request's key was checked (within the router's limits
-/// and deadline, counted from `since`, when the handler began), with its share of the budget
-/// of bodies in flight; or the answer to a body that could not be read. `what_to_do` says what
-/// a client whose body is too large can send instead.
-pub(super) async fn read_body(
-    router: &Router,
-    body: Body,
-    headers: &HeaderMap,
-    since: Instant,
-    what_to_do: &str,
-    meta: &Meta,
-) -> Result<(Bytes, super::body::BodyShare), Response> {
-    router
-        .bodies()
-        .read(body, headers, since)
-        .await
-        .map_err(|e| e.response(what_to_do, meta))
 }
 
 /// Merges the degraded lane's parameters into the request's `parameters`.
@@ -595,7 +87,7 @@ fn degrade(body: &[u8], params: &std::collections::BTreeMap<String, String>) -> 
 
 /// `POST /v2/models/{model}/infer`, in a span that continues the client's W3C trace and that
 /// the dispatch to the replica continues (exported when traces are configured).
-async fn infer(
+pub async fn infer(
     State(router): State<Arc<Router>>,
     Path(model): Path<String>,
     headers: HeaderMap,
@@ -699,53 +191,6 @@ async fn serve_infer(router: Arc<Router>, model: String, headers: HeaderMap, bod
     dispatch(&router, &route, admitted, body, &headers, arrived, meta, record).await
 }
 
-/// The class's cached answer to this input, if it has a cache and the answer is in it (the
-/// request is recorded as served, with no GPU time). `Err(record)`: not answered; on a miss
-/// (or a bypass) `meta` says where to keep the answer the replica will give.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn from_cache(
-    router: &Router,
-    table: &Table,
-    route: &ModelRoute,
-    tenant: &TenantRoute,
-    headers: &HeaderMap,
-    body: &Bytes,
-    api: &str,
-    meta: &mut Meta,
-    mut record: RequestRecord,
-) -> Result<Response, RequestRecord> {
-    let Some(cache) = table.caches.get(&route.class.name) else {
-        return Err(record);
-    };
-    let bypass = headers
-        .get(super::cache::CACHE_HEADER)
-        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(super::cache::BYPASS.as_bytes()));
-    let Some(key) = cache.key(&route.name, &route.version, api, &tenant.name, body) else {
-        return Err(record);
-    };
-    let Some(hit) = cache.get(&key).filter(|_| !bypass) else {
-        route.lane.lock().counters.cache_miss += 1;
-        meta.cache = Some((cache.clone(), key, if bypass { super::cache::BYPASS } else { "miss" }));
-        return Err(record);
-    };
-    route.lane.lock().counters.cache_hit += 1;
-    let mut r = (
-        StatusCode::from_u16(hit.status).unwrap_or(StatusCode::OK),
-        hit.body.clone(),
-    )
-        .into_response();
-    if let Some(ct) = &hit.content_type {
-        r.headers_mut().insert(axum::http::header::CONTENT_TYPE, ct.clone());
-    }
-    r.headers_mut()
-        .insert(super::cache::CACHE_HEADER, HeaderValue::from_static("hit"));
-    stamp(r.headers_mut(), meta);
-    stamp_version(r.headers_mut(), meta);
-    record.status = hit.status;
-    router.record(record);
-    Ok(r)
-}
-
 /// Sends a request the lane has no capacity for to its overflow endpoint (ADR 0017).
 /// `Err(record)`: not sent, or it failed — the caller refuses as it would have without.
 #[allow(clippy::too_many_arguments)]
@@ -818,109 +263,6 @@ async fn overflow(
         (arrived, started),
         r,
     ))
-}
-
-/// The overflow endpoint answered `r` to a request that arrived and went out at `times`:
-/// its breaker's count starts over, the answer is marked, and the request is metered at the
-/// endpoint's price with no node (nothing of the fleet's is billed for it).
-pub(super) fn overflow_answered(
-    router: &Router,
-    ov: &super::overflow::Overflow,
-    route: &ModelRoute,
-    meta: &Meta,
-    mut record: RequestRecord,
-    (arrived, started): (Instant, Instant),
-    mut r: Response,
-) -> Response {
-    ov.succeeded();
-    route.lane.lock().counters.overflowed += 1;
-    record.replica = Some(crate::ledger::OVERFLOW_PRODUCT.into());
-    record.product = Some(crate::ledger::OVERFLOW_PRODUCT.into());
-    record.service_ms = started.elapsed().as_secs_f64() * 1000.0;
-    record.queue_ms = started.saturating_duration_since(arrived).as_secs_f64() * 1000.0;
-    record.status = r.status().as_u16();
-    record.overflow_micros = ov.spec.micros_per_request;
-    r.headers_mut()
-        .insert(super::overflow::OVERFLOW_HEADER, HeaderValue::from_static("1"));
-    stamp(r.headers_mut(), meta);
-    router.record(record);
-    r
-}
-
-/// The overflow endpoint failed a request (`why`): counted towards its breaker, logged.
-pub(super) fn overflow_failed(router: &Router, ov: &super::overflow::Overflow, route: &ModelRoute, why: &str) {
-    if ov.failed(router.now_ms(Instant::now())) {
-        tracing::warn!(class = %route.class.name, url = %ov.spec.url, %why, "overflow endpoint failed {} times in a row: not used for {} s", super::overflow::BREAKER_FAILURES, super::overflow::BREAKER_OPEN.as_secs());
-    } else {
-        tracing::debug!(class = %route.class.name, url = %ov.spec.url, %why, "overflow endpoint failed");
-    }
-}
-
-pub(super) fn refusal_response(refusal: &Refusal, route: &ModelRoute, meta: &Meta) -> Response {
-    match refusal {
-        Refusal::NoSlot { retry_after } => with_retry_after(
-            error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!(
-                    "every replica of {} is busy and the {} lane has no queue; retry after the Retry-After",
-                    route.name, route.class.name
-                ),
-                meta,
-            ),
-            *retry_after,
-        ),
-        Refusal::OverBudget {
-            retry_after,
-            expected_wait,
-        } => with_retry_after(
-            error(
-                StatusCode::TOO_MANY_REQUESTS,
-                format!(
-                    "the {} queue would make this request wait about {} ms, over its budget; retry after the Retry-After",
-                    route.class.name,
-                    expected_wait.as_millis()
-                ),
-                meta,
-            ),
-            *retry_after,
-        ),
-        Refusal::Expired { waited } => error(
-            StatusCode::GATEWAY_TIMEOUT,
-            format!(
-                "queued {} ms without a free replica, past the {} lane's budget",
-                waited.as_millis(),
-                route.class.name
-            ),
-            meta,
-        ),
-        Refusal::NoReplica => with_retry_after(
-            error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("model {} has no ready replica yet", route.name),
-                meta,
-            ),
-            super::NO_REPLICA_RETRY,
-        ),
-        Refusal::AllEjected => with_retry_after(
-            error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!(
-                    "every replica of {} failed a recent request and is skipped until it answers a health probe; retry after the Retry-After",
-                    route.name
-                ),
-                meta,
-            ),
-            super::table::PROBE_EVERY.max(Duration::from_secs(1)),
-        ),
-        Refusal::Durable => error(
-            StatusCode::NOT_IMPLEMENTED,
-            format!(
-                "model {} is in the durable class {}: durable lanes take jobs (POST /v1/jobs, issue #5), not synchronous requests",
-                route.name, route.class.name
-            ),
-            meta,
-        ),
-    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -1166,7 +508,16 @@ async fn hedged(
 
 #[cfg(test)]
 mod tests {
+    use std::net::SocketAddr;
+
+    use tokio::net::TcpListener;
+
     use super::*;
+    use crate::registry::hash_key;
+    use axum::routing::post;
+
+    use crate::router::answer::MODEL_VERSION;
+    use crate::router::server::{serve, HttpsSettings, RouterServer, RouterSettings};
 
     #[test]
     fn malformed_bodies_name_the_field() {

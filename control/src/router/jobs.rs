@@ -16,7 +16,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-use super::http::{authenticate, check_body, error, lookup, read_body, request_id, stamp, with_retry_after, Meta};
+use super::answer::{error, request_id, stamp, with_retry_after, Meta};
+use super::pipeline::{authenticate, check_body, lookup, read_body};
 use super::table::{ModelRoute, TenantRoute};
 use super::Router;
 use crate::jobs::gateway::{GatewayError, JobWrite};

@@ -32,10 +32,11 @@ use serde::Deserialize;
 use tokio::time::Instant;
 
 use super::admission::TokenBucket;
+use super::answer::{error, request_id, stamp, with_retry_after, Meta};
 use super::body::{read_answer, AnswerError};
-use super::http::{authenticate, error, lookup, read_body, request_id, stamp, with_retry_after, Meta};
 use super::lane::SlotGuard;
 use super::metrics::{Labels, LaneHistograms};
+use super::pipeline::{authenticate, lookup, read_body};
 use super::table::{ModelRoute, TenantRoute};
 use super::token_count::TokenCount;
 use super::{Admitted, ForwardError, Refusal, RequestRecord, Router, TenantGuard};
@@ -95,11 +96,11 @@ async fn serve(router: Arc<Router>, endpoint: Endpoint, headers: HeaderMap, body
     // A fallback must be a language model too; a canned answer is one JSON body, which a
     // client reading a stream could not parse, so a stream is refused as usual instead.
     let is_llm = |r: &ModelRoute| r.llm.is_some();
-    let route = match super::http::healthy_or_fallback(&router, &table, &asked, &tenant, &mut meta, is_llm, !req.stream)
-    {
-        Ok(r) => r,
-        Err(canned) => return canned,
-    };
+    let route =
+        match super::pipeline::healthy_or_fallback(&router, &table, &asked, &tenant, &mut meta, is_llm, !req.stream) {
+            Ok(r) => r,
+            Err(canned) => return canned,
+        };
     // What the client sent is what is counted (the router's own changes below add nothing to
     // the prompt).
     let sent = body.clone();
@@ -162,7 +163,7 @@ async fn serve(router: Arc<Router>, endpoint: Endpoint, headers: HeaderMap, body
     record.input_tokens = input;
     // Only a whole answer sampled greedily is the same answer next time.
     if !req.stream && greedy(&body) {
-        record = match super::http::from_cache(
+        record = match super::pipeline::from_cache(
             &router,
             &table,
             &route,
@@ -205,7 +206,7 @@ async fn serve(router: Arc<Router>, endpoint: Endpoint, headers: HeaderMap, body
             }
             // Not served: the tokens go back to the tenant's minute.
             router.refund_tokens(&tenant, &class, needed);
-            let r = super::http::refusal_response(&refusal, &route, &meta);
+            let r = super::pipeline::refusal_response(&refusal, &route, &meta);
             record.status = r.status().as_u16();
             record.queue_ms = arrived.elapsed().as_secs_f64() * 1000.0;
             router.record(record);
@@ -275,7 +276,7 @@ impl Overflowing {
                     Ok(r) => format!("answered {}", r.status()),
                     Err(e) => format!("{e:?}"),
                 };
-                super::http::overflow_failed(router, ov, route, &why);
+                super::pipeline::overflow_failed(router, ov, route, &why);
                 return Err(record);
             }
         };
@@ -301,16 +302,16 @@ impl Overflowing {
                         meta,
                     );
                     let times = (self.arrived, started);
-                    return Ok(super::http::overflow_answered(
+                    return Ok(super::pipeline::overflow_answered(
                         router, ov, route, meta, record, times, r,
                     ));
                 }
                 Ok(Err(AnswerError::Broken(e))) => {
-                    super::http::overflow_failed(router, ov, route, &format!("broke off its answer: {e}"));
+                    super::pipeline::overflow_failed(router, ov, route, &format!("broke off its answer: {e}"));
                     return Err(record);
                 }
                 Err(_) => {
-                    super::http::overflow_failed(router, ov, route, "did not finish within the lane's timeout");
+                    super::pipeline::overflow_failed(router, ov, route, "did not finish within the lane's timeout");
                     return Err(record);
                 }
             };
@@ -326,7 +327,7 @@ impl Overflowing {
             r.headers_mut().insert(axum::http::header::CONTENT_TYPE, ct.clone());
         }
         let times = (self.arrived, started);
-        Ok(super::http::overflow_answered(
+        Ok(super::pipeline::overflow_answered(
             router, ov, route, meta, record, times, r,
         ))
     }
@@ -601,10 +602,10 @@ impl Call {
         if let Some((_, _, said)) = &self.meta.cache {
             h.insert(super::cache::CACHE_HEADER, HeaderValue::from_static(said));
         }
-        h.insert(super::http::REPLICA, guard.slot.name_header.clone());
-        super::http::stamp_version(h, &self.meta);
+        h.insert(super::answer::REPLICA, guard.slot.name_header.clone());
+        super::answer::stamp_version(h, &self.meta);
         if let Ok(v) = HeaderValue::from_str(&format!("{:.3}", self.record.queue_ms)) {
-            h.insert(super::http::QUEUE_MS, v);
+            h.insert(super::answer::QUEUE_MS, v);
         }
     }
 
@@ -1306,7 +1307,7 @@ mod tests {
 
     use laneway_agent::sim_model::llm::{self as sim, LlmSimConfig};
 
-    use super::super::http::{serve as serve_http, RouterServer, RouterSettings};
+    use super::super::server::{serve as serve_http, RouterServer, RouterSettings};
     use crate::registry::{hash_key, LlmSpec, ReplicaRecord, Tenant, TenantLimit};
 
     /// A simulated LLM replica of `chat` on 127.0.0.1: 20 tokens/s per sequence.

@@ -8,6 +8,7 @@
 //! without touching the Raft group.
 
 pub use laneway_core::admission;
+pub mod answer;
 pub mod body;
 pub mod cache;
 #[doc(hidden)]
@@ -18,6 +19,8 @@ pub mod lane;
 pub mod llm;
 pub mod metrics;
 pub mod overflow;
+pub mod pipeline;
+pub mod server;
 pub mod slot;
 pub mod table;
 pub mod token_count;
@@ -225,7 +228,7 @@ pub struct Router {
     /// restarted or new member), and the router answers 503 instead of from that state.
     caught_up: Arc<AtomicBool>,
     /// What the router reads (request bodies, answers): its limits, and the budget of request
-    /// bodies in flight. Set by [`http::serve`] from the listener's settings.
+    /// bodies in flight. Set by [`server::serve`] from the listener's settings.
     bodies: RwLock<Arc<body::BodyGate>>,
 }
 

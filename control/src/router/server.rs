@@ -1,0 +1,287 @@
+//! The router's HTTP server: the routes of every protocol (KServe v2, OpenAI, jobs), the
+//! listener with its connection limits and TLS, and readiness until the router has caught up.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::Response;
+use axum::routing::{get, post};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::answer::{error, request_id, with_retry_after, Meta};
+use super::http::{infer, metadata, model_ready};
+use super::Router;
+
+/// Limits of the router's listener.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouterSettings {
+    /// Where the router listens; `None` runs no router on this controller.
+    pub listen: Option<SocketAddr>,
+    /// Largest request body, bytes (413 above). Default 8 MiB.
+    pub max_body_bytes: usize,
+    /// A client must send its request headers within this (slowloris guard). Default 5 s.
+    /// hyper also applies it to idle keep-alive connections, so it is the idle timeout too
+    /// (Apache's KeepAliveTimeout default); clients keep their pool idle timeout under it.
+    pub header_read_timeout: Duration,
+    /// Open connections at most; more are closed at accept. Default 4096.
+    pub max_connections: usize,
+    /// HTTPS, when the operator gave the router a certificate; `None`: plain HTTP.
+    pub tls: Option<HttpsSettings>,
+    /// A request's whole body must arrive within this (408 after). Default 30 s.
+    pub body_timeout: Duration,
+    /// Request body bytes all requests hold at once (503 above); `None`: the larger of
+    /// 256 MiB and 4 × `max_body_bytes`.
+    pub max_body_bytes_in_flight: Option<usize>,
+    /// Largest answer read whole from a replica or an overflow endpoint (502 above); `None`:
+    /// the larger of 64 MiB and `max_body_bytes`.
+    pub max_answer_bytes: Option<usize>,
+    /// Longest line or event of a streamed answer. Default 1 MiB.
+    pub max_event_bytes: usize,
+}
+
+/// The router's HTTPS certificate, loaded.
+#[derive(Clone)]
+pub struct HttpsSettings {
+    pub acceptor: tokio_rustls::TlsAcceptor,
+    /// Where the certificate came from (for logs and comparisons).
+    pub cert_path: std::path::PathBuf,
+}
+
+impl std::fmt::Debug for HttpsSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpsSettings")
+            .field("cert_path", &self.cert_path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PartialEq for HttpsSettings {
+    fn eq(&self, other: &Self) -> bool {
+        self.cert_path == other.cert_path
+    }
+}
+
+impl Eq for HttpsSettings {}
+
+impl RouterSettings {
+    /// The limits on what the router reads: the defaults for its largest body.
+    pub fn body_limits(&self) -> super::body::BodyLimits {
+        let d = super::body::BodyLimits::for_max_body(self.max_body_bytes);
+        super::body::BodyLimits {
+            body_timeout: self.body_timeout,
+            max_body_bytes_in_flight: self.max_body_bytes_in_flight.unwrap_or(d.max_body_bytes_in_flight),
+            max_answer_bytes: self.max_answer_bytes.unwrap_or(d.max_answer_bytes),
+            max_event_bytes: self.max_event_bytes,
+            ..d
+        }
+    }
+}
+
+impl Default for RouterSettings {
+    fn default() -> Self {
+        RouterSettings {
+            listen: None,
+            max_body_bytes: 8 * 1024 * 1024,
+            header_read_timeout: Duration::from_secs(5),
+            max_connections: 4096,
+            tls: None,
+            body_timeout: Duration::from_secs(30),
+            max_body_bytes_in_flight: None,
+            max_answer_bytes: None,
+            max_event_bytes: 1024 * 1024,
+        }
+    }
+}
+
+/// The router's HTTP app. Its handlers read request bodies themselves, after authentication
+/// and within the router's [`super::body::BodyLimits`].
+pub fn app(router: Arc<Router>) -> axum::Router {
+    axum::Router::new()
+        .route("/v2/health/live", get(|| async { StatusCode::OK }))
+        .route("/v2/health/ready", get(ready))
+        .route("/v2/models/{model}", get(metadata))
+        .route("/v2/models/{model}/ready", get(model_ready))
+        .route("/v2/models/{model}/infer", post(infer))
+        .route("/v1/chat/completions", post(super::llm::chat_completions))
+        .route("/v1/completions", post(super::llm::completions))
+        .route("/v1/jobs", post(super::jobs::post_job).get(super::jobs::list_jobs))
+        .route(
+            "/v1/jobs/{id}",
+            get(super::jobs::get_job).delete(super::jobs::cancel_job),
+        )
+        .route("/v1/jobs/{id}/result", get(super::jobs::get_result))
+        .fallback(|| async {
+            error(
+                StatusCode::NOT_FOUND,
+                "no such path; the router serves POST /v2/models/{model}/infer, GET /v2/models/{model}, GET /v2/health/live|ready, language models at POST /v1/chat/completions and /v1/completions, jobs at POST|GET /v1/jobs, GET|DELETE /v1/jobs/{id}, GET /v1/jobs/{id}/result, and GET /metrics and /ui".into(),
+                &Meta::default(),
+            )
+        })
+        .layer(axum::middleware::from_fn_with_state(router.clone(), until_caught_up))
+        .layer(axum::middleware::from_fn(super::body::close_unless_read))
+        .with_state(router)
+}
+
+/// A restarted or newly added controller answers nothing from its state until it has caught
+/// up with the leader: an older state would deny API keys, models and jobs that the cluster
+/// already has. Health probes pass through (`/v2/health/ready` says 503 meanwhile).
+async fn until_caught_up(
+    State(router): State<Arc<Router>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if router.is_ready() || req.uri().path().starts_with("/v2/health/") {
+        return next.run(req).await;
+    }
+    with_retry_after(
+        error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "this controller is catching up with the cluster (it just started or joined); retry in a moment or through another controller".into(),
+            &Meta {
+                request_id: request_id(req.headers()),
+                ..Meta::default()
+            },
+        ),
+        Duration::from_secs(1),
+    )
+}
+
+/// A running router listener.
+pub struct RouterServer {
+    pub addr: SocketAddr,
+    shutdown: watch::Sender<bool>,
+    /// The accept loop; `None` once [`RouterServer::ended`] saw it end.
+    task: Option<JoinHandle<()>>,
+}
+
+impl RouterServer {
+    /// Returns when the accept loop has ended (only on `stop`, unless something broke it).
+    pub async fn ended(&mut self) {
+        match self.task.as_mut() {
+            Some(t) => {
+                let _ = t.await;
+                self.task = None;
+            }
+            None => std::future::pending().await,
+        }
+    }
+
+    pub async fn stop(self) {
+        let _ = self.shutdown.send(true);
+        if let Some(task) = self.task {
+            let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
+        }
+    }
+}
+
+/// Serves the router, and `extra` routes beside it (the controller's `/metrics` and `/ui`), on
+/// an already-bound listener, with the settings' limits (which it gives the router).
+pub fn serve(
+    router: Arc<Router>,
+    extra: axum::Router,
+    listener: TcpListener,
+    settings: &RouterSettings,
+) -> std::io::Result<RouterServer> {
+    let addr = listener.local_addr()?;
+    router.set_body_limits(settings.body_limits());
+    let app = app(router).merge(extra);
+    let permits = Arc::new(Semaphore::new(settings.max_connections));
+    let header_timeout = settings.header_read_timeout;
+    let tls = settings.tls.as_ref().map(|t| t.acceptor.clone());
+    let (tx, mut rx) = watch::channel(false);
+    let task = tokio::spawn(async move {
+        let mut refused_logged = Instant::now() - Duration::from_secs(60);
+        loop {
+            let (stream, peer) = tokio::select! {
+                r = listener.accept() => match r {
+                    Ok(s) => s,
+                    Err(e) => {
+                        // EMFILE and friends: back off instead of spinning.
+                        tracing::warn!(error = %e, "router accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+                _ = rx.changed() => return,
+            };
+            let Ok(permit) = permits.clone().try_acquire_owned() else {
+                if refused_logged.elapsed() > Duration::from_secs(10) {
+                    tracing::warn!(%peer, "router at its connection limit; closing new connections");
+                    refused_logged = Instant::now();
+                }
+                drop(stream);
+                continue;
+            };
+            let _ = stream.set_nodelay(true);
+            let svc = TowerToHyperService::new(app.clone());
+            let stop = rx.clone();
+            let tls = tls.clone();
+            tokio::spawn(async move {
+                match tls {
+                    None => serve_connection(TokioIo::new(stream), svc, header_timeout, stop).await,
+                    // The handshake gets the header timeout too: a client that opens a
+                    // connection and says nothing holds a permit no longer than that.
+                    Some(acceptor) => match tokio::time::timeout(header_timeout, acceptor.accept(stream)).await {
+                        Ok(Ok(tls)) => serve_connection(TokioIo::new(tls), svc, header_timeout, stop).await,
+                        Ok(Err(e)) => tracing::debug!(%peer, error = %e, "router TLS handshake failed"),
+                        Err(_) => tracing::debug!(%peer, "router TLS handshake timed out"),
+                    },
+                }
+                drop(permit);
+            });
+        }
+    });
+    Ok(RouterServer {
+        addr,
+        shutdown: tx,
+        task: Some(task),
+    })
+}
+
+/// Serves one HTTP/1.1 connection until it closes or the router stops (then gracefully, for up
+/// to 5 s).
+/// Read buffer of one connection, bytes: request headers must fit (nginx allows 32 KiB).
+pub const MAX_CONNECTION_BUFFER: usize = 32 * 1024;
+
+async fn serve_connection<I, S>(io: I, svc: S, header_timeout: Duration, mut stop: watch::Receiver<bool>)
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    S: hyper::service::HttpService<hyper::body::Incoming> + Send,
+    S::Future: Send + 'static,
+    S::ResBody: Send + 'static,
+    <S::ResBody as hyper::body::Body>::Data: Send,
+    <S::ResBody as hyper::body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_timeout)
+        // What a connection buffers of a request at most (headers included): thousands of
+        // clients sending bodies at once must not cost the router hyper's 400 KB each.
+        .max_buf_size(MAX_CONNECTION_BUFFER)
+        .keep_alive(true)
+        .serve_connection(io, svc);
+    let mut conn = std::pin::pin!(conn);
+    tokio::select! {
+        _ = conn.as_mut() => {}
+        _ = stop.changed() => {
+            conn.as_mut().graceful_shutdown();
+            let _ = tokio::time::timeout(Duration::from_secs(5), conn).await;
+        }
+    }
+}
+
+async fn ready(State(router): State<Arc<Router>>) -> StatusCode {
+    if router.is_ready() {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    }
+}
