@@ -8,9 +8,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use laneway_control::raft_types::{Entry, TypeConfig, Vote};
-use laneway_control::store::log_db::LogDb;
-use laneway_control::store::Identity;
+use laneway_store::log_db::LogDb;
+use laneway_store::raft_types::{Entry, TypeConfig, Vote};
+use laneway_store::Identity;
 use openraft::testing::blank_ent;
 use openraft::RaftLogId;
 use rand::rngs::StdRng;

@@ -1,7 +1,7 @@
 //! openraft's storage conformance suite against the redb log store and state machine.
 
-use laneway_control::raft_types::{StorageError, TypeConfig};
-use laneway_control::store::{self, Identity, LogStore, StateMachineStore};
+use laneway_store::raft_types::{StorageError, TypeConfig};
+use laneway_store::{self as store, Identity, LogStore, StateMachineStore};
 use openraft::testing::{StoreBuilder, Suite};
 use tempfile::TempDir;
 
