@@ -1,0 +1,869 @@
+use std::net::SocketAddr;
+
+use tokio::net::TcpListener;
+
+use super::*;
+use crate::registry::hash_key;
+use axum::routing::post;
+
+use crate::router::answer::MODEL_VERSION;
+use crate::router::server::{serve, HttpsSettings, RouterServer, RouterSettings};
+
+#[test]
+fn malformed_bodies_name_the_field() {
+    let e = check_body(b"{\"inputs\":[{\"name\":\"a\",\"shape\":\"x\",\"datatype\":\"FP32\",\"data\":[1]}]}")
+        .err()
+        .unwrap();
+    assert!(e.contains("inputs[0].shape"), "{e}");
+    let e = check_body(b"{}").err().unwrap();
+    assert!(e.contains("missing field `inputs`"), "{e}");
+    let e = check_body(b"{\"inputs\":[{\"name\":\"a\",\"shape\":[1],\"datatype\":\"FP32\"}]}")
+        .err()
+        .unwrap();
+    assert!(e.contains("data"), "{e}");
+    let e = check_body(b"not json").err().unwrap();
+    assert!(e.contains("invalid inference request"), "{e}");
+    assert!(check_body(b"{\"inputs\":[{\"name\":\"a\",\"shape\":[1],\"datatype\":\"FP32\",\"data\":[1]}]}").is_ok());
+}
+
+/// A router whose table has `whisper` (tenant key `k`) on node n1's replicas at `replicas`.
+fn router_with(replicas: &[(&str, SocketAddr)]) -> (Arc<Router>, tempfile::TempDir) {
+    let (fleet, mut reg) = fixture_with_tenant();
+    let records: Vec<_> = replicas.iter().map(|(id, addr)| ready(id, "whisper", *addr)).collect();
+    reg.set_node_replicas("n1", &records);
+    router_from(&fleet, &reg)
+}
+
+/// The router unit tests' fleet and registry with tenant `t` (key `k`).
+fn fixture_with_tenant() -> (crate::fleet::Fleet, crate::registry::Registry) {
+    let (fleet, mut reg) = super::super::table::test_fixture();
+    add_tenant(&mut reg, "t", "k");
+    (fleet, reg)
+}
+
+fn add_tenant(reg: &mut crate::registry::Registry, name: &str, key: &str) {
+    reg.create_tenant(&crate::registry::Tenant {
+        name: name.into(),
+        key_sha256: hash_key(key),
+        limits: Default::default(),
+    })
+    .unwrap();
+}
+
+/// A ready replica `id` of the entry `model` on n1's GPU, at `addr`.
+fn ready(id: &str, model: &str, addr: SocketAddr) -> crate::registry::ReplicaRecord {
+    crate::registry::ReplicaRecord {
+        id: id.into(),
+        model: model.into(),
+        device: "GPU-1".into(),
+        state: "ready".into(),
+        endpoint: addr.to_string(),
+    }
+}
+
+/// A router with the table built from `fleet` and `reg` (no controller behind it).
+fn router_from(fleet: &crate::fleet::Fleet, reg: &crate::registry::Registry) -> (Arc<Router>, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let router = Router::new(crate::store::StateMachineStore::open(dir.path()).unwrap());
+    router.install(super::super::table::build(fleet, reg, &Default::default()));
+    (router, dir)
+}
+
+/// Serves `router` on a free port with the default settings.
+async fn serve_on_free_port(router: Arc<Router>) -> RouterServer {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    serve(router, axum::Router::new(), listener, &RouterSettings::default()).unwrap()
+}
+
+/// Requests the simulated replica at `addr` has received.
+async fn sim_requests(addr: SocketAddr) -> u64 {
+    let text = reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("laneway_sim_requests_total")?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("laneway_sim_requests_total in {text}"))
+}
+
+/// With traces exported, the router continues the client's W3C trace and hands the replica
+/// its dispatch span as the parent; without, the client's traceparent reaches the replica
+/// as it came.
+#[tokio::test(flavor = "current_thread")]
+async fn the_replica_continues_the_clients_trace_through_the_router() {
+    use opentelemetry::trace::TracerProvider as _;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::Layer;
+
+    opentelemetry::global::set_text_map_propagator(opentelemetry_sdk::propagation::TraceContextPropagator::new());
+    let exporter = opentelemetry_sdk::trace::InMemorySpanExporter::default();
+    let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
+        .with_simple_exporter(exporter.clone())
+        .build();
+    let otel = tracing_opentelemetry::layer()
+        .with_tracer(provider.tracer("test"))
+        .with_filter(
+            tracing_subscriber::filter::Targets::new()
+                .with_target(crate::telemetry::TRACE_TARGET, tracing::Level::DEBUG),
+        );
+    let tracing_on = tracing::subscriber::set_default(tracing_subscriber::registry().with(otel));
+    // Tests run on parallel threads without a subscriber. With a single registered
+    // dispatcher, tracing caches a callsite's interest from whichever thread reaches it
+    // first, so another test's request could turn these spans off for good; a second live
+    // dispatcher makes it ask every dispatcher instead.
+    let _second = tracing::Dispatch::new(tracing_subscriber::registry());
+    tracing::callsite::rebuild_interest_cache();
+
+    // A replica that remembers the traceparent it was sent.
+    let seen = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let replica = axum::Router::new().route(
+        "/v2/models/whisper/infer",
+        post({
+            let seen = seen.clone();
+            move |h: HeaderMap| async move {
+                let tp = h.get("traceparent").and_then(|v| v.to_str().ok()).unwrap_or("-");
+                seen.lock().unwrap().push(tp.to_string());
+                (StatusCode::OK, [("x-laneway-gpu-ms", "1.0")], "{\"outputs\":[]}")
+            }
+        }),
+    );
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l, replica).await });
+    let (router, _dir) = router_with(&[("live", addr)]);
+    let server = serve_on_free_port(router).await;
+    let (trace, client_span) = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7");
+    let incoming = format!("00-{trace}-{client_span}-01");
+    let send = || {
+        reqwest::Client::new()
+            .post(format!("http://{}/v2/models/whisper/infer", server.addr))
+            .bearer_auth("k")
+            .header("traceparent", &incoming)
+            .body(r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#)
+            .send()
+    };
+    assert_eq!(send().await.unwrap().status(), 200);
+    let sent = seen.lock().unwrap()[0].clone();
+    let parts: Vec<&str> = sent.split('-').collect();
+    assert_eq!(parts.len(), 4, "{sent}");
+    assert_eq!(parts[1], trace, "the replica is in the client's trace");
+    provider.force_flush().unwrap();
+    let spans = exporter.get_finished_spans().unwrap();
+    let span = |name: &str| {
+        spans
+            .iter()
+            .find(|s| s.name == name)
+            .unwrap_or_else(|| panic!("no {name} span in {spans:?}"))
+    };
+    let (infer, dispatch) = (span("infer"), span("dispatch"));
+    assert_eq!(infer.span_context.trace_id().to_string(), trace);
+    assert_eq!(infer.parent_span_id.to_string(), client_span);
+    assert_eq!(dispatch.parent_span_id, infer.span_context.span_id());
+    assert_eq!(
+        parts[2],
+        dispatch.span_context.span_id().to_string(),
+        "the replica's parent is the dispatch"
+    );
+
+    drop(tracing_on);
+    assert_eq!(send().await.unwrap().status(), 200);
+    assert_eq!(
+        seen.lock().unwrap()[1],
+        incoming,
+        "passed through untouched when tracing is off"
+    );
+    server.stop().await;
+}
+
+/// A replica whose port is closed never received the request: it is retried on another
+/// replica and the dead one is skipped from then on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_never_reached_its_replica_is_retried_elsewhere() {
+    let live = sim_replica(5.0).await;
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+
+    let (router, _dir) = router_with(&[("dead", dead), ("live", live)]);
+    let lane = router.table().models["whisper"].lane.clone();
+    // One request already on the live replica: power of two choices now prefers the dead one.
+    let table = router.table();
+    let slots = &table.models["whisper"].replicas;
+    let live_slot = slots.iter().find(|s| s.name == "n1/live").unwrap();
+    let dead_slot = slots.iter().find(|s| s.name == "n1/dead").unwrap();
+    assert!(live_slot.try_acquire());
+
+    let server = serve_on_free_port(router.clone()).await;
+    let resp = reqwest::Client::new()
+        .post(format!("http://{}/v2/models/whisper/infer", server.addr))
+        .bearer_auth("k")
+        .body(r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-laneway-replica"], "n1/live");
+    assert_eq!(lane.lock().counters.retried, 1);
+    assert_eq!(dead_slot.load(), 0, "the failed attempt gave its slot back");
+    assert_eq!(live_slot.load(), 1, "only the slot held by the test remains");
+    // The dead replica is skipped from now on: no more retries.
+    for _ in 0..5 {
+        let r = reqwest::Client::new()
+            .post(format!("http://{}/v2/models/whisper/infer", server.addr))
+            .bearer_auth("k")
+            .body(r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.headers()["x-laneway-replica"], "n1/live");
+    }
+    assert_eq!(lane.lock().counters.retried, 1);
+    server.stop().await;
+}
+
+/// A simulated `whisper` replica on L4 taking `service_ms` per batch (max 4), serving on a
+/// free port.
+async fn sim_replica(service_ms: f64) -> SocketAddr {
+    sim_replica_of("whisper", service_ms).await
+}
+
+/// [`sim_replica`] serving `model`.
+async fn sim_replica_of(model: &'static str, service_ms: f64) -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(sim_replica_on(l, model, service_ms));
+    addr
+}
+
+/// [`sim_replica_of`] on `l`; runs until the test ends.
+async fn sim_replica_on(l: TcpListener, model: &str, service_ms: f64) {
+    use laneway_agent::sim_model::{self, SimModelConfig};
+    let sim = sim_model::app(SimModelConfig {
+        model: model.into(),
+        product: "L4".into(),
+        service_ms: [("L4".to_string(), service_ms)].into(),
+        max_batch: 4,
+        batch_window: Duration::from_millis(1),
+        faults: Default::default(),
+    })
+    .unwrap();
+    let _ = axum::serve(l, sim).await;
+}
+
+/// Sends one inference request for `whisper` to the router at `addr` as tenant `k`.
+async fn infer_at(addr: SocketAddr) -> reqwest::Response {
+    reqwest::Client::new()
+        .post(format!("http://{addr}/v2/models/whisper/infer"))
+        .bearer_auth("k")
+        .body(r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// Sends one inference request for `whisper` through `server`.
+async fn infer_once(server: &RouterServer) -> reqwest::Response {
+    infer_at(server.addr).await
+}
+
+/// A model slower than the lane's timeout: every request is answered by the deadline, none
+/// is retried (the replica got it and may be working on it), and the replica stops working
+/// on what nobody waits for any more (the deadline travels with the request).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_model_never_turns_into_a_retry_storm_and_no_request_outlives_its_deadline() {
+    let addrs = [sim_replica(3_000.0).await, sim_replica(3_000.0).await];
+    let (router, _dir) = router_with(&[("a", addrs[0]), ("b", addrs[1])]);
+    let lane = router.table().models["whisper"].lane.clone();
+    let server = serve_on_free_port(router).await;
+    let timeout = Duration::from_millis(1_000);
+    let mut calls = tokio::task::JoinSet::new();
+    for _ in 0..16 {
+        let addr = server.addr;
+        calls.spawn(async move {
+            let started = tokio::time::Instant::now();
+            let r = infer_at(addr).await;
+            (r.status(), started.elapsed())
+        });
+    }
+    while let Some(r) = calls.join_next().await {
+        let (status, took) = r.unwrap();
+        assert!(!status.is_success(), "a 3 s model cannot answer in 1 s");
+        assert!(took < timeout + Duration::from_millis(750), "answered after {took:?}");
+    }
+    let c = lane.lock().counters;
+    assert_eq!(c.retried, 0, "a request a replica received is never sent again");
+    // Each replica took at most its 4 slots, then was ejected; it gave all of them up at
+    // the deadline.
+    let mut served = 0;
+    for a in &addrs {
+        let text = reqwest::get(format!("http://{a}/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let value = |name: &str| -> u64 {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+                .unwrap_or_else(|| panic!("{name} in {text}"))
+        };
+        let (got, abandoned) = (
+            value("laneway_sim_requests_total"),
+            value("laneway_sim_abandoned_total"),
+        );
+        assert!(got <= 4, "{a}: {got} requests");
+        assert_eq!(abandoned, got, "{a}: the replica stopped each one at the deadline");
+        served += got;
+    }
+    assert!((1..=8).contains(&served), "{served} reached the replicas");
+    server.stop().await;
+}
+
+/// Replicas that refuse connections: each request may be retried once, but the lane's
+/// budget keeps retries to a tenth of the requests plus a burst, and a replica that keeps
+/// failing is skipped for longer each time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_retry_budget_caps_retries_under_failing_replicas() {
+    let live = sim_replica(1.0).await;
+    // Forty replicas whose ports are closed, one that answers.
+    let dead: Vec<(String, SocketAddr)> = (0..40)
+        .map(|i| {
+            let a = std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap();
+            (format!("dead{i}"), a)
+        })
+        .collect();
+    let mut all: Vec<(&str, SocketAddr)> = dead.iter().map(|(n, a)| (n.as_str(), *a)).collect();
+    all.push(("live", live));
+    let (router, _dir) = router_with(&all);
+    let lane = router.table().models["whisper"].lane.clone();
+    let server = serve_on_free_port(router).await;
+    let mut bad_gateway = 0;
+    for _ in 0..60 {
+        let r = infer_once(&server).await;
+        if r.status() == StatusCode::BAD_GATEWAY {
+            bad_gateway += 1;
+        }
+    }
+    let c = lane.lock().counters;
+    assert!(
+        c.retried <= u64::from(super::super::lane::RETRY_BUDGET_BURST) + c.admitted / 10,
+        "{} retries for {} requests",
+        c.retried,
+        c.admitted
+    );
+    assert!(c.retry_denied > 0, "the budget ran out: {c:?}");
+    assert!(
+        bad_gateway >= c.retry_denied,
+        "a request the budget did not retry failed, and said so"
+    );
+    server.stop().await;
+}
+
+/// A replica whose server died is ejected; once it is back on its port the router's
+/// probe readmits it, long before its ejection interval runs out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_comes_back_is_readmitted_by_its_probe() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = port.local_addr().unwrap();
+    drop(port);
+    let (router, _dir) = router_with(&[("a", addr)]);
+    let _pump = router.start();
+    let server = serve_on_free_port(router).await;
+    assert_eq!(infer_once(&server).await.status(), StatusCode::BAD_GATEWAY);
+    let r = infer_once(&server).await;
+    assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE, "skipped while ejected");
+    assert!(r.text().await.unwrap().contains("health probe"));
+    // Let a probe find it down, then bring it back on the same port.
+    tokio::time::sleep(super::super::table::PROBE_EVERY * 2).await;
+    let back = sim_replica_on(TcpListener::bind(addr).await.unwrap(), "whisper", 1.0);
+    tokio::spawn(back);
+    let started = tokio::time::Instant::now();
+    while infer_once(&server).await.status() != StatusCode::OK {
+        assert!(
+            started.elapsed() < super::super::table::EJECT_FOR - Duration::from_millis(500),
+            "not readmitted before its interval ran out"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    server.stop().await;
+}
+
+/// A replica that answers its health check but keeps failing requests: readmitted once
+/// after its first failure, then skipped for its whole (doubled) interval — it gets no
+/// request in that time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_keeps_failing_gets_no_traffic_until_its_interval_passes() {
+    let addr = sim_replica(3_000.0).await;
+    let (router, _dir) = router_with(&[("a", addr)]);
+    let _pump = router.start();
+    let slot = router.table().models["whisper"].replicas[0].clone();
+    let server = serve_on_free_port(router.clone()).await;
+    let r = infer_once(&server).await;
+    assert_eq!(r.status(), StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(r.headers()[MODEL_VERSION], "1", "its version failed the request");
+    // First failure: its health answers, so the probe lets it back in.
+    let started = tokio::time::Instant::now();
+    while slot.is_ejected(router.now_ms(tokio::time::Instant::now())) {
+        assert!(
+            started.elapsed() < super::super::table::EJECT_FOR,
+            "the first probe readmits it"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(infer_once(&server).await.status(), StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(sim_requests(addr).await, 2);
+    // Second failure in a row: 10 s out, whatever its health check says.
+    for _ in 0..15 {
+        let r = infer_once(&server).await;
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(
+            r.headers().get(MODEL_VERSION).is_none(),
+            "refused before any version saw it"
+        );
+        tokio::time::sleep(super::super::table::PROBE_EVERY / 5).await;
+    }
+    assert!(slot.is_ejected(router.now_ms(tokio::time::Instant::now())));
+    assert_eq!(
+        sim_requests(addr).await,
+        2,
+        "no request reached it while it was ejected"
+    );
+    server.stop().await;
+}
+
+/// A sync lane that hedges: a request the first replica has not answered after the hedge
+/// delay is also sent to the other replica, whose answer wins — no caller waits for the
+/// slow replica — and each hedge is counted against the lane's budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hedged_request_is_answered_by_the_faster_replica_within_the_budget() {
+    let (slow, fast) = (sim_replica(400.0).await, sim_replica(2.0).await);
+    let (fleet, mut reg) = fixture_with_tenant();
+    let mut speech = reg.classes["speech"].clone();
+    speech.hedge = Some(crate::registry::HedgeSpec {
+        after_ms: crate::registry::Millis::from_ms(50.0),
+        percent: 50,
+    });
+    reg.put_class(&speech).unwrap();
+    reg.set_node_replicas("n1", &[ready("slow", "whisper", slow), ready("fast", "whisper", fast)]);
+    let (router, _dir) = router_from(&fleet, &reg);
+    let lane = router.table().models["whisper"].lane.clone();
+    let server = serve_on_free_port(router).await;
+    for _ in 0..20 {
+        let started = tokio::time::Instant::now();
+        let r = infer_once(&server).await;
+        assert_eq!(r.status(), StatusCode::OK);
+        assert_eq!(r.headers()[REPLICA], "n1/fast");
+        let took = started.elapsed();
+        // Waiting for the slow replica takes at least its 400 ms.
+        assert!(
+            took < Duration::from_millis(400),
+            "waited {took:?} for the 400 ms replica"
+        );
+    }
+    let c = lane.lock().counters;
+    // Every request the slow replica got was hedged: the ones sent to it first (their copy
+    // to the fast replica won), and copies of a fast one that stalled past the delay.
+    let sent_slow = sim_requests(slow).await;
+    assert!(
+        sent_slow > 0,
+        "power of two choices sent some requests to the slow replica first"
+    );
+    assert_eq!(c.hedged, sent_slow, "{c:?}");
+    assert!((1..=c.hedged).contains(&c.hedge_won), "{c:?}");
+
+    // Without budget left (each request earns half a hedge), the request waits for its
+    // first replica.
+    let mut waited = false;
+    for _ in 0..20 {
+        let before = {
+            let mut s = lane.lock();
+            s.take_hedge(50); // credits what was earned so far…
+            s.hedge_hundredths = 0; // …and spends it all
+            s.counters.hedged
+        };
+        let r = infer_once(&server).await;
+        assert_eq!(lane.lock().counters.hedged, before, "no budget, no hedge");
+        waited |= r.headers()[REPLICA] == "n1/slow";
+    }
+    assert!(
+        waited,
+        "a request that could not hedge was answered by the slow replica"
+    );
+    server.stop().await;
+}
+
+/// A replica that answers, but far slower than the model's other replicas, is ejected by
+/// the router's own loop, sits out its interval although its health check answers, and
+/// gets no request meanwhile; the others serve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_far_slower_than_its_peers_is_ejected_and_gets_no_traffic() {
+    let (fast, slow) = (
+        [sim_replica(2.0).await, sim_replica(2.0).await],
+        sim_replica(150.0).await,
+    );
+    let (router, _dir) = router_with(&[("a", fast[0]), ("b", fast[1]), ("slow", slow)]);
+    let _loops = router.start();
+    let slot = router.table().models["whisper"]
+        .replicas
+        .iter()
+        .find(|s| s.name == "n1/slow")
+        .unwrap()
+        .clone();
+    let server = serve_on_free_port(router.clone()).await;
+    let now_ms = || router.now_ms(tokio::time::Instant::now());
+    // Four callers at once until the router's loop ejects it (power of two choices sends
+    // the slow one its share of requests while its slots are free).
+    let ejected = async {
+        while !slot.is_ejected(now_ms()) {
+            let calls: Vec<_> = (0..4).map(|_| infer_at(server.addr)).collect();
+            for r in futures::future::join_all(calls).await {
+                assert_eq!(r.status(), StatusCode::OK, "slow is not failed");
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), ejected)
+        .await
+        .expect("the slow replica was ejected");
+    let got = sim_requests(slow).await;
+    assert!(
+        got >= u64::from(super::super::table::SLOW_MIN_SAMPLES),
+        "judged on {got}"
+    );
+    // Its probes would answer, but a slow replica's are not sent: it sits out (two probe
+    // intervals and more, well within its 5 s).
+    for _ in 0..10 {
+        let r = infer_once(&server).await;
+        assert_eq!(r.status(), StatusCode::OK);
+        assert_ne!(r.headers()[REPLICA], "n1/slow");
+        tokio::time::sleep(super::super::table::PROBE_EVERY / 5).await;
+    }
+    assert!(slot.is_ejected(now_ms()));
+    assert_eq!(
+        sim_requests(slow).await,
+        got,
+        "no request reached it while it was ejected"
+    );
+    server.stop().await;
+}
+
+/// A shadow rollout copies requests to the new version and drops its answers: callers are
+/// answered by the serving version as fast as without it, even when the new version is
+/// slow, and the copies are metered to the shadow tenant under the new version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shadow_copies_never_touch_the_callers_answer_or_its_time() {
+    let (stable, shadow) = (sim_replica(5.0).await, sim_replica(2_000.0).await);
+    let (fleet, mut reg) = super::super::table::test_fixture();
+    add_tenant(&mut reg, "t", "k");
+    reg.start_shadow_for_test("whisper", "2");
+    reg.set_node_replicas("n1", &[ready("a", "whisper", stable), ready("b", "whisper@2", shadow)]);
+    let (router, _dir) = router_from(&fleet, &reg);
+    let server = serve_on_free_port(router.clone()).await;
+    for _ in 0..6 {
+        let started = tokio::time::Instant::now();
+        let r = infer_once(&server).await;
+        assert_eq!(r.status(), StatusCode::OK);
+        assert_eq!(
+            r.headers()["x-laneway-replica"],
+            "n1/a",
+            "callers are served by the serving version"
+        );
+        assert!(
+            started.elapsed() < Duration::from_millis(1_000),
+            "a 2 s shadow never holds the caller ({:?})",
+            started.elapsed()
+        );
+    }
+    // The copies reached the new version (at most its 4 slots at once; the rest were
+    // dropped, never queued) and are metered to the shadow tenant once they finish.
+    let got = sim_requests(shadow).await;
+    assert!((1..=4).contains(&got), "{got} copies");
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let report = router.meter().next_report(1, 0).unwrap();
+    let shadowed: u64 = report
+        .rows
+        .iter()
+        .filter(|u| u.tenant == super::super::SHADOW_TENANT && u.version == "2" && u.model == "whisper")
+        .map(|u| u.requests)
+        .sum();
+    assert_eq!(shadowed, got, "every copy metered to the shadow tenant under version 2");
+    assert!(
+        report.rows.iter().all(|u| u.tenant != "t" || u.version == "1"),
+        "the caller's requests are version 1's"
+    );
+    server.stop().await;
+}
+
+/// A class with a result cache: the same input (in any key order or layout) from the same
+/// tenant is answered from the cache with the same bytes and no replica work; another
+/// tenant, or the bypass header, goes to the replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_hit_returns_identical_bytes_and_is_scoped_to_the_tenant() {
+    use crate::registry::CacheSpec;
+    let addr = sim_replica(5.0).await;
+    let (fleet, mut reg) = super::super::table::test_fixture();
+    let mut speech = reg.classes["speech"].clone();
+    speech.cache = Some(CacheSpec {
+        ttl_s: 60,
+        max_mib: 1,
+        shared: false,
+    });
+    reg.put_class(&speech).unwrap();
+    add_tenant(&mut reg, "t", "k");
+    add_tenant(&mut reg, "u", "k2");
+    reg.set_node_replicas("n1", &[ready("a", "whisper", addr)]);
+    let (router, _dir) = router_from(&fleet, &reg);
+    let lane = router.table().models["whisper"].lane.clone();
+    let server = serve_on_free_port(router).await;
+    let send = |key: &'static str, body: &'static str, bypass: bool| {
+        let mut r = reqwest::Client::new()
+            .post(format!("http://{}/v2/models/whisper/infer", server.addr))
+            .bearer_auth(key)
+            .body(body);
+        if bypass {
+            r = r.header("x-laneway-cache", "bypass");
+        }
+        async move {
+            let r = r.send().await.unwrap();
+            let said = r.headers()["x-laneway-cache"].to_str().unwrap().to_string();
+            assert_eq!(r.headers()[MODEL_VERSION], "1", "a hit names the version that answered");
+            (r.status(), said, r.bytes().await.unwrap())
+        }
+    };
+    let input = r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#;
+    let same = r#"{ "inputs": [ {"datatype": "FP32", "data": [1], "name": "x", "shape": [1]} ] }"#;
+    let (status, said, first) = send("k", input, false).await;
+    assert_eq!((status, said.as_str()), (StatusCode::OK, "miss"));
+    let (status, said, again) = send("k", same, false).await;
+    assert_eq!((status, said.as_str()), (StatusCode::OK, "hit"));
+    assert_eq!(first, again, "a hit returns the bytes the replica gave");
+    assert_eq!(sim_requests(addr).await, 1, "the hit did no replica work");
+    let (_, said, _) = send("k2", input, false).await;
+    assert_eq!(said, "miss", "another tenant's answer is not served");
+    let (_, said, _) = send("k", input, true).await;
+    assert_eq!(said, "bypass");
+    assert_eq!(sim_requests(addr).await, 3);
+    let c = lane.lock().counters;
+    assert_eq!((c.cache_hit, c.cache_miss), (1, 3));
+    server.stop().await;
+}
+
+/// A model with no healthy replica is answered by its fallback model, and says so; a
+/// model without a fallback, in a class with a canned answer, gets the canned answer,
+/// marked degraded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_healthy_replica_means_the_fallback_model_or_the_lanes_canned_answer() {
+    use crate::registry::FallbackResponse;
+    let tiny = sim_replica_of("tiny", 1.0).await;
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let (fleet, mut reg) = super::super::table::test_fixture();
+    let whisper = reg.models["whisper"].clone();
+    reg.put_model(&crate::registry::Model {
+        name: "tiny".into(),
+        version: "7".into(),
+        ..whisper.clone()
+    })
+    .unwrap();
+    reg.put_model(&crate::registry::Model {
+        fallback: Some("tiny".into()),
+        ..whisper.clone()
+    })
+    .unwrap();
+    reg.put_model(&crate::registry::Model {
+        name: "ghost".into(),
+        ..whisper.clone()
+    })
+    .unwrap();
+    assert!(reg
+        .put_model(&crate::registry::Model {
+            fallback: Some("nope".into()),
+            ..whisper.clone()
+        })
+        .unwrap_err()
+        .contains("not registered"));
+    let mut speech = reg.classes["speech"].clone();
+    speech.fallback_response = Some(FallbackResponse {
+        status: 200,
+        body: r#"{"outputs":[]}"#.into(),
+    });
+    reg.put_class(&speech).unwrap();
+    add_tenant(&mut reg, "t", "k");
+    reg.set_node_replicas("n1", &[ready("w", "whisper", dead), ready("t", "tiny", tiny)]);
+    let (router, _dir) = router_from(&fleet, &reg);
+    let server = serve_on_free_port(router).await;
+    let send = |model: &'static str| {
+        reqwest::Client::new()
+            .post(format!("http://{}/v2/models/{model}/infer", server.addr))
+            .bearer_auth("k")
+            .body(r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#)
+            .send()
+    };
+    // whisper's only replica is down: the first request finds out (and ejects it).
+    assert_eq!(send("whisper").await.unwrap().status(), StatusCode::BAD_GATEWAY);
+    let r = send("whisper").await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(r.headers()["x-laneway-fallback-for"], "whisper");
+    assert_eq!(r.headers()["x-laneway-replica"], "n1/t");
+    assert_eq!(r.headers()[MODEL_VERSION], "7", "the fallback's version answered");
+    // ghost has no replica and no fallback: the lane's canned answer, marked.
+    let r = send("ghost").await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(r.headers()["x-laneway-degraded"], "fallback-response");
+    assert!(r.headers().get(MODEL_VERSION).is_none(), "no version made it");
+    assert_eq!(r.text().await.unwrap(), r#"{"outputs":[]}"#);
+    server.stop().await;
+}
+
+/// A sync lane with an overflow endpoint (a simulated model server playing a hosted API):
+/// requests the replica has slots for stay on the fleet; the excess goes out, marked, and
+/// is metered at the endpoint's price per request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overflow_takes_only_the_excess_and_is_metered_at_its_price() {
+    use crate::registry::OverflowSpec;
+    let owned = sim_replica(400.0).await;
+    let hosted = sim_replica(5.0).await;
+    let (fleet, mut reg) = super::super::table::test_fixture();
+    let mut speech = reg.classes["speech"].clone();
+    speech.overflow = Some(OverflowSpec::for_test(&format!("http://{hosted}/"), 8, 2_000));
+    reg.put_class(&speech).unwrap();
+    add_tenant(&mut reg, "t", "k");
+    reg.set_node_replicas("n1", &[ready("a", "whisper", owned)]);
+    let (router, _dir) = router_from(&fleet, &reg);
+    let server = serve_on_free_port(router.clone()).await;
+    // One request alone: the fleet has room.
+    let r = infer_once(&server).await;
+    assert_eq!(r.headers()["x-laneway-replica"], "n1/a");
+    assert_eq!(r.headers()[MODEL_VERSION], "1");
+    assert!(r.headers().get("x-laneway-overflow").is_none());
+    // Eight at once against the replica's four slots.
+    let out = sent_out_of(server.addr, 8).await;
+    assert_eq!(out, 4, "only what the replica's four slots could not take went out");
+    assert_eq!(
+        router.overflow_metered(),
+        (4, 4 * 2_000_000),
+        "metered at $0.002 a request"
+    );
+    let lanes = router.lane_status();
+    let speech = lanes.iter().find(|l| l.class == "speech").unwrap();
+    let o = speech.overflow.as_ref().expect("the lane shows its endpoint");
+    assert_eq!(
+        (o.usable, o.state.as_str(), o.in_flight, o.max_in_flight),
+        (true, "ready", 0, 8)
+    );
+    server.stop().await;
+}
+
+/// Sends `n` requests at once through the router at `addr`; each must be answered 200.
+/// Returns how many the overflow endpoint answered.
+async fn sent_out_of(addr: SocketAddr, n: usize) -> u64 {
+    let mut calls = tokio::task::JoinSet::new();
+    for _ in 0..n {
+        calls.spawn(async move {
+            let r = infer_at(addr).await;
+            let overflowed = r.headers().contains_key("x-laneway-overflow");
+            // Only our own versions name themselves.
+            assert_eq!(r.headers().contains_key(MODEL_VERSION), !overflowed);
+            (r.status(), overflowed)
+        });
+    }
+    let mut out = 0;
+    while let Some(r) = calls.join_next().await {
+        let (status, overflowed) = r.unwrap();
+        assert_eq!(status, StatusCode::OK, "the excess is answered, not refused");
+        out += u64::from(overflowed);
+    }
+    out
+}
+
+/// An https overflow endpoint that wants an API key: verified against the CA the class
+/// names, the key read from the environment variable it names. Another laneway router over
+/// HTTPS plays the hosted API; the overflow's key is its tenant key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_overflow_endpoint_is_verified_and_sent_its_key_from_the_environment() {
+    use crate::registry::OverflowSpec;
+    // The hosted API: its own replica, tenant `hosted` with key `sk-hosted`, served over
+    // HTTPS with a certificate from a CA of its own.
+    let ca = laneway_pki::Ca::create("hosted", Duration::from_secs(3600)).unwrap();
+    let cert = ca
+        .issue(
+            laneway_pki::Kind::Viewer,
+            "api",
+            &["localhost".into()],
+            Duration::from_secs(3600),
+        )
+        .unwrap();
+    let (hosted_fleet, mut hosted_reg) = super::super::table::test_fixture();
+    add_tenant(&mut hosted_reg, "hosted", "sk-hosted");
+    hosted_reg.set_node_replicas("n1", &[ready("h", "whisper", sim_replica(5.0).await)]);
+    let (hosted_router, _hosted_dir) = router_from(&hosted_fleet, &hosted_reg);
+    let settings = RouterSettings {
+        tls: Some(HttpsSettings {
+            acceptor: laneway_pki::https_acceptor(&cert.cert_pem, &cert.key_pem).unwrap(),
+            cert_path: "hosted.pem".into(),
+        }),
+        ..RouterSettings::default()
+    };
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hosted = serve(hosted_router, axum::Router::new(), listener, &settings).unwrap();
+
+    // Our fleet: one replica with four slots, 400 ms a batch.
+    let var = "LANEWAY_OVERFLOW_TEST_KEY";
+    std::env::set_var(var, "sk-hosted");
+    let (fleet, mut reg) = super::super::table::test_fixture();
+    let mut speech = reg.classes["speech"].clone();
+    let spec = OverflowSpec {
+        url: format!("https://localhost:{}", hosted.addr.port()),
+        max_in_flight: 4,
+        micros_per_request: 2_000,
+        ca_pem: Some("not a certificate".into()),
+        token_env: Some(var.into()),
+    };
+    speech.overflow = Some(spec.clone());
+    assert!(reg
+        .put_class(&speech)
+        .unwrap_err()
+        .contains("ca_pem holds no certificate"));
+    let spec = OverflowSpec {
+        ca_pem: Some(ca.cert_pem().to_string()),
+        ..spec
+    };
+    speech.overflow = Some(OverflowSpec {
+        token_env: Some("sk-live-123".into()),
+        ..spec.clone()
+    });
+    assert!(reg.put_class(&speech).unwrap_err().contains("not the key itself"));
+    speech.overflow = Some(OverflowSpec {
+        url: format!("http://localhost:{}", hosted.addr.port()),
+        ca_pem: None,
+        ..spec.clone()
+    });
+    assert!(reg.put_class(&speech).unwrap_err().contains("in the clear"));
+    speech.overflow = Some(spec);
+    reg.put_class(&speech).unwrap();
+    add_tenant(&mut reg, "t", "k");
+    reg.set_node_replicas("n1", &[ready("a", "whisper", sim_replica(400.0).await)]);
+    let (router, _dir) = router_from(&fleet, &reg);
+    let server = serve_on_free_port(router.clone()).await;
+    let out = sent_out_of(server.addr, 6).await;
+    assert_eq!(out, 2, "the four slots' excess went out over TLS, with the key");
+    server.stop().await;
+    hosted.stop().await;
+}
+
+#[test]
+fn degrading_merges_parameters() {
+    let params = [("resolution".to_string(), "512".to_string())].into();
+    let b = degrade(b"{\"inputs\":[],\"parameters\":{\"a\":1}}", &params).unwrap();
+    let v: Value = serde_json::from_slice(&b).unwrap();
+    assert_eq!(v["parameters"]["resolution"], "512");
+    assert_eq!(v["parameters"]["a"], 1);
+    assert_eq!(v["parameters"]["laneway_degraded"], true);
+}
