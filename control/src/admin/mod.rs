@@ -1,8 +1,13 @@
 //! The operator (admin) gRPC API of a controller.
 
+mod access;
 pub mod audit;
+mod cluster;
 pub mod error;
+mod fleet;
+mod observe;
 pub mod pb_impl;
+mod registry;
 pub mod service;
 
 pub use error::AdminError;
