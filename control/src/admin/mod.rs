@@ -1,6 +1,7 @@
 //! The operator (admin) gRPC API of a controller.
 
 mod access;
+mod api;
 pub mod audit;
 mod cluster;
 pub mod error;
