@@ -3,7 +3,8 @@
 
 use std::time::Duration;
 
-use laneway_proto::admin::{CreateTenantRequest, PutDocumentRequest};
+use anyhow::Context as _;
+use laneway_proto::admin::{CreateTenantRequest, PutDocumentRequest, SetNodeFlagsRequest};
 use laneway_proto::agent::agent_service_client::AgentServiceClient;
 use laneway_proto::agent::{GpuInfo, Heartbeat, RegisterRequest, ReplicaReport};
 use tokio_stream::wrappers::ReceiverStream;
@@ -35,7 +36,8 @@ pub async fn register(
         .api_key)
 }
 
-/// Registers a node with one ready replica of `model` and keeps it alive with heartbeats.
+/// Registers a node with one ready replica of `model`, vouches for it as an operator would
+/// (`lanectl node allow-static`), and keeps it alive with heartbeats.
 pub async fn play_agent(leader: &str, port: u16, model: &str) -> anyhow::Result<tokio::task::JoinHandle<()>> {
     let gpus = vec![GpuInfo {
         product: "L4".into(),
@@ -54,7 +56,21 @@ pub async fn play_agent(leader: &str, port: u16, model: &str) -> anyhow::Result<
         waiting: 0,
         kv_cache_usage: -1.0,
     };
-    fake_node(leader, "bench-node", "l4", gpus, vec![replica]).await
+    let agent = fake_node(leader, "bench-node", "l4", gpus, vec![replica]).await?;
+    // Routers take an agent's own replicas only from a node an operator vouched for (ADR 0019):
+    // the bench is that operator.
+    super::admin::admin_client(vec![leader.to_string()])
+        .with_retry_for(Duration::from_secs(10))
+        .call(|mut c| async move {
+            c.set_node_flags(SetNodeFlagsRequest {
+                node_id: "bench-node".into(),
+                action: "allow-static".into(),
+            })
+            .await
+        })
+        .await
+        .context("vouching for the bench node (allow-static)")?;
+    Ok(agent)
 }
 
 /// Registers node `id` of `pool` with `gpus` at the leader and heartbeats `replicas` every
