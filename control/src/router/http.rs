@@ -17,7 +17,7 @@ use tokio::time::Instant;
 use super::answer::{error, request_id, stamp, stamp_version, with_retry_after, Meta, DEGRADED, QUEUE_MS, REPLICA};
 use super::pipeline::{
     authenticate, check_body, from_cache, healthy_or_fallback, lookup, overflow_answered, overflow_failed, read_body,
-    refusal_response,
+    refusal_response, Handled,
 };
 use super::table::{ModelRoute, Table};
 use super::{Admitted, ForwardError, Refusal, RequestRecord, Router};
@@ -157,8 +157,8 @@ async fn serve_infer(router: Arc<Router>, model: String, headers: HeaderMap, bod
     record = match from_cache(
         &router, &table, &route, &tenant, &headers, &body, "infer", &mut meta, record,
     ) {
-        Ok(hit) => return hit,
-        Err(record) => record,
+        Handled::Answered(hit) => return hit,
+        Handled::Pass(record) => record,
     };
     let retry_hint = route.min_service().unwrap_or(Duration::from_secs(1));
     let _tenant_hold = match router.admit_tenant(&tenant, &class, retry_hint, arrived) {
@@ -176,8 +176,8 @@ async fn serve_infer(router: Arc<Router>, model: String, headers: HeaderMap, bod
             // Above the lane's capacity: its overflow endpoint, if it has one and can take it.
             if matches!(refusal, Refusal::NoSlot { .. } | Refusal::OverBudget { .. }) {
                 record = match overflow(&router, &table, &route, &body, &headers, &meta, record, arrived).await {
-                    Ok(answered) => return answered,
-                    Err(record) => record,
+                    Handled::Answered(answered) => return answered,
+                    Handled::Pass(record) => record,
                 };
             }
             let r = refusal_response(&refusal, &route, &meta);
@@ -192,7 +192,7 @@ async fn serve_infer(router: Arc<Router>, model: String, headers: HeaderMap, bod
 }
 
 /// Sends a request the lane has no capacity for to its overflow endpoint (ADR 0017).
-/// `Err(record)`: not sent, or it failed — the caller refuses as it would have without.
+/// `Pass`: not sent, or it failed — the caller refuses as it would have without.
 #[allow(clippy::too_many_arguments)]
 async fn overflow(
     router: &Router,
@@ -203,12 +203,12 @@ async fn overflow(
     meta: &Meta,
     record: RequestRecord,
     arrived: Instant,
-) -> Result<Response, RequestRecord> {
+) -> Handled {
     let Some(ov) = table.overflows.get(&route.class.name) else {
-        return Err(record);
+        return Handled::Pass(record);
     };
     let Some((slot, uri, client, authorization)) = ov.take(router.now_ms(Instant::now()), ov.uri(&route.public)) else {
-        return Err(record);
+        return Handled::Pass(record);
     };
     let left = (arrived + route.class.request_timeout_ms.as_duration()).saturating_duration_since(Instant::now());
     let started = Instant::now();
@@ -231,7 +231,7 @@ async fn overflow(
                 super::body::answer_too_large("the overflow endpoint", limit),
                 meta,
             );
-            return Ok(overflow_answered(
+            return Handled::Answered(overflow_answered(
                 router,
                 ov,
                 route,
@@ -247,14 +247,14 @@ async fn overflow(
                 Err(e) => format!("{e:?}"),
             };
             overflow_failed(router, ov, route, &why);
-            return Err(record);
+            return Handled::Pass(record);
         }
     };
     let mut r = (f.status, f.body).into_response();
     if let Some(ct) = f.content_type {
         r.headers_mut().insert(axum::http::header::CONTENT_TYPE, ct);
     }
-    Ok(overflow_answered(
+    Handled::Answered(overflow_answered(
         router,
         ov,
         route,

@@ -36,7 +36,7 @@ use super::answer::{error, request_id, stamp, with_retry_after, Meta};
 use super::body::{read_answer, AnswerError};
 use super::lane::SlotGuard;
 use super::metrics::{Labels, LaneHistograms};
-use super::pipeline::{authenticate, lookup, read_body};
+use super::pipeline::{authenticate, lookup, read_body, Handled};
 use super::table::{ModelRoute, TenantRoute};
 use super::token_count::TokenCount;
 use super::{Admitted, ForwardError, Refusal, RequestRecord, Router, TenantGuard};
@@ -174,8 +174,8 @@ async fn serve(router: Arc<Router>, endpoint: Endpoint, headers: HeaderMap, body
             &mut meta,
             record,
         ) {
-            Ok(hit) => return hit,
-            Err(record) => record,
+            Handled::Answered(hit) => return hit,
+            Handled::Pass(record) => record,
         };
     }
     let retry_hint = route.min_service().unwrap_or(Duration::from_secs(1));
@@ -200,8 +200,8 @@ async fn serve(router: Arc<Router>, endpoint: Endpoint, headers: HeaderMap, body
                     arrived,
                 };
                 record = match sent.send(&router, &table, &route, &body, &headers, &meta, record).await {
-                    Ok(answered) => return answered,
-                    Err(record) => record,
+                    Handled::Answered(answered) => return answered,
+                    Handled::Pass(record) => record,
                 };
             }
             // Not served: the tokens go back to the tenant's minute.
@@ -249,14 +249,14 @@ impl Overflowing {
         headers: &HeaderMap,
         meta: &Meta,
         mut record: RequestRecord,
-    ) -> Result<Response, RequestRecord> {
+    ) -> Handled {
         let Some(ov) = table.overflows.get(&route.class.name) else {
-            return Err(record);
+            return Handled::Pass(record);
         };
         let Some((slot, uri, client, authorization)) =
             ov.take(router.now_ms(Instant::now()), ov.uri_at(self.endpoint.path()))
         else {
-            return Err(record);
+            return Handled::Pass(record);
         };
         let deadline = self.arrived + route.class.request_timeout_ms.as_duration();
         let started = Instant::now();
@@ -277,7 +277,7 @@ impl Overflowing {
                     Err(e) => format!("{e:?}"),
                 };
                 super::pipeline::overflow_failed(router, ov, route, &why);
-                return Err(record);
+                return Handled::Pass(record);
             }
         };
         let (parts, upstream) = resp.into_parts();
@@ -302,17 +302,17 @@ impl Overflowing {
                         meta,
                     );
                     let times = (self.arrived, started);
-                    return Ok(super::pipeline::overflow_answered(
+                    return Handled::Answered(super::pipeline::overflow_answered(
                         router, ov, route, meta, record, times, r,
                     ));
                 }
                 Ok(Err(AnswerError::Broken(e))) => {
                     super::pipeline::overflow_failed(router, ov, route, &format!("broke off its answer: {e}"));
-                    return Err(record);
+                    return Handled::Pass(record);
                 }
                 Err(_) => {
                     super::pipeline::overflow_failed(router, ov, route, "did not finish within the lane's timeout");
-                    return Err(record);
+                    return Handled::Pass(record);
                 }
             };
             drop(slot);
@@ -327,7 +327,7 @@ impl Overflowing {
             r.headers_mut().insert(axum::http::header::CONTENT_TYPE, ct.clone());
         }
         let times = (self.arrived, started);
-        Ok(super::pipeline::overflow_answered(
+        Handled::Answered(super::pipeline::overflow_answered(
             router, ov, route, meta, record, times, r,
         ))
     }

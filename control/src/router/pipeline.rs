@@ -170,9 +170,16 @@ pub async fn read_body(
         .map_err(|e| e.response(what_to_do, meta))
 }
 
+/// What a step that may answer a request did: answered it (and recorded it), or passed it on
+/// with its record to the next step.
+pub enum Handled {
+    Answered(Response),
+    Pass(RequestRecord),
+}
+
 /// The class's cached answer to this input, if it has a cache and the answer is in it (the
-/// request is recorded as served, with no GPU time). `Err(record)`: not answered; on a miss
-/// (or a bypass) `meta` says where to keep the answer the replica will give.
+/// request is recorded as served, with no GPU time). `Pass`: not answered; on a miss (or a
+/// bypass) `meta` says where to keep the answer the replica will give.
 #[allow(clippy::too_many_arguments)]
 pub fn from_cache(
     router: &Router,
@@ -184,20 +191,20 @@ pub fn from_cache(
     api: &str,
     meta: &mut Meta,
     mut record: RequestRecord,
-) -> Result<Response, RequestRecord> {
+) -> Handled {
     let Some(cache) = table.caches.get(&route.class.name) else {
-        return Err(record);
+        return Handled::Pass(record);
     };
     let bypass = headers
         .get(super::cache::CACHE_HEADER)
         .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(super::cache::BYPASS.as_bytes()));
     let Some(key) = cache.key(&route.name, &route.version, api, &tenant.name, body) else {
-        return Err(record);
+        return Handled::Pass(record);
     };
     let Some(hit) = cache.get(&key).filter(|_| !bypass) else {
         route.lane.lock().counters.cache_miss += 1;
         meta.cache = Some((cache.clone(), key, if bypass { super::cache::BYPASS } else { "miss" }));
-        return Err(record);
+        return Handled::Pass(record);
     };
     route.lane.lock().counters.cache_hit += 1;
     let mut r = (
@@ -214,7 +221,7 @@ pub fn from_cache(
     stamp_version(r.headers_mut(), meta);
     record.status = hit.status;
     router.record(record);
-    Ok(r)
+    Handled::Answered(r)
 }
 
 /// The overflow endpoint answered `r` to a request that arrived and went out at `times`:
