@@ -255,7 +255,7 @@ impl Router {
         let held = Held(slot);
         let router = self.clone();
         let body = match completion {
-            Some(_) => llm::whole_answer(body),
+            Some(_) => sse::whole_answer(body),
             None => body.clone(),
         };
         let mut record = record_for(&format!("{request_id}-shadow"), &shadow, SHADOW_TENANT);
@@ -277,7 +277,7 @@ impl Router {
             record.status = match &r {
                 Ok(f) => {
                     record.gpu_ms = f.gpu_ms;
-                    if let Some((input, output, gpu_ms)) = completion.and_then(|_| llm::answer_usage(&f.body)) {
+                    if let Some((input, output, gpu_ms)) = completion.and_then(|_| sse::answer_usage(&f.body)) {
                         (record.input_tokens, record.output_tokens) = (input, output);
                         record.gpu_ms = gpu_ms.or(f.gpu_ms);
                     }

@@ -22,7 +22,7 @@ pub fn completion(data: &[u8]) {
                 let _ = (count.total(), count.per_sequence());
             }
         }
-        let _ = super::llm::answer_usage(data);
+        let _ = super::sse::answer_usage(data);
     }
 }
 
@@ -31,8 +31,8 @@ pub fn completion(data: &[u8]) {
 pub fn sse(data: &[u8], cut: usize) {
     const LIMIT: usize = 4096;
     let cut = cut.min(data.len());
-    let mut whole = super::llm::SseScanner::new(true, LIMIT);
-    let mut split = super::llm::SseScanner::new(true, LIMIT);
+    let mut whole = super::sse::SseScanner::new(true, LIMIT);
+    let mut split = super::sse::SseScanner::new(true, LIMIT);
     let one = whole.scan(data).map(|(n, _)| n);
     let two = split
         .scan(&data[..cut])

@@ -17,8 +17,7 @@
 //! when it reports one, else counted), which feed `/metrics`, `/ui`, `lanectl lane show`, the
 //! ledger and the fast loop's `ttft` signal.
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -28,27 +27,21 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use laneway_agent::llm::{prefix_hash, CompletionRequest, Endpoint, CHARS_PER_TOKEN};
-use serde::Deserialize;
+pub use laneway_core::lane_report::LlmSummary;
 use tokio::time::Instant;
 
 use super::admission::TokenBucket;
 use super::answer::{error, request_id, stamp, with_retry_after, Meta};
 use super::body::{read_answer, AnswerError};
 use super::lane::SlotGuard;
+pub use super::llm_stats::{quantile, LlmStats, RECENT, SIGNAL_WINDOW};
 use super::metrics::{Labels, LaneHistograms};
 use super::pipeline::{authenticate, lookup, read_body, Handled};
+use super::sse::*;
 use super::table::{ModelRoute, TenantRoute};
 use super::token_count::TokenCount;
 use super::{Admitted, ForwardError, Refusal, RequestRecord, Router, TenantGuard};
 use crate::registry::{Class, LaneKind};
-pub use laneway_core::lane_report::LlmSummary;
-
-/// The window of the TTFT the fast loop scales on.
-pub const SIGNAL_WINDOW: Duration = Duration::from_secs(10);
-/// Samples older than this leave the recent statistics.
-pub const RECENT: Duration = Duration::from_secs(60);
-const MAX_TTFT_SAMPLES: usize = 4096;
-const MAX_ITL_SAMPLES: usize = 16384;
 
 /// `POST /v1/chat/completions`.
 pub(super) async fn chat_completions(State(router): State<Arc<Router>>, headers: HeaderMap, body: Body) -> Response {
@@ -732,244 +725,6 @@ impl Call {
     }
 }
 
-/// An SSE `error` event, as OpenAI-compatible clients read it.
-fn error_event(message: &str) -> Bytes {
-    let v = serde_json::json!({"error": {"message": message, "type": "laneway_stream_error"}});
-    Bytes::from(format!("event: error\ndata: {v}\n\n"))
-}
-
-/// The part of a completion (or a streamed chunk) the router reads.
-#[derive(Deserialize)]
-struct Chunk {
-    #[serde(default)]
-    choices: Vec<ChunkChoice>,
-    #[serde(default)]
-    usage: Option<ReportedUsage>,
-}
-
-#[derive(Deserialize)]
-struct ChunkChoice {
-    #[serde(default)]
-    delta: Option<Delta>,
-    #[serde(default)]
-    text: Option<String>,
-}
-
-#[derive(Deserialize)]
-struct Delta {
-    #[serde(default)]
-    content: Option<String>,
-}
-
-#[derive(Deserialize, Clone, Copy)]
-pub(super) struct ReportedUsage {
-    prompt_tokens: u32,
-    completion_tokens: u32,
-    /// The simulated server's GPU time for the request; real servers do not report it.
-    #[serde(default)]
-    laneway_gpu_ms: Option<f64>,
-}
-
-impl Chunk {
-    fn has_token(&self) -> bool {
-        self.choices.iter().any(|c| {
-            c.text.as_deref().is_some_and(|t| !t.is_empty())
-                || c.delta
-                    .as_ref()
-                    .and_then(|d| d.content.as_deref())
-                    .is_some_and(|t| !t.is_empty())
-        })
-    }
-}
-
-/// A server-sent event stream's line (or, stripping, event) over the router's limit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("sent a server-sent event line or event over the router's limit of {limit} bytes (router.max_event_bytes); the stream was cut off there")]
-pub(super) struct EventTooLong {
-    limit: usize,
-}
-
-/// Reads server-sent events as they pass, across frame boundaries. When it strips the usage
-/// chunk (the router asked for it, the client did not), it also rebuilds what passes on: whole
-/// events only, without that one; otherwise frames pass on untouched. What it holds is bounded:
-/// a line (and, stripping, an event) longer than `max_event_bytes` ends the scan.
-pub(super) struct SseScanner {
-    /// An event line split across frames.
-    carry: Vec<u8>,
-    /// The longest line, and the longest event stripping, it reads.
-    max_event_bytes: usize,
-    strip_usage: bool,
-    /// Stripping: the lines read of the event not yet ended.
-    event: Vec<u8>,
-    /// Stripping: that event is the usage chunk.
-    event_is_usage: bool,
-    /// Stripping: whole events to pass on.
-    out: Vec<u8>,
-}
-
-impl SseScanner {
-    pub(super) fn new(strip_usage: bool, max_event_bytes: usize) -> Self {
-        SseScanner {
-            carry: Vec::new(),
-            max_event_bytes,
-            strip_usage,
-            event: Vec::new(),
-            event_is_usage: false,
-            out: Vec::new(),
-        }
-    }
-
-    fn strips(&self) -> bool {
-        self.strip_usage
-    }
-
-    /// Events in `data` that carry a token, and the usage if one reported it; or, for a line
-    /// (or an event) over the limit, the error, after which the stream must end
-    /// ([`SseScanner::cut_off`]).
-    pub(super) fn scan(&mut self, data: &[u8]) -> Result<(u32, Option<ReportedUsage>), EventTooLong> {
-        let too_long = EventTooLong {
-            limit: self.max_event_bytes,
-        };
-        let (mut tokens, mut usage) = (0, None);
-        let mut rest = data;
-        while let Some(i) = rest.iter().position(|b| *b == b'\n') {
-            if self.carry.len() + i > self.max_event_bytes {
-                return Err(too_long);
-            }
-            let line = if self.carry.is_empty() {
-                &rest[..i]
-            } else {
-                self.carry.extend_from_slice(&rest[..i]);
-                self.carry.as_slice()
-            };
-            if let Some(payload) = line.strip_prefix(b"data:") {
-                let payload = payload.trim_ascii();
-                if payload != b"[DONE]" {
-                    if let Ok(c) = serde_json::from_slice::<Chunk>(payload) {
-                        tokens += u32::from(c.has_token());
-                        // The usage chunk has no choices (OpenAI's `include_usage`).
-                        self.event_is_usage |= c.usage.is_some() && c.choices.is_empty();
-                        usage = c.usage.or(usage);
-                    }
-                }
-            }
-            if self.strip_usage {
-                if self.event.len() + line.len() + 1 > self.max_event_bytes {
-                    return Err(too_long);
-                }
-                self.event.extend_from_slice(line);
-                self.event.push(b'\n');
-                if line.trim_ascii().is_empty() {
-                    if !self.event_is_usage {
-                        self.out.extend_from_slice(&self.event);
-                    }
-                    self.event.clear();
-                }
-            }
-            if line.trim_ascii().is_empty() {
-                self.event_is_usage = false;
-            }
-            self.carry.clear();
-            rest = &rest[i + 1..];
-        }
-        if self.carry.len() + rest.len() > self.max_event_bytes {
-            return Err(too_long);
-        }
-        self.carry.extend_from_slice(rest);
-        Ok((tokens, usage))
-    }
-
-    /// After [`EventTooLong`] on `data`: what still passes on before the error event, and
-    /// nothing is held any more. Stripping, the whole events read before the long one; else
-    /// `data` as it came and a blank line, which ends the line cut off mid-way.
-    fn cut_off(&mut self, data: Bytes) -> Bytes {
-        let out = std::mem::take(&mut self.out);
-        (self.carry, self.event) = (Vec::new(), Vec::new());
-        if self.strip_usage {
-            return Bytes::from(out);
-        }
-        let mut passed = Vec::with_capacity(data.len() + 2);
-        passed.extend_from_slice(&data);
-        passed.extend_from_slice(b"\n\n");
-        Bytes::from(passed)
-    }
-
-    /// Stripping: the whole events read so far, to pass on.
-    pub(super) fn take_out(&mut self) -> Bytes {
-        Bytes::from(std::mem::take(&mut self.out))
-    }
-
-    /// Stripping, at the end of the stream: whatever was held back of an unfinished event.
-    fn rest(&mut self) -> Bytes {
-        if !self.strip_usage {
-            return Bytes::new();
-        }
-        let mut rest = std::mem::take(&mut self.out);
-        if !self.event_is_usage {
-            rest.append(&mut self.event);
-            rest.append(&mut self.carry);
-        }
-        Bytes::from(rest)
-    }
-}
-
-/// The request's body with `stream_options.include_usage` set, so the replica reports the
-/// stream's tokens (and, simulated, its GPU time) at the end. The body parsed as a completion
-/// request already; were it somehow not a JSON object, it goes on unchanged.
-fn asking_for_usage(body: &Bytes) -> Bytes {
-    rewritten(body, |obj| {
-        let options = obj.entry("stream_options").or_insert_with(|| serde_json::json!({}));
-        if !options.is_object() {
-            *options = serde_json::json!({});
-        }
-        options["include_usage"] = serde_json::Value::Bool(true);
-    })
-}
-
-/// Whether the request asks for greedy sampling (`temperature` 0): the only kind whose answer
-/// the result cache may give again.
-fn greedy(body: &Bytes) -> bool {
-    serde_json::from_slice::<serde_json::Value>(body)
-        .ok()
-        .and_then(|v| v.get("temperature")?.as_f64())
-        == Some(0.0)
-}
-
-/// The body a shadow copy is sent with: a whole answer (its usage read from it), whatever
-/// the caller asked for.
-pub(super) fn whole_answer(body: &Bytes) -> Bytes {
-    rewritten(body, |obj| {
-        obj.insert("stream".into(), serde_json::Value::Bool(false));
-        obj.remove("stream_options");
-    })
-}
-
-/// Tokens and (simulated) GPU time a whole answer reports: (input, output, GPU ms).
-pub(super) fn answer_usage(body: &[u8]) -> Option<(u32, u32, Option<f64>)> {
-    let u = serde_json::from_slice::<Chunk>(body).ok()?.usage?;
-    Some((u.prompt_tokens, u.completion_tokens, u.laneway_gpu_ms))
-}
-
-/// The request's body for the model `name` (its fallback answers it: the engine serves only
-/// its own name).
-fn for_model(body: &Bytes, name: &str) -> Bytes {
-    rewritten(body, |obj| {
-        obj.insert("model".into(), serde_json::Value::String(name.into()));
-    })
-}
-
-/// `body` with `change` made to it. The body parsed as a completion request already; were it
-/// somehow not a JSON object, it goes on unchanged.
-fn rewritten(body: &Bytes, change: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) -> Bytes {
-    let Ok(serde_json::Value::Object(mut obj)) = serde_json::from_slice::<serde_json::Value>(body) else {
-        return body.clone();
-    };
-    change(&mut obj);
-    serde_json::to_vec(&obj)
-        .map(Bytes::from)
-        .unwrap_or_else(|_| body.clone())
-}
-
 /// A stream being passed through, and what it has shown so far.
 struct Relay {
     upstream: hyper::body::Incoming,
@@ -1059,135 +814,6 @@ impl Drop for Relay {
         if self.call.is_some() {
             self.finish(StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST));
         }
-    }
-}
-
-/// Recent samples of one (class, model).
-#[derive(Default)]
-struct Recent {
-    ttft: VecDeque<(Instant, f64)>,
-    itl: VecDeque<(Instant, f64)>,
-    /// (finished at, input tokens, output tokens, GPU ms).
-    done: VecDeque<(Instant, u32, u32, f64)>,
-}
-
-impl Recent {
-    fn trim(&mut self, now: Instant) {
-        let old = |at: &Instant| now.saturating_duration_since(*at) > RECENT;
-        while self.ttft.front().is_some_and(|(at, _)| old(at)) || self.ttft.len() > MAX_TTFT_SAMPLES {
-            self.ttft.pop_front();
-        }
-        while self.itl.front().is_some_and(|(at, _)| old(at)) || self.itl.len() > MAX_ITL_SAMPLES {
-            self.itl.pop_front();
-        }
-        while self.done.front().is_some_and(|(at, ..)| old(at)) || self.done.len() > MAX_TTFT_SAMPLES {
-            self.done.pop_front();
-        }
-    }
-}
-
-/// Quantile `q` (0–1) of `values` by nearest rank.
-pub fn quantile(mut values: Vec<f64>, q: f64) -> Option<f64> {
-    if values.is_empty() {
-        return None;
-    }
-    values.sort_by(f64::total_cmp);
-    let rank = ((q * values.len() as f64).ceil() as usize).clamp(1, values.len());
-    Some(values[rank - 1])
-}
-
-/// TTFT, ITL and tokens of the language models this router served lately.
-#[derive(Default)]
-pub struct LlmStats {
-    models: Mutex<HashMap<(String, String), Recent>>,
-}
-
-impl LlmStats {
-    fn with<R>(&self, class: &str, model: &str, f: impl FnOnce(&mut Recent) -> R) -> R {
-        let mut m = self.models.lock().unwrap_or_else(|p| p.into_inner());
-        f(m.entry((class.to_string(), model.to_string())).or_default())
-    }
-
-    pub fn observe_itl(&self, class: &str, model: &str, ms: f64, now: Instant) {
-        self.with(class, model, |r| {
-            r.itl.push_back((now, ms));
-            r.trim(now);
-        });
-    }
-
-    /// Counts a finished request (one that reached a replica and measured a first token).
-    pub fn finished(&self, rec: &RequestRecord, now: Instant) {
-        let Some(ttft) = rec.ttft_ms else { return };
-        self.with(&rec.class, &rec.model, |r| {
-            r.ttft.push_back((now, ttft));
-            r.done
-                .push_back((now, rec.input_tokens, rec.output_tokens, rec.gpu_ms.unwrap_or(0.0)));
-            r.trim(now);
-        });
-    }
-
-    /// The models of `class`, summarised.
-    pub fn summary(&self, class: &str, now: Instant) -> Vec<LlmSummary> {
-        let mut m = self.models.lock().unwrap_or_else(|p| p.into_inner());
-        let mut out: Vec<LlmSummary> = m
-            .iter_mut()
-            .filter(|((c, _), _)| c == class)
-            .map(|((_, model), r)| {
-                r.trim(now);
-                let ttft: Vec<f64> = r.ttft.iter().map(|(_, v)| *v).collect();
-                let itl: Vec<f64> = r.itl.iter().map(|(_, v)| *v).collect();
-                let gpu_ms: f64 = r.done.iter().map(|d| d.3).sum();
-                let output: u64 = r.done.iter().map(|d| u64::from(d.2)).sum();
-                LlmSummary {
-                    model: model.clone(),
-                    requests: r.done.len() as u64,
-                    ttft_p50_ms: quantile(ttft.clone(), 0.5),
-                    ttft_p99_ms: quantile(ttft, 0.99),
-                    itl_p50_ms: quantile(itl.clone(), 0.5),
-                    itl_p99_ms: quantile(itl, 0.99),
-                    input_tokens: r.done.iter().map(|d| u64::from(d.1)).sum(),
-                    output_tokens: output,
-                    output_tokens_per_gpu_s: (gpu_ms > 0.0).then(|| output as f64 / (gpu_ms / 1000.0)),
-                }
-            })
-            .filter(|s| s.requests > 0 || s.itl_p99_ms.is_some())
-            .collect();
-        out.sort_by(|a, b| a.model.cmp(&b.model));
-        out
-    }
-
-    /// TTFT and ITL p99 (ms) of every model of `class` over the last `window`.
-    pub fn lane_p99(&self, class: &str, window: Duration, now: Instant) -> (Option<f64>, Option<f64>) {
-        let m = self.models.lock().unwrap_or_else(|p| p.into_inner());
-        let recent = |samples: &VecDeque<(Instant, f64)>| -> Vec<f64> {
-            samples
-                .iter()
-                .filter(|(at, _)| now.saturating_duration_since(*at) <= window)
-                .map(|(_, v)| *v)
-                .collect()
-        };
-        let (mut ttft, mut itl) = (Vec::new(), Vec::new());
-        for ((c, _), r) in m.iter() {
-            if c == class {
-                ttft.extend(recent(&r.ttft));
-                itl.extend(recent(&r.itl));
-            }
-        }
-        (quantile(ttft, 0.99), quantile(itl, 0.99))
-    }
-
-    /// TTFT p99 (ms) of `model` over the last `window`, and how many samples it rests on.
-    pub fn ttft_p99(&self, model: &str, window: Duration, now: Instant) -> Option<(f64, usize)> {
-        let m = self.models.lock().unwrap_or_else(|p| p.into_inner());
-        let values: Vec<f64> = m
-            .iter()
-            .filter(|((_, name), _)| name == model)
-            .flat_map(|(_, r)| r.ttft.iter())
-            .filter(|(at, _)| now.saturating_duration_since(*at) <= window)
-            .map(|(_, v)| *v)
-            .collect();
-        let n = values.len();
-        quantile(values, 0.99).map(|p| (p, n))
     }
 }
 

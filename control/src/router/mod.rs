@@ -20,12 +20,14 @@ pub mod http;
 pub mod jobs;
 pub mod lane;
 pub mod llm;
+pub mod llm_stats;
 pub mod metrics;
 pub mod overflow;
 pub mod pipeline;
 mod report;
 pub mod server;
 pub mod slot;
+pub mod sse;
 pub mod table;
 pub mod token_count;
 
