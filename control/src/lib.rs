@@ -10,6 +10,7 @@
 //! in the lower layers.
 
 pub use laneway_client as client;
+pub use laneway_router as router;
 pub use laneway_store::{self as store, raft_types};
 
 pub use laneway_core::{admission, command, gpu, llm, node, planner, registry, runtime_spec, state, text, usage};
@@ -29,7 +30,8 @@ pub mod network;
 pub mod observe;
 pub mod proposer;
 pub mod provision;
-pub mod router;
+
+pub mod router_host;
 pub mod scheduler;
 pub mod server;
 pub mod telemetry;

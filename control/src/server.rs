@@ -188,7 +188,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         sm: sm.clone(),
         proposer,
         heartbeats: Arc::new(HeartbeatTable::default()),
-        router: Router::new(sm.clone()),
+        router: Router::new(Arc::new(crate::router_host::AppliedState(sm.clone()))),
         load: Arc::default(),
         jobs: jobs.clone(),
         history: Arc::default(),
@@ -198,7 +198,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         actors: laneway_actors::ActorBoard::new(),
     };
     let router = ctx.router.clone();
-    router.enable_jobs(jobs, results);
+    router.enable_jobs(jobs, Arc::new(crate::router_host::Results(results)));
     let router_task = router.start();
     let router_server = match router_listener {
         Some(l) => Some(

@@ -14,8 +14,8 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
-/// Target of the spans exported as traces (router → dispatch → replica).
-pub const TRACE_TARGET: &str = "laneway_trace";
+/// The target of the request spans (the router's `laneway_router::TRACE_TARGET`).
+pub use laneway_router::TRACE_TARGET;
 
 pub use laneway_agent::logging::LogFormat;
 

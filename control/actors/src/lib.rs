@@ -18,6 +18,7 @@
 
 pub mod board;
 pub mod failpoint;
+pub mod labels;
 pub mod metrics;
 pub mod oneshot;
 pub mod restart;

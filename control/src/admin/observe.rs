@@ -186,7 +186,7 @@ pub(super) async fn job_writes(
             Ok(w) => w,
             Err(e) => return refused(e.to_string()),
         };
-        if let Err(e) = write.clone().into_command().validate() {
+        if let Err(e) = crate::jobs::gateway::command_of(write.clone()).validate() {
             return refused(e.to_string());
         }
         match admin.jobs.commit_here(write).await {

@@ -12,9 +12,17 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
-use serde::{Deserialize, Serialize};
+pub use laneway_core::jobs::{GatewayError, JobWrite};
 
-use super::{JobOutcome, JobSubmission};
+/// The command a job write proposes.
+pub fn command_of(write: JobWrite) -> Command {
+    match write {
+        JobWrite::Submit(s) => Command::SubmitJob(s),
+        JobWrite::Cancel { job_id, at_ms } => Command::CancelJob { job_id, at_ms },
+    }
+}
+
+use super::JobOutcome;
 use crate::client::AdminClient;
 use crate::command::{Command, CommandResponse};
 use crate::proposer::Proposer;
@@ -31,35 +39,6 @@ const FORWARD_BATCH_BYTES: usize = 1024 * 1024;
 const FORWARD_IN_FLIGHT: usize = 4;
 /// Writes waiting to be forwarded before routers wait for room.
 const FORWARD_QUEUE: usize = 16 * 1024;
-
-/// A job write a router may make.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum JobWrite {
-    Submit(JobSubmission),
-    Cancel { job_id: String, at_ms: u64 },
-}
-
-impl JobWrite {
-    pub fn into_command(self) -> Command {
-        match self {
-            JobWrite::Submit(s) => Command::SubmitJob(s),
-            JobWrite::Cancel { job_id, at_ms } => Command::CancelJob { job_id, at_ms },
-        }
-    }
-}
-
-/// Why a job write has no answer.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum GatewayError {
-    /// No leader, or the leader changed or could not be reached while the write was in
-    /// flight: it may or may not have been committed. Retrying with the same
-    /// `Idempotency-Key` is safe.
-    #[error("{0}")]
-    Unavailable(String),
-    /// The state machine refused it (state unchanged).
-    #[error("{0}")]
-    Rejected(String),
-}
 
 /// A write waiting for the forwarder.
 struct Forward {
@@ -141,7 +120,7 @@ impl JobGateway {
     /// Commits `write` on the leader (this controller must be it): used by `JobWrite` calls.
     pub async fn commit_here(&self, write: JobWrite) -> Result<(u64, CommandResponse), GatewayError> {
         self.proposer
-            .propose(write.into_command())
+            .propose(command_of(write))
             .await
             .map_err(|e| GatewayError::Unavailable(format!("the write may not have been committed: {e}")))
     }

@@ -686,6 +686,27 @@ pub struct Assignment {
     pub replica_id: String,
 }
 
+/// A job write a router may make.
+/// A job write a router sends to the leader.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum JobWrite {
+    Submit(JobSubmission),
+    Cancel { job_id: String, at_ms: u64 },
+}
+
+/// Why a job write has no answer.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum GatewayError {
+    /// No leader, or the leader changed or could not be reached while the write was in
+    /// flight: it may or may not have been committed. Retrying with the same
+    /// `Idempotency-Key` is safe.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The state machine refused it (state unchanged).
+    #[error("{0}")]
+    Rejected(String),
+}
+
 /// The key of the result an attempt writes.
 pub fn result_key(job_id: &str, token: u64) -> String {
     format!("jobs/{job_id}/{token}")

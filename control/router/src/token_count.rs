@@ -9,7 +9,7 @@
 //! arguments. And every sequence the engine generates counts: `max_tokens` for each of the
 //! `n` (or `best_of`) choices of each prompt of a batch.
 
-use laneway_agent::llm::{CompletionRequest, Endpoint, CHARS_PER_TOKEN};
+use laneway_core::llm::{CompletionRequest, Endpoint, CHARS_PER_TOKEN};
 use serde_json::{Map, Value};
 
 /// The least a content part that is not text (an image, audio) counts: what one image costs

@@ -16,6 +16,7 @@ mod ejection;
 mod forward;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod host;
 pub mod http;
 pub mod jobs;
 pub mod lane;
@@ -46,7 +47,7 @@ use hyper_util::rt::TokioExecutor;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::store::StateMachineStore;
+use crate::host::RoutingState;
 use admission::{retry_after_secs, TokenBucket};
 use lane::SlotGuard;
 use table::{ModelRoute, ReplicaSlot, Table};
@@ -163,7 +164,7 @@ pub use laneway_core::usage::RequestRecord;
 pub fn record_for(request_id: &str, route: &ModelRoute, tenant: &str) -> RequestRecord {
     RequestRecord {
         request_id: request_id.to_string(),
-        unix_ms: crate::jobs::unix_ms(),
+        unix_ms: crate::unix_ms(),
         lane: route.class.lane.to_string(),
         class: route.class.name.clone(),
         model: route.public.clone(),
@@ -207,13 +208,13 @@ impl Drop for TenantGuard {
 
 /// The router of one controller.
 pub struct Router {
-    sm: StateMachineStore,
+    sm: Arc<dyn RoutingState>,
     table: RwLock<Arc<Table>>,
     tenants: Mutex<HashMap<(String, String), TenantState>>,
     client: Client<HttpConnector, Full<Bytes>>,
     records: Mutex<VecDeque<RequestRecord>>,
     /// Usage served and not yet committed to the ledger.
-    meter: crate::usage::Meter,
+    meter: laneway_core::usage::Meter,
     histograms: metrics::LaneHistograms,
     /// Language models: recent TTFT and ITL samples and token counts.
     llm_stats: llm::LlmStats,
@@ -225,8 +226,8 @@ pub struct Router {
     built: AtomicBool,
     /// The durable job queue's gateway and results store, when this router runs on a
     /// controller (set once at start).
-    jobs: std::sync::OnceLock<Arc<crate::jobs::gateway::JobGateway>>,
-    results: std::sync::OnceLock<laneway_agent::results::ResultStore>,
+    jobs: std::sync::OnceLock<Arc<dyn crate::host::JobSink>>,
+    results: std::sync::OnceLock<Arc<dyn crate::host::ResultSource>>,
     /// Whether this controller has applied everything the leader had committed when it
     /// looked: until then its state may be older than what clients were already told (a
     /// restarted or new member), and the router answers 503 instead of from that state.
@@ -237,7 +238,7 @@ pub struct Router {
 }
 
 impl Router {
-    pub fn new(sm: StateMachineStore) -> Arc<Self> {
+    pub fn new(sm: Arc<dyn RoutingState>) -> Arc<Self> {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(Duration::from_secs(2)));
@@ -251,7 +252,7 @@ impl Router {
             tenants: Mutex::default(),
             client,
             records: Mutex::new(VecDeque::with_capacity(RECORDS_KEPT)),
-            meter: crate::usage::Meter::new(uuid::Uuid::new_v4().simple().to_string()),
+            meter: laneway_core::usage::Meter::new(uuid::Uuid::new_v4().simple().to_string()),
             histograms: metrics::LaneHistograms::default(),
             llm_stats: llm::LlmStats::default(),
             token_buckets: Mutex::default(),
@@ -327,7 +328,7 @@ impl Router {
             .unwrap()
             .rows
             .iter()
-            .filter(|u| u.product.as_deref() == Some(crate::ledger::OVERFLOW_PRODUCT))
+            .filter(|u| u.product.as_deref() == Some(laneway_core::ledger::OVERFLOW_PRODUCT))
             .fold((0, 0), |(r, n), u| (r + u.requests, n + u.overflow_nanos))
     }
 
@@ -338,11 +339,7 @@ impl Router {
     }
 
     /// Lets this router take durable jobs (once; later calls are ignored).
-    pub fn enable_jobs(
-        &self,
-        gateway: Arc<crate::jobs::gateway::JobGateway>,
-        results: laneway_agent::results::ResultStore,
-    ) {
+    pub fn enable_jobs(&self, gateway: Arc<dyn crate::host::JobSink>, results: Arc<dyn crate::host::ResultSource>) {
         if self.jobs.set(gateway.clone()).is_ok() {
             // Serve only once this controller has applied what the leader had committed.
             self.caught_up.store(false, Ordering::Release);
@@ -383,12 +380,22 @@ pub fn retry_after_header(wait: Duration) -> HeaderValue {
     HeaderValue::from(retry_after_secs(wait))
 }
 
+/// Wall-clock milliseconds since the Unix epoch, for the timestamps records and jobs carry.
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The `tracing` target of the spans that carry a request's W3C trace (exported over OTLP).
+pub const TRACE_TARGET: &str = "laneway_trace";
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::registry::{Class, LaneKind};
-    use crate::registry::{Degraded, Millis};
     use lane::Lane;
+    use laneway_core::registry::{Class, LaneKind};
+    use laneway_core::registry::{Degraded, Millis};
 
     fn class(lane: LaneKind, budget_ms: f64) -> Arc<Class> {
         Arc::new(Class {
@@ -433,8 +440,7 @@ mod tests {
 
     fn router() -> (Arc<Router>, tempfile::TempDir) {
         let dir = tempfile::tempdir().unwrap();
-        let sm = StateMachineStore::open(dir.path()).unwrap();
-        (Router::new(sm), dir)
+        (Router::new(Arc::new(crate::host::MemoryState::default())), dir)
     }
 
     #[tokio::test(start_paused = true)]

@@ -18,7 +18,7 @@ use tokio::time::Instant;
 use super::answer::{error, stamp, stamp_version, with_retry_after, Meta, DEGRADED};
 use super::table::{ModelRoute, Table, TenantRoute};
 use super::{Refusal, RequestRecord, Router};
-use crate::registry::hash_key;
+use laneway_core::registry::hash_key;
 
 /// The route that answers a request for `route` at `now_ms`: itself while it has a healthy
 /// replica; else its fallback model if that one has (and the request's path `accepts` it);
@@ -39,8 +39,8 @@ pub fn healthy_or_fallback(
         return Ok(route.clone());
     }
     let fallback = route.fallback.as_deref().and_then(|f| table.route(f, now_ms));
-    if let Some(fb) =
-        fallback.filter(|f| f.is_healthy(now_ms) && f.class.lane != crate::registry::LaneKind::Durable && accepts(f))
+    if let Some(fb) = fallback
+        .filter(|f| f.is_healthy(now_ms) && f.class.lane != laneway_core::registry::LaneKind::Durable && accepts(f))
     {
         tracing::debug!(model = %route.public, fallback = %fb.public, "no healthy replica: the fallback model answers");
         meta.fallback_for = HeaderValue::from_str(&route.public).ok();
@@ -238,8 +238,8 @@ pub fn overflow_answered(
 ) -> Response {
     ov.succeeded();
     route.lane.lock().counters.overflowed += 1;
-    record.replica = Some(crate::ledger::OVERFLOW_PRODUCT.into());
-    record.product = Some(crate::ledger::OVERFLOW_PRODUCT.into());
+    record.replica = Some(laneway_core::ledger::OVERFLOW_PRODUCT.into());
+    record.product = Some(laneway_core::ledger::OVERFLOW_PRODUCT.into());
     record.service_ms = started.elapsed().as_secs_f64() * 1000.0;
     record.queue_ms = started.saturating_duration_since(arrived).as_secs_f64() * 1000.0;
     record.status = r.status().as_u16();

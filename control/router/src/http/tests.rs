@@ -3,11 +3,11 @@ use std::net::SocketAddr;
 use tokio::net::TcpListener;
 
 use super::*;
-use crate::registry::hash_key;
 use axum::routing::post;
+use laneway_core::registry::hash_key;
 
-use crate::router::answer::MODEL_VERSION;
-use crate::router::server::{serve, HttpsSettings, RouterServer, RouterSettings};
+use crate::answer::MODEL_VERSION;
+use crate::server::{serve, HttpsSettings, RouterServer, RouterSettings};
 
 #[test]
 fn malformed_bodies_name_the_field() {
@@ -35,14 +35,14 @@ fn router_with(replicas: &[(&str, SocketAddr)]) -> (Arc<Router>, tempfile::TempD
 }
 
 /// The router unit tests' fleet and registry with tenant `t` (key `k`).
-fn fixture_with_tenant() -> (crate::fleet::Fleet, crate::registry::Registry) {
+fn fixture_with_tenant() -> (laneway_core::fleet::Fleet, laneway_core::registry::Registry) {
     let (fleet, mut reg) = super::super::table::test_fixture();
     add_tenant(&mut reg, "t", "k");
     (fleet, reg)
 }
 
-fn add_tenant(reg: &mut crate::registry::Registry, name: &str, key: &str) {
-    reg.create_tenant(&crate::registry::Tenant {
+fn add_tenant(reg: &mut laneway_core::registry::Registry, name: &str, key: &str) {
+    reg.create_tenant(&laneway_core::registry::Tenant {
         name: name.into(),
         key_sha256: hash_key(key),
         limits: Default::default(),
@@ -51,8 +51,8 @@ fn add_tenant(reg: &mut crate::registry::Registry, name: &str, key: &str) {
 }
 
 /// A ready replica `id` of the entry `model` on n1's GPU, at `addr`.
-fn ready(id: &str, model: &str, addr: SocketAddr) -> crate::registry::ReplicaRecord {
-    crate::registry::ReplicaRecord {
+fn ready(id: &str, model: &str, addr: SocketAddr) -> laneway_core::registry::ReplicaRecord {
+    laneway_core::registry::ReplicaRecord {
         id: id.into(),
         model: model.into(),
         device: "GPU-1".into(),
@@ -62,9 +62,12 @@ fn ready(id: &str, model: &str, addr: SocketAddr) -> crate::registry::ReplicaRec
 }
 
 /// A router with the table built from `fleet` and `reg` (no controller behind it).
-fn router_from(fleet: &crate::fleet::Fleet, reg: &crate::registry::Registry) -> (Arc<Router>, tempfile::TempDir) {
+fn router_from(
+    fleet: &laneway_core::fleet::Fleet,
+    reg: &laneway_core::registry::Registry,
+) -> (Arc<Router>, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
-    let router = Router::new(crate::store::StateMachineStore::open(dir.path()).unwrap());
+    let router = Router::new(Arc::new(crate::host::MemoryState::default()));
     router.install(super::super::table::build(fleet, reg, &Default::default()));
     (router, dir)
 }
@@ -105,8 +108,7 @@ async fn the_replica_continues_the_clients_trace_through_the_router() {
     let otel = tracing_opentelemetry::layer()
         .with_tracer(provider.tracer("test"))
         .with_filter(
-            tracing_subscriber::filter::Targets::new()
-                .with_target(crate::telemetry::TRACE_TARGET, tracing::Level::DEBUG),
+            tracing_subscriber::filter::Targets::new().with_target(crate::TRACE_TARGET, tracing::Level::DEBUG),
         );
     let tracing_on = tracing::subscriber::set_default(tracing_subscriber::registry().with(otel));
     // Tests run on parallel threads without a subscriber. With a single registered
@@ -445,8 +447,8 @@ async fn a_hedged_request_is_answered_by_the_faster_replica_within_the_budget() 
     let (slow, fast) = (sim_replica(400.0).await, sim_replica(2.0).await);
     let (fleet, mut reg) = fixture_with_tenant();
     let mut speech = reg.classes["speech"].clone();
-    speech.hedge = Some(crate::registry::HedgeSpec {
-        after_ms: crate::registry::Millis::from_ms(50.0),
+    speech.hedge = Some(laneway_core::registry::HedgeSpec {
+        after_ms: laneway_core::registry::Millis::from_ms(50.0),
         percent: 50,
     });
     reg.put_class(&speech).unwrap();
@@ -604,7 +606,7 @@ async fn shadow_copies_never_touch_the_callers_answer_or_its_time() {
 /// tenant, or the bypass header, goes to the replica.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cache_hit_returns_identical_bytes_and_is_scoped_to_the_tenant() {
-    use crate::registry::CacheSpec;
+    use laneway_core::registry::CacheSpec;
     let addr = sim_replica(5.0).await;
     let (fleet, mut reg) = super::super::table::test_fixture();
     let mut speech = reg.classes["speech"].clone();
@@ -658,7 +660,7 @@ async fn a_cache_hit_returns_identical_bytes_and_is_scoped_to_the_tenant() {
 /// marked degraded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_healthy_replica_means_the_fallback_model_or_the_lanes_canned_answer() {
-    use crate::registry::FallbackResponse;
+    use laneway_core::registry::FallbackResponse;
     let tiny = sim_replica_of("tiny", 1.0).await;
     let dead = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -666,24 +668,24 @@ async fn no_healthy_replica_means_the_fallback_model_or_the_lanes_canned_answer(
         .unwrap();
     let (fleet, mut reg) = super::super::table::test_fixture();
     let whisper = reg.models["whisper"].clone();
-    reg.put_model(&crate::registry::Model {
+    reg.put_model(&laneway_core::registry::Model {
         name: "tiny".into(),
         version: "7".into(),
         ..whisper.clone()
     })
     .unwrap();
-    reg.put_model(&crate::registry::Model {
+    reg.put_model(&laneway_core::registry::Model {
         fallback: Some("tiny".into()),
         ..whisper.clone()
     })
     .unwrap();
-    reg.put_model(&crate::registry::Model {
+    reg.put_model(&laneway_core::registry::Model {
         name: "ghost".into(),
         ..whisper.clone()
     })
     .unwrap();
     assert!(reg
-        .put_model(&crate::registry::Model {
+        .put_model(&laneway_core::registry::Model {
             fallback: Some("nope".into()),
             ..whisper.clone()
         })
@@ -727,7 +729,7 @@ async fn no_healthy_replica_means_the_fallback_model_or_the_lanes_canned_answer(
 /// is metered at the endpoint's price per request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overflow_takes_only_the_excess_and_is_metered_at_its_price() {
-    use crate::registry::OverflowSpec;
+    use laneway_core::registry::OverflowSpec;
     let owned = sim_replica(400.0).await;
     let hosted = sim_replica(5.0).await;
     let (fleet, mut reg) = super::super::table::test_fixture();
@@ -788,7 +790,7 @@ async fn sent_out_of(addr: SocketAddr, n: usize) -> u64 {
 /// HTTPS plays the hosted API; the overflow's key is its tenant key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_https_overflow_endpoint_is_verified_and_sent_its_key_from_the_environment() {
-    use crate::registry::OverflowSpec;
+    use laneway_core::registry::OverflowSpec;
     // The hosted API: its own replica, tenant `hosted` with key `sk-hosted`, served over
     // HTTPS with a certificate from a CA of its own.
     let ca = laneway_pki::Ca::create("hosted", Duration::from_secs(3600)).unwrap();

@@ -20,8 +20,8 @@ use hyper_util::client::legacy::Client;
 use rustls::pki_types::pem::PemObject as _;
 use rustls::pki_types::CertificateDer;
 
-use crate::registry::OverflowSpec;
 pub use laneway_core::lane_report::OverflowStatus;
+use laneway_core::registry::OverflowSpec;
 
 /// Failures in a row that open the breaker.
 pub const BREAKER_FAILURES: u32 = 5;
@@ -132,7 +132,7 @@ fn connect(spec: &OverflowSpec) -> Result<(OverflowClient, Option<HeaderValue>),
         None => None,
         Some(var) => {
             // Checked again here: a class written before the prefix rule names any variable.
-            crate::registry::check_overflow_token_env(var)?;
+            laneway_core::registry::check_overflow_token_env(var)?;
             let token = std::env::var(var).map_err(|_| {
                 format!(
                     "${var} (its bearer token) is not set in this controller's environment; set it on every controller"

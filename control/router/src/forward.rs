@@ -108,7 +108,7 @@ impl Router {
     pub(super) async fn forward_completion(
         &self,
         slot: &ReplicaSlot,
-        endpoint: laneway_agent::llm::Endpoint,
+        endpoint: laneway_core::llm::Endpoint,
         body: Bytes,
         request_id: &str,
         timeout: Duration,
@@ -238,7 +238,7 @@ impl Router {
         route: &ModelRoute,
         body: &Bytes,
         request_id: &str,
-        completion: Option<laneway_agent::llm::Endpoint>,
+        completion: Option<laneway_core::llm::Endpoint>,
     ) {
         let Some(shadow) = table.shadow(&route.public) else {
             return;

@@ -18,8 +18,8 @@ pub use super::slot::{
 };
 #[cfg(test)]
 pub use super::slot::{test_slot, test_slot_named};
-use crate::fleet::{Fleet, Liveness};
-use crate::registry::{Class, Registry, TenantLimit};
+use laneway_core::fleet::{Fleet, Liveness};
+use laneway_core::registry::{Class, Registry, TenantLimit};
 
 /// A model as the request path sees it.
 #[derive(Debug)]
@@ -38,7 +38,7 @@ pub struct ModelRoute {
     pub version_header: HeaderValue,
     pub replicas: Vec<Arc<ReplicaSlot>>,
     /// A language model's spec: served on the OpenAI-compatible paths.
-    pub llm: Option<crate::registry::LlmSpec>,
+    pub llm: Option<laneway_core::registry::LlmSpec>,
     /// The model that answers while this one has no healthy replica.
     pub fallback: Option<String>,
 }
@@ -267,7 +267,7 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &Table) -> Table {
         // same id and model), or as a static replica of a node an operator vouched for: a
         // compromised agent cannot take another model's traffic.
         let placed = registry.desired.get(node_id);
-        let vouched = |r: &&crate::registry::ReplicaRecord| {
+        let vouched = |r: &&laneway_core::registry::ReplicaRecord| {
             node.static_replicas || placed.is_some_and(|d| d.iter().any(|p| p.id == r.id && p.model == r.model))
         };
         for r in replicas.iter().filter(|r| r.state == "ready") {

@@ -535,9 +535,9 @@ mod over_tcp {
     use tokio::net::{TcpListener, TcpStream};
 
     use super::*;
-    use crate::registry::{hash_key, LlmSpec, ReplicaRecord, Tenant};
-    use crate::router::server::{serve, RouterServer, RouterSettings};
-    use crate::router::Router;
+    use crate::server::{serve, RouterServer, RouterSettings};
+    use crate::Router;
+    use laneway_core::registry::{hash_key, LlmSpec, ReplicaRecord, Tenant};
 
     /// How long a test waits for an answer the router must give (far more than it needs).
     const ANSWER_WITHIN: Duration = Duration::from_secs(10);
@@ -573,7 +573,7 @@ mod over_tcp {
     /// A router with `whisper` and the language model `chat` on the replica at `replica`, and
     /// tenant `t` (key `k`), served with `limits` (`overflow`: the speech lane's endpoint).
     async fn serving(replica: SocketAddr, overflow: Option<SocketAddr>, limits: BodyLimits) -> Served {
-        let (fleet, mut reg) = crate::router::table::test_fixture();
+        let (fleet, mut reg) = crate::table::test_fixture();
         let mut chat = reg.models["whisper"].clone();
         chat.name = "chat".into();
         chat.llm = Some(LlmSpec {
@@ -584,7 +584,7 @@ mod over_tcp {
         reg.put_model(&chat).unwrap();
         if let Some(at) = overflow {
             let mut speech = reg.classes["speech"].clone();
-            speech.overflow = Some(crate::registry::OverflowSpec::for_test(
+            speech.overflow = Some(laneway_core::registry::OverflowSpec::for_test(
                 &format!("http://{at}"),
                 8,
                 1_000,
@@ -606,8 +606,8 @@ mod over_tcp {
         };
         reg.set_node_replicas("n1", &[replica("whisper"), replica("chat")]);
         let dir = tempfile::tempdir().unwrap();
-        let router = Router::new(crate::store::StateMachineStore::open(dir.path()).unwrap());
-        router.install(crate::router::table::build(&fleet, &reg, &Default::default()));
+        let router = Router::new(Arc::new(crate::host::MemoryState::default()));
+        router.install(crate::table::build(&fleet, &reg, &Default::default()));
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let server = serve(
             router.clone(),
@@ -894,11 +894,11 @@ mod over_tcp {
             .collect();
         let r = infer().await.unwrap();
         assert_eq!(r.status(), 502);
-        assert!(r.headers().contains_key(crate::router::overflow::OVERFLOW_HEADER));
+        assert!(r.headers().contains_key(crate::overflow::OVERFLOW_HEADER));
         assert!(r.text().await.unwrap().contains("the overflow endpoint answered more"));
         let r = chat(false).await.unwrap();
         assert_eq!(r.status(), 502);
-        assert!(r.headers().contains_key(crate::router::overflow::OVERFLOW_HEADER));
+        assert!(r.headers().contains_key(crate::overflow::OVERFLOW_HEADER));
         assert!(r.text().await.unwrap().contains("the overflow endpoint answered more"));
         for (m, taken) in busy {
             for _ in 0..taken {

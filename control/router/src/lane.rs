@@ -16,8 +16,8 @@ use tokio::time::Instant;
 
 use super::admission::{DrainRate, Level, OverloadState};
 use super::slot::ReplicaSlot;
-use crate::registry::LaneKind;
 pub use laneway_core::lane_report::LaneStatus;
+use laneway_core::registry::LaneKind;
 
 /// A queued request waiting for a slot of `model`.
 pub struct Waiter {
@@ -320,7 +320,7 @@ mod tests {
     }
 
     fn slot(model: &str) -> Arc<ReplicaSlot> {
-        crate::router::slot::test_slot(model, 2)
+        crate::slot::test_slot(model, 2)
     }
 
     #[test]

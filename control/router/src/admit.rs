@@ -9,9 +9,9 @@ use rand::Rng;
 use tokio::time::Instant;
 
 use super::*;
-use crate::registry::{Class, LaneKind, TenantLimit};
 use admission::{bounded_admit, sync_retry_after, TokenBucket};
 use lane::{Lane, SlotGuard, SHORT_WINDOW};
+use laneway_core::registry::{Class, LaneKind, TenantLimit};
 use table::{ModelRoute, ReplicaSlot, TenantRoute};
 
 impl Router {

@@ -13,7 +13,7 @@ use bytes::Bytes;
 use hyper::header::HeaderValue;
 use sha2::{Digest, Sha256};
 
-use crate::registry::CacheSpec;
+use laneway_core::registry::CacheSpec;
 
 /// Response header: `hit`, `miss` or `bypass`.
 pub const CACHE_HEADER: &str = "x-laneway-cache";

@@ -1,5 +1,5 @@
 use super::*;
-use crate::registry::ReplicaRecord;
+use laneway_core::registry::ReplicaRecord;
 
 fn setup() -> (Fleet, Registry) {
     let (fleet, mut reg) = test_fixture();
@@ -33,7 +33,7 @@ fn only_placed_or_vouched_replicas_route() {
         "{:?}",
         t.unroutable
     );
-    let placed = |model: &str| crate::registry::DesiredReplica {
+    let placed = |model: &str| laneway_core::registry::DesiredReplica {
         id: "a".into(),
         model: model.into(),
         gpu: "GPU-1".into(),
@@ -77,10 +77,10 @@ fn only_ready_replicas_on_live_nodes_route_and_slots_survive_rebuilds() {
 /// Versions and a rollout as the registry and the router see them.
 #[test]
 fn a_rollout_splits_a_models_traffic_and_a_promotion_moves_it() {
-    use crate::registry::rollout::{RolloutAction, RolloutRequest};
+    use laneway_core::registry::rollout::{RolloutAction, RolloutRequest};
     let (fleet, mut reg) = test_fixture();
     let v1 = reg.models["whisper"].clone();
-    let v2 = crate::registry::Model {
+    let v2 = laneway_core::registry::Model {
         version: "2".into(),
         ..v1.clone()
     };
@@ -90,15 +90,15 @@ fn a_rollout_splits_a_models_traffic_and_a_promotion_moves_it() {
         "whisper@2",
         "deploying it again is a no-op"
     );
-    let changed = crate::registry::Model {
-        runtime: crate::registry::Runtime {
+    let changed = laneway_core::registry::Model {
+        runtime: laneway_core::registry::Runtime {
             health_path: "/other".into(),
             ..v2.runtime.clone()
         },
         ..v2.clone()
     };
     assert!(reg.deploy_version(&changed).unwrap_err().contains("immutable"));
-    let other_class = crate::registry::Model {
+    let other_class = laneway_core::registry::Model {
         class: "other".into(),
         version: "3".into(),
         ..v1.clone()
@@ -107,7 +107,7 @@ fn a_rollout_splits_a_models_traffic_and_a_promotion_moves_it() {
     assert!(reg.is_placed(&reg.models["whisper"]));
     assert!(!reg.is_placed(&reg.models["whisper@2"]), "idle until a rollout");
 
-    let start = |reg: &crate::registry::Registry, steps: Vec<u8>| {
+    let start = |reg: &laneway_core::registry::Registry, steps: Vec<u8>| {
         RolloutRequest {
             strategy: Default::default(),
             model: "whisper".into(),
@@ -124,7 +124,7 @@ fn a_rollout_splits_a_models_traffic_and_a_promotion_moves_it() {
     reg.start_rollout(&r).unwrap();
     assert!(reg.start_rollout(&r).unwrap_err().contains("already rolling out"));
     assert!(reg.is_placed(&reg.models["whisper@2"]), "placed while it rolls out");
-    let replica = |id: &str, model: &str, port: u16| crate::registry::ReplicaRecord {
+    let replica = |id: &str, model: &str, port: u16| laneway_core::registry::ReplicaRecord {
         id: id.into(),
         model: model.into(),
         device: "GPU-1".into(),
@@ -165,7 +165,7 @@ fn a_rollout_splits_a_models_traffic_and_a_promotion_moves_it() {
     assert_eq!(reg.rollouts["whisper"].events.len(), 3, "started, advanced, promoted");
 
     // Rolling back leaves traffic where it was and the new version idle.
-    let v3 = crate::registry::Model {
+    let v3 = laneway_core::registry::Model {
         version: "3".into(),
         ..v1.clone()
     };
@@ -189,7 +189,7 @@ fn a_rollout_splits_a_models_traffic_and_a_promotion_moves_it() {
 
     // A shadow of version 3: placed, mirrored, never served; promoting it ends it passed.
     let mut shadow = RolloutRequest {
-        strategy: crate::registry::rollout::Strategy::Shadow,
+        strategy: laneway_core::registry::rollout::Strategy::Shadow,
         model: "whisper".into(),
         version: "3".into(),
         steps: vec![30],
@@ -215,7 +215,7 @@ fn a_rollout_splits_a_models_traffic_and_a_promotion_moves_it() {
         .unwrap();
     assert_eq!(
         reg.rollouts["whisper"].state,
-        crate::registry::rollout::RolloutState::Passed
+        laneway_core::registry::rollout::RolloutState::Passed
     );
     assert_eq!(reg.serving_entry("whisper"), "whisper@2", "a shadow moves no traffic");
 }

@@ -150,7 +150,7 @@ async fn serve_infer(router: Arc<Router>, model: String, headers: HeaderMap, bod
     if let Err(msg) = check_body(&body) {
         return error(StatusCode::BAD_REQUEST, msg, &meta);
     }
-    if class.lane == crate::registry::LaneKind::Durable {
+    if class.lane == laneway_core::registry::LaneKind::Durable {
         return super::jobs::submit_infer(&router, &tenant, &route, body, &headers, &meta).await;
     }
     let mut record = super::record_for(&meta.request_id, &route, &tenant.name);
@@ -441,7 +441,7 @@ async fn hedged(
     request_id: &str,
     traceparent: Option<&HeaderValue>,
     left: Duration,
-    hedge: crate::registry::HedgeSpec,
+    hedge: laneway_core::registry::HedgeSpec,
 ) -> (Result<super::Forwarded, ForwardError>, super::lane::SlotGuard, bool) {
     let started = Instant::now();
     let after = hedge.after_ms.as_duration();

@@ -19,13 +19,13 @@ use sha2::{Digest, Sha256};
 use super::answer::{error, request_id, stamp, with_retry_after, Meta};
 use super::pipeline::{authenticate, check_body, lookup, read_body};
 use super::table::{ModelRoute, TenantRoute};
-use super::Router;
-use crate::jobs::gateway::{GatewayError, JobWrite};
-use crate::jobs::{
-    unix_ms, Job, JobOutcome, JobState, JobSubmission, DEFAULT_MAX_ATTEMPTS, MAX_ATTEMPTS_LIMIT,
-    MAX_IDEMPOTENCY_KEY_BYTES, MAX_INLINE_INPUT_BYTES,
+use super::{unix_ms, Router};
+use laneway_core::jobs::{GatewayError, JobWrite};
+use laneway_core::jobs::{
+    Job, JobOutcome, JobState, JobSubmission, DEFAULT_MAX_ATTEMPTS, MAX_ATTEMPTS_LIMIT, MAX_IDEMPOTENCY_KEY_BYTES,
+    MAX_INLINE_INPUT_BYTES,
 };
-use crate::registry::LaneKind;
+use laneway_core::registry::LaneKind;
 
 /// Header a client sets so that resubmitting returns the same job.
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
@@ -288,8 +288,8 @@ pub(super) async fn submit(
 #[cfg(feature = "testing")]
 fn planted_ack_before_commit(
     router: &Router,
-    gateway: &Arc<crate::jobs::gateway::JobGateway>,
-    submission: &crate::jobs::JobSubmission,
+    gateway: &Arc<dyn crate::host::JobSink>,
+    submission: &laneway_core::jobs::JobSubmission,
     meta: &Meta,
 ) -> Response {
     let (gateway, submission) = (gateway.clone(), submission.clone());

@@ -26,8 +26,8 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use laneway_agent::llm::{prefix_hash, CompletionRequest, Endpoint, CHARS_PER_TOKEN};
 pub use laneway_core::lane_report::LlmSummary;
+use laneway_core::llm::{prefix_hash, CompletionRequest, Endpoint, CHARS_PER_TOKEN};
 use tokio::time::Instant;
 
 use super::admission::TokenBucket;
@@ -41,7 +41,7 @@ use super::sse::*;
 use super::table::{ModelRoute, TenantRoute};
 use super::token_count::TokenCount;
 use super::{Admitted, ForwardError, Refusal, RequestRecord, Router, TenantGuard};
-use crate::registry::{Class, LaneKind};
+use laneway_core::registry::{Class, LaneKind};
 
 /// `POST /v1/chat/completions`.
 pub(super) async fn chat_completions(State(router): State<Arc<Router>>, headers: HeaderMap, body: Body) -> Response {

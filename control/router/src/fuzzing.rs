@@ -2,7 +2,7 @@
 //! clients and replicas send, each checked for what must hold whatever the input (no panic,
 //! bounded buffers, a canonical cache key). Not an API.
 
-use laneway_agent::llm::{CompletionRequest, Endpoint};
+use laneway_core::llm::{CompletionRequest, Endpoint};
 
 /// A KServe v2 inference body: checked or refused.
 pub fn kserve_body(data: &[u8]) {
@@ -48,7 +48,7 @@ pub fn sse(data: &[u8], cut: usize) {
 /// always correctly rounded, so a long number may read back as its neighbour; such bodies get
 /// different keys, a miss and never a wrong answer.)
 pub fn cache_key(data: &[u8]) {
-    let cache = super::cache::ClassCache::new(crate::registry::CacheSpec {
+    let cache = super::cache::ClassCache::new(laneway_core::registry::CacheSpec {
         ttl_s: 60,
         max_mib: 1,
         shared: false,

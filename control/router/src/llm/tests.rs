@@ -113,7 +113,7 @@ use std::net::SocketAddr;
 use laneway_agent::sim_model::llm::{self as sim, LlmSimConfig};
 
 use super::super::server::{serve as serve_http, RouterServer, RouterSettings};
-use crate::registry::{hash_key, LlmSpec, ReplicaRecord, Tenant, TenantLimit};
+use laneway_core::registry::{hash_key, LlmSpec, ReplicaRecord, Tenant, TenantLimit};
 
 /// A simulated LLM replica of `chat` on 127.0.0.1: 20 tokens/s per sequence.
 async fn replica(abort_after: Option<u32>) -> SocketAddr {
@@ -176,11 +176,11 @@ async fn router(replicas: &[SocketAddr], limit: Option<TenantLimit>) -> (Arc<Rou
 
 /// A router with the table built from `fleet` and `reg`, served on a free port.
 async fn serve_registry(
-    fleet: &crate::fleet::Fleet,
-    reg: &crate::registry::Registry,
+    fleet: &laneway_core::fleet::Fleet,
+    reg: &laneway_core::registry::Registry,
 ) -> (Arc<Router>, RouterServer, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
-    let router = Router::new(crate::store::StateMachineStore::open(dir.path()).unwrap());
+    let router = Router::new(Arc::new(crate::host::MemoryState::default()));
     router.install(super::super::table::build(fleet, reg, &Default::default()));
     let server = serve_http(
         router.clone(),
@@ -193,8 +193,12 @@ async fn serve_registry(
 }
 
 /// The language model `name` in class `speech` (context 4096), falling back to `fallback`.
-fn language_model(reg: &crate::registry::Registry, name: &str, fallback: Option<&str>) -> crate::registry::Model {
-    crate::registry::Model {
+fn language_model(
+    reg: &laneway_core::registry::Registry,
+    name: &str,
+    fallback: Option<&str>,
+) -> laneway_core::registry::Model {
+    laneway_core::registry::Model {
         name: name.into(),
         fallback: fallback.map(Into::into),
         llm: Some(LlmSpec {
@@ -207,7 +211,7 @@ fn language_model(reg: &crate::registry::Registry, name: &str, fallback: Option<
 }
 
 /// Tenant `t` with key `k`, no limits.
-fn tenant_k(reg: &mut crate::registry::Registry) {
+fn tenant_k(reg: &mut laneway_core::registry::Registry) {
     reg.create_tenant(&Tenant {
         name: "t".into(),
         key_sha256: hash_key("k"),
@@ -239,7 +243,7 @@ async fn a_language_models_fallback_answers_while_it_has_no_healthy_replica() {
         reg.put_model(&language_model(&reg, name, fallback)).unwrap();
     }
     let mut speech = reg.classes["speech"].clone();
-    speech.fallback_response = Some(crate::registry::FallbackResponse {
+    speech.fallback_response = Some(laneway_core::registry::FallbackResponse {
         status: 200,
         body: r#"{"choices":[]}"#.into(),
     });
@@ -278,8 +282,8 @@ async fn completions_above_the_lanes_capacity_go_to_its_overflow_endpoint() {
     let (fleet, mut reg) = super::super::table::test_fixture();
     reg.put_model(&language_model(&reg, "chat", None)).unwrap();
     let mut speech = reg.classes["speech"].clone();
-    speech.request_timeout_ms = crate::registry::Millis::from_ms(5_000.0);
-    speech.overflow = Some(crate::registry::OverflowSpec::for_test(
+    speech.request_timeout_ms = laneway_core::registry::Millis::from_ms(5_000.0);
+    speech.overflow = Some(laneway_core::registry::OverflowSpec::for_test(
         &format!("http://{hosted}"),
         8,
         3_000,
@@ -329,7 +333,7 @@ async fn a_greedy_whole_answer_is_cached_and_sampled_or_streamed_ones_are_not() 
     let (fleet, mut reg) = super::super::table::test_fixture();
     reg.put_model(&language_model(&reg, "chat", None)).unwrap();
     let mut speech = reg.classes["speech"].clone();
-    speech.cache = Some(crate::registry::CacheSpec {
+    speech.cache = Some(laneway_core::registry::CacheSpec {
         ttl_s: 60,
         max_mib: 1,
         shared: false,
@@ -693,8 +697,7 @@ async fn choices_tools_and_images_count_against_the_minute_and_the_context() {
 #[tokio::test(flavor = "current_thread")]
 async fn prefix_affinity_keeps_a_prefix_on_one_replica_up_to_its_load_bound() {
     use super::super::table::test_slot_named;
-    let dir = tempfile::tempdir().unwrap();
-    let router = Router::new(crate::store::StateMachineStore::open(dir.path()).unwrap());
+    let router = Router::new(Arc::new(crate::host::MemoryState::default()));
     let (fleet, reg) = super::super::table::test_fixture();
     let table = super::super::table::build(&fleet, &reg, &Default::default());
     let mut route = (*table.models["whisper"]).clone_for_test();

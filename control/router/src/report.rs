@@ -8,8 +8,8 @@ use std::sync::Arc;
 use tokio::time::Instant;
 
 use super::*;
-use crate::registry::LaneKind;
 use lane::LaneStatus;
+use laneway_core::registry::LaneKind;
 use table::ModelRoute;
 
 impl Router {
@@ -25,7 +25,7 @@ impl Router {
     }
 
     /// This router's meter.
-    pub fn meter(&self) -> &crate::usage::Meter {
+    pub fn meter(&self) -> &laneway_core::usage::Meter {
         &self.meter
     }
 
@@ -75,14 +75,14 @@ impl Router {
     }
 
     /// Load per model on this router: requests on its replicas and waiting in its lane.
-    pub fn model_load(&self) -> HashMap<String, crate::scheduler::autoscale::ModelLoad> {
+    pub fn model_load(&self) -> HashMap<String, laneway_core::scheduler::autoscale::ModelLoad> {
         let table = self.table();
         let now = Instant::now();
         table
             .models
             .values()
             .map(|m| {
-                let load = crate::scheduler::autoscale::ModelLoad {
+                let load = laneway_core::scheduler::autoscale::ModelLoad {
                     in_flight: m.replicas.iter().map(|s| s.load()).sum(),
                     waiting: m.lane.lock().waiting_for(&m.name) as u32,
                     ttft_p99_ms: m

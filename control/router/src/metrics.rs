@@ -14,7 +14,7 @@ use prometheus_client::registry::{Registry, Unit};
 use super::lane::LaneStatus;
 use super::RequestRecord;
 
-pub use laneway_agent::metrics::{labels, Labels};
+pub use laneway_actors::labels::{labels, Labels};
 
 fn latency_histogram() -> Histogram {
     // 1 ms .. ~33 s.
@@ -252,7 +252,7 @@ mod tests {
             ttft_slo_p99_ms: None,
             itl_slo_p99_ms: None,
             llm: vec![],
-            overflow: Some(crate::router::overflow::OverflowStatus {
+            overflow: Some(crate::overflow::OverflowStatus {
                 url: "https://api.example.com".into(),
                 usable: false,
                 state: "breaker open".into(),

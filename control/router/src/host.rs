@@ -1,0 +1,92 @@
+//! What the router needs from the process it runs in, and nothing more: the applied routing
+//! state and its changes, a way to write durable jobs through the leader, and the results store.
+//! A controller implements these over its state machine, job gateway and results store
+//! (`laneway_control::router_host`); a router-only process would implement them over a watch of
+//! the cluster. The router never sees the store, Raft or the controller's context.
+
+use futures::future::BoxFuture;
+use laneway_core::fleet::Fleet;
+use laneway_core::jobs::{GatewayError, Job, JobOutcome, JobWrite, Jobs};
+use laneway_core::registry::Registry;
+use tokio::sync::watch;
+
+/// The applied state the routing table is built from.
+pub trait RoutingState: Send + Sync + 'static {
+    /// The applied fleet and registry.
+    fn routing_inputs(&self) -> (Fleet, Registry);
+    /// Ticks whenever the applied state changes.
+    fn subscribe_changes(&self) -> watch::Receiver<u64>;
+    /// Runs `f` on the applied job queue (with the fleet and registry it refers to).
+    fn visit_jobs(&self, f: &mut dyn FnMut(&Jobs, &Fleet, &Registry));
+    /// One job as applied.
+    fn job(&self, id: &str) -> Option<Job>;
+}
+
+impl dyn RoutingState {
+    /// `f`'s answer on the applied job queue.
+    pub fn with_jobs<T>(&self, f: impl FnOnce(&Jobs, &Fleet, &Registry) -> T) -> T {
+        let (mut f, mut out) = (Some(f), None);
+        self.visit_jobs(&mut |jobs, fleet, registry| {
+            if let Some(f) = f.take() {
+                out = Some(f(jobs, fleet, registry));
+            }
+        });
+        out.expect("visit_jobs calls its visitor once")
+    }
+}
+
+/// Durable job writes, committed through the leader.
+pub trait JobSink: Send + Sync + 'static {
+    /// Commits `write` and answers with its outcome once applied.
+    fn write(&self, write: JobWrite) -> BoxFuture<'_, Result<JobOutcome, GatewayError>>;
+    /// Whether this process has applied everything the leader had committed when asked.
+    fn caught_up(&self) -> BoxFuture<'_, bool>;
+    /// Waits (briefly) until this process has applied what the leader had committed.
+    fn catch_up(&self) -> BoxFuture<'_, ()>;
+}
+
+/// Where durable jobs' results are read.
+pub trait ResultSource: Send + Sync + 'static {
+    /// The bytes stored under `key`.
+    fn get(&self, key: &str) -> BoxFuture<'_, Result<bytes::Bytes, String>>;
+    /// Where the results are, for error messages.
+    fn location(&self) -> String;
+}
+
+/// An applied state held in memory: the router's own tests, and anything that routes from a
+/// state it was handed rather than a store.
+#[derive(Default)]
+pub struct MemoryState {
+    state: std::sync::RwLock<(Fleet, Registry, Jobs)>,
+    changes: watch::Sender<u64>,
+}
+
+impl MemoryState {
+    /// Replaces the routing inputs and tells the subscribers.
+    pub fn set(&self, fleet: Fleet, registry: Registry) {
+        let mut s = self.state.write().unwrap_or_else(|p| p.into_inner());
+        s.0 = fleet;
+        s.1 = registry;
+        self.changes.send_modify(|n| *n += 1);
+    }
+}
+
+impl RoutingState for MemoryState {
+    fn routing_inputs(&self) -> (Fleet, Registry) {
+        let s = self.state.read().unwrap_or_else(|p| p.into_inner());
+        (s.0.clone(), s.1.clone())
+    }
+
+    fn subscribe_changes(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    fn visit_jobs(&self, f: &mut dyn FnMut(&Jobs, &Fleet, &Registry)) {
+        let s = self.state.read().unwrap_or_else(|p| p.into_inner());
+        f(&s.2, &s.0, &s.1);
+    }
+
+    fn job(&self, id: &str) -> Option<Job> {
+        self.state.read().unwrap_or_else(|p| p.into_inner()).2.get(id).cloned()
+    }
+}
