@@ -605,7 +605,6 @@ mod over_tcp {
             endpoint: replica.to_string(),
         };
         reg.set_node_replicas("n1", &[replica("whisper"), replica("chat")]);
-        let dir = tempfile::tempdir().unwrap();
         let router = Router::new(Arc::new(crate::host::MemoryState::default()));
         router.install(crate::table::build(&fleet, &reg, &Default::default()));
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -617,17 +616,12 @@ mod over_tcp {
         )
         .unwrap();
         router.set_body_limits(limits);
-        Served {
-            router,
-            server,
-            _dir: dir,
-        }
+        Served { router, server }
     }
 
     struct Served {
         router: Arc<Router>,
         server: RouterServer,
-        _dir: tempfile::TempDir,
     }
 
     impl Served {

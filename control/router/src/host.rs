@@ -53,22 +53,12 @@ pub trait ResultSource: Send + Sync + 'static {
     fn location(&self) -> String;
 }
 
-/// An applied state held in memory: the router's own tests, and anything that routes from a
-/// state it was handed rather than a store.
+/// An empty applied state in memory: the router's own tests, which install their routing
+/// tables directly.
 #[derive(Default)]
 pub struct MemoryState {
     state: std::sync::RwLock<(Fleet, Registry, Jobs)>,
     changes: watch::Sender<u64>,
-}
-
-impl MemoryState {
-    /// Replaces the routing inputs and tells the subscribers.
-    pub fn set(&self, fleet: Fleet, registry: Registry) {
-        let mut s = self.state.write().unwrap_or_else(|p| p.into_inner());
-        s.0 = fleet;
-        s.1 = registry;
-        self.changes.send_modify(|n| *n += 1);
-    }
 }
 
 impl RoutingState for MemoryState {

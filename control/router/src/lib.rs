@@ -438,14 +438,13 @@ mod tests {
         }
     }
 
-    fn router() -> (Arc<Router>, tempfile::TempDir) {
-        let dir = tempfile::tempdir().unwrap();
-        (Router::new(Arc::new(crate::host::MemoryState::default())), dir)
+    fn router() -> Arc<Router> {
+        Router::new(Arc::new(crate::host::MemoryState::default()))
     }
 
     #[tokio::test(start_paused = true)]
     async fn sync_refuses_at_once_instead_of_queueing() {
-        let (r, _d) = router();
+        let r = router();
         let route = route(class(LaneKind::Sync, 0.0), 1);
         let held = r.acquire(&route, Instant::now()).await.unwrap();
         let t0 = Instant::now();
@@ -467,7 +466,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn bounded_queue_hands_over_slots_then_expires_at_its_budget() {
-        let (r, _d) = router();
+        let r = router();
         // One slot of 10 ms: capacity 100/s, so a 50 ms budget admits 4 ahead plus this one.
         // (No degraded settings here: degrading would lengthen the budget.)
         let mut c = (*class(LaneKind::Bounded, 50.0)).clone();
@@ -508,7 +507,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_refusing_bounded_lane_degrades_and_passes_the_variant() {
-        let (r, _d) = router();
+        let r = router();
         let route = Arc::new(route(class(LaneKind::Bounded, 20.0), 1));
         let held = r.acquire(&route, Instant::now()).await.unwrap();
         assert!(held.degraded.is_none());

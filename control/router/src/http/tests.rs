@@ -27,7 +27,7 @@ fn malformed_bodies_name_the_field() {
 }
 
 /// A router whose table has `whisper` (tenant key `k`) on node n1's replicas at `replicas`.
-fn router_with(replicas: &[(&str, SocketAddr)]) -> (Arc<Router>, tempfile::TempDir) {
+fn router_with(replicas: &[(&str, SocketAddr)]) -> Arc<Router> {
     let (fleet, mut reg) = fixture_with_tenant();
     let records: Vec<_> = replicas.iter().map(|(id, addr)| ready(id, "whisper", *addr)).collect();
     reg.set_node_replicas("n1", &records);
@@ -62,14 +62,10 @@ fn ready(id: &str, model: &str, addr: SocketAddr) -> laneway_core::registry::Rep
 }
 
 /// A router with the table built from `fleet` and `reg` (no controller behind it).
-fn router_from(
-    fleet: &laneway_core::fleet::Fleet,
-    reg: &laneway_core::registry::Registry,
-) -> (Arc<Router>, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
+fn router_from(fleet: &laneway_core::fleet::Fleet, reg: &laneway_core::registry::Registry) -> Arc<Router> {
     let router = Router::new(Arc::new(crate::host::MemoryState::default()));
     router.install(super::super::table::build(fleet, reg, &Default::default()));
-    (router, dir)
+    router
 }
 
 /// Serves `router` on a free port with the default settings.
@@ -134,7 +130,7 @@ async fn the_replica_continues_the_clients_trace_through_the_router() {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(l, replica).await });
-    let (router, _dir) = router_with(&[("live", addr)]);
+    let router = router_with(&[("live", addr)]);
     let server = serve_on_free_port(router).await;
     let (trace, client_span) = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7");
     let incoming = format!("00-{trace}-{client_span}-01");
@@ -189,7 +185,7 @@ async fn a_request_that_never_reached_its_replica_is_retried_elsewhere() {
         .local_addr()
         .unwrap();
 
-    let (router, _dir) = router_with(&[("dead", dead), ("live", live)]);
+    let router = router_with(&[("dead", dead), ("live", live)]);
     let lane = router.table().models["whisper"].lane.clone();
     // One request already on the live replica: power of two choices now prefers the dead one.
     let table = router.table();
@@ -277,7 +273,7 @@ async fn infer_once(server: &RouterServer) -> reqwest::Response {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_model_never_turns_into_a_retry_storm_and_no_request_outlives_its_deadline() {
     let addrs = [sim_replica(3_000.0).await, sim_replica(3_000.0).await];
-    let (router, _dir) = router_with(&[("a", addrs[0]), ("b", addrs[1])]);
+    let router = router_with(&[("a", addrs[0]), ("b", addrs[1])]);
     let lane = router.table().models["whisper"].lane.clone();
     let server = serve_on_free_port(router).await;
     let timeout = Duration::from_millis(1_000);
@@ -342,7 +338,7 @@ async fn the_retry_budget_caps_retries_under_failing_replicas() {
         .collect();
     let mut all: Vec<(&str, SocketAddr)> = dead.iter().map(|(n, a)| (n.as_str(), *a)).collect();
     all.push(("live", live));
-    let (router, _dir) = router_with(&all);
+    let router = router_with(&all);
     let lane = router.table().models["whisper"].lane.clone();
     let server = serve_on_free_port(router).await;
     let mut bad_gateway = 0;
@@ -374,7 +370,7 @@ async fn a_replica_that_comes_back_is_readmitted_by_its_probe() {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = port.local_addr().unwrap();
     drop(port);
-    let (router, _dir) = router_with(&[("a", addr)]);
+    let router = router_with(&[("a", addr)]);
     let _pump = router.start();
     let server = serve_on_free_port(router).await;
     assert_eq!(infer_once(&server).await.status(), StatusCode::BAD_GATEWAY);
@@ -402,7 +398,7 @@ async fn a_replica_that_comes_back_is_readmitted_by_its_probe() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_that_keeps_failing_gets_no_traffic_until_its_interval_passes() {
     let addr = sim_replica(3_000.0).await;
-    let (router, _dir) = router_with(&[("a", addr)]);
+    let router = router_with(&[("a", addr)]);
     let _pump = router.start();
     let slot = router.table().models["whisper"].replicas[0].clone();
     let server = serve_on_free_port(router.clone()).await;
@@ -453,7 +449,7 @@ async fn a_hedged_request_is_answered_by_the_faster_replica_within_the_budget() 
     });
     reg.put_class(&speech).unwrap();
     reg.set_node_replicas("n1", &[ready("slow", "whisper", slow), ready("fast", "whisper", fast)]);
-    let (router, _dir) = router_from(&fleet, &reg);
+    let router = router_from(&fleet, &reg);
     let lane = router.table().models["whisper"].lane.clone();
     let server = serve_on_free_port(router).await;
     for _ in 0..20 {
@@ -509,7 +505,7 @@ async fn a_replica_far_slower_than_its_peers_is_ejected_and_gets_no_traffic() {
         [sim_replica(2.0).await, sim_replica(2.0).await],
         sim_replica(150.0).await,
     );
-    let (router, _dir) = router_with(&[("a", fast[0]), ("b", fast[1]), ("slow", slow)]);
+    let router = router_with(&[("a", fast[0]), ("b", fast[1]), ("slow", slow)]);
     let _loops = router.start();
     let slot = router.table().models["whisper"]
         .replicas
@@ -564,7 +560,7 @@ async fn shadow_copies_never_touch_the_callers_answer_or_its_time() {
     add_tenant(&mut reg, "t", "k");
     reg.start_shadow_for_test("whisper", "2");
     reg.set_node_replicas("n1", &[ready("a", "whisper", stable), ready("b", "whisper@2", shadow)]);
-    let (router, _dir) = router_from(&fleet, &reg);
+    let router = router_from(&fleet, &reg);
     let server = serve_on_free_port(router.clone()).await;
     for _ in 0..6 {
         let started = tokio::time::Instant::now();
@@ -619,7 +615,7 @@ async fn a_cache_hit_returns_identical_bytes_and_is_scoped_to_the_tenant() {
     add_tenant(&mut reg, "t", "k");
     add_tenant(&mut reg, "u", "k2");
     reg.set_node_replicas("n1", &[ready("a", "whisper", addr)]);
-    let (router, _dir) = router_from(&fleet, &reg);
+    let router = router_from(&fleet, &reg);
     let lane = router.table().models["whisper"].lane.clone();
     let server = serve_on_free_port(router).await;
     let send = |key: &'static str, body: &'static str, bypass: bool| {
@@ -699,7 +695,7 @@ async fn no_healthy_replica_means_the_fallback_model_or_the_lanes_canned_answer(
     reg.put_class(&speech).unwrap();
     add_tenant(&mut reg, "t", "k");
     reg.set_node_replicas("n1", &[ready("w", "whisper", dead), ready("t", "tiny", tiny)]);
-    let (router, _dir) = router_from(&fleet, &reg);
+    let router = router_from(&fleet, &reg);
     let server = serve_on_free_port(router).await;
     let send = |model: &'static str| {
         reqwest::Client::new()
@@ -738,7 +734,7 @@ async fn overflow_takes_only_the_excess_and_is_metered_at_its_price() {
     reg.put_class(&speech).unwrap();
     add_tenant(&mut reg, "t", "k");
     reg.set_node_replicas("n1", &[ready("a", "whisper", owned)]);
-    let (router, _dir) = router_from(&fleet, &reg);
+    let router = router_from(&fleet, &reg);
     let server = serve_on_free_port(router.clone()).await;
     // One request alone: the fleet has room.
     let r = infer_once(&server).await;
@@ -805,7 +801,7 @@ async fn an_https_overflow_endpoint_is_verified_and_sent_its_key_from_the_enviro
     let (hosted_fleet, mut hosted_reg) = super::super::table::test_fixture();
     add_tenant(&mut hosted_reg, "hosted", "sk-hosted");
     hosted_reg.set_node_replicas("n1", &[ready("h", "whisper", sim_replica(5.0).await)]);
-    let (hosted_router, _hosted_dir) = router_from(&hosted_fleet, &hosted_reg);
+    let hosted_router = router_from(&hosted_fleet, &hosted_reg);
     let settings = RouterSettings {
         tls: Some(HttpsSettings {
             acceptor: laneway_pki::https_acceptor(&cert.cert_pem, &cert.key_pem).unwrap(),
@@ -852,7 +848,7 @@ async fn an_https_overflow_endpoint_is_verified_and_sent_its_key_from_the_enviro
     reg.put_class(&speech).unwrap();
     add_tenant(&mut reg, "t", "k");
     reg.set_node_replicas("n1", &[ready("a", "whisper", sim_replica(400.0).await)]);
-    let (router, _dir) = router_from(&fleet, &reg);
+    let router = router_from(&fleet, &reg);
     let server = serve_on_free_port(router.clone()).await;
     let out = sent_out_of(server.addr, 6).await;
     assert_eq!(out, 2, "the four slots' excess went out over TLS, with the key");

@@ -143,7 +143,7 @@ async fn replica_of(model: &str, abort_after: Option<u32>) -> SocketAddr {
 
 /// A router with the language model `chat` (class `speech`, sync, context 4096) on
 /// `replicas`, tenant key `k` with `limit` on every class.
-async fn router(replicas: &[SocketAddr], limit: Option<TenantLimit>) -> (Arc<Router>, RouterServer, tempfile::TempDir) {
+async fn router(replicas: &[SocketAddr], limit: Option<TenantLimit>) -> (Arc<Router>, RouterServer) {
     let (fleet, mut reg) = super::super::table::test_fixture();
     let mut m = reg.models["whisper"].clone();
     m.name = "chat".into();
@@ -178,8 +178,7 @@ async fn router(replicas: &[SocketAddr], limit: Option<TenantLimit>) -> (Arc<Rou
 async fn serve_registry(
     fleet: &laneway_core::fleet::Fleet,
     reg: &laneway_core::registry::Registry,
-) -> (Arc<Router>, RouterServer, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
+) -> (Arc<Router>, RouterServer) {
     let router = Router::new(Arc::new(crate::host::MemoryState::default()));
     router.install(super::super::table::build(fleet, reg, &Default::default()));
     let server = serve_http(
@@ -189,7 +188,7 @@ async fn serve_registry(
         &RouterSettings::default(),
     )
     .unwrap();
-    (router, server, dir)
+    (router, server)
 }
 
 /// The language model `name` in class `speech` (context 4096), falling back to `fallback`.
@@ -250,7 +249,7 @@ async fn a_language_models_fallback_answers_while_it_has_no_healthy_replica() {
     reg.put_class(&speech).unwrap();
     tenant_k(&mut reg);
     reg.set_node_replicas("n1", &[ready("s0", "chat-small", small)]);
-    let (_router, server, _dir) = serve_registry(&fleet, &reg).await;
+    let (_router, server) = serve_registry(&fleet, &reg).await;
 
     for stream in [false, true] {
         let r = chat(&server, ask("hello", 4, stream)).send().await.unwrap();
@@ -291,7 +290,7 @@ async fn completions_above_the_lanes_capacity_go_to_its_overflow_endpoint() {
     reg.put_class(&speech).unwrap();
     tenant_k(&mut reg);
     reg.set_node_replicas("n1", &[ready("r0", "chat", owned)]);
-    let (router, server, _dir) = serve_registry(&fleet, &reg).await;
+    let (router, server) = serve_registry(&fleet, &reg).await;
     // Six at once, each about a second of generation (20 tokens at 20 tokens/s).
     let at = &server;
     let calls: Vec<_> = (0..6)
@@ -341,7 +340,7 @@ async fn a_greedy_whole_answer_is_cached_and_sampled_or_streamed_ones_are_not() 
     reg.put_class(&speech).unwrap();
     tenant_k(&mut reg);
     reg.set_node_replicas("n1", &[ready("r0", "chat", addr)]);
-    let (_router, server, _dir) = serve_registry(&fleet, &reg).await;
+    let (_router, server) = serve_registry(&fleet, &reg).await;
     let at = |temperature: f64, stream: bool| {
         let mut b = ask("the same question", 4, stream);
         b["temperature"] = serde_json::json!(temperature);
@@ -382,7 +381,7 @@ async fn a_language_models_shadow_gets_copies_and_the_caller_never_sees_them() {
     reg.start_shadow_for_test("chat", "2");
     tenant_k(&mut reg);
     reg.set_node_replicas("n1", &[ready("a", "chat", v1), ready("b", "chat@2", v2)]);
-    let (router, server, _dir) = serve_registry(&fleet, &reg).await;
+    let (router, server) = serve_registry(&fleet, &reg).await;
     for stream in [false, true, false] {
         let r = chat(&server, ask("hello", 4, stream)).send().await.unwrap();
         assert_eq!(r.status(), 200);
@@ -450,7 +449,7 @@ async fn replica_metric(addr: SocketAddr, name: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_passes_through_chunk_by_chunk() {
     let addr = replica(None).await;
-    let (router, server, _dir) = router(&[addr], None).await;
+    let (router, server) = router(&[addr], None).await;
     let mut resp = chat(&server, ask("hello", 10, true)).send().await.unwrap();
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["content-type"], "text/event-stream");
@@ -509,7 +508,7 @@ async fn a_stream_passes_through_chunk_by_chunk() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_disconnects_cancels_the_generation() {
     let addr = replica(None).await;
-    let (router, server, _dir) = router(&[addr], None).await;
+    let (router, server) = router(&[addr], None).await;
     let mut resp = chat(&server, ask("hello", 1000, true)).send().await.unwrap();
     assert_eq!(resp.status(), 200);
     resp.chunk().await.unwrap().expect("a first chunk");
@@ -536,7 +535,7 @@ async fn a_client_that_disconnects_cancels_the_generation() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_crash_mid_stream_ends_it_with_an_error_event() {
     let addr = replica(Some(3)).await;
-    let (router, server, _dir) = router(&[addr], None).await;
+    let (router, server) = router(&[addr], None).await;
     let resp = chat(&server, ask("hello", 50, true)).send().await.unwrap();
     assert_eq!(resp.status(), 200);
     let text = tokio::time::timeout(Duration::from_secs(10), resp.text())
@@ -561,7 +560,7 @@ async fn a_replica_crash_mid_stream_ends_it_with_an_error_event() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unstreamed_completion_is_metered_from_its_usage() {
     let addr = replica(None).await;
-    let (router, server, _dir) = router(&[addr], None).await;
+    let (router, server) = router(&[addr], None).await;
     let resp = chat(&server, ask(&"x".repeat(400), 3, false)).send().await.unwrap();
     assert_eq!(resp.status(), 200);
     let v: serde_json::Value = resp.json().await.unwrap();
@@ -585,7 +584,7 @@ async fn requests_over_the_context_or_the_token_rate_are_refused_up_front() {
         burst: 100,
         tokens_per_min: Some(40),
     };
-    let (router, server, _dir) = router(&[addr], Some(limit)).await;
+    let (router, server) = router(&[addr], Some(limit)).await;
     let r = chat(&server, ask("hi", 5000, false)).send().await.unwrap();
     assert_eq!(r.status(), 400);
     let e = r.text().await.unwrap();
@@ -635,7 +634,7 @@ async fn choices_tools_and_images_count_against_the_minute_and_the_context() {
         burst: 100,
         tokens_per_min: Some(40),
     };
-    let (router, server, _dir) = router(&[addr], Some(limit)).await;
+    let (router, server) = router(&[addr], Some(limit)).await;
     let with = |extra: serde_json::Value| {
         let mut body = ask("hi", 10, false);
         for (k, v) in extra.as_object().unwrap() {
