@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use laneway_core::clock::unix_ms;
 use laneway_proto::agent::agent_service_client::AgentServiceClient;
 use laneway_proto::agent::{GpuInfo, GpuStatus, Heartbeat, RegisterRequest, ReplicaReport};
 use laneway_proto::LEADER_ADDR_METADATA;
@@ -767,10 +768,4 @@ fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|_| "unknown".into())
-}
-
-fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }

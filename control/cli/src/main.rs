@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use laneway_client::AdminClient;
+use laneway_core::clock::unix_ms;
 use laneway_core::planner;
 use laneway_proto::admin::{
     AddLearnerRequest, DeleteSettingRequest, FinalizeUpgradeRequest, GetSettingRequest, InitRequest, ListNodesRequest,
@@ -236,13 +237,6 @@ enum SettingsCmd {
     Set { key: String, value: String },
     /// Delete a setting.
     Delete { key: String },
-}
-
-/// Wall-clock milliseconds since the Unix epoch (for `--since` windows).
-fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 fn main() -> ExitCode {

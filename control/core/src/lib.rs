@@ -6,11 +6,13 @@
 //! provisioning, rollout judging, the capacity planner. GPU products and MIG geometry are shared
 //! with the agent.
 //!
-//! No I/O and no wall clock here: every decision takes `now` and returns a plan or commands.
+//! No I/O here, and no decision reads the clock: every decision takes `now` and returns a plan or
+//! commands. [`clock::unix_ms`] is the one wall-clock read, for the shells above.
 //! This crate must not depend on openraft, redb, hyper, axum or tonic; `.ci/layering` checks it.
 
 pub mod admission;
 pub mod capacity;
+pub mod clock;
 pub mod command;
 #[cfg(any(test, feature = "test-util"))]
 pub mod fixtures;

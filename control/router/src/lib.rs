@@ -8,6 +8,8 @@
 //! without touching the Raft group.
 
 pub use laneway_core::admission;
+pub use laneway_core::clock::unix_ms;
+
 mod admit;
 pub mod answer;
 pub mod body;
@@ -378,13 +380,6 @@ impl Router {
 /// `Retry-After` header value for a wait.
 pub fn retry_after_header(wait: Duration) -> HeaderValue {
     HeaderValue::from(retry_after_secs(wait))
-}
-
-/// Wall-clock milliseconds since the Unix epoch, for the timestamps records and jobs carry.
-pub fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// The `tracing` target of the spans that carry a request's W3C trace (exported over OTLP).
