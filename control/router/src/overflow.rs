@@ -17,7 +17,6 @@ use hyper::header::HeaderValue;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use rustls::pki_types::pem::PemObject as _;
 use rustls::pki_types::CertificateDer;
 
 pub use laneway_core::lane_report::OverflowStatus;
@@ -111,12 +110,7 @@ pub fn tls_config(extra_ca_pem: Option<&str>) -> Result<rustls::ClientConfig, St
 
 /// The certificates in `pem`, each usable as a trust anchor: at least one, or why not.
 pub fn parse_ca_pem(pem: &str) -> Result<Vec<CertificateDer<'static>>, String> {
-    let certs = CertificateDer::pem_slice_iter(pem.as_bytes())
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("ca_pem is not PEM: {e}"))?;
-    if certs.is_empty() {
-        return Err("ca_pem holds no certificate (expected -----BEGIN CERTIFICATE-----)".into());
-    }
+    let certs = laneway_core::registry::ca_certs(pem)?;
     for (i, cert) in certs.iter().enumerate() {
         rustls::RootCertStore::empty()
             .add(cert.clone())

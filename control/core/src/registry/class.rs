@@ -353,11 +353,11 @@ pub fn validate_taint(t: &str) -> Result<(), String> {
     }
 }
 
-/// Checks the PEM shape of an overflow endpoint's CA: one or more well-formed CERTIFICATE
-/// blocks. Whether each is a usable CA certificate needs a TLS library: the admin API checks it
-/// before it proposes a class, and the router where it builds the client
-/// (`laneway_control::router::overflow::parse_ca_pem`).
-pub fn check_ca_pem(pem: &str) -> Result<(), String> {
+/// The certificates of an overflow endpoint's CA: one or more well-formed CERTIFICATE blocks.
+/// Whether each is a usable CA certificate needs a TLS library: the admin API checks it before
+/// it proposes a class, and the router where it builds the client
+/// (`laneway_router::overflow::parse_ca_pem`, which starts from this).
+pub fn ca_certs(pem: &str) -> Result<Vec<rustls_pki_types::CertificateDer<'static>>, String> {
     use rustls_pki_types::pem::PemObject;
     let certs = rustls_pki_types::CertificateDer::pem_slice_iter(pem.as_bytes())
         .collect::<Result<Vec<_>, _>>()
@@ -365,7 +365,7 @@ pub fn check_ca_pem(pem: &str) -> Result<(), String> {
     if certs.is_empty() {
         return Err("ca_pem holds no certificate (expected -----BEGIN CERTIFICATE-----)".into());
     }
-    Ok(())
+    Ok(certs)
 }
 
 #[cfg(any(test, feature = "test-util"))]
@@ -469,7 +469,9 @@ impl Class {
                         "class {n}: overflow ca_pem is for an https endpoint; {url:?} is plain http"
                     ));
                 }
-                check_ca_pem(pem).map_err(|e| format!("class {n}: overflow {e}"))?;
+                ca_certs(pem)
+                    .map(|_| ())
+                    .map_err(|e| format!("class {n}: overflow {e}"))?;
             }
             if let Some(var) = &o.token_env {
                 check_overflow_token_env(var).map_err(|e| format!("class {n}: overflow {e}"))?;
