@@ -8,8 +8,6 @@
 
 use std::time::Duration;
 
-pub use laneway_core::usage::{Meter, MAX_REPORT_ROWS};
-
 /// How often a router commits its usage.
 pub const REPORT_EVERY: Duration = Duration::from_secs(5);
 
