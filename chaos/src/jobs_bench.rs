@@ -20,7 +20,7 @@ use tokio::time::Instant;
 
 use crate::process_cluster::ProcessCluster;
 use crate::support::fleet::register;
-use crate::support::http::{client, free_port, open_loop, saturate, send, KillOnDrop, Target};
+use crate::support::http::{client, free_port, open_loop, saturate, send, Failures, KillOnDrop, Target};
 
 /// Flags of `laneway-chaos jobs`.
 #[derive(Debug, clap::Args)]
@@ -128,14 +128,22 @@ async fn wait_serving(targets: &[Target], what: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn merged(hists: Vec<(Histogram<u64>, u64)>) -> anyhow::Result<(Histogram<u64>, u64)> {
+fn merged(hists: Vec<(Histogram<u64>, Failures)>) -> anyhow::Result<(Histogram<u64>, Failures)> {
     let mut all = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
-    let mut failed = 0;
+    let mut failed = Failures::default();
     for (h, f) in hists {
         all.add(h)?;
-        failed += f;
+        failed.merge(f);
     }
     Ok((all, failed))
+}
+
+/// Elections held between two readings of the cluster's term (null when either is unknown).
+fn elections(before: Option<u64>, after: Option<u64>) -> serde_json::Value {
+    match (before, after) {
+        (Some(b), Some(a)) => a.saturating_sub(b).into(),
+        _ => serde_json::Value::Null,
+    }
 }
 
 pub async fn run(args: JobsBenchArgs) -> anyhow::Result<()> {
@@ -194,12 +202,14 @@ pub async fn run(args: JobsBenchArgs) -> anyhow::Result<()> {
         saturate(targets, warm, Duration::from_secs(2)).await?;
         let mut best = (0.0f64, 0usize);
         for &connections in &args.connections {
+            let term = cluster.term().await;
             let (rps, failed) = saturate(targets, connections, d).await?;
-            println!(
-                "{}",
-                json!({"bench": "jobs", "mode": "saturation", "system": targets[0].name, "members": 3,
-                       "connections": connections, "acked_per_s": rps.round(), "failed": failed})
-            );
+            let mut line = json!({"bench": "jobs", "mode": "saturation", "system": targets[0].name, "members": 3,
+                       "connections": connections, "acked_per_s": rps.round(), "failed": failed.total(), "failures": failed.to_json()});
+            if targets[0].name == "laneway" {
+                line["elections"] = elections(term, cluster.term().await);
+            }
+            println!("{line}");
             if rps > best.0 {
                 best = (rps, connections);
             }
@@ -212,14 +222,16 @@ pub async fn run(args: JobsBenchArgs) -> anyhow::Result<()> {
         for targets in [&reference, &laneway] {
             // The rate is split over the three members.
             let per = (rate / targets.len() as u64).max(1);
+            let term = cluster.term().await;
             let (h, failed) = merged(open_loop(targets, per, d).await?)?;
             let q = |p: f64| h.value_at_quantile(p) as f64 / 1000.0;
-            println!(
-                "{}",
-                json!({"bench": "jobs", "mode": "open_loop", "system": targets[0].name, "rate": per * targets.len() as u64,
-                       "acked": h.len(), "failed": failed, "p50_ms": q(0.5), "p99_ms": q(0.99), "p999_ms": q(0.999),
-                       "max_ms": h.max() as f64 / 1000.0})
-            );
+            let mut line = json!({"bench": "jobs", "mode": "open_loop", "system": targets[0].name, "rate": per * targets.len() as u64,
+                       "acked": h.len(), "failed": failed.total(), "failures": failed.to_json(), "p50_ms": q(0.5), "p99_ms": q(0.99), "p999_ms": q(0.999),
+                       "max_ms": h.max() as f64 / 1000.0});
+            if targets[0].name == "laneway" {
+                line["elections"] = elections(term, cluster.term().await);
+            }
+            println!("{line}");
             p99_at.push((targets[0].name, rate, q(0.99)));
         }
     }

@@ -346,6 +346,18 @@ impl ProcessCluster {
         None
     }
 
+    /// The highest Raft term any member that answers reports: how many elections the cluster
+    /// has held, for a bench to say how many happened during a run.
+    pub async fn term(&self) -> Option<u64> {
+        let mut term = None;
+        for m in &self.members {
+            if let Some(s) = status_of(&m.addr).await {
+                term = term.max(Some(s.term));
+            }
+        }
+        term
+    }
+
     /// Waits until every member answers and has applied the same index.
     pub async fn wait_converged(&self, limit: Duration) -> anyhow::Result<()> {
         let addrs: Vec<String> = self.members.iter().map(|m| m.addr.clone()).collect();

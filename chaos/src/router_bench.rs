@@ -105,7 +105,7 @@ pub async fn run(args: RouterBenchArgs) -> anyhow::Result<()> {
         let cpu1 = crate::support::cpu::cpu_ticks(controller_pid).unwrap_or(0);
         // 100 clock ticks a second; CPU time of the controller process per routed request.
         let cpu_s = cpu1.saturating_sub(cpu0) as f64 / 100.0;
-        let mut line = json!({"bench": "router", "mode": "saturation", "target": t.name, "connections": args.connections, "rps": rps.round(), "failed": failed});
+        let mut line = json!({"bench": "router", "mode": "saturation", "target": t.name, "connections": args.connections, "rps": rps.round(), "failed": failed.total(), "failures": failed.to_json()});
         if t.name == "router" {
             router_cpu_us = cpu_s * 1e6 / (rps * d.as_secs_f64()).max(1.0);
             line["router_cpu_cores"] = json!((cpu_s / d.as_secs_f64() * 100.0).round() / 100.0);
@@ -122,7 +122,7 @@ pub async fn run(args: RouterBenchArgs) -> anyhow::Result<()> {
         let q = |p: f64| h.value_at_quantile(p) as f64 / 1000.0;
         println!(
             "{}",
-            json!({"bench": "router", "mode": "open_loop", "target": t.name, "rate": args.rate, "requests": h.len(), "failed": failed, "p50_ms": q(0.5), "p99_ms": q(0.99), "p999_ms": q(0.999), "max_ms": h.max() as f64 / 1000.0})
+            json!({"bench": "router", "mode": "open_loop", "target": t.name, "rate": args.rate, "requests": h.len(), "failed": failed.total(), "failures": failed.to_json(), "p50_ms": q(0.5), "p99_ms": q(0.99), "p999_ms": q(0.999), "max_ms": h.max() as f64 / 1000.0})
         );
         lat.push((q(0.5), q(0.99)));
     }

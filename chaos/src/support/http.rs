@@ -1,11 +1,11 @@
 //! The benches' and checkers' HTTP side: a pooled client, one request, closed-loop saturation,
 //! open-loop load with latency from the intended send, and processes killed on drop.
 
+use std::collections::BTreeMap;
 use std::process::Child;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::bail;
 use bytes::Bytes;
 use hdrhistogram::Histogram;
 use http_body_util::{BodyExt, Full};
@@ -27,17 +27,77 @@ pub struct Target {
 }
 
 pub async fn send(client: &HttpClient, t: &Target) -> anyhow::Result<()> {
+    try_send(client, t)
+        .await
+        .map_err(|why| anyhow::anyhow!("{}: {why}", t.name))
+}
+
+/// One request; on failure, what gave out in a few words that group alike failures together:
+/// the status and the start of the answer's `error`, or the transport error's innermost cause
+/// (a connection refused or reset, no file descriptors left, a time-out).
+pub async fn try_send(client: &HttpClient, t: &Target) -> Result<(), String> {
     let mut req = hyper::Request::post(t.uri.clone()).header("content-type", "application/json");
     if let Some(k) = &t.key {
         req = req.header("authorization", format!("Bearer {k}"));
     }
-    let resp = client.request(req.body(Full::new(t.body.clone()))?).await?;
+    let req = req
+        .body(Full::new(t.body.clone()))
+        .map_err(|e| format!("bad request: {e}"))?;
+    let resp = client
+        .request(req)
+        .await
+        .map_err(|e| format!("transport: {}", root_cause(&e)))?;
     let status = resp.status();
-    resp.into_body().collect().await?;
-    if !status.is_success() {
-        bail!("{} answered {status}", t.name);
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| format!("reading the answer: {}", root_cause(&e)))?
+        .to_bytes();
+    if status.is_success() {
+        return Ok(());
     }
-    Ok(())
+    let error = serde_json::from_slice::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|v| {
+            v.get("error")
+                .map(|e| e.as_str().map(str::to_owned).unwrap_or_else(|| e.to_string()))
+        })
+        .unwrap_or_else(|| String::from_utf8_lossy(&body).into_owned());
+    Err(format!("{status}: {}", error.chars().take(120).collect::<String>()))
+}
+
+fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut cause = e;
+    while let Some(next) = cause.source() {
+        cause = next;
+    }
+    cause.to_string()
+}
+
+/// Failed requests of a run, counted by what gave out.
+#[derive(Debug, Default, Clone)]
+pub struct Failures(pub BTreeMap<String, u64>);
+
+impl Failures {
+    pub fn add(&mut self, why: String) {
+        *self.0.entry(why).or_default() += 1;
+    }
+
+    pub fn merge(&mut self, other: Failures) {
+        for (why, n) in other.0 {
+            *self.0.entry(why).or_default() += n;
+        }
+    }
+
+    pub fn total(&self) -> u64 {
+        self.0.values().sum()
+    }
+
+    /// `{"what gave out": count}`, for a bench's JSON line.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::Value::Object(self.0.iter().map(|(k, v)| (k.clone(), (*v).into())).collect())
+    }
 }
 
 pub fn client(connections: usize) -> HttpClient {
@@ -50,7 +110,7 @@ pub fn client(connections: usize) -> HttpClient {
 
 /// Closed loop: `connections` clients back to back for `d`, spread over `targets`; successful
 /// requests per second and failures.
-pub async fn saturate(targets: &[Target], connections: usize, d: Duration) -> anyhow::Result<(f64, u64)> {
+pub async fn saturate(targets: &[Target], connections: usize, d: Duration) -> anyhow::Result<(f64, Failures)> {
     let client = client(connections);
     let end = Instant::now() + d;
     let start = Instant::now();
@@ -58,21 +118,21 @@ pub async fn saturate(targets: &[Target], connections: usize, d: Duration) -> an
     for i in 0..connections {
         let (client, t) = (client.clone(), targets[i % targets.len()].clone());
         tasks.push(tokio::spawn(async move {
-            let (mut ok, mut failed) = (0u64, 0u64);
+            let (mut ok, mut failed) = (0u64, Failures::default());
             while Instant::now() < end {
-                match send(&client, &t).await {
+                match try_send(&client, &t).await {
                     Ok(()) => ok += 1,
-                    Err(_) => failed += 1,
+                    Err(why) => failed.add(why),
                 }
             }
             (ok, failed)
         }));
     }
-    let (mut ok, mut failed) = (0, 0);
+    let (mut ok, mut failed) = (0, Failures::default());
     for task in tasks {
         let (o, f) = task.await?;
         ok += o;
-        failed += f;
+        failed.merge(f);
     }
     Ok((ok as f64 / start.elapsed().as_secs_f64(), failed))
 }
@@ -80,12 +140,12 @@ pub async fn saturate(targets: &[Target], connections: usize, d: Duration) -> an
 /// Latencies of one target in an open-loop run.
 struct OpenLoop {
     hist: Mutex<Histogram<u64>>,
-    failed: std::sync::atomic::AtomicU64,
+    failed: Mutex<Failures>,
 }
 
 /// Open loop at `rate`/s per target for `d`, the targets' arrivals interleaved in the same
 /// window so that both see the same machine noise; latency from each intended send time, µs.
-pub async fn open_loop(targets: &[Target], rate: u64, d: Duration) -> anyhow::Result<Vec<(Histogram<u64>, u64)>> {
+pub async fn open_loop(targets: &[Target], rate: u64, d: Duration) -> anyhow::Result<Vec<(Histogram<u64>, Failures)>> {
     let client = client(256);
     let results: Vec<Arc<OpenLoop>> = targets
         .iter()
@@ -106,14 +166,12 @@ pub async fn open_loop(targets: &[Target], rate: u64, d: Duration) -> anyhow::Re
         let k = (i % targets.len() as u64) as usize;
         let (client, t, out) = (client.clone(), targets[k].clone(), results[k].clone());
         tasks.push(tokio::spawn(async move {
-            match send(&client, &t).await {
+            match try_send(&client, &t).await {
                 Ok(()) => {
                     let us = intended.elapsed().as_micros() as u64;
                     let _ = out.hist.lock().unwrap_or_else(|p| p.into_inner()).record(us.max(1));
                 }
-                Err(_) => {
-                    out.failed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                }
+                Err(why) => out.failed.lock().unwrap_or_else(|p| p.into_inner()).add(why),
             }
         }));
     }
@@ -125,7 +183,7 @@ pub async fn open_loop(targets: &[Target], rate: u64, d: Duration) -> anyhow::Re
         .map(|r| {
             (
                 r.hist.lock().unwrap_or_else(|p| p.into_inner()).clone(),
-                r.failed.load(std::sync::atomic::Ordering::Relaxed),
+                r.failed.lock().unwrap_or_else(|p| p.into_inner()).clone(),
             )
         })
         .collect())
