@@ -125,7 +125,7 @@ fn http_replica() -> StaticReplica {
 
 async fn nodes_on_leader(c: &AdminClient) -> Option<Vec<NodeInfo>> {
     let s = c
-        .call(|mut cl| async move { cl.status(laneway_proto::admin::StatusRequest {}).await })
+        .call(|mut cl| async move { cl.status(laneway_proto::admin::StatusRequest::default()).await })
         .await
         .ok()?;
     if s.leader_addr.is_empty() {

@@ -233,9 +233,12 @@ where
 }
 
 /// Status of one node, or None if it does not answer.
+/// `node`'s status, with its state hash.
 pub async fn status(node: &Node) -> Option<NodeStatus> {
     node.client()
-        .call_one(&node.addr, |mut c| async move { c.status(StatusRequest {}).await })
+        .call_one(&node.addr, |mut c| async move {
+            c.status(StatusRequest { with_state_hash: true }).await
+        })
         .await
         .ok()
 }

@@ -830,7 +830,7 @@ async fn four_requests_held_at_a_follower(service_ms: u32) -> HeldLoad {
     })
     .await;
     let leader = client
-        .call(|mut c| async move { c.status(laneway_proto::admin::StatusRequest {}).await })
+        .call(|mut c| async move { c.status(laneway_proto::admin::StatusRequest::default()).await })
         .await
         .unwrap()
         .leader_id;
@@ -1131,7 +1131,7 @@ async fn a_leader_killed_during_a_scale_up_leaves_it_done_once() {
     .with_retry_for(Duration::from_secs(15));
     wait_for("a new leader", Duration::from_secs(10), || async {
         let s = survivors
-            .call(|mut c| async move { c.status(laneway_proto::admin::StatusRequest {}).await })
+            .call(|mut c| async move { c.status(laneway_proto::admin::StatusRequest::default()).await })
             .await
             .ok()?;
         (s.leader_id != 0 && s.leader_id != leader).then_some(())

@@ -65,7 +65,7 @@ async fn channel(addr: &str, dir: &Path, file: &str, server_name: &str) -> Resul
 /// `client` (a viewer) reads the cluster's status and is refused a write.
 async fn reads_but_cannot_write(client: &laneway_control::client::AdminClient, who: &str) {
     client
-        .call(|mut c| async move { c.status(StatusRequest {}).await })
+        .call(|mut c| async move { c.status(StatusRequest::default()).await })
         .await
         .unwrap_or_else(|e| panic!("{who} must read: {e}"));
     let e = client
@@ -155,7 +155,7 @@ async fn an_mtls_cluster_refuses_every_call_a_certificate_does_not_allow() {
         ),
     ));
     let e = anonymous
-        .call(|mut c| async move { c.status(StatusRequest {}).await })
+        .call(|mut c| async move { c.status(StatusRequest::default()).await })
         .await
         .unwrap_err();
     assert_eq!(e.code(), Some(Code::Unauthenticated), "{e}");
@@ -259,7 +259,7 @@ async fn an_mtls_cluster_refuses_every_call_a_certificate_does_not_allow() {
         .await
         .unwrap();
     let e = with_token
-        .call(|mut c| async move { c.status(StatusRequest {}).await })
+        .call(|mut c| async move { c.status(StatusRequest::default()).await })
         .await
         .unwrap_err();
     assert_eq!(e.code(), Some(Code::Unauthenticated), "{e}");
@@ -281,7 +281,7 @@ async fn an_mtls_cluster_refuses_every_call_a_certificate_does_not_allow() {
         .await
         .unwrap();
     let e = as_ops
-        .call(|mut c| async move { c.status(StatusRequest {}).await })
+        .call(|mut c| async move { c.status(StatusRequest::default()).await })
         .await
         .unwrap_err();
     assert_eq!(e.code(), Some(Code::Unauthenticated), "{e}");
@@ -309,7 +309,10 @@ pub(crate) async fn start_leader(n1: &mut Node) {
     let admin = n1.client().with_retry_for(Duration::from_secs(15));
     wait_for("node 1 answers over mTLS", Duration::from_secs(20), || async {
         admin
-            .call_one(&n1.addr, |mut c| async move { c.status(StatusRequest {}).await })
+            .call_one(
+                &n1.addr,
+                |mut c| async move { c.status(StatusRequest::default()).await },
+            )
             .await
             .ok()
     })
@@ -322,7 +325,7 @@ pub(crate) async fn start_leader(n1: &mut Node) {
         .unwrap();
     wait_for("node 1 leads", Duration::from_secs(20), || async {
         let s = admin
-            .call(|mut c| async move { c.status(StatusRequest {}).await })
+            .call(|mut c| async move { c.status(StatusRequest::default()).await })
             .await
             .ok()?;
         (s.leader_id == 1).then_some(())

@@ -26,9 +26,20 @@ pub fn admin_client(addrs: Vec<String>) -> AdminClient {
 /// One member's own status, or None if it does not answer within 500 ms.
 pub async fn status_of(addr: &str) -> Option<NodeStatus> {
     let c = admin_client(vec![addr.to_string()]).with_call_timeout(Duration::from_millis(500));
-    c.call_one(addr, |mut cl| async move { cl.status(StatusRequest {}).await })
+    c.call_one(addr, |mut cl| async move { cl.status(StatusRequest::default()).await })
         .await
         .ok()
+}
+
+/// [`status_of`] with the member's state hash, to compare members (a pass over the whole state
+/// on the member: a checker's question, not a poll's).
+pub async fn hashed_status_of(addr: &str) -> Option<NodeStatus> {
+    let c = admin_client(vec![addr.to_string()]).with_call_timeout(Duration::from_secs(5));
+    c.call_one(addr, |mut cl| async move {
+        cl.status(StatusRequest { with_state_hash: true }).await
+    })
+    .await
+    .ok()
 }
 
 /// Polls `f` until true or `limit` passes.

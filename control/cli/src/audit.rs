@@ -15,13 +15,13 @@ use super::Output;
 /// with a short call timeout to ask each.
 pub async fn members(client: &AdminClient, given: &[String]) -> anyhow::Result<(BTreeMap<u64, String>, AdminClient)> {
     let first = client
-        .call(|mut c| async move { c.status(StatusRequest {}).await })
+        .call(|mut c| async move { c.status(StatusRequest::default()).await })
         .await?;
     let mut addr_of: BTreeMap<u64, String> = first.members.iter().map(|m| (m.node_id, m.addr.clone())).collect();
     let quick = crate::admin_client(Vec::new()).with_call_timeout(Duration::from_secs(3));
     for a in given {
         if let Ok(s) = quick
-            .call_one(a, |mut c| async move { c.status(StatusRequest {}).await })
+            .call_one(a, |mut c| async move { c.status(StatusRequest::default()).await })
             .await
         {
             addr_of.insert(s.node_id, a.clone());

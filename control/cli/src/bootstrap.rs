@@ -31,7 +31,7 @@ pub fn parse_member(s: &str) -> Result<(u64, String), String> {
 
 async fn status(addr: &str) -> Option<NodeStatus> {
     let c = crate::admin_client(vec![addr.to_string()]).with_call_timeout(Duration::from_secs(2));
-    c.call_one(addr, |mut cl| async move { cl.status(StatusRequest {}).await })
+    c.call_one(addr, |mut cl| async move { cl.status(StatusRequest::default()).await })
         .await
         .ok()
 }

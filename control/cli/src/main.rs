@@ -560,7 +560,7 @@ pub(crate) async fn events(client: &AdminClient, since_ms: u64) -> anyhow::Resul
 /// Lists nodes from the leader (only it knows when each node last heartbeated).
 async fn list_nodes(client: &AdminClient) -> anyhow::Result<Vec<NodeInfo>> {
     let status: NodeStatus = client
-        .call(|mut c| async move { c.status(StatusRequest {}).await })
+        .call(|mut c| async move { c.status(StatusRequest::default()).await })
         .await?;
     let from_leader = if status.leader_addr.is_empty() {
         None
@@ -722,14 +722,16 @@ fn print_membership(out: Output, r: &MembershipReply, msg: &str) {
 /// Asks any member for the membership, then every member for its own view.
 async fn status(client: &AdminClient, given: &[String], out: Output) -> anyhow::Result<()> {
     let first: NodeStatus = client
-        .call(|mut c| async move { c.status(StatusRequest {}).await })
+        .call(|mut c| async move { c.status(StatusRequest::default()).await })
         .await?;
     // Members answer at the addresses given with --addr first: from outside the members'
     // network (a NAT, published container ports) their advertised addresses may not resolve.
+    // Each member's own answer carries its state hash, to compare members.
+    let hashed = || StatusRequest { with_state_hash: true };
     let mut by_id = std::collections::HashMap::new();
     for a in given {
         if let Ok(s) = client
-            .call_one(a, |mut c| async move { c.status(StatusRequest {}).await })
+            .call_one(a, |mut c| async move { c.status(hashed()).await })
             .await
         {
             by_id.insert(s.node_id, s);
@@ -741,7 +743,7 @@ async fn status(client: &AdminClient, given: &[String], out: Output) -> anyhow::
             Some(s) => Ok(s),
             None => {
                 client
-                    .call_one(&m.addr, |mut c| async move { c.status(StatusRequest {}).await })
+                    .call_one(&m.addr, |mut c| async move { c.status(hashed()).await })
                     .await
             }
         };

@@ -38,9 +38,21 @@ impl AppState {
     /// sha256 (hex) over a canonical encoding of the state; equal on every member that has
     /// applied the same log prefix.
     pub fn state_hash(&self) -> String {
+        /// Feeds the encoding straight into the hash: no copy of a state of many jobs.
+        struct Hashing(Sha256);
+        impl std::io::Write for Hashing {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                self.0.update(buf);
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
         // BTreeMap/BTreeSet iterate in key order, so the JSON encoding is canonical.
-        let bytes = serde_json::to_vec(self).expect("state serializes");
-        hex::encode(Sha256::digest(&bytes))
+        let mut h = Hashing(Sha256::new());
+        serde_json::to_writer(&mut h, self).expect("state serializes");
+        hex::encode(h.0.finalize())
     }
 
     /// Applies one command committed at log `index`. Deterministic: depends only on the state,

@@ -61,9 +61,19 @@ pub(super) async fn init(admin: &AdminGrpc, req: Request<InitRequest>) -> Result
     .await
 }
 
-pub(super) async fn status(admin: &AdminGrpc, _req: Request<StatusRequest>) -> Result<Response<NodeStatus>, Status> {
+pub(super) async fn status(admin: &AdminGrpc, req: Request<StatusRequest>) -> Result<Response<NodeStatus>, Status> {
     let m = admin.metrics();
-    let view = admin.sm.view();
+    let (applied, snapshot) = admin.sm.positions();
+    // The hash costs a pass over the whole state: only when asked, on a blocking thread. Its
+    // applied index is the one the hash was taken at, so members compare like with like.
+    let (state_hash, applied) = if req.into_inner().with_state_hash {
+        let sm = admin.sm.clone();
+        tokio::task::spawn_blocking(move || sm.state_hash())
+            .await
+            .map_err(|e| Status::internal(format!("hashing the state: {e}")))?
+    } else {
+        (String::new(), applied)
+    };
     let leader_addr = m
         .current_leader
         .and_then(|id| m.membership_config.membership().get_node(&id).map(|n| n.addr.clone()))
@@ -79,13 +89,13 @@ pub(super) async fn status(admin: &AdminGrpc, _req: Request<StatusRequest>) -> R
         leader_addr,
         last_log_index: m.last_log_index.unwrap_or(0),
         committed_index: admin.log.db().committed().map_or(0, |l| l.index),
-        applied_index: view.last_applied.map_or(0, |l| l.index),
-        snapshot_index: view.snapshot.map_or(0, |l| l.index),
+        applied_index: applied.map_or(0, |l| l.index),
+        snapshot_index: snapshot.map_or(0, |l| l.index),
         purged_index: m.purged.map_or(0, |l| l.index),
         members: members(&m.membership_config),
-        state_hash: view.state.state_hash(),
+        state_hash,
         initialized,
-        retired_node_ids: view.state.retired_node_ids.iter().copied().collect(),
+        retired_node_ids: admin.sm.retired_node_ids(),
         command_format: crate::command::COMMAND_FORMAT,
     }))
 }
@@ -105,7 +115,10 @@ pub(super) async fn finalize_upgrade(
                     Ok(crate::command::COMMAND_FORMAT)
                 } else {
                     client
-                        .call_one(&node.addr, |mut c| async move { c.status(StatusRequest {}).await })
+                        .call_one(
+                            &node.addr,
+                            |mut c| async move { c.status(StatusRequest::default()).await },
+                        )
                         .await
                         .map(|s| s.command_format)
                         .map_err(|e| e.to_string())

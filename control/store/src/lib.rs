@@ -9,6 +9,7 @@
 //!   pointer to the current snapshot;
 //! - `snapshots/*.snap`: snapshot files, written to a temp name, fsync'd, then renamed.
 
+pub mod background;
 pub mod error;
 pub mod header;
 pub mod log_db;

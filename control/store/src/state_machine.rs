@@ -109,14 +109,6 @@ pub struct StateMachineStore {
     jobs_changed: Arc<tokio::sync::watch::Sender<u64>>,
 }
 
-/// A consistent copy of what the state machine has applied.
-#[derive(Debug, Clone)]
-pub struct AppliedView {
-    pub state: AppState,
-    pub last_applied: Option<LogId>,
-    pub snapshot: Option<LogId>,
-}
-
 /// Moves format-1 rows (jobs by id) into the `(seq, id)` table.
 fn migrate_jobs_v1(txn: &redb::WriteTransaction) -> Result<(), redb::Error> {
     {
@@ -134,6 +126,100 @@ fn migrate_jobs_v1(txn: &redb::WriteTransaction) -> Result<(), redb::Error> {
 
 fn sm_err(what: &str, e: impl std::fmt::Display) -> StorageError {
     StorageIOError::write_state_machine(AnyError::error(format!("{what}: {e}"))).into()
+}
+
+/// What the state tables hold: the applied state as of the last flush, with the log id it was
+/// applied up to. Read in one redb read transaction, so it is consistent without holding the
+/// in-memory state's lock (redb readers do not wait for its writer).
+struct StateTables {
+    state: AppState,
+    last_applied: Option<LogId>,
+    last_membership: StoredMembership<u64, ControllerNode>,
+    snapshot: Option<SnapshotPointer>,
+}
+
+impl StateTables {
+    fn read(db: &Database, path: &Path) -> Result<Self, StoreError> {
+        let corrupt = |what: &str, e: &dyn std::fmt::Display| StoreError::Corrupt {
+            path: path.to_path_buf(),
+            what: what.to_string(),
+            message: e.to_string(),
+        };
+        let mut state = AppState::default();
+        let mut last_applied = None;
+        let mut last_membership = StoredMembership::default();
+        let mut snapshot = None;
+        {
+            let rtxn = db.begin_read().map_err(|e| StoreError::db("opening read txn", e))?;
+            let settings = rtxn
+                .open_table(SETTINGS)
+                .map_err(|e| StoreError::db("opening settings", e))?;
+            for row in settings.iter().map_err(|e| StoreError::db("scanning settings", e))? {
+                let (k, v) = row.map_err(|e| StoreError::db("scanning settings", e))?;
+                state.settings.insert(k.value().to_string(), v.value().to_string());
+            }
+            let nodes = rtxn.open_table(NODES).map_err(|e| StoreError::db("opening nodes", e))?;
+            for row in nodes.iter().map_err(|e| StoreError::db("scanning nodes", e))? {
+                let (k, v) = row.map_err(|e| StoreError::db("scanning nodes", e))?;
+                let record =
+                    serde_json::from_slice(v.value()).map_err(|e| corrupt(&format!("node {}", k.value()), &e))?;
+                state.fleet.nodes.insert(k.value().to_string(), record);
+            }
+            let registry = rtxn
+                .open_table(REGISTRY)
+                .map_err(|e| StoreError::db("opening registry", e))?;
+            for row in registry.iter().map_err(|e| StoreError::db("scanning registry", e))? {
+                let (k, v) = row.map_err(|e| StoreError::db("scanning registry", e))?;
+                state
+                    .load_registry_entry(k.value(), v.value())
+                    .map_err(|e| corrupt(&format!("registry entry {}", k.value()), &e))?;
+            }
+            let jobs = rtxn.open_table(JOBS).map_err(|e| StoreError::db("opening jobs", e))?;
+            for row in jobs.iter().map_err(|e| StoreError::db("scanning jobs", e))? {
+                let (k, v) = row.map_err(|e| StoreError::db("scanning jobs", e))?;
+                let job =
+                    serde_json::from_slice(v.value()).map_err(|e| corrupt(&format!("job {}", k.value().1), &e))?;
+                state.jobs.load(job);
+            }
+            let ledger = rtxn
+                .open_table(LEDGER)
+                .map_err(|e| StoreError::db("opening ledger", e))?;
+            for row in ledger.iter().map_err(|e| StoreError::db("scanning ledger", e))? {
+                let (k, v) = row.map_err(|e| StoreError::db("scanning ledger", e))?;
+                state
+                    .ledger
+                    .load(k.value(), v.value())
+                    .map_err(|e| corrupt(&format!("ledger entry {}", k.value()), &e))?;
+            }
+            let meta = rtxn
+                .open_table(SM_META)
+                .map_err(|e| StoreError::db("opening sm_meta", e))?;
+            let raw = |key: &str| -> Result<Option<Vec<u8>>, StoreError> {
+                Ok(meta
+                    .get(key)
+                    .map_err(|e| StoreError::db(format!("reading {key}"), e))?
+                    .map(|v| v.value().to_vec()))
+            };
+            if let Some(b) = raw(KEY_LAST_APPLIED)? {
+                last_applied = serde_json::from_slice(&b).map_err(|e| corrupt(KEY_LAST_APPLIED, &e))?;
+            }
+            if let Some(b) = raw(KEY_MEMBERSHIP)? {
+                last_membership = serde_json::from_slice(&b).map_err(|e| corrupt(KEY_MEMBERSHIP, &e))?;
+            }
+            if let Some(b) = raw(KEY_RETIRED)? {
+                state.retired_node_ids = serde_json::from_slice(&b).map_err(|e| corrupt(KEY_RETIRED, &e))?;
+            }
+            if let Some(b) = raw(KEY_SNAPSHOT)? {
+                snapshot = Some(serde_json::from_slice(&b).map_err(|e| corrupt(KEY_SNAPSHOT, &e))?);
+            }
+        }
+        Ok(StateTables {
+            state,
+            last_applied,
+            last_membership,
+            snapshot,
+        })
+    }
 }
 
 impl StateMachineStore {
@@ -196,75 +282,11 @@ impl StateMachineStore {
             unflushed: Touched::default(),
             flush_scheduled: false,
         };
-        {
-            let rtxn = db.begin_read().map_err(|e| StoreError::db("opening read txn", e))?;
-            let settings = rtxn
-                .open_table(SETTINGS)
-                .map_err(|e| StoreError::db("opening settings", e))?;
-            for row in settings.iter().map_err(|e| StoreError::db("scanning settings", e))? {
-                let (k, v) = row.map_err(|e| StoreError::db("scanning settings", e))?;
-                inner
-                    .state
-                    .settings
-                    .insert(k.value().to_string(), v.value().to_string());
-            }
-            let nodes = rtxn.open_table(NODES).map_err(|e| StoreError::db("opening nodes", e))?;
-            for row in nodes.iter().map_err(|e| StoreError::db("scanning nodes", e))? {
-                let (k, v) = row.map_err(|e| StoreError::db("scanning nodes", e))?;
-                let record =
-                    serde_json::from_slice(v.value()).map_err(|e| corrupt(&format!("node {}", k.value()), &e))?;
-                inner.state.fleet.nodes.insert(k.value().to_string(), record);
-            }
-            let registry = rtxn
-                .open_table(REGISTRY)
-                .map_err(|e| StoreError::db("opening registry", e))?;
-            for row in registry.iter().map_err(|e| StoreError::db("scanning registry", e))? {
-                let (k, v) = row.map_err(|e| StoreError::db("scanning registry", e))?;
-                inner
-                    .state
-                    .load_registry_entry(k.value(), v.value())
-                    .map_err(|e| corrupt(&format!("registry entry {}", k.value()), &e))?;
-            }
-            let jobs = rtxn.open_table(JOBS).map_err(|e| StoreError::db("opening jobs", e))?;
-            for row in jobs.iter().map_err(|e| StoreError::db("scanning jobs", e))? {
-                let (k, v) = row.map_err(|e| StoreError::db("scanning jobs", e))?;
-                let job =
-                    serde_json::from_slice(v.value()).map_err(|e| corrupt(&format!("job {}", k.value().1), &e))?;
-                inner.state.jobs.load(job);
-            }
-            let ledger = rtxn
-                .open_table(LEDGER)
-                .map_err(|e| StoreError::db("opening ledger", e))?;
-            for row in ledger.iter().map_err(|e| StoreError::db("scanning ledger", e))? {
-                let (k, v) = row.map_err(|e| StoreError::db("scanning ledger", e))?;
-                inner
-                    .state
-                    .ledger
-                    .load(k.value(), v.value())
-                    .map_err(|e| corrupt(&format!("ledger entry {}", k.value()), &e))?;
-            }
-            let meta = rtxn
-                .open_table(SM_META)
-                .map_err(|e| StoreError::db("opening sm_meta", e))?;
-            let raw = |key: &str| -> Result<Option<Vec<u8>>, StoreError> {
-                Ok(meta
-                    .get(key)
-                    .map_err(|e| StoreError::db(format!("reading {key}"), e))?
-                    .map(|v| v.value().to_vec()))
-            };
-            if let Some(b) = raw(KEY_LAST_APPLIED)? {
-                inner.last_applied = serde_json::from_slice(&b).map_err(|e| corrupt(KEY_LAST_APPLIED, &e))?;
-            }
-            if let Some(b) = raw(KEY_MEMBERSHIP)? {
-                inner.last_membership = serde_json::from_slice(&b).map_err(|e| corrupt(KEY_MEMBERSHIP, &e))?;
-            }
-            if let Some(b) = raw(KEY_RETIRED)? {
-                inner.state.retired_node_ids = serde_json::from_slice(&b).map_err(|e| corrupt(KEY_RETIRED, &e))?;
-            }
-            if let Some(b) = raw(KEY_SNAPSHOT)? {
-                inner.snapshot = Some(serde_json::from_slice(&b).map_err(|e| corrupt(KEY_SNAPSHOT, &e))?);
-            }
-        }
+        let tables = StateTables::read(&db, &path)?;
+        inner.state = tables.state;
+        inner.last_applied = tables.last_applied;
+        inner.last_membership = tables.last_membership;
+        inner.snapshot = tables.snapshot;
         inner.state.fleet.rebuild_index();
         inner.state.jobs.rebuild_index();
         snapshot_file::remove_all_but(&snapshot_dir, inner.snapshot.as_ref().map(|p| p.file.as_str())).map_err(
@@ -330,13 +352,22 @@ impl StateMachineStore {
     }
 
     /// A consistent copy of the applied state.
-    pub fn view(&self) -> AppliedView {
+    /// The last applied log id and the last snapshot's: cheap, for a status answer.
+    pub fn positions(&self) -> (Option<LogId>, Option<LogId>) {
         let inner = self.read();
-        AppliedView {
-            state: inner.state.clone(),
-            last_applied: inner.last_applied,
-            snapshot: inner.snapshot.as_ref().and_then(|p| p.meta.last_log_id),
-        }
+        (
+            inner.last_applied,
+            inner.snapshot.as_ref().and_then(|p| p.meta.last_log_id),
+        )
+    }
+
+    /// The applied state's hash ([`AppState::state_hash`]) and the log id it was taken at.
+    /// Encodes the whole state with it read-locked, so applies wait meanwhile: call it only when
+    /// asked for (an operator's `cluster status`, a checker comparing members), off the async
+    /// threads.
+    pub fn state_hash(&self) -> (String, Option<LogId>) {
+        let inner = self.read();
+        (inner.state.state_hash(), inner.last_applied)
     }
 
     /// Reads one setting and the index it was read at.
@@ -473,6 +504,11 @@ impl StateMachineStore {
     /// Whether `node_id` was a member once and has been removed.
     pub fn is_retired(&self, node_id: u64) -> bool {
         self.read().state.retired_node_ids.contains(&node_id)
+    }
+
+    /// Every node id that was a member once and has been removed, ascending.
+    pub fn retired_node_ids(&self) -> Vec<u64> {
+        self.read().state.retired_node_ids.iter().copied().collect()
     }
 
     /// Replaces the whole state (snapshot install or restore) durably.
@@ -763,12 +799,27 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
         let store = self.store.clone();
         // Copying and encoding a large state (a long job queue runs to tens of MB) takes a
         // second or more of CPU: off the async workers, so requests and applies on them do
-        // not stall behind it. Applies wait only for the copy (the read lock).
+        // not stall behind it, and at a lower CPU priority, so that on a busy host it takes
+        // what the heartbeats, votes and appends leave (three members building at once used to
+        // starve them past openraft's RPC deadline and set off elections).
+        // What was applied and not yet flushed goes to the tables first (a brief write lock,
+        // at normal priority), so the snapshot covers everything applied when it was asked for.
+        let parts = (store.inner.clone(), store.db.clone(), store.persist_lock.clone());
+        tokio::task::spawn_blocking(move || flush(&parts.0, &parts.1, &parts.2))
+            .await
+            .map_err(|e| sm_err("flush before a snapshot", e))?
+            .map_err(|e| sm_err("flush before a snapshot", e))?;
         let build = move || -> Result<_, StorageError> {
-            let (state, last_applied, last_membership) = {
-                let inner = store.read();
-                (inner.state.clone(), inner.last_applied, inner.last_membership.clone())
-            };
+            // From the state tables in one read transaction rather than a copy of the state
+            // in memory: no lock that applies and the router's reads would wait on, so a
+            // snapshot of a long job queue stalls nothing.
+            let db_path = store.snapshot_dir.with_file_name(STATE_DB_FILE);
+            let StateTables {
+                state,
+                last_applied,
+                last_membership,
+                ..
+            } = StateTables::read(&store.db, &db_path).map_err(|e| sm_err("reading the state for a snapshot", e))?;
             let snapshot_id = match last_applied {
                 Some(l) => format!("{}-{}-{}", l.leader_id.term, l.index, uuid::Uuid::new_v4().simple()),
                 None => format!("empty-{}", uuid::Uuid::new_v4().simple()),
@@ -800,7 +851,7 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
                 .map_err(|e| sm_err("removing old snapshots", e))?;
             Ok((meta, bytes))
         };
-        let (meta, data) = tokio::task::spawn_blocking(build)
+        let (meta, data) = crate::background::run("laneway-snapshot", build)
             .await
             .map_err(|e| sm_err("snapshot task", e))??;
         Ok(Snapshot {

@@ -12,7 +12,7 @@ use serde_json::json;
 use tokio::time::Instant;
 
 use super::Verdict;
-use crate::support::admin::status_of;
+use crate::support::admin::{hashed_status_of, status_of};
 
 /// Watches who claims leadership in which term.
 pub struct Monitor {
@@ -70,7 +70,7 @@ pub async fn check(polls: u64, claims: &BTreeMap<u64, BTreeSet<u64>>, addrs: &[S
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut compared = None;
     while Instant::now() < deadline {
-        let seen = futures::future::join_all(addrs.iter().map(|a| status_of(a))).await;
+        let seen = futures::future::join_all(addrs.iter().map(|a| hashed_status_of(a))).await;
         let all: Option<Vec<_>> = seen.into_iter().collect();
         if let Some(all) = all {
             let indexes: BTreeSet<u64> = all.iter().map(|s| s.applied_index).collect();
