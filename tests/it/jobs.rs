@@ -553,7 +553,7 @@ async fn a_thousand_jobs_survive_two_leader_kills_and_an_agent_kill() {
     let leader = || async {
         wait_for("a leader", Duration::from_secs(20), || async {
             let s = client
-                .call(|mut c| async move { c.status(StatusRequest {}).await })
+                .call(|mut c| async move { c.status(StatusRequest::default()).await })
                 .await
                 .ok()?;
             (s.leader_id != 0).then_some(s.leader_id)
@@ -580,7 +580,7 @@ async fn a_thousand_jobs_survive_two_leader_kills_and_an_agent_kill() {
         victim.kill();
         wait_for("a new leader", Duration::from_secs(20), || async {
             let s = client
-                .call(|mut c| async move { c.status(StatusRequest {}).await })
+                .call(|mut c| async move { c.status(StatusRequest::default()).await })
                 .await
                 .ok()?;
             (s.leader_id != 0 && s.leader_id != id).then_some(())
@@ -628,4 +628,94 @@ async fn a_thousand_jobs_survive_two_leader_kills_and_an_agent_kill() {
     );
     drain_all(&sup_a).await;
     stop_agent(b).await;
+}
+
+/// A leader killed while submissions pour in through the other two routers, and no client
+/// retries: every submission is answered `202` (the routers wait out the election and propose
+/// again the writes the old leader may or may not have committed), and the state machine holds
+/// exactly the jobs acknowledged — a retried proposal that had committed is the same job, not a
+/// second one, and not a refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submissions_ride_through_a_leader_kill_without_client_retries() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes: Vec<Node> = (1..=3).map(|id| Node::new(root.path(), id)).collect();
+    let client = form_cluster(&mut nodes).await;
+    // No agent: the jobs stay queued; only the submission path is under test.
+    let key = durable_registry(&nodes[0].addr.clone(), root.path(), 20, 4, 0, 3_600_000);
+    let leader = |not: u64| {
+        let client = &client;
+        async move {
+            wait_for("a leader", Duration::from_secs(20), || async {
+                let s = client
+                    .call(|mut c| async move { c.status(StatusRequest::default()).await })
+                    .await
+                    .ok()?;
+                (s.leader_id != 0 && s.leader_id != not).then_some(s.leader_id)
+            })
+            .await
+        }
+    };
+    let old = leader(0).await;
+    let routers: Vec<String> = nodes
+        .iter()
+        .filter(|n| n.id != old)
+        .map(|n| format!("http://{}", n.router_addr))
+        .collect();
+    let body = json!({"model": "clip", "input": serde_json::from_str::<Value>(INPUT).unwrap()});
+    for r in &routers {
+        wait_for("the router to take jobs", Duration::from_secs(20), || async {
+            (submit(&http(), r, &key, None, body.clone()).await.0 == 202).then_some(())
+        })
+        .await;
+    }
+    let before = jobs(&client).await.unwrap().len();
+
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let workers: Vec<_> = (0..8)
+        .map(|w| {
+            let (router, key, body, stop) = (
+                routers[w % routers.len()].clone(),
+                key.clone(),
+                body.clone(),
+                stop.clone(),
+            );
+            tokio::spawn(async move {
+                let http = http();
+                let mut answers = Vec::new();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let (status, v, _) = submit(&http, &router, &key, None, body.clone()).await;
+                    answers.push((status, v));
+                }
+                answers
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    nodes.iter_mut().find(|n| n.id == old).unwrap().kill();
+    let new = leader(old).await;
+    eprintln!("leader {old} killed; {new} leads");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+
+    let mut acked = HashSet::new();
+    for w in workers {
+        for (status, v) in w.await.unwrap() {
+            assert_eq!(status, 202, "every submission is accepted through the failover: {v}");
+            assert!(
+                acked.insert(v["job_id"].as_str().unwrap().to_string()),
+                "one id per answer: {v}"
+            );
+        }
+    }
+    eprintln!("{} submissions acknowledged across the failover", acked.len());
+    let all = wait_for(
+        "the survivors to list every acknowledged job",
+        Duration::from_secs(20),
+        || async {
+            let all = jobs(&client).await?;
+            acked.iter().all(|id| all.contains_key(id)).then_some(all)
+        },
+    )
+    .await;
+    assert_eq!(all.len(), before + acked.len(), "no job beyond the acknowledged ones");
 }

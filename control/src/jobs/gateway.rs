@@ -6,11 +6,20 @@
 //! interval to every submission); a read that misses a job catches up first
 //! ([`JobGateway::catch_up`]), so a client told `202` still reads its job back from the same
 //! router at once.
+//!
+//! A write rides through an election or a leader change instead of failing with it: for up to
+//! [`WRITE_PATIENCE`] the gateway waits for a leader and tries again. A write that was never
+//! proposed (no leader known, the leader refused the call) is always tried again. A submission
+//! that may have been committed is proposed again as it was: the router drew its job id before
+//! the first proposal, and the state machine answers the same submission with the job it
+//! already created, so a retry never makes a second job. A cancel that may have been committed
+//! is answered as unsure.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::time::Instant;
 
 pub use laneway_core::jobs::{GatewayError, JobWrite};
 
@@ -28,6 +37,14 @@ use crate::command::{Command, CommandResponse};
 use crate::proposer::Proposer;
 use crate::raft_types::{NodeId, Raft};
 
+/// How long a job write keeps trying through an election or leader change before it answers
+/// that no leader took it: several elections on a loaded machine (each a leader lease plus an
+/// election timeout, under a second), well short of a client's usual 10 s time-out.
+const WRITE_PATIENCE: Duration = Duration::from_secs(5);
+/// First pause before trying a write again; doubled each try up to [`RETRY_PAUSE_MAX`].
+const RETRY_PAUSE: Duration = Duration::from_millis(20);
+const RETRY_PAUSE_MAX: Duration = Duration::from_millis(250);
+
 /// How long a follower waits to apply up to the leader's read index.
 const APPLY_WAIT: Duration = Duration::from_secs(2);
 /// Timeout of one forwarded call.
@@ -40,10 +57,23 @@ const FORWARD_IN_FLIGHT: usize = 4;
 /// Writes waiting to be forwarded before routers wait for room.
 const FORWARD_QUEUE: usize = 16 * 1024;
 
+/// Why one try at a job write got no answer.
+#[derive(Debug)]
+enum Miss {
+    /// The answer: the state machine refused the write, or something that retrying cannot fix.
+    Final(GatewayError),
+    /// Nothing was proposed (no leader known, or the leader refused the call): any write may be
+    /// tried again.
+    NotSent(String),
+    /// Proposed, but the leader changed or went silent before it answered: the write may or
+    /// may not have been committed.
+    Unsure(String),
+}
+
 /// A write waiting for the forwarder.
 struct Forward {
     json: String,
-    reply: oneshot::Sender<Result<JobOutcome, GatewayError>>,
+    reply: oneshot::Sender<Result<JobOutcome, Miss>>,
 }
 
 /// The routers' path to the job queue.
@@ -125,22 +155,69 @@ impl JobGateway {
             .map_err(|e| GatewayError::Unavailable(format!("the write may not have been committed: {e}")))
     }
 
-    /// Commits `write` through the leader and answers once this controller has applied it.
+    /// Commits `write` through the leader, trying again through elections and leader changes
+    /// for up to [`WRITE_PATIENCE`] (see the module's comment for which writes are retried).
     pub async fn write(&self, write: JobWrite) -> Result<JobOutcome, GatewayError> {
+        // A submission carries its job id, so proposing it again cannot make a second job.
+        let retry_unsure = matches!(write, JobWrite::Submit(_));
+        let json = serde_json::to_string(&write).expect("job writes serialize");
+        let deadline = Instant::now() + WRITE_PATIENCE;
+        let mut pause = RETRY_PAUSE;
+        let mut tries = 0u32;
+        loop {
+            tries += 1;
+            let why = match self.try_write(&write, &json).await {
+                Ok(outcome) => return Ok(outcome),
+                Err(Miss::Final(e)) => return Err(e),
+                Err(Miss::NotSent(why)) => why,
+                Err(Miss::Unsure(why)) if retry_unsure => why,
+                Err(Miss::Unsure(why)) => return Err(GatewayError::Unavailable(why)),
+            };
+            let now = Instant::now();
+            if now + pause >= deadline {
+                return Err(GatewayError::Unavailable(format!(
+                    "{why} (tried {tries} times over {} s while the controllers elected a leader)",
+                    WRITE_PATIENCE.as_secs()
+                )));
+            }
+            tracing::debug!(tries, %why, "job write not answered; trying again");
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(RETRY_PAUSE_MAX);
+            // Wait out an election rather than poll it.
+            let _ = self
+                .raft
+                .wait(Some(deadline.saturating_duration_since(Instant::now())))
+                .metrics(|m| m.current_leader.is_some(), "a controller leader")
+                .await;
+        }
+    }
+
+    /// One try: proposed here when this controller leads, else forwarded to the leader.
+    async fn try_write(&self, write: &JobWrite, json: &str) -> Result<JobOutcome, Miss> {
         let Some((leader, _)) = self.leader() else {
-            return Err(GatewayError::Unavailable(
+            return Err(Miss::NotSent(
                 "no controller leader is elected right now (an election is in progress)".into(),
             ));
         };
         if leader == self.node_id {
-            let (_, resp) = self.commit_here(write).await?;
-            return outcome(resp);
+            return match self.proposer.propose(command_of(write.clone())).await {
+                Ok((_, resp)) => outcome(resp).map_err(Miss::Final),
+                Err(openraft::error::RaftError::APIError(e)) => Err(Miss::Unsure(format!(
+                    "controller {} stopped leading while the write was in flight: {e}",
+                    self.node_id
+                ))),
+                Err(e) => Err(Miss::Final(GatewayError::Unavailable(format!(
+                    "the write may not have been committed: {e}"
+                )))),
+            };
         }
-        let json = serde_json::to_string(&write).expect("job writes serialize");
         let (reply, rx) = oneshot::channel();
-        let stopped = || GatewayError::Unavailable("this controller is shutting down".into());
+        let stopped = || Miss::Final(GatewayError::Unavailable("this controller is shutting down".into()));
         self.forward
-            .send(Forward { json, reply })
+            .send(Forward {
+                json: json.to_owned(),
+                reply,
+            })
             .await
             .map_err(|_| stopped())?;
         rx.await.unwrap_or_else(|_| Err(stopped()))
@@ -210,15 +287,16 @@ async fn forward_loop(raft: Raft, leaders: Arc<AdminClient>, mut rx: mpsc::Recei
 
 async fn forward_batch(raft: &Raft, leaders: &AdminClient, batch: Vec<Forward>) {
     let (json, replies): (Vec<String>, Vec<_>) = batch.into_iter().map(|f| (f.json, f.reply)).unzip();
-    let fail_all = |replies: Vec<oneshot::Sender<_>>, why: String| {
+    let fail_all = |replies: Vec<oneshot::Sender<_>>, miss: &dyn Fn(String) -> Miss, why: String| {
         for r in replies {
-            let _ = r.send(Err(GatewayError::Unavailable(why.clone())));
+            let _ = r.send(Err(miss(why.clone())));
         }
     };
     // Whoever leads now: the leader may have changed while the writes were queued.
     let Some((leader, addr)) = crate::leader::current_leader(raft) else {
         return fail_all(
             replies,
+            &Miss::NotSent,
             "no controller leader is elected right now (an election is in progress)".into(),
         );
     };
@@ -233,6 +311,7 @@ async fn forward_batch(raft: &Raft, leaders: &AdminClient, batch: Vec<Forward>) 
         Ok(a) => {
             return fail_all(
                 replies,
+                &Miss::Unsure,
                 format!(
                     "leader {leader} at {addr} answered {} of {sent} writes; they may or may not have been committed",
                     a.replies.len()
@@ -242,18 +321,22 @@ async fn forward_batch(raft: &Raft, leaders: &AdminClient, batch: Vec<Forward>) 
         Err(e) => {
             return fail_all(
                 replies,
+                &Miss::Unsure,
                 format!("leader {leader} at {addr} did not answer; the write may not have been committed: {e}"),
             )
         }
     };
     for (reply, a) in replies.into_iter().zip(answers) {
         let result = if !a.unavailable.is_empty() {
-            Err(GatewayError::Unavailable(a.unavailable))
+            Err(Miss::Unsure(format!("leader {leader} at {addr}: {}", a.unavailable)))
         } else if !a.rejected.is_empty() {
-            Err(GatewayError::Rejected(a.rejected))
+            Err(Miss::Final(GatewayError::Rejected(a.rejected)))
         } else {
-            serde_json::from_str(&a.outcome_json)
-                .map_err(|e| GatewayError::Unavailable(format!("leader {leader} answered an unreadable outcome: {e}")))
+            serde_json::from_str(&a.outcome_json).map_err(|e| {
+                Miss::Final(GatewayError::Unavailable(format!(
+                    "leader {leader} answered an unreadable outcome: {e}"
+                )))
+            })
         };
         let _ = reply.send(result);
     }

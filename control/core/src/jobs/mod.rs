@@ -410,7 +410,14 @@ impl Jobs {
                 });
             }
         }
-        if self.jobs.contains_key(&s.id) {
+        if let Some(j) = self.jobs.get(&s.id) {
+            // The router draws a job's id before it proposes the submission, so the same
+            // submission proposed again (the router's retry after a leader change left it
+            // unsure whether the first commit landed) finds its own job: that is the job it
+            // created, not a conflict.
+            if j.tenant == s.tenant && j.model == s.model && j.body_sha256 == s.body_sha256 {
+                return Ok(JobOutcome::Created { id: j.id.clone() });
+            }
             return Err(format!("job id {} is already taken", s.id));
         }
         if let Some(limit) = ceiling {

@@ -70,6 +70,29 @@ fn idempotency_key_returns_the_same_job_and_refuses_a_different_body() {
 }
 
 #[test]
+fn the_same_submission_proposed_twice_is_one_job_and_a_stolen_id_is_refused() {
+    let mut j = Jobs::default();
+    let first = sub("a", "t1", None, "x");
+    assert_eq!(j.submit(&first, None, 1), Ok(JobOutcome::Created { id: "a".into() }));
+    // A router unsure whether its first proposal committed proposes it again: the same job,
+    // still one, and the ceiling does not count it twice.
+    assert_eq!(j.submit(&first, Some(1), 2), Ok(JobOutcome::Created { id: "a".into() }));
+    assert_eq!(j.jobs.len(), 1);
+    assert_eq!(j.active("t1", "video"), 1);
+    // The same id with another tenant, model or body is not a retry.
+    let mut other_tenant = first.clone();
+    other_tenant.tenant = "t2".into();
+    let mut other_model = first.clone();
+    other_model.model = "other".into();
+    let other_body = sub("a", "t1", None, "y");
+    for s in [other_tenant, other_model, other_body] {
+        let e = j.submit(&s, None, 3).unwrap_err();
+        assert!(e.contains("job id a is already taken"), "{e}");
+    }
+    assert_eq!(j.jobs.len(), 1);
+}
+
+#[test]
 fn ceiling_counts_queued_and_placed_jobs_and_frees_on_finish() {
     let mut j = Jobs::default();
     assert!(matches!(
