@@ -107,6 +107,9 @@ pub struct Controller {
     /// The gRPC server's task; `None` once [`Controller::serve_until_stopped`] saw it end.
     server: Option<JoinHandle<Result<(), tonic::transport::Error>>>,
     router_server: Option<RouterServer>,
+    /// The runtime the router's connections run on (ADR 0021); declared after
+    /// `router_server` so that it outlives it.
+    _data_plane: DataPlane,
     /// The supervised actor tree (ADR 0018).
     actors: crate::actors::Tree,
     /// Infrastructure that stays a plain task (ADR 0018): if one ends, the controller is
@@ -115,6 +118,38 @@ pub struct Controller {
     infrastructure: Vec<(&'static str, JoinHandle<()>)>,
     /// For the last usage report at shutdown.
     ctx: Context,
+}
+
+/// The data plane's own Tokio runtime (ADR 0021): the router's accept loop, its connections
+/// and its handlers run here, Raft, the gRPC services and the actors on the runtime that
+/// started the controller. A burst of inference requests then queues behind other requests,
+/// not in front of the heartbeats and votes that keep a leader elected.
+struct DataPlane(Option<tokio::runtime::Runtime>);
+
+impl DataPlane {
+    fn start() -> std::io::Result<Self> {
+        let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads)
+            .thread_name("laneway-router")
+            .enable_all()
+            .build()
+            .map(|rt| DataPlane(Some(rt)))
+    }
+
+    fn handle(&self) -> &tokio::runtime::Handle {
+        self.0.as_ref().expect("the data plane runs until dropped").handle()
+    }
+}
+
+impl Drop for DataPlane {
+    fn drop(&mut self) {
+        // Dropped from async code (the controller's owner): a blocking shutdown would panic
+        // there. Its tasks are already stopped (the router server first) or can be abandoned.
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
+        }
+    }
 }
 
 /// Opens the data dir, starts Raft and serves the Raft and admin gRPC services.
@@ -199,17 +234,28 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
     };
     let router = ctx.router.clone();
     router.enable_jobs(jobs, Arc::new(crate::router_host::Results(results)));
-    let router_task = router.start();
-    let router_server = match router_listener {
-        Some(l) => Some(
-            router_server::serve(router.clone(), crate::observe::routes(ctx.clone()), l, &cfg.router).map_err(
-                |source| StartError::Bind {
-                    addr: cfg.router.listen.unwrap_or(addr),
-                    source,
-                },
-            )?,
-        ),
-        None => None,
+    let data_plane =
+        DataPlane::start().map_err(|e| StartError::Raft(format!("cannot start the router's runtime: {e}")))?;
+    let (router_task, router_server) = {
+        // Everything the router spawns from here on runs on the data plane's runtime.
+        let _on_data_plane = data_plane.handle().enter();
+        let router_task = router.start();
+        let bind_error = |source| StartError::Bind {
+            addr: cfg.router.listen.unwrap_or(addr),
+            source,
+        };
+        let router_server = match router_listener {
+            Some(l) => {
+                // Move the socket to the data plane's reactor too.
+                let l = tokio::net::TcpListener::from_std(l.into_std().map_err(bind_error)?).map_err(bind_error)?;
+                Some(
+                    router_server::serve(router.clone(), crate::observe::routes(ctx.clone()), l, &cfg.router)
+                        .map_err(bind_error)?,
+                )
+            }
+            None => None,
+        };
+        (router_task, router_server)
     };
     let router_addr = router_server.as_ref().map(|s| s.addr);
     let raft_svc = RaftServiceServer::new(RaftGrpc::new(raft.clone(), cfg.cluster_name.clone(), cfg.node_id))
@@ -284,6 +330,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         shutdown: Some(tx),
         server: Some(server),
         router_server,
+        _data_plane: data_plane,
         actors,
         infrastructure: vec![
             ("proposer", proposer_task),
