@@ -1,5 +1,7 @@
-//! `laneway-chaos router`: the router's overhead against a no-op replica, side by side with the
-//! same replica called directly, in one run.
+//! `laneway-chaos router`: the router's overhead against a no-op replica, side by side in one
+//! run with the same replica called directly and behind a plain proxy (HAProxy from Debian,
+//! `http-reuse always`): what a router that also authenticates, admits, meters and traces costs
+//! over one that only forwards.
 //!
 //! A controller process runs the router; `laneway-sim-model --noop` is the replica (a process
 //! of its own, answering at once); this process registers a sync class, the model and a tenant,
@@ -37,6 +39,49 @@ pub struct RouterBenchArgs {
     /// Concurrent connections of the saturation run.
     #[arg(long, default_value_t = 64)]
     connections: usize,
+    /// The plain-proxy baseline (`apt-get install haproxy`).
+    #[arg(long, default_value = "haproxy")]
+    haproxy_bin: std::path::PathBuf,
+}
+
+/// The router's targets against the plain proxy (issue #29): at least this share of HAProxy's
+/// saturation throughput, and at most this much p99 added over the direct call at `--rate`.
+const TARGET_RATIO_TO_PROXY: f64 = 0.75;
+const TARGET_ADDED_P99_MS: f64 = 0.3;
+
+/// HAProxy in HTTP mode in front of the replica at `replica_port`, keeping server connections
+/// for reuse by any client (`http-reuse always`), as an operator would put it in front of a
+/// model server; its threads default to one per core, like the router's.
+fn start_haproxy(
+    bin: &std::path::Path,
+    port: u16,
+    replica_port: u16,
+) -> anyhow::Result<(KillOnDrop, tempfile::TempDir)> {
+    let dir = tempfile::Builder::new().prefix("laneway-haproxy-").tempdir()?;
+    let cfg = dir.path().join("haproxy.cfg");
+    std::fs::write(
+        &cfg,
+        format!(
+            "global\n  maxconn 4096\n\ndefaults\n  mode http\n  timeout connect 5s\n  timeout client 30s\n  timeout server 30s\n  http-reuse always\n\n\
+             frontend bench\n  bind 127.0.0.1:{port}\n  default_backend replica\n\n\
+             backend replica\n  server noop 127.0.0.1:{replica_port}\n"
+        ),
+    )?;
+    let log = std::fs::File::create(dir.path().join("haproxy.log"))?;
+    let child = Command::new(bin)
+        .arg("-db")
+        .arg("-f")
+        .arg(&cfg)
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .with_context(|| {
+            format!(
+                "starting {}: the baseline needs HAProxy (`apt-get install haproxy`) or --haproxy-bin",
+                bin.display()
+            )
+        })?;
+    Ok((KillOnDrop(child), dir))
 }
 
 const BODY: &str = r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1.0]}]}"#;
@@ -83,23 +128,41 @@ pub async fn run(args: RouterBenchArgs) -> anyhow::Result<()> {
         key: Some(key),
         body: Bytes::from_static(BODY.as_bytes()),
     };
+    let proxy_port = free_port()?;
+    let (_haproxy, _haproxy_dir) = start_haproxy(&args.haproxy_bin, proxy_port, port)?;
+    let proxied = Target {
+        name: "haproxy",
+        uri: format!("http://127.0.0.1:{proxy_port}/v2/models/noop/infer").parse()?,
+        key: None,
+        body: Bytes::from_static(BODY.as_bytes()),
+    };
     let c = client(1);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while send(&c, &routed).await.is_err() {
-        if Instant::now() > deadline {
-            bail!("the router did not route to the no-op replica within 20 s");
+    for (t, what) in [
+        (&routed, "the router did not route"),
+        (&proxied, "HAProxy did not forward"),
+    ] {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while send(&c, t).await.is_err() {
+            if Instant::now() > deadline {
+                let said = std::fs::read_to_string(_haproxy_dir.path().join("haproxy.log")).unwrap_or_default();
+                bail!(
+                    "{what} to the no-op replica within 20 s (HAProxy said: {})",
+                    said.trim()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    // Warm both paths (connection pools, caches).
-    saturate(std::slice::from_ref(&direct), args.connections, Duration::from_secs(1)).await?;
-    saturate(std::slice::from_ref(&routed), args.connections, Duration::from_secs(1)).await?;
+    // Warm every path (connection pools, caches).
+    for t in [&direct, &proxied, &routed] {
+        saturate(std::slice::from_ref(t), args.connections, Duration::from_secs(1)).await?;
+    }
 
     let d = Duration::from_secs(args.duration_secs);
     let controller_pid = cluster.pid(0).context("controller pid")?;
     let mut max = Vec::new();
     let mut router_cpu_us = 0.0;
-    for t in [&direct, &routed] {
+    for t in [&direct, &proxied, &routed] {
         let cpu0 = crate::support::cpu::cpu_ticks(controller_pid).unwrap_or(0);
         let (rps, failed) = saturate(std::slice::from_ref(t), args.connections, d).await?;
         let cpu1 = crate::support::cpu::cpu_ticks(controller_pid).unwrap_or(0);
@@ -115,9 +178,9 @@ pub async fn run(args: RouterBenchArgs) -> anyhow::Result<()> {
         max.push(rps);
     }
     let mut lat = Vec::new();
-    for (t, (h, failed)) in [&direct, &routed]
+    for (t, (h, failed)) in [&direct, &proxied, &routed]
         .into_iter()
-        .zip(open_loop(&[direct.clone(), routed.clone()], args.rate, d).await?)
+        .zip(open_loop(&[direct.clone(), proxied.clone(), routed.clone()], args.rate, d).await?)
     {
         let q = |p: f64| h.value_at_quantile(p) as f64 / 1000.0;
         println!(
@@ -126,18 +189,23 @@ pub async fn run(args: RouterBenchArgs) -> anyhow::Result<()> {
         );
         lat.push((q(0.5), q(0.99)));
     }
-    let added_p50 = lat[1].0 - lat[0].0;
-    let added_p99 = lat[1].1 - lat[0].1;
+    // Indexes: 0 direct, 1 HAProxy, 2 router.
+    let added_p50 = lat[2].0 - lat[0].0;
+    let added_p99 = lat[2].1 - lat[0].1;
+    let ratio = max[2] / max[1].max(1.0);
+    let round3 = |v: f64| (v * 1000.0).round() / 1000.0;
     println!(
         "{}",
         json!({
             "bench": "router", "summary": true,
-            "max_rps_direct": max[0].round(), "max_rps_router": max[1].round(),
+            "max_rps_direct": max[0].round(), "max_rps_haproxy": max[1].round(), "max_rps_router": max[2].round(),
+            "ratio_to_haproxy": (ratio * 100.0).round() / 100.0,
             "router_cpu_us_per_request": router_cpu_us.round(),
             "router_rps_per_core": (1e6 / router_cpu_us.max(1.0)).round(),
-            "rate": args.rate, "added_p50_ms": (added_p50 * 1000.0).round() / 1000.0, "added_p99_ms": (added_p99 * 1000.0).round() / 1000.0,
-            "target_max_rps_router": 20000, "target_added_p99_ms": 1.0,
-            "meets_throughput": max[1] >= 20000.0, "meets_latency": added_p99 <= 1.0,
+            "rate": args.rate, "added_p50_ms": round3(added_p50), "added_p99_ms": round3(added_p99),
+            "haproxy_added_p99_ms": round3(lat[1].1 - lat[0].1),
+            "target_ratio_to_haproxy": TARGET_RATIO_TO_PROXY, "target_added_p99_ms": TARGET_ADDED_P99_MS,
+            "meets_throughput": ratio >= TARGET_RATIO_TO_PROXY, "meets_latency": added_p99 <= TARGET_ADDED_P99_MS,
         })
     );
     Ok(())
