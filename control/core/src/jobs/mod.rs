@@ -400,6 +400,21 @@ impl Jobs {
     /// Queues a submission unless its idempotency key or the tenant's ceiling says otherwise.
     pub fn submit(&mut self, s: &JobSubmission, ceiling: Option<u32>, index: u64) -> Result<JobOutcome, String> {
         s.validate()?;
+        if let Some(j) = self.jobs.get(&s.id) {
+            // The router draws a job's id before it proposes the submission, so the same
+            // submission proposed again (the router's retry after a leader change left it
+            // unsure whether the first commit landed) finds its own job: that is the job it
+            // created, not a conflict — and not an idempotent replay either, so this comes
+            // before the key.
+            if j.tenant == s.tenant
+                && j.model == s.model
+                && j.body_sha256 == s.body_sha256
+                && j.idempotency_key == s.idempotency_key
+            {
+                return Ok(JobOutcome::Created { id: j.id.clone() });
+            }
+            return Err(format!("job id {} is already taken", s.id));
+        }
         if let Some(k) = &s.idempotency_key {
             if let Some(id) = self.by_key.get(&(s.tenant.clone(), k.clone())) {
                 let same = self.jobs.get(id).is_some_and(|j| j.body_sha256 == s.body_sha256);
@@ -409,16 +424,6 @@ impl Jobs {
                     JobOutcome::KeyConflict { id: id.clone() }
                 });
             }
-        }
-        if let Some(j) = self.jobs.get(&s.id) {
-            // The router draws a job's id before it proposes the submission, so the same
-            // submission proposed again (the router's retry after a leader change left it
-            // unsure whether the first commit landed) finds its own job: that is the job it
-            // created, not a conflict.
-            if j.tenant == s.tenant && j.model == s.model && j.body_sha256 == s.body_sha256 {
-                return Ok(JobOutcome::Created { id: j.id.clone() });
-            }
-            return Err(format!("job id {} is already taken", s.id));
         }
         if let Some(limit) = ceiling {
             let active = self.active(&s.tenant, &s.class);

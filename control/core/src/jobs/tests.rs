@@ -79,6 +79,17 @@ fn the_same_submission_proposed_twice_is_one_job_and_a_stolen_id_is_refused() {
     assert_eq!(j.submit(&first, Some(1), 2), Ok(JobOutcome::Created { id: "a".into() }));
     assert_eq!(j.jobs.len(), 1);
     assert_eq!(j.active("t1", "video"), 1);
+    // With an idempotency key too: the retry is the creation the client asked for, not a
+    // replay of an earlier request.
+    let keyed = sub("k1", "t1", Some("key"), "x");
+    assert_eq!(j.submit(&keyed, None, 3), Ok(JobOutcome::Created { id: "k1".into() }));
+    assert_eq!(j.submit(&keyed, None, 4), Ok(JobOutcome::Created { id: "k1".into() }));
+    assert_eq!(
+        j.submit(&sub("k2", "t1", Some("key"), "x"), None, 5),
+        Ok(JobOutcome::Existing { id: "k1".into() }),
+        "another router's submission with the same key is the replay"
+    );
+    assert_eq!(j.jobs.len(), 2);
     // The same id with another tenant, model or body is not a retry.
     let mut other_tenant = first.clone();
     other_tenant.tenant = "t2".into();
@@ -86,10 +97,10 @@ fn the_same_submission_proposed_twice_is_one_job_and_a_stolen_id_is_refused() {
     other_model.model = "other".into();
     let other_body = sub("a", "t1", None, "y");
     for s in [other_tenant, other_model, other_body] {
-        let e = j.submit(&s, None, 3).unwrap_err();
+        let e = j.submit(&s, None, 6).unwrap_err();
         assert!(e.contains("job id a is already taken"), "{e}");
     }
-    assert_eq!(j.jobs.len(), 1);
+    assert_eq!(j.jobs.len(), 2);
 }
 
 #[test]
