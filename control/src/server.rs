@@ -72,6 +72,8 @@ pub enum StartError {
     RaftConfig(String),
     #[error("raft failed to start: {0}")]
     Raft(String),
+    #[error("cannot start the router's runtime: {0}")]
+    Runtime(std::io::Error),
     #[error("{0}; set jobs.results_store (or --results-store) to a directory or object-store URL the controllers and agents share")]
     Results(String),
     #[error("cannot open the audit log {path}: {source}; the data dir must be writable")]
@@ -87,7 +89,11 @@ impl StartError {
     pub fn exit_code(&self) -> i32 {
         match self {
             StartError::DataDir(_) | StartError::RaftConfig(_) | StartError::Results(_) | StartError::Tls(_) => 2,
-            StartError::Storage(_) | StartError::Bind { .. } | StartError::Raft(_) | StartError::Audit { .. } => 1,
+            StartError::Storage(_)
+            | StartError::Bind { .. }
+            | StartError::Raft(_)
+            | StartError::Runtime(_)
+            | StartError::Audit { .. } => 1,
         }
     }
 }
@@ -234,8 +240,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
     };
     let router = ctx.router.clone();
     router.enable_jobs(jobs, Arc::new(crate::router_host::Results(results)));
-    let data_plane =
-        DataPlane::start().map_err(|e| StartError::Raft(format!("cannot start the router's runtime: {e}")))?;
+    let data_plane = DataPlane::start().map_err(StartError::Runtime)?;
     let (router_task, router_server) = {
         // Everything the router spawns from here on runs on the data plane's runtime.
         let _on_data_plane = data_plane.handle().enter();

@@ -149,69 +149,65 @@ impl StateTables {
         let mut last_applied = None;
         let mut last_membership = StoredMembership::default();
         let mut snapshot = None;
-        {
-            let rtxn = db.begin_read().map_err(|e| StoreError::db("opening read txn", e))?;
-            let settings = rtxn
-                .open_table(SETTINGS)
-                .map_err(|e| StoreError::db("opening settings", e))?;
-            for row in settings.iter().map_err(|e| StoreError::db("scanning settings", e))? {
-                let (k, v) = row.map_err(|e| StoreError::db("scanning settings", e))?;
-                state.settings.insert(k.value().to_string(), v.value().to_string());
-            }
-            let nodes = rtxn.open_table(NODES).map_err(|e| StoreError::db("opening nodes", e))?;
-            for row in nodes.iter().map_err(|e| StoreError::db("scanning nodes", e))? {
-                let (k, v) = row.map_err(|e| StoreError::db("scanning nodes", e))?;
-                let record =
-                    serde_json::from_slice(v.value()).map_err(|e| corrupt(&format!("node {}", k.value()), &e))?;
-                state.fleet.nodes.insert(k.value().to_string(), record);
-            }
-            let registry = rtxn
-                .open_table(REGISTRY)
-                .map_err(|e| StoreError::db("opening registry", e))?;
-            for row in registry.iter().map_err(|e| StoreError::db("scanning registry", e))? {
-                let (k, v) = row.map_err(|e| StoreError::db("scanning registry", e))?;
-                state
-                    .load_registry_entry(k.value(), v.value())
-                    .map_err(|e| corrupt(&format!("registry entry {}", k.value()), &e))?;
-            }
-            let jobs = rtxn.open_table(JOBS).map_err(|e| StoreError::db("opening jobs", e))?;
-            for row in jobs.iter().map_err(|e| StoreError::db("scanning jobs", e))? {
-                let (k, v) = row.map_err(|e| StoreError::db("scanning jobs", e))?;
-                let job =
-                    serde_json::from_slice(v.value()).map_err(|e| corrupt(&format!("job {}", k.value().1), &e))?;
-                state.jobs.load(job);
-            }
-            let ledger = rtxn
-                .open_table(LEDGER)
-                .map_err(|e| StoreError::db("opening ledger", e))?;
-            for row in ledger.iter().map_err(|e| StoreError::db("scanning ledger", e))? {
-                let (k, v) = row.map_err(|e| StoreError::db("scanning ledger", e))?;
-                state
-                    .ledger
-                    .load(k.value(), v.value())
-                    .map_err(|e| corrupt(&format!("ledger entry {}", k.value()), &e))?;
-            }
-            let meta = rtxn
-                .open_table(SM_META)
-                .map_err(|e| StoreError::db("opening sm_meta", e))?;
-            let raw = |key: &str| -> Result<Option<Vec<u8>>, StoreError> {
-                Ok(meta
-                    .get(key)
-                    .map_err(|e| StoreError::db(format!("reading {key}"), e))?
-                    .map(|v| v.value().to_vec()))
-            };
-            if let Some(b) = raw(KEY_LAST_APPLIED)? {
-                last_applied = serde_json::from_slice(&b).map_err(|e| corrupt(KEY_LAST_APPLIED, &e))?;
-            }
-            if let Some(b) = raw(KEY_MEMBERSHIP)? {
-                last_membership = serde_json::from_slice(&b).map_err(|e| corrupt(KEY_MEMBERSHIP, &e))?;
-            }
-            if let Some(b) = raw(KEY_RETIRED)? {
-                state.retired_node_ids = serde_json::from_slice(&b).map_err(|e| corrupt(KEY_RETIRED, &e))?;
-            }
-            if let Some(b) = raw(KEY_SNAPSHOT)? {
-                snapshot = Some(serde_json::from_slice(&b).map_err(|e| corrupt(KEY_SNAPSHOT, &e))?);
-            }
+        let rtxn = db.begin_read().map_err(|e| StoreError::db("opening read txn", e))?;
+        let settings = rtxn
+            .open_table(SETTINGS)
+            .map_err(|e| StoreError::db("opening settings", e))?;
+        for row in settings.iter().map_err(|e| StoreError::db("scanning settings", e))? {
+            let (k, v) = row.map_err(|e| StoreError::db("scanning settings", e))?;
+            state.settings.insert(k.value().to_string(), v.value().to_string());
+        }
+        let nodes = rtxn.open_table(NODES).map_err(|e| StoreError::db("opening nodes", e))?;
+        for row in nodes.iter().map_err(|e| StoreError::db("scanning nodes", e))? {
+            let (k, v) = row.map_err(|e| StoreError::db("scanning nodes", e))?;
+            let record = serde_json::from_slice(v.value()).map_err(|e| corrupt(&format!("node {}", k.value()), &e))?;
+            state.fleet.nodes.insert(k.value().to_string(), record);
+        }
+        let registry = rtxn
+            .open_table(REGISTRY)
+            .map_err(|e| StoreError::db("opening registry", e))?;
+        for row in registry.iter().map_err(|e| StoreError::db("scanning registry", e))? {
+            let (k, v) = row.map_err(|e| StoreError::db("scanning registry", e))?;
+            state
+                .load_registry_entry(k.value(), v.value())
+                .map_err(|e| corrupt(&format!("registry entry {}", k.value()), &e))?;
+        }
+        let jobs = rtxn.open_table(JOBS).map_err(|e| StoreError::db("opening jobs", e))?;
+        for row in jobs.iter().map_err(|e| StoreError::db("scanning jobs", e))? {
+            let (k, v) = row.map_err(|e| StoreError::db("scanning jobs", e))?;
+            let job = serde_json::from_slice(v.value()).map_err(|e| corrupt(&format!("job {}", k.value().1), &e))?;
+            state.jobs.load(job);
+        }
+        let ledger = rtxn
+            .open_table(LEDGER)
+            .map_err(|e| StoreError::db("opening ledger", e))?;
+        for row in ledger.iter().map_err(|e| StoreError::db("scanning ledger", e))? {
+            let (k, v) = row.map_err(|e| StoreError::db("scanning ledger", e))?;
+            state
+                .ledger
+                .load(k.value(), v.value())
+                .map_err(|e| corrupt(&format!("ledger entry {}", k.value()), &e))?;
+        }
+        let meta = rtxn
+            .open_table(SM_META)
+            .map_err(|e| StoreError::db("opening sm_meta", e))?;
+        let raw = |key: &str| -> Result<Option<Vec<u8>>, StoreError> {
+            Ok(meta
+                .get(key)
+                .map_err(|e| StoreError::db(format!("reading {key}"), e))?
+                .map(|v| v.value().to_vec()))
+        };
+        if let Some(b) = raw(KEY_LAST_APPLIED)? {
+            last_applied = serde_json::from_slice(&b).map_err(|e| corrupt(KEY_LAST_APPLIED, &e))?;
+        }
+        if let Some(b) = raw(KEY_MEMBERSHIP)? {
+            last_membership = serde_json::from_slice(&b).map_err(|e| corrupt(KEY_MEMBERSHIP, &e))?;
+        }
+        if let Some(b) = raw(KEY_RETIRED)? {
+            state.retired_node_ids = serde_json::from_slice(&b).map_err(|e| corrupt(KEY_RETIRED, &e))?;
+        }
+        if let Some(b) = raw(KEY_SNAPSHOT)? {
+            snapshot = Some(serde_json::from_slice(&b).map_err(|e| corrupt(KEY_SNAPSHOT, &e))?);
         }
         Ok(StateTables {
             state,
@@ -351,7 +347,6 @@ impl StateMachineStore {
         self.inner.write().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A consistent copy of the applied state.
     /// The last applied log id and the last snapshot's: cheap, for a status answer.
     pub fn positions(&self) -> (Option<LogId>, Option<LogId>) {
         let inner = self.read();
@@ -802,10 +797,11 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
         // not stall behind it, and at a lower CPU priority, so that on a busy host it takes
         // what the heartbeats, votes and appends leave (three members building at once used to
         // starve them past openraft's RPC deadline and set off elections).
+        //
         // What was applied and not yet flushed goes to the tables first (a brief write lock,
         // at normal priority), so the snapshot covers everything applied when it was asked for.
-        let parts = (store.inner.clone(), store.db.clone(), store.persist_lock.clone());
-        tokio::task::spawn_blocking(move || flush(&parts.0, &parts.1, &parts.2))
+        let flushing = store.clone();
+        tokio::task::spawn_blocking(move || flushing.flush())
             .await
             .map_err(|e| sm_err("flush before a snapshot", e))?
             .map_err(|e| sm_err("flush before a snapshot", e))?;
