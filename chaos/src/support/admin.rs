@@ -25,18 +25,19 @@ pub fn admin_client(addrs: Vec<String>) -> AdminClient {
 
 /// One member's own status, or None if it does not answer within 500 ms.
 pub async fn status_of(addr: &str) -> Option<NodeStatus> {
-    let c = admin_client(vec![addr.to_string()]).with_call_timeout(Duration::from_millis(500));
-    c.call_one(addr, |mut cl| async move { cl.status(StatusRequest::default()).await })
-        .await
-        .ok()
+    status_with(addr, false, Duration::from_millis(500)).await
 }
 
 /// [`status_of`] with the member's state hash, to compare members (a pass over the whole state
 /// on the member: a checker's question, not a poll's).
 pub async fn hashed_status_of(addr: &str) -> Option<NodeStatus> {
-    let c = admin_client(vec![addr.to_string()]).with_call_timeout(Duration::from_secs(5));
+    status_with(addr, true, Duration::from_secs(5)).await
+}
+
+async fn status_with(addr: &str, with_state_hash: bool, timeout: Duration) -> Option<NodeStatus> {
+    let c = admin_client(vec![addr.to_string()]).with_call_timeout(timeout);
     c.call_one(addr, |mut cl| async move {
-        cl.status(StatusRequest { with_state_hash: true }).await
+        cl.status(StatusRequest { with_state_hash }).await
     })
     .await
     .ok()
