@@ -580,7 +580,7 @@ async fn session(
         hb.renew_csr_pem = identity.renewal_csr().unwrap_or_default();
         hb
     };
-    let wake = jobs.wake();
+    let (wake, replicas_changed) = (jobs.wake(), sup.changes());
     let first = beat(seq);
     if tx.send(first).await.is_err() {
         return SessionEnd::Failed("stream closed".into());
@@ -590,8 +590,13 @@ async fn session(
     tick.tick().await;
     loop {
         tokio::select! {
-            // On the beat, or at once when a job started or finished.
-            _ = async { tokio::select! { _ = tick.tick() => {}, _ = wake.notified() => {} } } => {
+            // On the beat, or at once when a job started or finished or a replica changed
+            // state (a new replica Ready is routable one round trip later, not a beat later).
+            _ = async { tokio::select! {
+                _ = tick.tick() => {},
+                _ = wake.notified() => {},
+                _ = replicas_changed.notified() => {},
+            } } => {
                 p.board.ticked(SESSION);
                 laneway_actors::failpoint::check("heartbeat_session");
                 seq += 1;

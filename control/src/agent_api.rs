@@ -14,7 +14,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::admin::AdminError;
 use crate::command::Command;
 use crate::context::Context;
-use crate::fleet::heartbeats::Seen;
+use crate::fleet::heartbeats::{Propose, Seen};
 use crate::fleet::{GpuRecord, NodeRegistration};
 use crate::jobs::{Completion, JobResult, JobState};
 use crate::registry::ReplicaRecord;
@@ -240,27 +240,52 @@ impl AgentService for AgentGrpc {
         let (tx, rx) = mpsc::channel(16);
         let ctx = self.ctx.clone();
         tokio::spawn(async move {
-            // The node this stream speaks for, fixed by its first heartbeat.
-            let mut bound: Option<String> = None;
+            // The node this stream speaks for, fixed by its first heartbeat, and the stream's
+            // number in the heartbeat table.
+            let mut bound: Option<(String, u64)> = None;
+            // Whether the agent ended the stream itself (a clean end: it is restarting or
+            // shutting down, its replicas keep serving), rather than losing it.
+            let mut goodbye = false;
             let mut last: Option<Heartbeat> = None;
-            // Jobs in the last reply: an assignment or a cancel goes out when it commits,
-            // not on the next heartbeat.
-            let mut sent: Vec<(String, u64)> = Vec::new();
-            let mut jobs_changed = ctx.sm.subscribe_jobs();
+            // What the last reply told the agent: a change to it (an assignment, a cancel, a
+            // replica placed, a drain) goes out when it commits, not on the next heartbeat.
+            let mut sent: Option<Told> = None;
+            // Wakes when what this stream's node is told may have changed (from its first
+            // heartbeat on): one node's change wakes its stream only.
+            let mut node_changed: Option<tokio::sync::watch::Receiver<u64>> = None;
+            // When a replica report that had to wait may be proposed.
+            let mut resync: Option<Instant> = None;
             loop {
                 let reply = tokio::select! {
                     msg = inbound.next() => {
-                        let Some(Ok(hb)) = msg else { break };
+                        let hb = match msg {
+                            Some(Ok(hb)) => hb,
+                            Some(Err(_)) => break,
+                            None => {
+                                goodbye = true;
+                                break;
+                            }
+                        };
                         if let Some(Err(why)) = credential.as_ref().map(|c| crate::auth::recheck(&ctx.sm, c)) {
                             tracing::warn!(node = %hb.node_id, %why, "heartbeat stream closed: its credential was revoked");
                             let _ = tx.send(Err(Status::unauthenticated(why))).await;
                             break;
                         }
+                        // Before the reply is built, so nothing committed in between is
+                        // missed; only for a registered node (a made-up name gets no signal).
+                        if node_changed.is_none() && ctx.sm.node_flags(&hb.node_id).is_some() {
+                            let mut rx = ctx.sm.subscribe_node(&hb.node_id);
+                            rx.mark_unchanged();
+                            node_changed = Some(rx);
+                        }
                         let reply = handle(&ctx, certified.as_deref(), &mut bound, &hb);
+                        if reply.is_ok() {
+                            resync = sync_replicas(&ctx, &hb);
+                        }
                         last = Some(hb);
                         reply
                     }
-                    changed = jobs_changed.changed() => {
+                    changed = async { node_changed.as_mut().expect("guarded").changed().await }, if node_changed.is_some() => {
                         if changed.is_err() {
                             break;
                         }
@@ -270,22 +295,54 @@ impl AgentService for AgentGrpc {
                             break;
                         }
                         let (jobs, settled) = job_reply(&ctx, hb);
-                        if job_keys(&jobs) == sent {
+                        let ds = desired_state(&ctx, hb, jobs, settled);
+                        if sent.as_ref() == Some(&Told::of(&ds)) {
                             continue;
                         }
-                        Ok(desired_state(&ctx, hb, jobs, settled))
+                        Ok(ds)
+                    }
+                    _ = tokio::time::sleep_until(resync.unwrap_or_else(Instant::now)), if resync.is_some() => {
+                        resync = last.as_ref().filter(|_| ctx.is_leader()).and_then(|hb| sync_replicas(&ctx, hb));
+                        continue;
                     }
                 };
                 if let Ok(r) = &reply {
-                    sent = job_keys(&r.jobs);
+                    sent = Some(Told::of(r));
                 }
                 let stop = reply.is_err();
                 if tx.send(reply).await.is_err() || stop {
                     break;
                 }
             }
+            if let Some((node, stream)) = bound {
+                stream_ended(&ctx, &node, stream, goodbye);
+            }
         });
         Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// A node's heartbeat stream ended. Lost (the connection broke: the host or its agent died, or
+/// the network between) makes the node suspect at once: its replicas are replaced elsewhere
+/// and it gets no new job, while it stays up (not fenced) until `node_dead_after` of silence.
+/// A clean end (the agent closed its side: a restart re-adopts its replicas) only forgets the
+/// stream; silence still counts.
+fn stream_ended(ctx: &Context, node: &str, stream: u64, goodbye: bool) {
+    if !ctx.is_leader() {
+        return;
+    }
+    if goodbye {
+        tracing::info!(%node, "the agent closed its heartbeat stream");
+        return;
+    }
+    if ctx.heartbeats.stream_closed(node, stream, Instant::now()) {
+        tracing::warn!(%node, "heartbeat stream lost: node is suspect, its replicas are replaced elsewhere until it reconnects");
+        ctx.history.event(
+            "suspect",
+            node,
+            "heartbeat stream lost: replicas replaced elsewhere; declared down if still silent after node_dead_after"
+                .to_string(),
+        );
     }
 }
 
@@ -315,20 +372,21 @@ pub fn replica_records(hb: &Heartbeat, host: &str) -> Vec<ReplicaRecord> {
 
 /// Commits the node's replicas when their routable facts (state, endpoint) differ from what
 /// the state holds. In-flight counts and other fast-moving numbers never reach the log.
-fn sync_replicas(ctx: &Context, hb: &Heartbeat) {
-    let Some(host) = ctx.sm.replica_host(&hb.node_id) else {
-        return;
-    };
+/// Returns when to look again when the report has to wait (a set was proposed just before).
+fn sync_replicas(ctx: &Context, hb: &Heartbeat) -> Option<Instant> {
+    let host = ctx.sm.replica_host(&hb.node_id)?;
     let reported = replica_records(hb, &host);
     if reported == ctx.sm.node_replicas(&hb.node_id) {
-        return;
+        return None;
     }
     if let Err(why) = crate::registry::validate_replica_report(&reported) {
         tracing::warn!(node = %hb.node_id, %why, "replica report refused");
-        return;
+        return None;
     }
-    if !ctx.heartbeats.should_propose(&hb.node_id, &reported, Instant::now()) {
-        return;
+    match ctx.heartbeats.should_propose(&hb.node_id, &reported, Instant::now()) {
+        Propose::Now => {}
+        Propose::InFlight => return None,
+        Propose::After(at) => return Some(at),
     }
     let ctx = ctx.clone();
     let node_id = hb.node_id.clone();
@@ -348,13 +406,14 @@ fn sync_replicas(ctx: &Context, hb: &Heartbeat) {
             }
         }
     });
+    None
 }
 
 /// One heartbeat: check who sent it, record it, answer with the node's desired state.
 fn handle(
     ctx: &Context,
     certified: Option<&str>,
-    bound: &mut Option<String>,
+    bound: &mut Option<(String, u64)>,
     hb: &Heartbeat,
 ) -> Result<DesiredState, Status> {
     if let Some(cert) = certified.filter(|c| *c != hb.node_id) {
@@ -365,7 +424,7 @@ fn handle(
         )));
     }
     match bound {
-        Some(node) if *node != hb.node_id => {
+        Some((node, _)) if *node != hb.node_id => {
             tracing::warn!(stream_node = %node, claimed = %hb.node_id, "heartbeat for another node on this stream; closing it");
             return Err(Status::permission_denied(format!(
                 "this stream belongs to node {node}; a heartbeat for {} is refused (an agent may only speak for its own node)",
@@ -381,7 +440,10 @@ fn handle(
                     hb.node_id
                 )));
             }
-            *bound = Some(hb.node_id.clone());
+            if !ctx.is_leader() {
+                return Err(not_leader(ctx));
+            }
+            *bound = Some((hb.node_id.clone(), ctx.heartbeats.stream_opened(&hb.node_id)));
         }
     }
     if !ctx.is_leader() {
@@ -435,7 +497,6 @@ fn handle(
                 .collect(),
         },
     );
-    sync_replicas(ctx, hb);
     commit_job_reports(ctx, hb);
     let (jobs, settled) = job_reply(ctx, hb);
     let mut ds = desired_state(ctx, hb, jobs, settled);
@@ -517,8 +578,27 @@ fn renew(ctx: &Context, certified: Option<&str>, hb: &Heartbeat) -> String {
     }
 }
 
-fn job_keys(jobs: &[AssignedJob]) -> Vec<(String, u64)> {
-    jobs.iter().map(|j| (j.job_id.clone(), j.token)).collect()
+/// What a reply tells an agent, to compare with the last one sent (jobs by id and token: the
+/// input crosses once).
+#[derive(PartialEq)]
+struct Told {
+    jobs: Vec<(String, u64)>,
+    replicas: Vec<laneway_proto::agent::DesiredReplica>,
+    mig: Vec<laneway_proto::agent::MigLayout>,
+    cordoned: bool,
+    draining: bool,
+}
+
+impl Told {
+    fn of(ds: &DesiredState) -> Self {
+        Told {
+            jobs: ds.jobs.iter().map(|j| (j.job_id.clone(), j.token)).collect(),
+            replicas: ds.replicas.clone(),
+            mig: ds.mig.clone(),
+            cordoned: ds.cordoned,
+            draining: ds.draining,
+        }
+    }
 }
 
 /// The reply to `hb`: the node's flags, placed replicas and jobs.

@@ -21,6 +21,8 @@ pub struct FileConfig {
     #[serde(default)]
     pub raft: FileRaftConfig,
     pub max_admin_request_bytes: Option<usize>,
+    /// A node silent this long is declared down (fenced: its jobs go back to the queue).
+    pub node_dead_after_ms: Option<u64>,
     #[serde(default)]
     pub router: FileRouterConfig,
     #[serde(default)]
@@ -108,6 +110,11 @@ pub struct RunArgs {
     /// Take a snapshot after this many applied entries since the last one. Default 10000.
     #[arg(long, env = "LANEWAY_RAFT_SNAPSHOT_LOGS")]
     pub snapshot_logs: Option<u64>,
+    /// A node whose heartbeats stop for this long (ms) is declared down and its jobs requeued.
+    /// A node whose heartbeat stream breaks is suspect at once (its replicas are replaced
+    /// elsewhere) whatever this is. Default 3000.
+    #[arg(long, env = "LANEWAY_NODE_DEAD_AFTER_MS")]
+    pub node_dead_after_ms: Option<u64>,
     /// Inference router listen address (HTTP), or `off`. Default `127.0.0.1:8080`.
     #[arg(long, env = "LANEWAY_ROUTER_LISTEN")]
     pub router_listen: Option<String>,
@@ -371,6 +378,14 @@ impl RunArgs {
                 "between 4096 and 67108864",
             ));
         }
+        let node_dead_after_ms = self.node_dead_after_ms.or(file.node_dead_after_ms).unwrap_or(3000);
+        if !(1000..=3_600_000).contains(&node_dead_after_ms) {
+            return Err(bad(
+                "node_dead_after_ms",
+                node_dead_after_ms,
+                "between 1000 (1 s) and 3600000 (1 h); more than a few agent heartbeat intervals",
+            ));
+        }
         let router = resolve_router(
             self.router_listen.clone(),
             self.router_tls_cert.clone().or(file.router.tls_cert.clone()),
@@ -451,7 +466,7 @@ impl RunArgs {
             data_dir,
             raft,
             max_admin_request_bytes,
-            node_dead_after: std::time::Duration::from_secs(3),
+            node_dead_after: std::time::Duration::from_millis(node_dead_after_ms),
             router,
         })
     }

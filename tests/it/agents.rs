@@ -312,3 +312,156 @@ async fn impostor_gpus_and_foreign_heartbeats_are_refused() {
         vec!["node-a"]
     );
 }
+
+/// A TCP path between agents and a controller that the test can cut, as a network reset or a
+/// host's death cuts it: open connections are dropped without either side closing its
+/// streams, and new ones are refused until [`Cable::mend`].
+struct Cable {
+    addr: String,
+    open: Arc<std::sync::atomic::AtomicBool>,
+    pipes: Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>>,
+    listener: tokio::task::JoinHandle<()>,
+}
+
+impl Cable {
+    async fn to(upstream: &str) -> Cable {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let open = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let pipes: Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
+        let (o, p, up) = (open.clone(), pipes.clone(), upstream.to_string());
+        let listener = tokio::spawn(async move {
+            while let Ok((mut down, _)) = listener.accept().await {
+                if !o.load(std::sync::atomic::Ordering::SeqCst) {
+                    continue;
+                }
+                let up = up.clone();
+                let pipe = tokio::spawn(async move {
+                    if let Ok(mut up) = tokio::net::TcpStream::connect(&up).await {
+                        let _ = tokio::io::copy_bidirectional(&mut down, &mut up).await;
+                    }
+                });
+                p.lock().unwrap().push(pipe.abort_handle());
+            }
+        });
+        Cable {
+            addr,
+            open,
+            pipes,
+            listener,
+        }
+    }
+
+    fn cut(&self) {
+        self.open.store(false, std::sync::atomic::Ordering::SeqCst);
+        for p in self.pipes.lock().unwrap().drain(..) {
+            p.abort();
+        }
+    }
+
+    fn mend(&self) {
+        self.open.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for Cable {
+    fn drop(&mut self) {
+        self.cut();
+        self.listener.abort();
+    }
+}
+
+/// A node whose heartbeat stream breaks is suspect at once: shown so, given no new work, and
+/// its replicas are replaced elsewhere long before `node_dead_after` (a minute here) could
+/// declare it down; it stays up. When it reconnects it is trusted again, and nothing is
+/// stopped for the flap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_heartbeat_stream_makes_the_node_suspect_and_its_replicas_move_at_once() {
+    use super::router::{lanectl, ready_nodes, sim_model_doc, Reaper};
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = vec![Node::new(root.path(), 1)];
+    nodes[0].extra_args = vec!["--node-dead-after-ms".into(), "60000".into()];
+    let client = form_cluster(&mut nodes).await;
+    let addr = nodes[0].addr.clone();
+    lanectl(&addr, &["lane", "set", "speech", "--lane", "sync", "--warm-floor", "1"]);
+    let file = root.path().join("echo.json");
+    std::fs::write(&file, sim_model_doc("echo", "speech", "L4", 10).to_string()).unwrap();
+    let cable = Cable::to(&addr).await;
+    let a = agent("gpu-a", "L4", vec![cable.addr.clone()], root.path(), vec![]).await;
+    let _reap_a = Reaper(a.supervisor.clone());
+    lanectl(&addr, &["model", "register", "--file", file.to_str().unwrap()]);
+    wait_for("the replica ready on gpu-a", Duration::from_secs(30), || async {
+        ready_nodes(&client, "echo").await.filter(|n| *n == ["gpu-a"])
+    })
+    .await;
+    let b = agent("gpu-b", "L4", vec![addr.clone()], root.path(), vec![]).await;
+    let _reap_b = Reaper(b.supervisor.clone());
+    wait_for("gpu-b heartbeating", Duration::from_secs(15), || async {
+        let n = nodes_on_leader(&client).await?;
+        fresh(&n, &["gpu-b"]).then_some(())
+    })
+    .await;
+
+    cable.cut();
+    let shown = wait_for("gpu-a shown suspect", Duration::from_secs(10), || async {
+        let n = nodes_on_leader(&client).await?;
+        n.into_iter().find(|n| n.node_id == "gpu-a" && n.suspect_ms_ago >= 0)
+    })
+    .await;
+    assert_eq!(shown.liveness, "up", "suspect is not down: nothing is fenced");
+    let listed = lanectl(&addr, &["node", "list"]);
+    let row = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["node_id"] == "gpu-a")
+        .unwrap();
+    assert!(row["suspect_ms_ago"].as_i64().is_some(), "lanectl shows it: {row}");
+    wait_for("a replacement ready on gpu-b", Duration::from_secs(30), || async {
+        ready_nodes(&client, "echo")
+            .await
+            .filter(|n| n.iter().any(|n| n == "gpu-b"))
+    })
+    .await;
+    // The suspect node kept its replica (its agent may only be cut off) and is still up: the
+    // minute of `node_dead_after` is far from over.
+    let n = nodes_on_leader(&client).await.unwrap();
+    let gpu_a = n.iter().find(|n| n.node_id == "gpu-a").unwrap();
+    assert_eq!(gpu_a.liveness, "up");
+    assert!(gpu_a.suspect_ms_ago >= 0);
+    assert_eq!(
+        a.supervisor
+            .status()
+            .iter()
+            .filter(|r| r.state == laneway_agent::supervisor::ReplicaState::Ready)
+            .count(),
+        1,
+        "nothing told the cut-off agent to stop its replica"
+    );
+
+    // Reconnected: trusted again.
+    cable.mend();
+    wait_for("gpu-a heard from again", Duration::from_secs(15), || async {
+        let n = nodes_on_leader(&client).await?;
+        n.iter()
+            .any(|n| n.node_id == "gpu-a" && n.suspect_ms_ago < 0 && (0..1500).contains(&n.last_heartbeat_ms_ago))
+            .then_some(())
+    })
+    .await;
+    // Nothing was stopped for the flap: the surplus goes the way any surplus does, one
+    // replica after the load has stayed low for the lane's stable window.
+    let ready = ready_nodes(&client, "echo").await.unwrap();
+    assert!(
+        ready.iter().any(|n| n == "gpu-a") && ready.iter().any(|n| n == "gpu-b"),
+        "{ready:?}"
+    );
+    for ag in [a, b] {
+        let sup = ag.supervisor.clone();
+        ag.stop();
+        for r in sup.status() {
+            let _ = sup
+                .drain(&r.id, Arc::new(|| 0), Duration::from_secs(1), Duration::from_secs(2))
+                .await;
+        }
+    }
+}

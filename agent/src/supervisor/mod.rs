@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use serde::Serialize;
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -157,6 +157,8 @@ pub struct Supervisor {
     in_flight: Mutex<HashMap<String, u32>>,
     /// Language models: engine-side waiting and KV-cache usage per replica, when probed.
     engine: Mutex<HashMap<String, ProbeReading>>,
+    /// Woken when any replica's state changes.
+    changed: Arc<Notify>,
 }
 
 impl Drop for Supervisor {
@@ -198,7 +200,14 @@ impl Supervisor {
             replicas: Mutex::default(),
             in_flight: Mutex::default(),
             engine: Mutex::default(),
+            changed: Arc::default(),
         }
+    }
+
+    /// Woken (one permit) whenever a replica's state changes: a replica that became Ready is
+    /// reported at once, not on the next beat.
+    pub fn changes(&self) -> Arc<Notify> {
+        self.changed.clone()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Handle>> {
@@ -249,6 +258,7 @@ impl Supervisor {
             status: status_tx,
             drains: tokio::sync::Mutex::new(drain_rx),
             adopt: Mutex::new(adopted.map(|o| (o.pid, o.port))),
+            changed: self.changed.clone(),
         });
         let (failed, handle_life) = (life.clone(), life.clone());
         let child = laneway_actors::ChildSpec::new(actor_name(&id), move || (ReplicaActor, life.clone()))
@@ -414,7 +424,7 @@ impl Supervisor {
             if let Some(pid) = pid.filter(|p| process::alive(*p)) {
                 stop(&mut Proc::Adopted(pid), grace).await;
             }
-            life.status.send_modify(|s| {
+            life.update(|s| {
                 s.state = ReplicaState::Stopped;
                 s.pid = None;
             });
@@ -484,9 +494,24 @@ struct ReplicaLife {
     drains: tokio::sync::Mutex<mpsc::Receiver<Drain>>,
     /// (pid, port) of a running process of this replica to adopt at the next start.
     adopt: Mutex<Option<(i32, u16)>>,
+    /// Woken when the replica's state changes (the heartbeat carries it at once).
+    changed: Arc<Notify>,
 }
 
 impl ReplicaLife {
+    /// Changes the replica's status; a new state wakes whoever reports it.
+    fn update(&self, f: impl FnOnce(&mut ReplicaStatus)) {
+        let mut moved = false;
+        self.status.send_modify(|s| {
+            let before = std::mem::discriminant(&s.state);
+            f(s);
+            moved = before != std::mem::discriminant(&s.state);
+        });
+        if moved {
+            self.changed.notify_one();
+        }
+    }
+
     /// The replica's actor failed: it is not ready until a new incarnation has checked it, and
     /// a process still running is adopted, never orphaned.
     fn supervision_failed(&self, error: &str) {
@@ -497,7 +522,7 @@ impl ReplicaLife {
         if let Some(pid) = pid.filter(|p| process::alive(*p)) {
             *self.adopt.lock().unwrap_or_else(|p| p.into_inner()) = Some((pid, port));
         }
-        self.status.send_modify(|s| {
+        self.update(|s| {
             let restarts = s.state.restarts() + 1;
             s.state = ReplicaState::Backoff {
                 restarts,
@@ -561,7 +586,7 @@ impl ractor::Actor for ReplicaActor {
 async fn run(life: &ReplicaLife, mut adopted: Option<(Proc, u16)>, drains: &mut mpsc::Receiver<Drain>) {
     let (cfg, http, spec, status) = (&life.cfg, &life.http, &life.spec, &life.status);
     let set = |state: ReplicaState, port: Option<u16>, pid: Option<Option<i32>>| {
-        status.send_modify(|s| {
+        life.update(|s| {
             s.state = state;
             if let Some(p) = port {
                 s.port = p;

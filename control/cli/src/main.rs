@@ -204,7 +204,7 @@ enum ClusterCmd {
 
 #[derive(Subcommand)]
 enum NodeCmd {
-    /// All nodes: pool, liveness, flags, GPUs, last heartbeat.
+    /// All nodes: pool, liveness (suspect: its heartbeat stream broke), flags, GPUs, last heartbeat.
     List,
     /// One node in detail.
     Show { node_id: String },
@@ -592,6 +592,7 @@ fn print_nodes(out: Output, nodes: &[NodeInfo], detail: bool) {
                     "node_id": n.node_id, "hostname": n.hostname, "pool": n.pool, "labels": n.labels,
                     "liveness": n.liveness, "cordoned": n.cordoned, "draining": n.draining,
                     "last_heartbeat_ms_ago": n.last_heartbeat_ms_ago,
+                    "suspect_ms_ago": (n.suspect_ms_ago >= 0).then_some(n.suspect_ms_ago),
                     "replicas_ready": n.replicas_ready, "replicas_total": n.replicas_total,
                     "gpus": n.gpus.iter().map(|g| json!({"uuid": g.uuid, "product": g.product,
                         "memory_bytes": g.memory_bytes, "mig_capable": g.mig_capable})).collect::<Vec<_>>(),
@@ -602,7 +603,7 @@ fn print_nodes(out: Output, nodes: &[NodeInfo], detail: bool) {
         return;
     }
     println!(
-        "{:<20} {:<10} {:<6} {:<10} {:<28} {:>10} {:>8}",
+        "{:<20} {:<10} {:<7} {:<10} {:<28} {:>10} {:>8}",
         "NODE", "POOL", "STATE", "FLAGS", "GPUS", "LAST SEEN", "REPLICAS"
     );
     for n in nodes {
@@ -625,11 +626,17 @@ fn print_nodes(out: Output, nodes: &[NodeInfo], detail: bool) {
         } else {
             format!("{:.1}s ago", n.last_heartbeat_ms_ago as f64 / 1000.0)
         };
+        // Up but its heartbeat stream lost: the leader is replacing its replicas elsewhere.
+        let state = if n.liveness == "up" && n.suspect_ms_ago >= 0 {
+            "suspect"
+        } else {
+            n.liveness.as_str()
+        };
         println!(
-            "{:<20} {:<10} {:<6} {:<10} {:<28} {:>10} {:>8}",
+            "{:<20} {:<10} {:<7} {:<10} {:<28} {:>10} {:>8}",
             n.node_id,
             n.pool,
-            n.liveness,
+            state,
             flags,
             gpus,
             seen,

@@ -185,6 +185,11 @@ pub(super) async fn list_nodes(
     let fleet = admin.sm.fleet();
     let layouts = admin.sm.registry().mig;
     let leader = admin.raft.metrics().borrow().current_leader == Some(admin.node_id);
+    let suspects = if leader {
+        admin.heartbeats.suspects()
+    } else {
+        Default::default()
+    };
     let nodes = fleet
         .nodes
         .values()
@@ -229,6 +234,10 @@ pub(super) async fn list_nodes(
                 last_heartbeat_ms_ago: seen.as_ref().map_or(-1, |s| s.at.elapsed().as_millis() as i64),
                 replicas_ready: seen.as_ref().map_or(0, |s| s.replicas_ready),
                 replicas_total: seen.as_ref().map_or(0, |s| s.replicas_total),
+                suspect_ms_ago: suspects
+                    .get(&r.node_id)
+                    .filter(|_| n.liveness == crate::fleet::Liveness::Up)
+                    .map_or(-1, |at| at.elapsed().as_millis() as i64),
             }
         })
         .collect();

@@ -117,6 +117,14 @@ fn defaults_resolve() {
     assert_eq!(c.cluster_name, "laneway");
     assert_eq!(c.listen.to_string(), "127.0.0.1:7001");
     assert_eq!(c.raft, RaftSettings::default());
+    assert_eq!(c.node_dead_after, std::time::Duration::from_secs(3));
+    let c = RunArgs {
+        node_dead_after_ms: Some(40_000),
+        ..args()
+    }
+    .resolve()
+    .unwrap();
+    assert_eq!(c.node_dead_after, std::time::Duration::from_secs(40));
 }
 
 #[test]
@@ -191,6 +199,13 @@ fn errors_name_field_value_and_expectation() {
                 ..args()
             },
             "router.tls_cert",
+        ),
+        (
+            RunArgs {
+                node_dead_after_ms: Some(50),
+                ..args()
+            },
+            "node_dead_after_ms",
         ),
     ];
     for (a, field) in cases {

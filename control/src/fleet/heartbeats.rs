@@ -50,9 +50,29 @@ const MIN_PROPOSE_INTERVAL: std::time::Duration = std::time::Duration::from_mill
 #[derive(Default)]
 pub struct HeartbeatTable {
     seen: Mutex<HashMap<String, Seen>>,
+    /// The stream each node heartbeats on now, and the nodes whose stream dropped (when) with
+    /// nothing heard from them since.
+    streams: Mutex<Streams>,
     /// Replica sets proposed per node and when, so one change is proposed once, not on every
     /// heartbeat until it applies.
     proposed: Mutex<HashMap<String, (Vec<ReplicaRecord>, Instant)>>,
+}
+
+/// What [`HeartbeatTable::should_propose`] says of a node's replica report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Propose {
+    Now,
+    /// The same set is on its way through the log.
+    InFlight,
+    /// A set was proposed too recently: the latest report goes at this time.
+    After(Instant),
+}
+
+#[derive(Default)]
+struct Streams {
+    next: u64,
+    open: HashMap<String, u64>,
+    suspect: HashMap<String, Instant>,
 }
 
 impl HeartbeatTable {
@@ -61,6 +81,39 @@ impl HeartbeatTable {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(node_id.to_string(), seen);
+    }
+
+    fn streams(&self) -> std::sync::MutexGuard<'_, Streams> {
+        self.streams.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A heartbeat stream now speaks for `node_id`: it is heard from, so no longer suspect.
+    /// The returned number names the stream for [`Self::stream_closed`].
+    pub fn stream_opened(&self, node_id: &str) -> u64 {
+        let mut s = self.streams();
+        s.next += 1;
+        let id = s.next;
+        s.open.insert(node_id.to_string(), id);
+        s.suspect.remove(node_id);
+        id
+    }
+
+    /// The stream `id` of `node_id` ended. The node is suspect from `now` unless another
+    /// stream of it opened meanwhile (an agent that reconnected). Returns whether it became
+    /// suspect.
+    pub fn stream_closed(&self, node_id: &str, id: u64, now: Instant) -> bool {
+        let mut s = self.streams();
+        if s.open.get(node_id) != Some(&id) {
+            return false;
+        }
+        s.open.remove(node_id);
+        s.suspect.insert(node_id.to_string(), now);
+        true
+    }
+
+    /// The nodes whose heartbeat stream dropped, and when, with nothing heard since.
+    pub fn suspects(&self) -> HashMap<String, Instant> {
+        self.streams().suspect.clone()
     }
 
     /// Restarts per actor of `node_id`, as its last heartbeat reported them.
@@ -94,17 +147,21 @@ impl HeartbeatTable {
     }
 
     /// Whether `replicas` should be proposed for `node_id` now: not if the same set was
-    /// proposed within the last couple of seconds (it is on its way through the log).
-    pub fn should_propose(&self, node_id: &str, replicas: &[ReplicaRecord], now: Instant) -> bool {
+    /// proposed within the last couple of seconds (it is on its way through the log), and a
+    /// new set at most every [`MIN_PROPOSE_INTERVAL`] (an agent alternating its report cannot
+    /// write an entry per heartbeat): then when to try again with the latest report.
+    pub fn should_propose(&self, node_id: &str, replicas: &[ReplicaRecord], now: Instant) -> Propose {
         let mut p = self.proposed.lock().unwrap_or_else(|p| p.into_inner());
         match p.get(node_id) {
-            Some((set, at)) if set == replicas && now.saturating_duration_since(*at) < REPROPOSE_AFTER => false,
-            // A new set at most every MIN_PROPOSE_INTERVAL: an agent alternating its report
-            // cannot write an entry per heartbeat; the latest set goes on a later one.
-            Some((_, at)) if now.saturating_duration_since(*at) < MIN_PROPOSE_INTERVAL => false,
+            Some((set, at)) if set == replicas && now.saturating_duration_since(*at) < REPROPOSE_AFTER => {
+                Propose::InFlight
+            }
+            Some((_, at)) if now.saturating_duration_since(*at) < MIN_PROPOSE_INTERVAL => {
+                Propose::After(*at + MIN_PROPOSE_INTERVAL)
+            }
             _ => {
                 p.insert(node_id.to_string(), (replicas.to_vec(), now));
-                true
+                Propose::Now
             }
         }
     }
@@ -112,6 +169,31 @@ impl HeartbeatTable {
     /// Forgets everything (on losing or gaining leadership).
     pub fn clear(&self) {
         self.seen.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        *self.streams() = Streams::default();
         self.proposed.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dropped_stream_makes_its_node_suspect_until_it_is_heard_again() {
+        let t = HeartbeatTable::default();
+        let now = Instant::now();
+        let first = t.stream_opened("a");
+        assert!(t.suspects().is_empty());
+        assert!(t.stream_closed("a", first, now));
+        assert_eq!(t.suspects().get("a"), Some(&now));
+        // It reconnects: heard from again.
+        let second = t.stream_opened("a");
+        assert!(t.suspects().is_empty());
+        // A stale stream ending after the new one opened says nothing of the node.
+        assert!(!t.stream_closed("a", first, now));
+        assert!(t.suspects().is_empty());
+        assert!(t.stream_closed("a", second, now));
+        t.clear();
+        assert!(t.suspects().is_empty(), "a new term starts with nobody suspect");
     }
 }

@@ -54,9 +54,10 @@ impl laneway_actors::Ticker for JobDispatcher {
 impl JobDispatcher {
     async fn dispatch(&mut self) {
         let ctx = &self.ctx;
+        let suspect: std::collections::HashSet<String> = ctx.heartbeats.suspects().into_keys().collect();
         let assignments = ctx
             .sm
-            .with_jobs(|jobs, fleet, registry| super::dispatch::dispatch(fleet, registry, jobs));
+            .with_jobs(|jobs, fleet, registry| super::dispatch::dispatch(fleet, registry, jobs, &suspect));
         if !assignments.is_empty() {
             let n = assignments.len();
             let cmd = Command::AssignJobs {

@@ -100,6 +100,7 @@ fn fast_loop(
             .collect()
     });
     let engine = engine_load(ctx);
+    let suspect = ctx.heartbeats.suspects();
     let mut targets = HashMap::new();
     for m in registry.models.values().filter(|m| m.class == class_name) {
         let Some(class) = registry.classes.get(&m.class) else {
@@ -110,10 +111,12 @@ fn fast_loop(
         } else {
             &load
         };
+        // What a suspect node runs counts for nothing while the leader replaces it.
         let placed: Vec<u32> = registry
             .desired
-            .values()
-            .flatten()
+            .iter()
+            .filter(|(node, _)| !suspect.contains_key(*node))
+            .flat_map(|(_, rs)| rs)
             .filter(|r| r.model == m.name)
             .map(|r| m.profiles.get(&r.product).map_or(1, |p| p.max_batch))
             .collect();
@@ -126,7 +129,13 @@ fn fast_loop(
             model_load.engines_without_waiting = e.without_waiting;
             model_load.kv_cache = e.kv_cache;
         }
-        let ready = crate::registry::ready_replicas(&registry.replicas, &m.name);
+        let ready = registry
+            .replicas
+            .iter()
+            .filter(|(node, _)| !suspect.contains_key(*node))
+            .flat_map(|(_, rs)| rs)
+            .filter(|r| r.model == m.name && r.state == "ready")
+            .count();
         let inputs = Inputs {
             signal: Signal::of(class),
             load: model_load,

@@ -8,7 +8,7 @@
 //! actor is down has its models held at their current count ([`held_targets`]), never dropped
 //! to the floor.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -36,7 +36,8 @@ pub struct Scheduler {
     ctx: Context,
     term: Arc<Term>,
     last_unplaced: Vec<String>,
-    last_plan: Option<(Instant, HashMap<String, usize>)>,
+    /// When the last plan ran, for which targets and which suspect nodes.
+    last_plan: Option<(Instant, HashMap<String, usize>, HashSet<String>)>,
 }
 
 impl Scheduler {
@@ -77,19 +78,23 @@ impl Scheduler {
                 &uuid::Uuid::new_v4().simple().to_string()[..8]
             )
         };
-        let mut targets = held_targets(&registry, &self.term.lanes.published(), now, LANE_STALE_AFTER);
+        // A node whose heartbeat stream dropped is planned around at once, not on the tick.
+        let suspect: HashSet<String> = ctx.heartbeats.suspects().into_keys().collect();
+        let mut targets = held_targets(&registry, &self.term.lanes.published(), &suspect, now, LANE_STALE_AFTER);
         blue_green_targets(&registry, &mut targets);
-        let due = self
-            .last_plan
-            .as_ref()
-            .is_none_or(|(at, before)| *before != targets || now.saturating_duration_since(*at) >= TICK);
+        let due = self.last_plan.as_ref().is_none_or(|(at, before, suspect_before)| {
+            *before != targets || *suspect_before != suspect || now.saturating_duration_since(*at) >= TICK
+        });
         if !due {
             return;
         }
-        self.last_plan = Some((now, targets.clone()));
-        let cached = cached_models(ctx, &registry);
-        let slices = settled_slices(ctx, &registry);
-        let plan = replicas::plan_observed(&fleet, &registry, &targets, &cached, &slices, &mut new_id);
+        self.last_plan = Some((now, targets.clone(), suspect.clone()));
+        let observed = replicas::Observed {
+            cached: cached_models(ctx, &registry),
+            slices: settled_slices(ctx, &registry),
+            suspect,
+        };
+        let plan = replicas::plan_observed(&fleet, &registry, &targets, &observed, &mut new_id);
         *ctx.unplaced.lock().unwrap_or_else(|p| p.into_inner()) = plan.unplaced.clone();
         let unplaced: Vec<String> = plan
             .unplaced
@@ -148,15 +153,18 @@ impl Scheduler {
 pub fn held_targets(
     registry: &Registry,
     lanes: &HashMap<String, LaneDecision>,
+    suspect: &HashSet<String>,
     now: Instant,
     stale_after: Duration,
 ) -> HashMap<String, usize> {
     let mut targets = HashMap::new();
     for m in registry.models.values() {
+        // A suspect node's replicas are being replaced: holding them too would place them twice.
         let placed = registry
             .desired
-            .values()
-            .flatten()
+            .iter()
+            .filter(|(node, _)| !suspect.contains(*node))
+            .flat_map(|(_, rs)| rs)
             .filter(|r| r.model == m.name)
             .count();
         let decided = lanes
@@ -365,7 +373,7 @@ mod tests {
         ];
         for (what, lanes, want) in cases {
             let lanes: HashMap<String, LaneDecision> = lanes.into_iter().collect();
-            let got = held_targets(&r, &lanes, now, LANE_STALE_AFTER);
+            let got = held_targets(&r, &lanes, &HashSet::new(), now, LANE_STALE_AFTER);
             assert_eq!(got, want, "{what}");
         }
     }

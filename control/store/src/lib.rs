@@ -15,6 +15,7 @@ pub mod header;
 pub mod log_db;
 pub mod log_store;
 pub mod raft_types;
+pub mod signals;
 pub mod snapshot_file;
 pub mod state_machine;
 

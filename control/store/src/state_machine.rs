@@ -107,6 +107,8 @@ pub struct StateMachineStore {
     changed: Arc<tokio::sync::watch::Sender<u64>>,
     /// Bumped whenever a job changes (the dispatcher wakes on it; routers do not rebuild).
     jobs_changed: Arc<tokio::sync::watch::Sender<u64>>,
+    /// Per node: what its agent is told may have changed.
+    nodes_changed: Arc<crate::signals::NodeSignals>,
 }
 
 /// Moves format-1 rows (jobs by id) into the `(seq, id)` table.
@@ -300,6 +302,7 @@ impl StateMachineStore {
             persist_lock: Arc::default(),
             changed: Arc::new(tokio::sync::watch::channel(0).0),
             jobs_changed: Arc::new(tokio::sync::watch::channel(0).0),
+            nodes_changed: Arc::default(),
         };
         store.restore_from_snapshot_if_behind()?;
         Ok(store)
@@ -414,6 +417,12 @@ impl StateMachineStore {
     /// Changes whenever a job changes.
     pub fn subscribe_jobs(&self) -> tokio::sync::watch::Receiver<u64> {
         self.jobs_changed.subscribe()
+    }
+
+    /// Changes whenever what `node`'s agent is told may have changed: its flags, desired
+    /// replicas, MIG layout or placed jobs.
+    pub fn subscribe_node(&self, node: &str) -> tokio::sync::watch::Receiver<u64> {
+        self.nodes_changed.subscribe(node)
     }
 
     /// One job, as applied here.
@@ -553,6 +562,7 @@ impl StateMachineStore {
         drop(inner);
         self.changed.send_modify(|v| *v += 1);
         self.jobs_changed.send_modify(|v| *v += 1);
+        self.nodes_changed.notify_all();
         Ok(())
     }
 
@@ -689,6 +699,21 @@ struct Touched {
 }
 
 impl Touched {
+    /// Nodes whose agent is told something new: flags and liveness, desired replicas, MIG
+    /// layout.
+    fn nodes_told(&self) -> Vec<String> {
+        let keyed = self
+            .registry
+            .iter()
+            .filter_map(|k| k.strip_prefix("desired/").or_else(|| k.strip_prefix("mig/")));
+        self.nodes
+            .iter()
+            .map(String::as_str)
+            .chain(keyed)
+            .map(String::from)
+            .collect()
+    }
+
     fn merge(&mut self, later: Touched) {
         self.settings.extend(later.settings);
         self.nodes.extend(later.nodes);
@@ -871,7 +896,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         I::IntoIter: OptionalSend,
     {
         let mut replies = Vec::new();
-        let (fleet_changed, jobs_changed, schedule) = {
+        let (fleet_changed, jobs_changed, schedule, nodes) = {
             let mut inner = self.write();
             let inner = &mut *inner;
             let mut touched = Touched::default();
@@ -909,10 +934,13 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             }
             let fleet_changed = !touched.nodes.is_empty() || !touched.registry.is_empty();
             let jobs_changed = inner.state.jobs.changes() != job_changes;
+            let mut nodes = inner.state.jobs.take_touched_nodes();
+            nodes.extend(touched.nodes_told());
             inner.unflushed.merge(touched);
             let schedule = !std::mem::replace(&mut inner.flush_scheduled, true);
-            (fleet_changed, jobs_changed, schedule)
+            (fleet_changed, jobs_changed, schedule, nodes)
         };
+        self.nodes_changed.notify(nodes.iter().map(String::as_str));
         if fleet_changed {
             self.changed.send_modify(|v| *v += 1);
         }

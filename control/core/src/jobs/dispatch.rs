@@ -1,12 +1,13 @@
 //! The job dispatcher's decision, as a pure function: which queued jobs go to which ready
 //! replicas now. The leader runs it on every state change and commits its answer through Raft.
 //!
-//! Rules: only Ready replicas of the job's model on Up, non-draining nodes; never more jobs on a
+//! Rules: only Ready replicas of the job's model on Up, non-draining nodes the leader is still
+//! hearing from (a node whose heartbeat stream dropped is suspect: it gets no new job); never more jobs on a
 //! replica than its max batch; FIFO within a tenant; across tenants, the tenant with the fewest
 //! jobs already placed on that model goes next (ties: the oldest head of queue), so one tenant's
 //! backlog cannot starve another's single job.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 pub use super::Assignment;
 use super::Jobs;
@@ -21,7 +22,12 @@ struct Slot {
 }
 
 /// Free job slots per durable model, most free first.
-fn free_slots(fleet: &Fleet, registry: &Registry, jobs: &Jobs) -> HashMap<String, Vec<Slot>> {
+fn free_slots(
+    fleet: &Fleet,
+    registry: &Registry,
+    jobs: &Jobs,
+    suspect: &HashSet<String>,
+) -> HashMap<String, Vec<Slot>> {
     let mut placed: HashMap<&str, u32> = HashMap::new();
     for j in jobs.placed() {
         if let Some(r) = &j.replica {
@@ -31,7 +37,7 @@ fn free_slots(fleet: &Fleet, registry: &Registry, jobs: &Jobs) -> HashMap<String
     let mut slots: HashMap<String, Vec<Slot>> = HashMap::new();
     for (node_id, replicas) in &registry.replicas {
         let Some(node) = fleet.nodes.get(node_id) else { continue };
-        if node.liveness != Liveness::Up || node.draining {
+        if node.liveness != Liveness::Up || node.draining || suspect.contains(node_id) {
             continue;
         }
         for r in replicas.iter().filter(|r| r.state == "ready") {
@@ -76,9 +82,9 @@ fn free_slots(fleet: &Fleet, registry: &Registry, jobs: &Jobs) -> HashMap<String
     slots
 }
 
-/// The assignments to make now.
-pub fn dispatch(fleet: &Fleet, registry: &Registry, jobs: &Jobs) -> Vec<Assignment> {
-    let mut slots = free_slots(fleet, registry, jobs);
+/// The assignments to make now; `suspect` are the nodes whose heartbeat stream dropped.
+pub fn dispatch(fleet: &Fleet, registry: &Registry, jobs: &Jobs, suspect: &HashSet<String>) -> Vec<Assignment> {
+    let mut slots = free_slots(fleet, registry, jobs, suspect);
     if slots.is_empty() {
         return Vec::new();
     }

@@ -240,6 +240,10 @@ pub struct Jobs {
     /// Bumped on every change, so a caller can tell whether a run of commands changed a job.
     #[serde(skip)]
     changes: u64,
+    /// Nodes whose placed jobs changed since the last [`Jobs::take_touched_nodes`]: only
+    /// their heartbeat streams have a new job reply to send.
+    #[serde(skip)]
+    touched_nodes: BTreeSet<String>,
 }
 
 impl PartialEq for Jobs {
@@ -298,6 +302,9 @@ impl Jobs {
             }
         }
         if let (true, Some(node)) = (j.state.is_placed(), j.node.clone()) {
+            if !self.touched_nodes.contains(&node) {
+                self.touched_nodes.insert(node.clone());
+            }
             let set = self.placed.entry(node.clone()).or_default();
             if add {
                 set.insert(id.to_string());
@@ -365,6 +372,11 @@ impl Jobs {
     /// Job ids (and their `seq`) changed since the last call.
     pub fn take_dirty(&mut self) -> BTreeMap<String, u64> {
         std::mem::take(&mut self.dirty)
+    }
+
+    /// Nodes whose placed jobs (assigned or running) changed since the last call.
+    pub fn take_touched_nodes(&mut self) -> BTreeSet<String> {
+        std::mem::take(&mut self.touched_nodes)
     }
 
     pub fn get(&self, id: &str) -> Option<&Job> {

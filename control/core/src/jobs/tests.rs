@@ -1,3 +1,5 @@
+use std::collections::HashSet;
+
 use super::dispatch::{dispatch, Assignment};
 use super::*;
 use crate::command::Command;
@@ -503,7 +505,7 @@ fn durable_fleet(nodes: usize) -> AppState {
 }
 
 fn assign_all(s: &mut AppState, index: u64) -> Vec<Assignment> {
-    let a = dispatch(&s.fleet, &s.registry, &s.jobs);
+    let a = dispatch(&s.fleet, &s.registry, &s.jobs, &HashSet::new());
     s.apply(
         &Command::AssignJobs {
             assignments: a.clone(),
@@ -565,15 +567,18 @@ fn dispatch_shares_replicas_fairly_across_tenants() {
 }
 
 #[test]
-fn dispatch_skips_down_and_draining_nodes_and_unready_replicas() {
+fn dispatch_skips_down_draining_and_suspect_nodes_and_unready_replicas() {
     let mut s = durable_fleet(3);
     s.fleet.set_liveness("n0", crate::fleet::Liveness::Down).unwrap();
     s.fleet.set_flags("n1", None, Some(true)).unwrap();
     s.registry.replicas.get_mut("n2").unwrap()[0].state = "starting".into();
     s.apply(&Command::SubmitJob(sub("a", "t", None, "1")), 1);
-    assert!(dispatch(&s.fleet, &s.registry, &s.jobs).is_empty());
+    assert!(dispatch(&s.fleet, &s.registry, &s.jobs, &HashSet::new()).is_empty());
     s.registry.replicas.get_mut("n2").unwrap()[0].state = "ready".into();
-    let a = dispatch(&s.fleet, &s.registry, &s.jobs);
+    // A node whose heartbeat stream dropped (suspect) gets nothing new either.
+    let n2 = HashSet::from(["n2".to_string()]);
+    assert!(dispatch(&s.fleet, &s.registry, &s.jobs, &n2).is_empty());
+    let a = dispatch(&s.fleet, &s.registry, &s.jobs, &HashSet::new());
     assert_eq!(a.len(), 1);
     assert_eq!(a[0].node_id, "n2");
 }

@@ -110,32 +110,51 @@ pub fn plan_cached(
     cached: &HashMap<String, HashSet<String>>,
     new_id: &mut dyn FnMut(&str) -> String,
 ) -> ReplicaPlan {
-    plan_observed(fleet, registry, targets, cached, &HashMap::new(), new_id)
+    let observed = Observed {
+        cached: cached.clone(),
+        ..Observed::default()
+    };
+    plan_observed(fleet, registry, targets, &observed, new_id)
+}
+
+/// What the leader sees of the fleet that is not in the committed state: from heartbeats and
+/// their streams, never from the log.
+#[derive(Debug, Default, Clone)]
+pub struct Observed {
+    /// Per node, the models whose weights its cache holds (a new replica prefers such a node:
+    /// no download before it starts).
+    pub cached: HashMap<String, HashSet<String>>,
+    /// Per node that has reported them, its settled MIG devices (a model that lists a MIG
+    /// profile for the product goes on a free slice of it before it takes a whole card).
+    pub slices: HashMap<String, Vec<Slice>>,
+    /// Nodes whose heartbeat stream dropped and that have not been heard from since. Their
+    /// replicas stay placed (an agent restarting re-adopts them, and they may be serving) but
+    /// count for nothing: the missing ones are placed elsewhere at once, without waiting for
+    /// the node to be declared down. Nothing new goes on a suspect node. When the node comes
+    /// back the model is over its target and the surplus is trimmed; when it is declared
+    /// down its replicas are dropped, their replacements already started.
+    pub suspect: HashSet<String>,
 }
 
 /// Plans the placed replicas. `targets` are the fast loop's replica counts per model (the warm
-/// floor when absent or lower); `cached` is, per node, the models whose weights its cache
-/// holds (a new replica prefers such a node: no download before it starts); `slices` are, per
-/// node that has reported them, its settled MIG devices (a model that lists a MIG profile for
-/// the product goes on a free slice of it before it takes a whole card); `new_id` names a new
-/// replica of a model.
+/// floor when absent or lower); `observed` is what heartbeats say (see [`Observed`]); `new_id`
+/// names a new replica of a model.
 pub fn plan_observed(
     fleet: &Fleet,
     registry: &Registry,
     targets: &HashMap<String, usize>,
-    cached: &HashMap<String, HashSet<String>>,
-    slices: &HashMap<String, Vec<Slice>>,
+    observed: &Observed,
     new_id: &mut dyn FnMut(&str) -> String,
 ) -> ReplicaPlan {
     let Pass {
         mut desired,
         mut unplaced,
         short,
-    } = place(fleet, registry, &registry.desired, targets, cached, slices, new_id);
+    } = place(fleet, registry, &registry.desired, targets, observed, new_id);
     // A warm floor or a scale-up that did not fit takes the cards of less protected classes'
     // replicas above their own floors (protect sync first, durable last), then placement runs
     // again. Kept only when it placed more of what was short: never stop a replica for nothing.
-    let victims = preemptions(fleet, registry, &desired, &short);
+    let victims = preemptions(fleet, registry, &desired, &short, &observed.suspect);
     if !victims.is_empty() {
         let without = |victims: &[(String, String)]| {
             let mut freed = desired.clone();
@@ -146,14 +165,14 @@ pub fn plan_observed(
             }
             freed
         };
-        let mut again = place(fleet, registry, &without(&victims), targets, cached, slices, new_id);
+        let mut again = place(fleet, registry, &without(&victims), targets, observed, new_id);
         if misses_less(&again.short, &short) {
             // A victim whose card no short model took was stopped for nothing (the short model
             // fit elsewhere, or not at all): place once more without stopping it, and keep that
             // unless it misses more.
             let useful = took_their_cards(&victims, &desired, &again.desired, &short);
             if useful.len() < victims.len() {
-                let fewer = place(fleet, registry, &without(&useful), targets, cached, slices, new_id);
+                let fewer = place(fleet, registry, &without(&useful), targets, observed, new_id);
                 if !misses_less(&again.short, &fewer.short) {
                     again = fewer;
                 }
@@ -243,6 +262,7 @@ fn preemptions(
     registry: &Registry,
     desired: &BTreeMap<String, Vec<DesiredReplica>>,
     short: &[Short],
+    suspect: &HashSet<String>,
 ) -> Vec<(String, String)> {
     let class_of = |model: &str| registry.models.get(model).and_then(|m| registry.classes.get(&m.class));
     let mut count: HashMap<&str, usize> = HashMap::new();
@@ -259,7 +279,11 @@ fn preemptions(
             let candidate = desired
                 .iter()
                 .filter_map(|(node, rs)| fleet.nodes.get(node).map(|n| (node, n, rs)))
-                .filter(|(_, n, _)| schedulable(n) && node_taints(registry, n).iter().all(|t| tolerations.contains(t)))
+                .filter(|(node, n, _)| {
+                    schedulable(n)
+                        && !suspect.contains(*node)
+                        && node_taints(registry, n).iter().all(|t| tolerations.contains(t))
+                })
                 .flat_map(|(node, n, rs)| rs.iter().map(move |r| (node, n, r)))
                 .filter(|(node, _, r)| {
                     m.profiles.contains_key(&r.product)
@@ -302,16 +326,37 @@ fn place(
     registry: &Registry,
     start: &BTreeMap<String, Vec<DesiredReplica>>,
     targets: &HashMap<String, usize>,
-    cached: &HashMap<String, HashSet<String>>,
-    slices: &HashMap<String, Vec<Slice>>,
+    observed: &Observed,
     new_id: &mut dyn FnMut(&str) -> String,
 ) -> Pass {
+    let (cached, suspect) = (&observed.cached, &observed.suspect);
+    // A suspect node's MIG slices take nothing new either.
+    let slices: HashMap<String, Vec<Slice>> = observed
+        .slices
+        .iter()
+        .filter(|(node, _)| !suspect.contains(*node))
+        .map(|(node, s)| (node.clone(), s.clone()))
+        .collect();
+    let slices = &slices;
     // Keep what still stands: schedulable or cordoned (cordon stops new work only) live nodes,
-    // models still registered.
+    // models still registered. A suspect node's replicas are held aside, counted for nothing,
+    // and put back at the end.
     let mut desired: BTreeMap<String, Vec<DesiredReplica>> = BTreeMap::new();
+    let mut held: BTreeMap<String, Vec<DesiredReplica>> = BTreeMap::new();
     for (node, replicas) in start {
         let Some(n) = fleet.nodes.get(node) else { continue };
         if n.liveness != Liveness::Up || n.draining {
+            continue;
+        }
+        if suspect.contains(node) {
+            let registered: Vec<DesiredReplica> = replicas
+                .iter()
+                .filter(|r| registry.models.contains_key(&r.model))
+                .cloned()
+                .collect();
+            if !registered.is_empty() {
+                held.insert(node.clone(), registered);
+            }
             continue;
         }
         // A GPU being split into MIG slices takes no whole-card replica, and a node whose
@@ -403,7 +448,7 @@ fn place(
     let nodes: Vec<NodeView> = fleet
         .nodes
         .values()
-        .filter(|n| schedulable(n) && !n.registration.gpus.is_empty())
+        .filter(|n| schedulable(n) && !suspect.contains(&n.registration.node_id) && !n.registration.gpus.is_empty())
         .map(|n| {
             let reg = &n.registration;
             let tier = Tier::of_labels(&reg.labels);
@@ -583,6 +628,11 @@ fn place(
                 product: p.product,
             });
         }
+    }
+    // A suspect node keeps what it runs until it comes back (then the surplus is trimmed) or
+    // is declared down (then its replicas go).
+    for (node, replicas) in held {
+        desired.entry(node).or_default().extend(replicas);
     }
     Pass {
         desired,

@@ -68,6 +68,20 @@ fn apply(r: &mut Registry, p: &ReplicaPlan) {
     }
 }
 
+fn sliced(slices: &HashMap<String, Vec<Slice>>) -> Observed {
+    Observed {
+        slices: slices.clone(),
+        ..Observed::default()
+    }
+}
+
+fn suspect(nodes: &[&str]) -> Observed {
+    Observed {
+        suspect: nodes.iter().map(|n| n.to_string()).collect(),
+        ..Observed::default()
+    }
+}
+
 fn ids() -> impl FnMut(&str) -> String {
     let mut n = 0;
     move |m: &str| {
@@ -135,7 +149,7 @@ fn models_with_mig_profiles_take_free_settled_slices_before_whole_cards() {
         profile: "1g.10gb".into(),
     };
     let slices: HashMap<String, Vec<Slice>> = [("h".to_string(), vec![slice(0), slice(1)])].into();
-    let p = plan_observed(&f, &r, &HashMap::new(), &HashMap::new(), &slices, &mut ids());
+    let p = plan_observed(&f, &r, &HashMap::new(), &sliced(&slices), &mut ids());
     apply(&mut r, &p);
     let mut on: Vec<String> = r.desired["h"].iter().map(|d| d.gpu.clone()).collect();
     on.sort();
@@ -145,7 +159,7 @@ fn models_with_mig_profiles_take_free_settled_slices_before_whole_cards() {
         "two slices, then the whole card left"
     );
     assert!(
-        plan_observed(&f, &r, &HashMap::new(), &HashMap::new(), &slices, &mut ids())
+        plan_observed(&f, &r, &HashMap::new(), &sliced(&slices), &mut ids())
             .commands
             .is_empty(),
         "stable"
@@ -157,7 +171,7 @@ fn models_with_mig_profiles_take_free_settled_slices_before_whole_cards() {
     // A slice gone (the GPU re-partitioned): its replica goes, and with no free slice
     // left it takes room on the whole card, never the split one.
     let fewer: HashMap<String, Vec<Slice>> = [("h".to_string(), vec![slice(0)])].into();
-    let p = plan_observed(&f, &r, &HashMap::new(), &HashMap::new(), &fewer, &mut ids());
+    let p = plan_observed(&f, &r, &HashMap::new(), &sliced(&fewer), &mut ids());
     apply(&mut r, &p);
     let mut on: Vec<String> = r.desired["h"].iter().map(|d| d.gpu.clone()).collect();
     on.sort();
@@ -181,6 +195,54 @@ fn a_dead_nodes_replicas_are_placed_elsewhere_and_a_lower_floor_removes_extras()
     let p = plan(&f, &r, &HashMap::new(), &mut ids());
     apply(&mut r, &p);
     assert_eq!(r.desired["b"].len(), 1);
+}
+
+#[test]
+fn a_suspect_nodes_replicas_stay_but_are_replaced_elsewhere_at_once() {
+    let f = fleet(&[("a", "L4", 2), ("b", "L4", 2), ("c", "L4", 2)]);
+    let mut r = registry(2);
+    let p = plan(&f, &r, &HashMap::new(), &mut ids());
+    apply(&mut r, &p);
+    let (with, without): (Vec<&str>, Vec<&str>) = ["a", "b", "c"]
+        .into_iter()
+        .partition(|n| r.desired.get(*n).is_some_and(|d| !d.is_empty()));
+    assert_eq!(with.len(), 2, "spread over two nodes: {:?}", r.desired);
+    let (lost, free) = (with[0], without[0]);
+    let before = r.desired[lost].clone();
+
+    // The node's stream dropped: what it runs stays placed, a replacement goes elsewhere.
+    let p = plan_observed(&f, &r, &HashMap::new(), &suspect(&[lost]), &mut ids());
+    apply(&mut r, &p);
+    assert_eq!(r.desired[lost], before, "nothing is taken from a suspect node");
+    let elsewhere: usize = ["a", "b", "c"]
+        .iter()
+        .filter(|n| **n != lost)
+        .map(|n| on(&r, n, "whisper"))
+        .sum();
+    assert_eq!(
+        elsewhere, 2,
+        "the floor is met without the suspect node: {:?}",
+        r.desired
+    );
+    assert_eq!(on(&r, free, "whisper"), 1, "the replacement took the free node");
+    assert!(
+        plan_observed(&f, &r, &HashMap::new(), &suspect(&[lost]), &mut ids())
+            .commands
+            .is_empty(),
+        "stable while it stays suspect"
+    );
+    // Nothing new lands on a suspect node, even when nowhere else has room.
+    r.classes.get_mut("speech").unwrap().warm_floor = 20;
+    let p = plan_observed(&f, &r, &HashMap::new(), &suspect(&[lost]), &mut ids());
+    apply(&mut r, &p);
+    assert_eq!(r.desired[lost], before);
+    r.classes.get_mut("speech").unwrap().warm_floor = 2;
+
+    // It comes back: one over the floor, and the surplus is trimmed.
+    let p = plan(&f, &r, &HashMap::new(), &mut ids());
+    apply(&mut r, &p);
+    let total: usize = ["a", "b", "c"].iter().map(|n| on(&r, n, "whisper")).sum();
+    assert_eq!(total, 2, "back to the floor: {:?}", r.desired);
 }
 
 fn tiered(nodes: &[(&str, usize, &str)]) -> Fleet {
