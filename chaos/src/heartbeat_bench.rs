@@ -30,7 +30,7 @@ pub struct HeartbeatArgs {
     #[arg(long)]
     control_bin: Option<std::path::PathBuf>,
     /// Agent counts to try, in order.
-    #[arg(long, value_delimiter = ',', default_value = "100,1000,2500,5000,10000")]
+    #[arg(long, value_delimiter = ',', default_value = "100,1000,5000,10000,25000")]
     agents: Vec<usize>,
     /// Seconds measured per step (after a warm-up second).
     #[arg(long, default_value_t = 10)]
@@ -38,6 +38,8 @@ pub struct HeartbeatArgs {
 }
 
 const STREAMS_PER_CONNECTION: usize = 100;
+/// Agents one leader must carry at 1 Hz (lag p99 under 1 s, 99% acknowledged).
+const TARGET_AGENTS: usize = 25_000;
 const GPUS_PER_NODE: usize = 8;
 
 async fn channels(addr: &str, n: usize) -> anyhow::Result<Vec<Channel>> {
@@ -122,12 +124,15 @@ pub async fn run(args: HeartbeatArgs) -> anyhow::Result<()> {
         json!({"bench": "node_registration", "nodes": max, "per_sec": (max as f64 / started.elapsed().as_secs_f64()).round()})
     );
 
-    cluster.wait_converged(Duration::from_secs(30)).await?;
-    let li = cluster.leader().await.context("no leader")?;
-    let leader_addr = cluster.members[li].addr.clone();
-    let leader_pid = cluster.pid(li).context("leader pid")?;
     let mut best = 0;
     for &n in &args.agents {
+        // Looked up per step: an election in an earlier step must not send this one to a
+        // follower (every stream would be refused).
+        cluster.wait_converged(Duration::from_secs(30)).await?;
+        let li = cluster.leader().await.context("no leader")?;
+        let leader_addr = cluster.members[li].addr.clone();
+        let leader_pid = cluster.pid(li).context("leader pid")?;
+        let term = cluster.term().await;
         let hist = Arc::new(Mutex::new(Histogram::<u64>::new_with_bounds(1, 120_000_000, 3)?));
         let (sent, acked) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
         let chans = channels(&leader_addr, n).await?;
@@ -151,6 +156,7 @@ pub async fn run(args: HeartbeatArgs) -> anyhow::Result<()> {
         let (s, a) = (sent.load(Ordering::SeqCst), acked.load(Ordering::SeqCst));
         let p99_ms = h.value_at_quantile(0.99) as f64 / 1000.0;
         let cpu_pct = (cpu1.saturating_sub(cpu0)) as f64 / 100.0 / secs * 100.0; // 100 ticks/s
+        let elections = crate::jobs_bench::elections(term, cluster.term().await);
         let ok = p99_ms < 1000.0 && a as f64 >= 0.99 * s as f64 && s as f64 >= 0.9 * n as f64 * secs;
         if ok {
             best = best.max(n);
@@ -159,13 +165,15 @@ pub async fn run(args: HeartbeatArgs) -> anyhow::Result<()> {
             "{}",
             json!({"bench": "heartbeats", "agents": n, "sent_per_sec": (s as f64 / secs).round(),
                    "acked_per_sec": (a as f64 / secs).round(), "lag_p50_ms": h.value_at_quantile(0.5) as f64 / 1000.0,
-                   "lag_p99_ms": p99_ms, "leader_cpu_pct": cpu_pct.round(), "sustained": ok})
+                   "lag_p99_ms": p99_ms, "leader_cpu_pct": cpu_pct.round(), "elections": elections,
+                   "sustained": ok})
         );
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
     println!(
         "{}",
-        json!({"bench": "heartbeat_capacity", "max_agents_sustained": best, "target_agents": 10000})
+        json!({"bench": "heartbeat_capacity", "max_agents_sustained": best, "target_agents": TARGET_AGENTS,
+               "meets_target": best >= TARGET_AGENTS})
     );
     drop(cluster);
     Ok(())

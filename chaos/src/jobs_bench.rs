@@ -139,7 +139,7 @@ fn merged(hists: Vec<(Histogram<u64>, Failures)>) -> anyhow::Result<(Histogram<u
 }
 
 /// Elections held between two readings of the cluster's term (null when either is unknown).
-fn elections(before: Option<u64>, after: Option<u64>) -> serde_json::Value {
+pub(crate) fn elections(before: Option<u64>, after: Option<u64>) -> serde_json::Value {
     match (before, after) {
         (Some(b), Some(a)) => a.saturating_sub(b).into(),
         _ => serde_json::Value::Null,

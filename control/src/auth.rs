@@ -330,7 +330,7 @@ pub fn admin_methods(method: &str) -> Option<Access> {
 
 /// The Raft transport: controllers only (and each handler checks the sender's node id).
 pub fn raft_methods(method: &str) -> Option<Access> {
-    matches!(method, "AppendEntries" | "Vote" | "InstallSnapshot").then_some(Access::Internal)
+    matches!(method, "AppendEntries" | "Vote" | "InstallSnapshot" | "Watch").then_some(Access::Internal)
 }
 
 /// The agent API: agents only (and each handler checks the node id against the certificate).

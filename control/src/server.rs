@@ -263,9 +263,15 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         (router_task, router_server)
     };
     let router_addr = router_server.as_ref().map(|s| s.addr);
-    let raft_svc = RaftServiceServer::new(RaftGrpc::new(raft.clone(), cfg.cluster_name.clone(), cfg.node_id))
-        .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES);
+    let leader_contact = Arc::new(crate::network::LeaderContact::default());
+    let raft_svc = RaftServiceServer::new(RaftGrpc::new(
+        raft.clone(),
+        cfg.cluster_name.clone(),
+        cfg.node_id,
+        leader_contact.clone(),
+    ))
+    .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
+    .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES);
     let audit_path = cfg.data_dir.join("audit.log");
     let audit = crate::admin::audit::AuditLog::open(&audit_path, cfg.node_id).map_err(|source| StartError::Audit {
         path: audit_path.clone(),
@@ -297,6 +303,9 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         &ctx,
         crate::actors::LeaderConfig {
             node_dead_after: cfg.node_dead_after,
+            leader_contact,
+            raft_lease: Duration::from_millis(cfg.raft.election_timeout_max_ms),
+            raft_heartbeat: Duration::from_millis(cfg.raft.heartbeat_ms),
             provision: cfg.provision.clone(),
             data_dir: cfg.data_dir.clone(),
         },

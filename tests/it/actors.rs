@@ -128,6 +128,7 @@ async fn lanectl_actors_shows_every_controllers_tree_and_an_agents() {
                 "LoadReporter",
                 "UsageMeter",
                 "HistorySampler",
+                "LeaderWatch",
                 "LeadershipWatcher",
             ]
             .iter()

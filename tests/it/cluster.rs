@@ -456,3 +456,58 @@ async fn changes_are_audited_with_who_what_and_the_result_and_no_secrets() {
     assert_eq!(file.lines().count(), 4);
     assert!(!file.contains(&api_key), "an API key must never reach the audit log");
 }
+
+/// A follower holds an open line to the leader; when the leader's process dies the line
+/// breaks, and the follower campaigns as soon as the leader's lease is over instead of after
+/// openraft's further random election timeout. With a lease of 1.5 s here, the line's campaign
+/// (at 1.5 s) comes a whole second before openraft's own could (2.5 s or later), so the new
+/// leader is the follower that campaigned on the line, and says so in its events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_campaigns_when_the_leaders_line_breaks() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes: Vec<Node> = (1..=3).map(|id| Node::new(root.path(), id)).collect();
+    for n in &mut nodes {
+        n.extra_args = ["--election-timeout-min-ms", "1000", "--election-timeout-max-ms", "1500"]
+            .map(String::from)
+            .to_vec();
+    }
+    super::agents::form_cluster(&mut nodes).await;
+    converged(&nodes.iter().collect::<Vec<_>>()).await;
+    let leader = status(&nodes[0]).await.unwrap().leader_id;
+    // Every follower's line is open before the kill (`lanectl actors` shows it).
+    let survivors: Vec<usize> = (0..3).filter(|i| nodes[*i].id != leader).collect();
+    wait_for(
+        "the followers' lines to the leader",
+        Duration::from_secs(20),
+        || async {
+            let out = lanectl_ok(&nodes[survivors[0]].addr, &["-o", "json", "actors"]);
+            let text = String::from_utf8_lossy(&out.stdout).to_string();
+            let open = survivors.iter().all(|i| {
+                text.lines()
+                    .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                    .any(|d| {
+                        d["process"] == format!("controller {}", nodes[*i].id)
+                            && d["name"] == "LeaderWatch"
+                            && d["detail"].as_str().is_some_and(|s| s.starts_with("line to leader"))
+                    })
+            });
+            open.then_some(())
+        },
+    )
+    .await;
+    nodes[(leader - 1) as usize].kill();
+    let new = wait_for("a new leader", Duration::from_secs(20), || async {
+        let s = status(&nodes[survivors[0]]).await?;
+        (s.leader_id != 0 && s.leader_id != leader).then_some(s.leader_id)
+    })
+    .await;
+    let events = lanectl_ok(
+        &nodes[(new - 1) as usize].addr,
+        &["-o", "json", "events", "--since", "10m"],
+    );
+    let text = String::from_utf8_lossy(&events.stdout);
+    assert!(
+        text.contains("\"election\"") && text.contains(&format!("line to leader {leader}")),
+        "the new leader campaigned on the broken line: {text}"
+    );
+}

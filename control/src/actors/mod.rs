@@ -4,6 +4,7 @@
 //! ControllerRoot ─┬─ LoadReporter      this router's load → the leader's autoscaler
 //!                 ├─ UsageMeter        this router's usage → the replicated ledger
 //!                 ├─ HistorySampler    the dashboard's curves
+//!                 ├─ LeaderWatch       a follower's open line to the leader (fast failover)
 //!                 └─ LeadershipWatcher ── LeaderScope (one per term this node leads)
 //!                                          ├─ Scheduler       placement
 //!                                          ├─ LaneSupervisor ── Lane{class} (one per class)
@@ -34,11 +35,16 @@ use crate::context::Context;
 use crate::provision::ProvisionConfig;
 use crate::scheduler::load_reporter::{ActorEvents, MAX_EVENTS_PER_REPORT};
 
-/// What the leader's actors need beyond the context.
+/// What the controller's actors need beyond the context.
 #[derive(Clone)]
 pub struct LeaderConfig {
     /// A node silent this long is declared down.
     pub node_dead_after: Duration,
+    /// When this controller last heard a leader (the leader watch checks it).
+    pub leader_contact: Arc<crate::network::LeaderContact>,
+    /// openraft's leader lease (`election_timeout_max`) and heartbeat interval.
+    pub raft_lease: Duration,
+    pub raft_heartbeat: Duration,
     /// The slow loop's settings, when this controller provisions nodes.
     pub provision: Option<ProvisionConfig>,
     pub data_dir: PathBuf,
@@ -107,6 +113,17 @@ pub async fn start(ctx: &Context, cfg: LeaderConfig) -> Result<Tree, String> {
             let ctx = ctx.clone();
             ticker::child("HistorySampler", board, move || {
                 crate::observe::sampler::HistorySampler::new(ctx.clone())
+            })
+        })
+        .child({
+            let (ctx, contact, lease, stagger) = (
+                ctx.clone(),
+                cfg.leader_contact.clone(),
+                cfg.raft_lease,
+                cfg.raft_heartbeat,
+            );
+            ticker::child("LeaderWatch", board, move || {
+                crate::network::leader_watch::LeaderWatch::new(ctx.clone(), contact.clone(), lease, stagger)
             })
         })
         .child(leadership::child(ctx.clone(), cfg, provider));

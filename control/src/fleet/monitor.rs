@@ -46,11 +46,13 @@ impl laneway_actors::Ticker for NodeMonitor {
             Instant::now(),
             dead_after,
         );
-        // Proposed together, so a rack going dark is a few batched entries, not one round
-        // trip per node.
-        let proposals = transitions.into_iter().map(|t| {
-            let ctx = ctx.clone();
-            async move {
+        // Up to LIVENESS_BATCH transitions per log entry: a rack going dark, or a whole fleet
+        // whose agents were slow to find a new leader, is a few entries (one apply, one router
+        // rebuild each), not one entry and round trip per node.
+        let at_ms = crate::jobs::unix_ms();
+        let commands: Vec<(String, bool, Command)> = transitions
+            .into_iter()
+            .map(|t| {
                 let up = t.to == Liveness::Up;
                 let cmd = if up {
                     Command::SetNodeLiveness {
@@ -61,13 +63,40 @@ impl laneway_actors::Ticker for NodeMonitor {
                     // Down and fenced in one entry: its jobs go back to the queue at once.
                     Command::NodeDown {
                         node_id: t.node_id.clone(),
-                        at_ms: crate::jobs::unix_ms(),
+                        at_ms,
                     }
                 };
+                (t.node_id, up, cmd)
+            })
+            .collect();
+        let proposals = commands.chunks(LIVENESS_BATCH).map(|chunk| {
+            let ctx = ctx.clone();
+            let cmd = match chunk {
+                [(_, _, one)] => one.clone(),
+                many => Command::Batch(many.iter().map(|(_, _, c)| c.clone()).collect()),
+            };
+            async move {
                 match ctx.proposer.propose(cmd).await {
-                    Ok(_) if up => tracing::info!(node = %t.node_id, "node is back up"),
-                    Ok(_) => tracing::warn!(node = %t.node_id, silent_for = ?dead_after, "node declared down"),
-                    Err(e) => tracing::warn!(node = %t.node_id, error = %e, "could not commit a liveness change"),
+                    Ok((_, r)) => {
+                        let refused: Vec<&String> = r
+                            .rejected
+                            .iter()
+                            .chain(r.batch.iter().filter_map(|b| b.rejected.as_ref()))
+                            .collect();
+                        for why in refused {
+                            tracing::warn!(%why, "liveness change refused");
+                        }
+                        for (node, up, _) in chunk {
+                            if *up {
+                                tracing::info!(%node, "node is back up");
+                            } else {
+                                tracing::warn!(%node, silent_for = ?dead_after, "node declared down");
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(nodes = chunk.len(), error = %e, "could not commit liveness changes; trying again next tick")
+                    }
                 }
             }
         });
@@ -75,3 +104,6 @@ impl laneway_actors::Ticker for NodeMonitor {
         TICK
     }
 }
+
+/// Liveness transitions committed in one log entry at most.
+pub const LIVENESS_BATCH: usize = 256;

@@ -7,7 +7,12 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tonic::{Request, Response, Status};
 
-use super::PAYLOAD_FORMAT;
+use std::sync::Arc;
+
+use laneway_proto::raft::{WatchReply, WatchRequest};
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::{LeaderContact, PAYLOAD_FORMAT};
 use crate::raft_types::{NodeId, Raft, TypeConfig};
 use openraft::raft::{AppendEntriesRequest, InstallSnapshotRequest, VoteRequest};
 
@@ -16,11 +21,18 @@ pub struct RaftGrpc {
     raft: Raft,
     cluster: String,
     node_id: NodeId,
+    /// Stamped by every AppendEntries (the leader watch reads it).
+    contact: Arc<LeaderContact>,
 }
 
 impl RaftGrpc {
-    pub fn new(raft: Raft, cluster: String, node_id: NodeId) -> Self {
-        RaftGrpc { raft, cluster, node_id }
+    pub fn new(raft: Raft, cluster: String, node_id: NodeId, contact: Arc<LeaderContact>) -> Self {
+        RaftGrpc {
+            raft,
+            cluster,
+            node_id,
+            contact,
+        }
     }
 
     /// Refuses RPCs meant for another cluster or another member, or in an unknown format.
@@ -75,6 +87,7 @@ impl RaftService for RaftGrpc {
     async fn append_entries(&self, req: Request<RaftRequest>) -> Result<Response<RaftReply>, Status> {
         let rpc: AppendEntriesRequest<TypeConfig> = self.open(req.get_ref())?;
         check_sender(&req, rpc.vote.leader_id().voted_for())?;
+        self.contact.heard();
         reply(self.raft.append_entries(rpc).await)
     }
 
@@ -87,6 +100,54 @@ impl RaftService for RaftGrpc {
     async fn install_snapshot(&self, req: Request<RaftRequest>) -> Result<Response<RaftReply>, Status> {
         let rpc: InstallSnapshotRequest<TypeConfig> = self.open(req.get_ref())?;
         check_sender(&req, rpc.vote.leader_id().voted_for())?;
+        self.contact.heard();
         reply(self.raft.install_snapshot(rpc).await)
+    }
+
+    type WatchStream = ReceiverStream<Result<WatchReply, Status>>;
+
+    async fn watch(&self, req: Request<WatchRequest>) -> Result<Response<Self::WatchStream>, Status> {
+        check_sender(&req, Some(req.get_ref().follower))?;
+        let w = req.into_inner();
+        if w.cluster != self.cluster || w.target != self.node_id {
+            return Err(Status::failed_precondition(format!(
+                "this is node {} of cluster {:?}; the watch was for node {} of {:?}",
+                self.node_id, self.cluster, w.target, w.cluster
+            )));
+        }
+        let mut metrics = self.raft.metrics();
+        let term = {
+            let m = metrics.borrow();
+            if m.current_leader != Some(self.node_id) {
+                return Err(Status::failed_precondition(format!(
+                    "node {} does not lead (leader: {:?})",
+                    self.node_id, m.current_leader
+                )));
+            }
+            m.current_term
+        };
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let _ = tx.try_send(Ok(WatchReply {
+            leader: self.node_id,
+            term,
+        }));
+        let me = self.node_id;
+        // Held open while this node leads in this term; closed (cleanly) when it stops, or
+        // dropped when the follower goes.
+        tokio::spawn(async move {
+            let still_leading = async {
+                while metrics.changed().await.is_ok() {
+                    let m = metrics.borrow();
+                    if m.current_leader != Some(me) || m.current_term != term {
+                        return;
+                    }
+                }
+            };
+            tokio::select! {
+                _ = still_leading => {}
+                _ = tx.closed() => {}
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
     }
 }
