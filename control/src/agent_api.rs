@@ -533,21 +533,15 @@ fn agent_actors(ctx: &Context, hb: &Heartbeat) -> Vec<laneway_actors::ActorStatu
         .collect();
     // An actor this leader has not heard of yet has nothing to compare with: its restarts
     // happened before (or under another leader).
-    let Some(before) = ctx.heartbeats.actor_restarts(&hb.node_id) else {
-        return actors;
-    };
-    for a in &actors {
-        let was = before.get(&a.name).copied().unwrap_or(0);
-        if a.restarts > was {
-            ctx.history.event(
-                "actor",
-                &format!("{}/{}", hb.node_id, a.name),
-                format!(
-                    "failed and restarted: {}",
-                    a.last_error.as_deref().unwrap_or("no message")
-                ),
-            );
-        }
+    for a in ctx.heartbeats.restarted(&hb.node_id, &actors).unwrap_or_default() {
+        ctx.history.event(
+            "actor",
+            &format!("{}/{}", hb.node_id, a.name),
+            format!(
+                "failed and restarted: {}",
+                a.last_error.as_deref().unwrap_or("no message")
+            ),
+        );
     }
     actors
 }

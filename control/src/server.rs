@@ -116,6 +116,8 @@ pub struct Controller {
     /// The runtime the router's connections run on (ADR 0021); declared after
     /// `router_server` so that it outlives it.
     _data_plane: DataPlane,
+    /// The runtime the gRPC services run on; declared after `server`.
+    _grpc_plane: DataPlane,
     /// The supervised actor tree (ADR 0018).
     actors: crate::actors::Tree,
     /// Infrastructure that stays a plain task (ADR 0018): if one ends, the controller is
@@ -130,14 +132,20 @@ pub struct Controller {
 /// and its handlers run here, Raft, the gRPC services and the actors on the runtime that
 /// started the controller. A burst of inference requests then queues behind other requests,
 /// not in front of the heartbeats and votes that keep a leader elected.
+///
+/// The gRPC services (agents' heartbeat streams, the admin API, peers' Raft RPCs) get a runtime
+/// of their own the same way (`laneway-grpc`): 25,000 agents opening their streams at once
+/// must not queue in front of the Raft core and its replication tasks, which stay on the
+/// runtime that started the controller — on two cores that burst used to delay the leader's
+/// AppendEntries past their deadline and cost an election.
 struct DataPlane(Option<tokio::runtime::Runtime>);
 
 impl DataPlane {
-    fn start() -> std::io::Result<Self> {
+    fn start(name: &str) -> std::io::Result<Self> {
         let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(threads)
-            .thread_name("laneway-router")
+            .thread_name(name)
             .enable_all()
             .build()
             .map(|rt| DataPlane(Some(rt)))
@@ -240,7 +248,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
     };
     let router = ctx.router.clone();
     router.enable_jobs(jobs, Arc::new(crate::router_host::Results(results)));
-    let data_plane = DataPlane::start().map_err(StartError::Runtime)?;
+    let data_plane = DataPlane::start("laneway-router").map_err(StartError::Runtime)?;
     let (router_task, router_server) = {
         // Everything the router spawns from here on runs on the data plane's runtime.
         let _on_data_plane = data_plane.handle().enter();
@@ -314,7 +322,13 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
     .map_err(StartError::Raft)?;
 
     let (tx, rx) = oneshot::channel::<()>();
-    let server = tokio::spawn(
+    let grpc_plane = DataPlane::start("laneway-grpc").map_err(StartError::Runtime)?;
+    let listener = {
+        let _on_grpc_plane = grpc_plane.handle().enter();
+        let bind_error = |source| StartError::Bind { addr, source };
+        TcpListener::from_std(listener.into_std().map_err(bind_error)?).map_err(bind_error)?
+    };
+    let server = grpc_plane.handle().spawn(
         grpc.tcp_nodelay(true)
             .timeout(GRPC_REQUEST_TIMEOUT)
             .concurrency_limit_per_connection(GRPC_CONCURRENCY_PER_CONNECTION)
@@ -345,6 +359,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         server: Some(server),
         router_server,
         _data_plane: data_plane,
+        _grpc_plane: grpc_plane,
         actors,
         infrastructure: vec![
             ("proposer", proposer_task),

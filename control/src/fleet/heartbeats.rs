@@ -116,11 +116,24 @@ impl HeartbeatTable {
         self.streams().suspect.clone()
     }
 
-    /// Restarts per actor of `node_id`, as its last heartbeat reported them.
-    pub fn actor_restarts(&self, node_id: &str) -> Option<HashMap<String, u64>> {
+    /// The actors in `now` whose restarts rose since `node_id`'s last heartbeat (`None` when
+    /// this leader has not heard the node yet), compared in place: this runs on every
+    /// heartbeat.
+    pub fn restarted<'a>(
+        &self,
+        node_id: &str,
+        now: &'a [laneway_actors::ActorStatus],
+    ) -> Option<Vec<&'a laneway_actors::ActorStatus>> {
         let map = self.seen.lock().unwrap_or_else(|p| p.into_inner());
-        map.get(node_id)
-            .map(|s| s.actors.iter().map(|a| (a.name.clone(), a.restarts)).collect())
+        let before = &map.get(node_id)?.actors;
+        Some(
+            now.iter()
+                .filter(|a| {
+                    let was = before.iter().find(|b| b.name == a.name).map_or(0, |b| b.restarts);
+                    a.restarts > was
+                })
+                .collect(),
+        )
     }
 
     pub fn get(&self, node_id: &str) -> Option<Seen> {
