@@ -44,6 +44,9 @@ pub struct BenchArgs {
     kills: usize,
 }
 
+/// `kill -9` of the leader → the next write accepted, p99 over the kills.
+const FAILOVER_TARGET_MS: f64 = 500.0;
+
 fn line(v: serde_json::Value) {
     println!("{v}");
 }
@@ -102,7 +105,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         "bench": "summary",
         "saturation_writes_per_sec": sat.achieved.round(), "target_writes_per_sec": 4500,
         "baseline_fsync_per_write_per_sec": baseline.round(),
-        "failover_p99_ms": ms(failover.value_at_quantile(0.99)), "target_failover_p99_ms": 1000,
+        "failover_p99_ms": ms(failover.value_at_quantile(0.99)), "target_failover_p99_ms": FAILOVER_TARGET_MS,
+        "failover_meets_target": ms(failover.value_at_quantile(0.99)) <= FAILOVER_TARGET_MS,
     }));
     Ok(())
 }

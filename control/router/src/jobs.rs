@@ -303,8 +303,14 @@ fn planted_ack_before_commit(
 
 fn accepted(router: &Router, id: &str, replay: bool, meta: &Meta) -> Response {
     let location = format!("/v1/jobs/{id}");
-    // A follower may not have applied the submission yet: then it is queued.
-    let state = router.sm.job(id).map_or(JobState::Queued, |j| j.state);
+    // A follower may not have applied the submission yet: then it is queued. Read in place:
+    // a copy of the job (its input included) only for its state costs every submission.
+    let mut state = JobState::Queued;
+    router.sm.visit_jobs(&mut |jobs, _, _| {
+        if let Some(j) = jobs.get(id) {
+            state = j.state;
+        }
+    });
     let mut r = json_response(
         StatusCode::ACCEPTED,
         json!({ "job_id": id, "state": state, "location": location, "idempotent_replay": replay }),

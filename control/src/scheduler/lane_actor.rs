@@ -111,18 +111,26 @@ fn fast_loop(
         } else {
             &load
         };
-        // What a suspect node runs counts for nothing while the leader replaces it.
-        let placed: Vec<u32> = registry
-            .desired
-            .iter()
-            .filter(|(node, _)| !suspect.contains_key(*node))
-            .flat_map(|(_, rs)| rs)
-            .filter(|r| r.model == m.name)
-            .map(|r| m.profiles.get(&r.product).map_or(1, |p| p.max_batch))
-            .collect();
+        // Every placed replica's batch size, and how many of them are on suspect nodes.
+        let mut placed: Vec<u32> = Vec::new();
+        let mut on_suspect = 0;
+        for (node, rs) in &registry.desired {
+            for r in rs.iter().filter(|r| r.model == m.name) {
+                placed.push(m.profiles.get(&r.product).map_or(1, |p| p.max_batch));
+                on_suspect += usize::from(suspect.contains_key(node));
+            }
+        }
         if placed.is_empty() {
             continue;
         }
+        // While a suspect node's replicas are being replaced the model has what runs elsewhere,
+        // and its intent is what was decided before: neither shrinks it (the suspect node's
+        // share would never be replaced) nor grows it (the replacements are not new demand).
+        let live = placed.len() - on_suspect;
+        let current = match said.get(&m.name) {
+            Some((_, before)) if on_suspect > 0 => live.max((*before).min(placed.len())),
+            _ => live,
+        };
         let mut model_load = load.get(&m.name).copied().unwrap_or_default();
         if let Some(e) = engine.get(&m.name) {
             model_load.engine_waiting = e.waiting;
@@ -139,7 +147,7 @@ fn fast_loop(
         let inputs = Inputs {
             signal: Signal::of(class),
             load: model_load,
-            current: placed.len(),
+            current,
             ready,
             slots_per_replica: placed.iter().sum::<u32>() / placed.len() as u32,
             target: f64::from(class.utilisation_target_pct) / 100.0,
