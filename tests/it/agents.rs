@@ -95,6 +95,18 @@ pub async fn agent_with(
     start(cfg, Arc::new(backend)).await.unwrap()
 }
 
+/// Stops an agent, then drains its replicas (the agent first: it would start its placed
+/// replicas again as they drain).
+pub async fn stop_and_drain(agent: Agent) {
+    let sup = agent.supervisor.clone();
+    agent.stop();
+    for r in sup.status() {
+        let _ = sup
+            .drain(&r.id, Arc::new(|| 0), Duration::from_secs(1), Duration::from_secs(2))
+            .await;
+    }
+}
+
 /// A static replica that is just an HTTP server answering 200 on `/`.
 fn http_replica() -> StaticReplica {
     StaticReplica {
@@ -456,12 +468,6 @@ async fn a_lost_heartbeat_stream_makes_the_node_suspect_and_its_replicas_move_at
         "{ready:?}"
     );
     for ag in [a, b] {
-        let sup = ag.supervisor.clone();
-        ag.stop();
-        for r in sup.status() {
-            let _ = sup
-                .drain(&r.id, Arc::new(|| 0), Duration::from_secs(1), Duration::from_secs(2))
-                .await;
-        }
+        stop_and_drain(ag).await;
     }
 }

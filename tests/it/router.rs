@@ -688,14 +688,7 @@ async fn a_gpu_is_split_into_mig_slices_after_its_replica_moves_off() {
         reported(first.clone()).await.filter(|r| *r == serde_json::json!([]))
     })
     .await;
-    // The agent first: it would start its placed replicas again as they drain.
-    let sup = a.supervisor.clone();
-    a.stop();
-    for r in sup.status() {
-        let _ = sup
-            .drain(&r.id, Arc::new(|| 0), Duration::from_secs(1), Duration::from_secs(2))
-            .await;
-    }
+    super::agents::stop_and_drain(a).await;
 }
 
 pub(super) struct LanectlOutput {
@@ -953,14 +946,7 @@ async fn load_at_a_followers_router_scales_the_model_up() {
         (fleet[0]["usd_per_hour"].as_f64().unwrap() - gpus * 0.80).abs() < 1e-9,
         "{fleet}"
     );
-    // The agent first: it would start its placed replicas again as they drain.
-    let sup = a.supervisor.clone();
-    a.stop();
-    for r in sup.status() {
-        let _ = sup
-            .drain(&r.id, Arc::new(|| 0), Duration::from_secs(1), Duration::from_secs(2))
-            .await;
-    }
+    super::agents::stop_and_drain(a).await;
 }
 
 /// A simulated language model on H100s: 20 tokens/s per sequence, a KV cache of `kv_tokens`.

@@ -301,7 +301,25 @@ pub enum CommandError {
     Invalid(String),
 }
 
+impl CommandResponse {
+    /// Every refusal in this response: its own, and each batched command's.
+    pub fn refusals(&self) -> impl Iterator<Item = &String> {
+        self.rejected
+            .iter()
+            .chain(self.batch.iter().filter_map(|b| b.rejected.as_ref()))
+    }
+}
+
 impl Command {
+    /// `commands` as one log entry: the command itself when there is one, else a batch.
+    pub fn batch_of(mut commands: Vec<Command>) -> Command {
+        if commands.len() == 1 {
+            commands.pop().expect("one command")
+        } else {
+            Command::Batch(commands)
+        }
+    }
+
     /// The lowest command format that can express this command.
     pub fn format(&self) -> u32 {
         match self {

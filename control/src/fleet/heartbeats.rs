@@ -116,6 +116,11 @@ impl HeartbeatTable {
         self.streams().suspect.clone()
     }
 
+    /// Just the suspect nodes (what placement, the lanes and the dispatcher plan around).
+    pub fn suspect_nodes(&self) -> std::collections::HashSet<String> {
+        self.streams().suspect.keys().cloned().collect()
+    }
+
     /// The actors in `now` whose restarts rose since `node_id`'s last heartbeat (`None` when
     /// this leader has not heard the node yet), compared in place: this runs on every
     /// heartbeat.

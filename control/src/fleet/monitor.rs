@@ -71,19 +71,11 @@ impl laneway_actors::Ticker for NodeMonitor {
             .collect();
         let proposals = commands.chunks(LIVENESS_BATCH).map(|chunk| {
             let ctx = ctx.clone();
-            let cmd = match chunk {
-                [(_, _, one)] => one.clone(),
-                many => Command::Batch(many.iter().map(|(_, _, c)| c.clone()).collect()),
-            };
+            let cmd = Command::batch_of(chunk.iter().map(|(_, _, c)| c.clone()).collect());
             async move {
                 match ctx.proposer.propose(cmd).await {
                     Ok((_, r)) => {
-                        let refused: Vec<&String> = r
-                            .rejected
-                            .iter()
-                            .chain(r.batch.iter().filter_map(|b| b.rejected.as_ref()))
-                            .collect();
-                        for why in refused {
+                        for why in r.refusals() {
                             tracing::warn!(%why, "liveness change refused");
                         }
                         for (node, up, _) in chunk {

@@ -54,7 +54,7 @@ impl laneway_actors::Ticker for JobDispatcher {
 impl JobDispatcher {
     async fn dispatch(&mut self) {
         let ctx = &self.ctx;
-        let suspect: std::collections::HashSet<String> = ctx.heartbeats.suspects().into_keys().collect();
+        let suspect = ctx.heartbeats.suspect_nodes();
         let assignments = ctx
             .sm
             .with_jobs(|jobs, fleet, registry| super::dispatch::dispatch(fleet, registry, jobs, &suspect));

@@ -100,7 +100,7 @@ fn fast_loop(
             .collect()
     });
     let engine = engine_load(ctx);
-    let suspect = ctx.heartbeats.suspects();
+    let suspect = ctx.heartbeats.suspect_nodes();
     let mut targets = HashMap::new();
     for m in registry.models.values().filter(|m| m.class == class_name) {
         let Some(class) = registry.classes.get(&m.class) else {
@@ -117,7 +117,7 @@ fn fast_loop(
         for (node, rs) in &registry.desired {
             for r in rs.iter().filter(|r| r.model == m.name) {
                 placed.push(m.profiles.get(&r.product).map_or(1, |p| p.max_batch));
-                on_suspect += usize::from(suspect.contains_key(node));
+                on_suspect += usize::from(suspect.contains(node));
             }
         }
         if placed.is_empty() {
@@ -140,7 +140,7 @@ fn fast_loop(
         let ready = registry
             .replicas
             .iter()
-            .filter(|(node, _)| !suspect.contains_key(*node))
+            .filter(|(node, _)| !suspect.contains(*node))
             .flat_map(|(_, rs)| rs)
             .filter(|r| r.model == m.name && r.state == "ready")
             .count();

@@ -78,7 +78,7 @@ impl Scheduler {
             )
         };
         // A node whose heartbeat stream dropped is planned around at once, not on the tick.
-        let suspect: HashSet<String> = ctx.heartbeats.suspects().into_keys().collect();
+        let suspect = ctx.heartbeats.suspect_nodes();
         // The targets from the registry in place: the fleet and registry are copied only when
         // a plan is due (four passes a second over a fleet of 25,000 nodes is not free).
         let lanes = self.term.lanes.published();
@@ -121,18 +121,10 @@ impl Scheduler {
         while commands.peek().is_some() {
             let chunk: Vec<Command> = commands.by_ref().take(PLACEMENT_BATCH).collect();
             let summaries: Vec<_> = chunk.iter().filter_map(placement_summary).collect();
-            let proposal = if chunk.len() == 1 {
-                chunk.into_iter().next().expect("one command")
-            } else {
-                Command::Batch(chunk)
-            };
+            let proposal = Command::batch_of(chunk);
             match ctx.proposer.propose(proposal).await {
                 Ok((index, r)) => {
-                    let refused: Vec<&String> = r
-                        .rejected
-                        .iter()
-                        .chain(r.batch.iter().filter_map(|b| b.rejected.as_ref()))
-                        .collect();
+                    let refused: Vec<&String> = r.refusals().collect();
                     for why in &refused {
                         tracing::warn!(%why, "placement refused");
                     }
