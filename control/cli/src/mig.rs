@@ -8,7 +8,8 @@ use laneway_client::AdminClient;
 use laneway_proto::admin::{ApplyMigPlanRequest, PlanMigRequest, SetMigLayoutRequest};
 use serde_json::json;
 
-use super::{list_nodes, print, Output};
+use super::node::list_nodes;
+use super::{print, Output};
 
 #[derive(Subcommand)]
 pub enum MigCmd {

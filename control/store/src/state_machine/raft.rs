@@ -1,0 +1,231 @@
+//! The openraft side of the state machine: applying entries, building and installing
+//! snapshots.
+
+use super::*;
+
+/// Builds snapshots from a copy of the state taken when the builder is created.
+pub struct SnapshotBuilder {
+    store: StateMachineStore,
+}
+
+impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
+    async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
+        let store = self.store.clone();
+        // Copying and encoding a large state (a long job queue runs to tens of MB) takes a
+        // second or more of CPU: off the async workers, so requests and applies on them do
+        // not stall behind it, and at a lower CPU priority, so that on a busy host it takes
+        // what the heartbeats, votes and appends leave (three members building at once used to
+        // starve them past openraft's RPC deadline and set off elections).
+        //
+        // What was applied and not yet flushed goes to the tables first (a brief write lock,
+        // at normal priority), so the snapshot covers everything applied when it was asked for.
+        let flushing = store.clone();
+        tokio::task::spawn_blocking(move || flushing.flush())
+            .await
+            .map_err(|e| sm_err("flush before a snapshot", e))?
+            .map_err(|e| sm_err("flush before a snapshot", e))?;
+        let build = move || -> Result<_, StorageError> {
+            // From the state tables in one read transaction rather than a copy of the state
+            // in memory: no lock that applies and the router's reads would wait on, so a
+            // snapshot of a long job queue stalls nothing.
+            let db_path = store.snapshot_dir.with_file_name(STATE_DB_FILE);
+            let StateTables {
+                state,
+                last_applied,
+                last_membership,
+                ..
+            } = StateTables::read(&store.db, &db_path).map_err(|e| sm_err("reading the state for a snapshot", e))?;
+            let snapshot_id = match last_applied {
+                Some(l) => format!("{}-{}-{}", l.leader_id.term, l.index, uuid::Uuid::new_v4().simple()),
+                None => format!("empty-{}", uuid::Uuid::new_v4().simple()),
+            };
+            let file = SnapshotFile {
+                format: SNAPSHOT_FORMAT,
+                meta: SnapshotMeta {
+                    last_log_id: last_applied,
+                    last_membership,
+                    snapshot_id,
+                },
+                state,
+            };
+            let bytes = file.encode();
+            let meta = file.meta.clone();
+            let _guard = store.lock_snapshots();
+            // An install (or a later build) may have moved the pointer past this snapshot while
+            // it was being serialized; never move it back.
+            let current = store.read().snapshot.as_ref().and_then(|p| p.meta.last_log_id);
+            if current.is_some() && current >= file.meta.last_log_id {
+                return Ok((meta, bytes));
+            }
+            let pointer = store.save_snapshot(&file, &bytes)?;
+            store
+                .commit_pointer(&pointer)
+                .map_err(|e| sm_err("recording snapshot", e))?;
+            store.write().snapshot = Some(pointer.clone());
+            snapshot_file::remove_all_but(&store.snapshot_dir, Some(&pointer.file))
+                .map_err(|e| sm_err("removing old snapshots", e))?;
+            Ok((meta, bytes))
+        };
+        let (meta, data) = crate::background::run("laneway-snapshot", build)
+            .await
+            .map_err(|e| sm_err("snapshot task", e))??;
+        Ok(Snapshot {
+            meta,
+            snapshot: Box::new(Cursor::new(data)),
+        })
+    }
+}
+
+impl RaftStateMachine<TypeConfig> for StateMachineStore {
+    type SnapshotBuilder = SnapshotBuilder;
+
+    async fn applied_state(&mut self) -> Result<(Option<LogId>, StoredMembership<u64, ControllerNode>), StorageError> {
+        let inner = self.read();
+        Ok((inner.last_applied, inner.last_membership.clone()))
+    }
+
+    async fn apply<I>(&mut self, entries: I) -> Result<Vec<CommandResponse>, StorageError>
+    where
+        I: IntoIterator<Item = Entry> + OptionalSend,
+        I::IntoIter: OptionalSend,
+    {
+        let mut replies = Vec::new();
+        let (fleet_changed, jobs_changed, schedule, nodes) = {
+            let mut inner = self.write();
+            let inner = &mut *inner;
+            let mut touched = Touched::default();
+            let job_changes = inner.state.jobs.changes();
+            for entry in entries {
+                match entry.payload {
+                    EntryPayload::Blank => replies.push(CommandResponse::default()),
+                    EntryPayload::Normal(env) => {
+                        // Chaos: the entry is committed, its effect not yet applied.
+                        fail::fail_point!("sm::before_apply");
+                        if env.format > COMMAND_FORMAT {
+                            // Refuse rather than guess: a half-upgraded cluster must stop visibly.
+                            return Err(StorageIOError::apply(
+                                entry.log_id,
+                                AnyError::error(format!(
+                                    "command format {} is newer than this binary's {COMMAND_FORMAT}; upgrade laneway-control",
+                                    env.format
+                                )),
+                            )
+                            .into());
+                        }
+                        let reply = inner.state.apply(&env.command, entry.log_id.index);
+                        record_touched(&env.command, &mut touched);
+                        replies.push(reply);
+                    }
+                    EntryPayload::Membership(m) => {
+                        let before = inner.last_membership.clone();
+                        retire_removed(&mut inner.state, &before, &m);
+                        inner.last_membership = StoredMembership::new(Some(entry.log_id), m);
+                        touched.membership = true;
+                        replies.push(CommandResponse::default());
+                    }
+                }
+                inner.last_applied = Some(entry.log_id);
+            }
+            let fleet_changed = !touched.nodes.is_empty() || !touched.registry.is_empty();
+            let jobs_changed = inner.state.jobs.changes() != job_changes;
+            let mut nodes = inner.state.jobs.take_touched_nodes();
+            nodes.extend(touched.nodes_told());
+            inner.unflushed.merge(touched);
+            let schedule = !std::mem::replace(&mut inner.flush_scheduled, true);
+            (fleet_changed, jobs_changed, schedule, nodes)
+        };
+        self.nodes_changed.notify(nodes.iter().map(String::as_str));
+        if fleet_changed {
+            self.changed.send_modify(|v| *v += 1);
+        }
+        if jobs_changed {
+            self.jobs_changed.send_modify(|v| *v += 1);
+        }
+        if schedule {
+            // Weak handles: a pending flush must not keep a dropped store's database open
+            // (what it would have written is in the log).
+            let parts = (
+                Arc::downgrade(&self.inner),
+                Arc::downgrade(&self.db),
+                Arc::downgrade(&self.persist_lock),
+            );
+            tokio::spawn(async move {
+                tokio::time::sleep(FLUSH_DELAY).await;
+                let (Some(inner), Some(db), Some(lock)) = (parts.0.upgrade(), parts.1.upgrade(), parts.2.upgrade())
+                else {
+                    return;
+                };
+                let flushed = tokio::task::spawn_blocking(move || flush(&inner, &db, &lock)).await;
+                match flushed {
+                    Ok(Ok(())) => {}
+                    // The state stays correct in memory and the log still holds every entry:
+                    // a restart re-applies them. Say so loudly; the disk needs attention.
+                    Ok(Err(e)) => {
+                        tracing::error!(error = %e, "persisting applied state failed; a restart re-applies it from the Raft log")
+                    }
+                    Err(e) => tracing::error!(error = %e, "state flush task failed"),
+                }
+            });
+        }
+        Ok(replies)
+    }
+
+    async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
+        SnapshotBuilder { store: self.clone() }
+    }
+
+    async fn begin_receiving_snapshot(&mut self) -> Result<Box<Cursor<Vec<u8>>>, StorageError> {
+        Ok(Box::new(Cursor::new(Vec::new())))
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        meta: &SnapshotMeta,
+        snapshot: Box<Cursor<Vec<u8>>>,
+    ) -> Result<(), StorageError> {
+        // Chaos: a snapshot arrived from the leader and is not installed yet.
+        fail::fail_point!("sm::install_snapshot");
+        let bytes = snapshot.into_inner();
+        let file = SnapshotFile::decode(&bytes).map_err(|e| sm_err("decoding received snapshot", e))?;
+        let file = SnapshotFile {
+            meta: meta.clone(),
+            ..file
+        };
+        let store = self.clone();
+        let meta = meta.clone();
+        tokio::task::spawn_blocking(move || -> Result<(), StorageError> {
+            let _guard = store.lock_snapshots();
+            let bytes = file.encode();
+            let pointer = store.save_snapshot(&file, &bytes)?;
+            store
+                .replace_state(file.state, &meta, pointer.clone())
+                .map_err(|e| sm_err("installing snapshot", e))?;
+            snapshot_file::remove_all_but(&store.snapshot_dir, Some(&pointer.file))
+                .map_err(|e| sm_err("removing old snapshots", e))?;
+            Ok(())
+        })
+        .await
+        .map_err(|e| sm_err("install task", e))?
+    }
+
+    async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
+        let store = self.clone();
+        tokio::task::spawn_blocking(move || -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
+            // Under the lock, so a finishing build cannot delete the file between reading the
+            // pointer and reading the file.
+            let _guard = store.lock_snapshots();
+            let Some(pointer) = store.read().snapshot.clone() else {
+                return Ok(None);
+            };
+            let path = store.snapshot_dir.join(&pointer.file);
+            let bytes = std::fs::read(&path)
+                .map_err(|e| StorageError::from(StorageIOError::read_snapshot(None, AnyError::new(&e))))?;
+            Ok(Some(Snapshot {
+                meta: pointer.meta,
+                snapshot: Box::new(Cursor::new(bytes)),
+            }))
+        })
+        .await
+        .map_err(|e| sm_err("snapshot read task", e))?
+    }
+}
