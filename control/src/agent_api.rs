@@ -109,7 +109,7 @@ impl AgentService for AgentGrpc {
         }
         let r = req.into_inner();
         if let Err(why) = crate::fleet::validate_node_id(&r.node_id) {
-            return refuse(Status::invalid_argument(why));
+            return refuse(Status::invalid_argument(why.to_string()));
         }
         // Never the request itself in the audit log: it holds the token.
         let caller = crate::admin::audit::Caller {
@@ -135,7 +135,7 @@ impl AgentService for AgentGrpc {
             self.ctx
                 .sm
                 .with_registry(|reg| reg.check_join_token(&sha256, &r.node_id, &key_sha256, now, registered))
-                .map_err(Status::permission_denied)?;
+                .map_err(|e| Status::permission_denied(e.to_string()))?;
             let consume = Command::ConsumeJoinToken {
                 sha256,
                 node_id: r.node_id.clone(),
@@ -145,7 +145,7 @@ impl AgentService for AgentGrpc {
             self.ctx
                 .sm
                 .check_allowed(&consume)
-                .map_err(Status::failed_precondition)?;
+                .map_err(|e| Status::failed_precondition(e.to_string()))?;
             // The request must be good before the token is spent on it.
             let cert = ca
                 .sign_csr(&r.csr_pem, laneway_pki::Kind::Agent, &r.node_id, AGENT_CERT_LIFETIME)
@@ -206,7 +206,7 @@ impl AgentService for AgentGrpc {
                 .collect(),
             replica_host: r.replica_host,
         };
-        reg.validate().map_err(Status::invalid_argument)?;
+        reg.validate().map_err(|e| Status::invalid_argument(e.to_string()))?;
         let node_id = reg.node_id.clone();
         let (log_index, resp) = self
             .ctx

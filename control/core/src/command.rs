@@ -13,6 +13,7 @@ use crate::fleet::{validate_node_id, NodeRegistration};
 use crate::jobs::Assignment;
 use crate::jobs::{Completion, JobOutcome, JobSubmission};
 use crate::ledger::UsageReport;
+use crate::refused::Refused;
 use crate::registry::{Class, DesiredReplica, Model, ReplicaRecord, Tenant, TenantLimit};
 
 /// Highest command format this binary can apply. Format 2 added the registry commands, format 3
@@ -45,15 +46,15 @@ pub fn allowed_format(setting: Option<&str>) -> u32 {
 
 /// Refuses a command the cluster's members cannot all apply yet. `format_setting` is the
 /// applied value of [`FORMAT_SETTING`].
-pub fn check_allowed(format_setting: Option<&str>, command: &Command) -> Result<(), String> {
+pub fn check_allowed(format_setting: Option<&str>, command: &Command) -> Result<(), Refused> {
     let allowed = allowed_format(format_setting);
     let needs = command.format();
     if needs <= allowed {
         return Ok(());
     }
-    Err(format!(
+    Err(Refused::Conflict(format!(
         "this needs command format {needs} but the cluster is finalized at {allowed}: some controller may still run an older binary. Upgrade every controller, then run `lanectl cluster finalize-upgrade`"
-    ))
+    )))
 }
 
 /// Longest setting key accepted, in bytes.
@@ -277,6 +278,9 @@ pub struct CommandResponse {
     /// Set when the state machine refused the command (state unchanged), with the reason.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rejected: Option<String>,
+    /// What kind of refusal `rejected` is (absent from controllers older than kinds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rejected_as: Option<crate::refused::RefusalKind>,
     /// For job submissions and cancels: what happened.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub job: Option<JobOutcome>,
@@ -296,12 +300,18 @@ pub enum CommandError {
     #[error("a batch may not contain another batch")]
     NestedBatch,
     #[error("{0}")]
-    InvalidNode(String),
+    InvalidNode(Refused),
     #[error("{0}")]
-    Invalid(String),
+    Invalid(Refused),
 }
 
 impl CommandResponse {
+    /// The refusal of this command, typed, if it was refused.
+    pub fn refused(&self) -> Option<crate::refused::Refused> {
+        let message = self.rejected.clone()?;
+        Some(crate::refused::Refused::from_parts(self.rejected_as, message))
+    }
+
     /// Every refusal in this response: its own, and each batched command's.
     pub fn refusals(&self) -> impl Iterator<Item = &String> {
         self.rejected
@@ -536,9 +546,9 @@ impl Command {
             | Command::CompactJobs { .. } => Ok(()),
             Command::SetPrice { product, .. } => {
                 if product.is_empty() || product.len() > 64 || product.chars().any(char::is_control) {
-                    Err(CommandError::Invalid(format!(
-                        "product {product:?}: give a GPU product name such as H100-80GB or L4"
-                    )))
+                    Err(CommandError::Invalid(
+                        format!("product {product:?}: give a GPU product name such as H100-80GB or L4").into(),
+                    ))
                 } else {
                     Ok(())
                 }
@@ -546,9 +556,9 @@ impl Command {
             Command::RecordUsage(r) => r.validate().map_err(CommandError::Invalid),
             Command::SetPoolTaints { pool, taints } => {
                 if pool.is_empty() || pool.len() > 63 {
-                    return Err(CommandError::Invalid(format!(
-                        "pool {pool:?}: give the pool name agents register with (1-63 characters)"
-                    )));
+                    return Err(CommandError::Invalid(
+                        format!("pool {pool:?}: give the pool name agents register with (1-63 characters)").into(),
+                    ));
                 }
                 taints
                     .iter()
@@ -575,15 +585,15 @@ impl Command {
                 let kind: crate::identity::Kind = token
                     .role
                     .parse()
-                    .map_err(|e: crate::identity::IdentityError| CommandError::Invalid(e.to_string()))?;
+                    .map_err(|e: crate::identity::IdentityError| CommandError::Invalid(e.to_string().into()))?;
                 if !kind.is_role() {
-                    return Err(CommandError::Invalid(format!(
-                        "an admin token's role is viewer, operator or admin, not {kind}"
-                    )));
+                    return Err(CommandError::Invalid(
+                        format!("an admin token's role is viewer, operator or admin, not {kind}").into(),
+                    ));
                 }
                 crate::identity::PeerIdentity::new("x", kind, &token.name)
                     .map(|_| ())
-                    .map_err(|e| CommandError::Invalid(e.to_string()))
+                    .map_err(|e| CommandError::Invalid(e.to_string().into()))
             }
             Command::RevokeCertificate { serial, cert } => {
                 // The identity is what catches the certificate's renewals (and, with no
@@ -596,13 +606,16 @@ impl Command {
                     return Err(CommandError::Invalid(format!(
                         "certificate identity {:?}: kind:name, e.g. agent:gpu-1 or admin:alice (`lanectl certs show` prints it)",
                         crate::text::clip(&cert.identity, 80)
-                    )));
+                    ).into()));
                 }
                 if serial.len() > 64 || !serial.chars().all(|c| c.is_ascii_hexdigit()) {
-                    Err(CommandError::Invalid(format!(
-                        "certificate serial {:?}: hex digits, as `lanectl certs show` prints",
-                        crate::text::clip(serial, 80)
-                    )))
+                    Err(CommandError::Invalid(
+                        format!(
+                            "certificate serial {:?}: hex digits, as `lanectl certs show` prints",
+                            crate::text::clip(serial, 80)
+                        )
+                        .into(),
+                    ))
                 } else {
                     Ok(())
                 }
@@ -622,7 +635,9 @@ impl Command {
             }
             Command::SetCapacityMark { key, .. } => {
                 if key.is_empty() || key.len() > 256 || !key.contains('@') {
-                    Err(CommandError::Invalid(format!("capacity key {key:?}: product@region")))
+                    Err(CommandError::Invalid(
+                        format!("capacity key {key:?}: product@region").into(),
+                    ))
                 } else {
                     Ok(())
                 }
@@ -630,10 +645,9 @@ impl Command {
             Command::SetMigLayout { node_id, profiles, .. } => {
                 validate_node_id(node_id).map_err(CommandError::InvalidNode)?;
                 if profiles.len() > 7 {
-                    return Err(CommandError::Invalid(format!(
-                        "{} MIG devices: a GPU has 7 compute slices at most",
-                        profiles.len()
-                    )));
+                    return Err(CommandError::Invalid(
+                        format!("{} MIG devices: a GPU has 7 compute slices at most", profiles.len()).into(),
+                    ));
                 }
                 Ok(())
             }
@@ -646,10 +660,13 @@ fn validate_sha256(sha256: &str) -> Result<(), CommandError> {
     if sha256.len() == 64 && sha256.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
         Ok(())
     } else {
-        Err(CommandError::Invalid(format!(
-            "token hash {:?}: a sha256 is 64 lowercase hex digits",
-            sha256.chars().take(80).collect::<String>()
-        )))
+        Err(CommandError::Invalid(
+            format!(
+                "token hash {:?}: a sha256 is 64 lowercase hex digits",
+                sha256.chars().take(80).collect::<String>()
+            )
+            .into(),
+        ))
     }
 }
 

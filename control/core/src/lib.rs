@@ -26,6 +26,7 @@ pub mod llm;
 pub mod node;
 pub mod planner;
 pub mod provision;
+pub mod refused;
 pub mod registry;
 pub mod runtime_spec;
 pub mod scheduler;

@@ -11,6 +11,7 @@ use crate::command::{Command, CommandResponse};
 use crate::fleet::{Fleet, Liveness};
 use crate::jobs::{Completion, JobOutcome, JobState, Jobs};
 use crate::ledger::Ledger;
+use crate::refused::Refused;
 use crate::registry::Registry;
 
 /// The application state every controller holds identically.
@@ -63,9 +64,9 @@ impl AppState {
                 if key == crate::command::FORMAT_SETTING {
                     let current = self.settings.get(key).map(|v| crate::command::allowed_format(Some(v)));
                     if current.is_some_and(|c| crate::command::allowed_format(Some(value)) < c) {
-                        return refused(Err(format!(
+                        return refused(Err(Refused::Conflict(format!(
                             "{key} is never lowered: a format the cluster finalized may already be in its log"
-                        )));
+                        ))));
                     }
                 }
                 CommandResponse {
@@ -75,7 +76,9 @@ impl AppState {
             }
             Command::DeleteSetting { key } => {
                 if key.starts_with(crate::command::CLUSTER_SETTINGS) {
-                    return refused(Err(format!("{key} is the cluster's own setting and is never deleted")));
+                    return refused(Err(Refused::Invalid(format!(
+                        "{key} is the cluster's own setting and is never deleted"
+                    ))));
                 }
                 CommandResponse {
                     previous: self.settings.remove(key),
@@ -109,7 +112,7 @@ impl AppState {
                     self.registry.set_desired(node_id, replicas);
                     CommandResponse::default()
                 } else {
-                    refused(Err(format!("no node {node_id}")))
+                    refused(Err(Refused::NotFound(format!("no node {node_id}"))))
                 }
             }
             Command::SetNodeReplicas { node_id, replicas } => {
@@ -117,7 +120,7 @@ impl AppState {
                     self.registry.set_node_replicas(node_id, replicas);
                     CommandResponse::default()
                 } else {
-                    refused(Err(format!("no node {node_id}")))
+                    refused(Err(Refused::NotFound(format!("no node {node_id}"))))
                 }
             }
             Command::SetNodeStatic { node_id, allowed } => refused(self.fleet.set_static(node_id, *allowed)),
@@ -147,7 +150,7 @@ impl AppState {
                 job_reply(self.jobs.submit(s, ceiling, index))
             }
             Command::AssignJobs { assignments, at_ms } => {
-                let refusals: Vec<String> = assignments
+                let refusals: Vec<Refused> = assignments
                     .iter()
                     .filter_map(|a| {
                         self.jobs
@@ -158,7 +161,8 @@ impl AppState {
                 refused(if refusals.is_empty() {
                     Ok(())
                 } else {
-                    Err(refusals.join("; "))
+                    let all: Vec<String> = refusals.iter().map(Refused::to_string).collect();
+                    Err(Refused::Conflict(all.join("; ")))
                 })
             }
             Command::JobStarted { job_id, token, at_ms } => refused(self.jobs.started(job_id, *token, *at_ms)),
@@ -209,10 +213,10 @@ impl AppState {
                     self.registry.mig_plan = Some(p.clone());
                     CommandResponse::default()
                 } else {
-                    refused(Err(format!(
+                    refused(Err(Refused::Conflict(format!(
                         "MIG plan version {} is not the next one ({next}) nor the latest being applied; run `lanectl mig plan` again",
                         p.version
-                    )))
+                    ))))
                 }
             }
             Command::SetCapacityMark { key, mark } => {
@@ -224,7 +228,7 @@ impl AppState {
             }
             Command::CreateJoinToken { sha256, token } => {
                 if self.registry.join_tokens.contains_key(sha256) {
-                    return refused(Err("this join token exists already".into()));
+                    return refused(Err(Refused::Conflict("this join token exists already".into())));
                 }
                 self.registry.join_tokens.insert(sha256.clone(), token.clone());
                 CommandResponse::default()
@@ -232,7 +236,7 @@ impl AppState {
             Command::RevokeToken { sha256 } => refused(self.registry.revoke_token(sha256)),
             Command::CreateAdminToken { sha256, token } => {
                 if self.registry.admin_tokens.contains_key(sha256) {
-                    return refused(Err("this admin token exists already".into()));
+                    return refused(Err(Refused::Conflict("this admin token exists already".into())));
                 }
                 self.registry.admin_tokens.insert(sha256.clone(), token.clone());
                 CommandResponse::default()
@@ -276,12 +280,12 @@ impl AppState {
     }
 
     /// Checks a MIG layout against the GPU's product and records it.
-    fn set_mig_layout(&mut self, node_id: &str, gpu: &str, profiles: &[String]) -> Result<(), String> {
-        let node = self
-            .fleet
-            .nodes
-            .get(node_id)
-            .ok_or_else(|| format!("no node {node_id}; `lanectl node list` shows the registered nodes"))?;
+    fn set_mig_layout(&mut self, node_id: &str, gpu: &str, profiles: &[String]) -> Result<(), Refused> {
+        let node = self.fleet.nodes.get(node_id).ok_or_else(|| {
+            Refused::NotFound(format!(
+                "no node {node_id}; `lanectl node list` shows the registered nodes"
+            ))
+        })?;
         let record =
             node.registration.gpus.iter().find(|g| g.uuid == gpu).ok_or_else(|| {
                 format!("node {node_id} has no GPU {gpu}; `lanectl node show {node_id}` lists its GPUs")
@@ -486,7 +490,7 @@ impl AppState {
 }
 
 /// A job command's answer: its outcome, or why it was refused.
-fn job_reply(r: Result<JobOutcome, String>) -> CommandResponse {
+fn job_reply(r: Result<JobOutcome, Refused>) -> CommandResponse {
     match r {
         Ok(outcome) => CommandResponse {
             job: Some(outcome),
@@ -497,9 +501,13 @@ fn job_reply(r: Result<JobOutcome, String>) -> CommandResponse {
 }
 
 /// A response that carries a refusal, if any.
-fn refused(r: Result<(), String>) -> CommandResponse {
+fn refused(r: Result<(), Refused>) -> CommandResponse {
+    let Err(e) = r else {
+        return CommandResponse::default();
+    };
     CommandResponse {
-        rejected: r.err(),
+        rejected_as: Some(e.kind()),
+        rejected: Some(e.to_string()),
         ..CommandResponse::default()
     }
 }

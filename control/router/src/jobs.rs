@@ -224,13 +224,13 @@ pub(super) async fn submit(
         at_ms: unix_ms(),
     };
     if let Err(e) = submission.validate() {
-        return error(StatusCode::BAD_REQUEST, e, meta);
+        return error(StatusCode::BAD_REQUEST, e.to_string(), meta);
     }
     // The agents fetch an input with their own credentials: only from where the operator
     // allowed this class's jobs to name one.
     if let Some(uri) = &submission.input_uri {
         if let Err(e) = class.check_input_uri(uri) {
-            return error(StatusCode::BAD_REQUEST, e, meta);
+            return error(StatusCode::BAD_REQUEST, e.to_string(), meta);
         }
     }
     #[cfg(feature = "testing")]

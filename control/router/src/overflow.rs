@@ -126,7 +126,7 @@ fn connect(spec: &OverflowSpec) -> Result<(OverflowClient, Option<HeaderValue>),
         None => None,
         Some(var) => {
             // Checked again here: a class written before the prefix rule names any variable.
-            laneway_core::registry::check_overflow_token_env(var)?;
+            laneway_core::registry::check_overflow_token_env(var).map_err(|e| e.to_string())?;
             let token = std::env::var(var).map_err(|_| {
                 format!(
                     "${var} (its bearer token) is not set in this controller's environment; set it on every controller"

@@ -17,6 +17,9 @@ pub enum AdminError {
     /// A value was outside its allowed range.
     #[error("{0}")]
     OutOfRange(String),
+    /// Something the request names does not exist.
+    #[error("{0}")]
+    NotFound(String),
     /// This controller is not the leader; the request must go to `leader_addr`.
     #[error("node {node_id} is not the leader; the leader is node {leader_id} at {leader_addr} (lanectl follows this redirect)")]
     NotLeader {
@@ -48,6 +51,7 @@ impl From<AdminError> for Status {
         match e {
             AdminError::InvalidArgument(_) => Status::invalid_argument(msg),
             AdminError::OutOfRange(_) => Status::out_of_range(msg),
+            AdminError::NotFound(_) => Status::not_found(msg),
             AdminError::NotLeader { leader_addr, .. } => {
                 let mut status = Status::failed_precondition(msg);
                 if let Ok(v) = MetadataValue::try_from(leader_addr.as_str()) {
@@ -60,6 +64,18 @@ impl From<AdminError> for Status {
             AdminError::Unavailable(_) => Status::unavailable(msg),
             AdminError::DeadlineExceeded(_) => Status::deadline_exceeded(msg),
             AdminError::Internal(_) => Status::internal(msg),
+        }
+    }
+}
+
+/// The domain's refusal, answered by its kind.
+impl From<laneway_core::refused::Refused> for AdminError {
+    fn from(r: laneway_core::refused::Refused) -> Self {
+        use laneway_core::refused::Refused;
+        match r {
+            Refused::NotFound(m) => AdminError::NotFound(m),
+            Refused::Invalid(m) => AdminError::InvalidArgument(m),
+            Refused::Conflict(m) => AdminError::FailedPrecondition(m),
         }
     }
 }

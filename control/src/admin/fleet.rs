@@ -153,17 +153,17 @@ pub(super) async fn apply_mig_plan(
             applied_ms: Some(crate::jobs::unix_ms()),
             ..plan
         }));
-        admin.sm.check_allowed(&commands[0]).map_err(AdminError::FailedPrecondition)?;
+        admin.sm.check_allowed(&commands[0]).map_err(AdminError::from)?;
         let (log_index, resp) = admin
             .proposer
             .propose(Command::Batch(commands))
             .await
             .map_err(|e| admin.raft_error(e))?;
         if let Some(why) = resp
-            .rejected
-            .or_else(|| resp.batch.iter().find_map(|b| b.rejected.clone()))
+            .refused()
+            .or_else(|| resp.batch.iter().find_map(|b| b.refused()))
         {
-            return Err(AdminError::FailedPrecondition(why).into());
+            return Err(AdminError::from(why).into());
         }
         admin.history.event(
             "mig",

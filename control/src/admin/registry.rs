@@ -68,7 +68,7 @@ pub(super) async fn start_rollout(
             let rollout = admin
                 .sm
                 .with_registry(|r| spec.rollout(r, crate::jobs::unix_ms(), &by))
-                .map_err(AdminError::InvalidArgument)?;
+                .map_err(AdminError::from)?;
             Ok(Response::new(admin.write(Command::StartRollout(rollout)).await?))
         })
         .await

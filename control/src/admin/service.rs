@@ -200,12 +200,10 @@ impl AdminGrpc {
             | crate::command::CommandError::InvalidNode(_)
             | crate::command::CommandError::Invalid(_) => AdminError::InvalidArgument(e.to_string()),
         })?;
-        self.sm
-            .check_allowed(&command)
-            .map_err(AdminError::FailedPrecondition)?;
+        self.sm.check_allowed(&command)?;
         let (log_index, resp) = self.proposer.propose(command).await.map_err(|e| self.raft_error(e))?;
-        if let Some(reason) = resp.rejected {
-            return Err(AdminError::FailedPrecondition(reason));
+        if let Some(refused) = resp.refused() {
+            return Err(refused.into());
         }
         Ok(WriteReply {
             log_index,

@@ -380,7 +380,7 @@ impl StateMachineStore {
 
     /// Refuses a command the cluster's members cannot all apply yet (the applied
     /// `cluster.command_format`, see [`laneway_core::command::check_allowed`]).
-    pub fn check_allowed(&self, command: &Command) -> Result<(), String> {
+    pub fn check_allowed(&self, command: &Command) -> Result<(), laneway_core::refused::Refused> {
         laneway_core::command::check_allowed(
             self.get_setting(laneway_core::command::FORMAT_SETTING).0.as_deref(),
             command,

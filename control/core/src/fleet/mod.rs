@@ -6,6 +6,7 @@ pub mod liveness;
 
 use std::collections::BTreeMap;
 
+use crate::refused::Refused;
 use serde::{Deserialize, Serialize};
 
 /// Most GPUs one node may register.
@@ -70,7 +71,7 @@ pub struct NodeRecord {
 }
 
 /// Checks a node id: 1–63 characters of `[a-z0-9-]`, not starting or ending with '-'.
-pub fn validate_node_id(id: &str) -> Result<(), String> {
+pub fn validate_node_id(id: &str) -> Result<(), Refused> {
     let ok = !id.is_empty()
         && id.len() <= 63
         && !id.starts_with('-')
@@ -84,13 +85,14 @@ pub fn validate_node_id(id: &str) -> Result<(), String> {
         Err(format!(
             "node id {:?}: use 1-63 characters of a-z, 0-9 and '-' (not at either end), e.g. gpu-h100-07",
             crate::text::clip(id, 64)
-        ))
+        )
+        .into())
     }
 }
 
 impl NodeRegistration {
     /// Checks a registration before it is proposed.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), Refused> {
         validate_node_id(&self.node_id)?;
         for (what, v) in [
             ("hostname", &self.hostname),
@@ -98,7 +100,7 @@ impl NodeRegistration {
             ("replica_host", &self.replica_host),
         ] {
             if v.len() > 253 {
-                return Err(format!("{what} is {} bytes; at most 253", v.len()));
+                return Err(format!("{what} is {} bytes; at most 253", v.len()).into());
             }
         }
         if self
@@ -108,32 +110,34 @@ impl NodeRegistration {
             return Err(format!(
                 "replica_host {:?}: give a host name or IP address only (no port, scheme or path)",
                 self.replica_host
-            ));
+            )
+            .into());
         }
         if self.gpus.len() > MAX_GPUS_PER_NODE {
             return Err(format!(
                 "{} GPUs registered; at most {MAX_GPUS_PER_NODE} per node",
                 self.gpus.len()
-            ));
+            )
+            .into());
         }
         if self.labels.len() > MAX_LABELS {
-            return Err(format!("{} labels; at most {MAX_LABELS} per node", self.labels.len()));
+            return Err(format!("{} labels; at most {MAX_LABELS} per node", self.labels.len()).into());
         }
         for (k, v) in &self.labels {
             if k.is_empty() || k.len() > 128 || v.len() > 256 {
-                return Err(format!("label {k:?}={v:?}: keys 1-128 bytes, values up to 256 bytes"));
+                return Err(format!("label {k:?}={v:?}: keys 1-128 bytes, values up to 256 bytes").into());
             }
         }
         let mut seen = std::collections::BTreeSet::new();
         for g in &self.gpus {
             if g.uuid.is_empty() || g.uuid.len() > 128 {
-                return Err(format!("GPU uuid {:?}: expected a GPU-… UUID", g.uuid));
+                return Err(format!("GPU uuid {:?}: expected a GPU-… UUID", g.uuid).into());
             }
             if g.product.len() > 64 {
-                return Err(format!("GPU product name is {} bytes; at most 64", g.product.len()));
+                return Err(format!("GPU product name is {} bytes; at most 64", g.product.len()).into());
             }
             if !seen.insert(&g.uuid) {
-                return Err(format!("GPU {} is listed twice", g.uuid));
+                return Err(format!("GPU {} is listed twice", g.uuid).into());
             }
         }
         Ok(())
@@ -172,14 +176,14 @@ impl Fleet {
 
     /// Registers (or re-registers, after an agent restart) a node. A GPU UUID owned by another
     /// node is refused: two agents claiming one card is a misconfiguration or an impostor.
-    pub fn register(&mut self, reg: &NodeRegistration) -> Result<(), String> {
+    pub fn register(&mut self, reg: &NodeRegistration) -> Result<(), Refused> {
         for g in &reg.gpus {
             if let Some(owner) = self.gpu_owner(&g.uuid) {
                 if owner != reg.node_id {
-                    return Err(format!(
+                    return Err(Refused::Conflict(format!(
                         "GPU {} is already registered to node {owner}; node {} cannot claim it (wrong host, or a cloned node id?)",
                         g.uuid, reg.node_id
-                    ));
+                    )));
                 }
             }
         }
@@ -209,28 +213,30 @@ impl Fleet {
     }
 
     /// Lets the routers take `node_id`'s static replicas, or stops them.
-    pub fn set_static(&mut self, node_id: &str, allowed: bool) -> Result<(), String> {
+    pub fn set_static(&mut self, node_id: &str, allowed: bool) -> Result<(), Refused> {
         self.node_mut(node_id)?.static_replicas = allowed;
         Ok(())
     }
 
     /// The registered node `node_id`, to change, or what to do when there is none.
-    fn node_mut(&mut self, node_id: &str) -> Result<&mut NodeRecord, String> {
-        self.nodes
-            .get_mut(node_id)
-            .ok_or_else(|| format!("no node {node_id}; `lanectl node list` shows the registered nodes"))
+    fn node_mut(&mut self, node_id: &str) -> Result<&mut NodeRecord, Refused> {
+        self.nodes.get_mut(node_id).ok_or_else(|| {
+            Refused::NotFound(format!(
+                "no node {node_id}; `lanectl node list` shows the registered nodes"
+            ))
+        })
     }
 
-    pub fn set_liveness(&mut self, node_id: &str, liveness: Liveness) -> Result<(), String> {
+    pub fn set_liveness(&mut self, node_id: &str, liveness: Liveness) -> Result<(), Refused> {
         let n = self
             .nodes
             .get_mut(node_id)
-            .ok_or_else(|| format!("no node {node_id}"))?;
+            .ok_or_else(|| Refused::NotFound(format!("no node {node_id}")))?;
         n.liveness = liveness;
         Ok(())
     }
 
-    pub fn set_flags(&mut self, node_id: &str, cordoned: Option<bool>, draining: Option<bool>) -> Result<(), String> {
+    pub fn set_flags(&mut self, node_id: &str, cordoned: Option<bool>, draining: Option<bool>) -> Result<(), Refused> {
         let n = self.node_mut(node_id)?;
         if let Some(c) = cordoned {
             n.cordoned = c;
@@ -274,7 +280,7 @@ mod tests {
         let mut f = Fleet::default();
         f.register(&reg("a", &["GPU-1", "GPU-2"])).unwrap();
         let e = f.register(&reg("b", &["GPU-2"])).unwrap_err();
-        assert!(e.contains("already registered to node a"), "{e}");
+        assert!(e.message().contains("already registered to node a"), "{e}");
         assert!(
             !f.nodes.contains_key("b"),
             "a refused registration must not change state"
@@ -293,6 +299,7 @@ mod tests {
         assert!(reg("ok-1", &["GPU-1", "GPU-1"])
             .validate()
             .unwrap_err()
+            .message()
             .contains("twice"));
         assert!(reg("ok-1", &["GPU-1"]).validate().is_ok());
     }

@@ -15,6 +15,7 @@ pub mod dispatch;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+use crate::refused::Refused;
 use serde::{Deserialize, Serialize};
 
 /// Largest input carried in the job itself; larger inputs go by URI.
@@ -156,10 +157,10 @@ pub struct JobSubmission {
 
 impl JobSubmission {
     /// Checks what the router cannot have checked wrongly but a hand-made call could.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), Refused> {
         if self.id.is_empty() || self.id.len() > 64 || !self.id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
         {
-            return Err(format!("job id {:?} must be 1-64 of a-z, 0-9, '-'", self.id));
+            return Err(format!("job id {:?} must be 1-64 of a-z, 0-9, '-'", self.id).into());
         }
         match (&self.input, &self.input_uri) {
             (Some(_), Some(_)) => return Err("give the input inline or by URI, not both".into()),
@@ -168,17 +169,18 @@ impl JobSubmission {
                 return Err(format!(
                     "inline input is {} bytes, over {MAX_INLINE_INPUT_BYTES}; upload it and submit its URI",
                     i.len()
-                ))
+                )
+                .into())
             }
             _ => {}
         }
         if let Some(k) = &self.idempotency_key {
             if k.is_empty() || k.len() > MAX_IDEMPOTENCY_KEY_BYTES {
-                return Err(format!("idempotency key must be 1-{MAX_IDEMPOTENCY_KEY_BYTES} bytes"));
+                return Err(format!("idempotency key must be 1-{MAX_IDEMPOTENCY_KEY_BYTES} bytes").into());
             }
         }
         if self.max_attempts == 0 || self.max_attempts > MAX_ATTEMPTS_LIMIT {
-            return Err(format!("max_attempts must be 1-{MAX_ATTEMPTS_LIMIT}"));
+            return Err(format!("max_attempts must be 1-{MAX_ATTEMPTS_LIMIT}").into());
         }
         Ok(())
     }
@@ -410,7 +412,7 @@ impl Jobs {
     }
 
     /// Queues a submission unless its idempotency key or the tenant's ceiling says otherwise.
-    pub fn submit(&mut self, s: &JobSubmission, ceiling: Option<u32>, index: u64) -> Result<JobOutcome, String> {
+    pub fn submit(&mut self, s: &JobSubmission, ceiling: Option<u32>, index: u64) -> Result<JobOutcome, Refused> {
         s.validate()?;
         if let Some(j) = self.jobs.get(&s.id) {
             // The router draws a job's id before it proposes the submission, so the same
@@ -425,7 +427,7 @@ impl Jobs {
             {
                 return Ok(JobOutcome::Created { id: j.id.clone() });
             }
-            return Err(format!("job id {} is already taken", s.id));
+            return Err(Refused::Conflict(format!("job id {} is already taken", s.id)));
         }
         if let Some(k) = &s.idempotency_key {
             if let Some(id) = self.by_key.get(&(s.tenant.clone(), k.clone())) {
@@ -481,16 +483,16 @@ impl Jobs {
     }
 
     /// Assigns a queued job to a replica; the token is `index`.
-    pub fn assign(&mut self, id: &str, node: &str, replica: &str, index: u64, at_ms: u64) -> Result<(), String> {
-        let job = self.jobs.get(id).ok_or_else(|| format!("no job {id}"))?;
+    pub fn assign(&mut self, id: &str, node: &str, replica: &str, index: u64, at_ms: u64) -> Result<(), Refused> {
+        let job = self
+            .jobs
+            .get(id)
+            .ok_or_else(|| Refused::NotFound(format!("no job {id}")))?;
         if job.state != JobState::Queued {
-            return Err(format!("job {id} is {}, not queued", job.state));
+            return Err(Refused::Conflict(format!("job {id} is {}, not queued", job.state)));
         }
         if index <= job.last_token {
-            return Err(format!(
-                "job {id}: token {index} is not above its last token {}",
-                job.last_token
-            ));
+            return Err(format!("job {id}: token {index} is not above its last token {}", job.last_token).into());
         }
         self.index(id, false);
         let job = self.jobs.get_mut(id).expect("checked above");
@@ -507,19 +509,21 @@ impl Jobs {
         Ok(())
     }
 
-    fn current<'a>(jobs: &'a mut BTreeMap<String, Job>, id: &str, token: u64) -> Result<&'a mut Job, String> {
-        let job = jobs.get_mut(id).ok_or_else(|| format!("no job {id}"))?;
+    fn current<'a>(jobs: &'a mut BTreeMap<String, Job>, id: &str, token: u64) -> Result<&'a mut Job, Refused> {
+        let job = jobs
+            .get_mut(id)
+            .ok_or_else(|| Refused::NotFound(format!("no job {id}")))?;
         if job.token != Some(token) {
-            return Err(format!(
+            return Err(Refused::Conflict(format!(
                 "stale token {token} for job {id} (current: {}); this executor no longer owns it",
                 job.token.map_or_else(|| "none".to_string(), |t| t.to_string())
-            ));
+            )));
         }
         Ok(job)
     }
 
     /// The executor holding `token` started the job.
-    pub fn started(&mut self, id: &str, token: u64, at_ms: u64) -> Result<(), String> {
+    pub fn started(&mut self, id: &str, token: u64, at_ms: u64) -> Result<(), Refused> {
         let job = Self::current(&mut self.jobs, id, token)?;
         if job.state == JobState::Assigned {
             job.state = JobState::Running;
@@ -530,7 +534,7 @@ impl Jobs {
     }
 
     /// The executor holding `token` finished an attempt.
-    pub fn finish(&mut self, id: &str, token: u64, completion: &Completion, at_ms: u64) -> Result<(), String> {
+    pub fn finish(&mut self, id: &str, token: u64, completion: &Completion, at_ms: u64) -> Result<(), Refused> {
         Self::current(&mut self.jobs, id, token)?;
         self.index(id, false);
         let job = self.jobs.get_mut(id).expect("checked above");
@@ -543,13 +547,15 @@ impl Jobs {
                     return Err(format!(
                         "job {id}: a result at {:?} is refused; this attempt's result is {expected}",
                         crate::text::clip(&result.key, 128)
-                    ));
+                    )
+                    .into());
                 }
                 if !valid_content_type(&result.content_type) {
                     return Err(format!(
                         "job {id}: content type {:?} is refused; give a media type such as application/json",
                         crate::text::clip(&result.content_type, 128)
-                    ));
+                    )
+                    .into());
                 }
                 let mut result = result.clone();
                 let since = job.assigned_ms.unwrap_or(at_ms);
@@ -588,8 +594,11 @@ impl Jobs {
     }
 
     /// Cancels a job in any state; a finished job is left as it is.
-    pub fn cancel(&mut self, id: &str, at_ms: u64) -> Result<JobOutcome, String> {
-        let job = self.jobs.get_mut(id).ok_or_else(|| format!("no job {id}"))?;
+    pub fn cancel(&mut self, id: &str, at_ms: u64) -> Result<JobOutcome, Refused> {
+        let job = self
+            .jobs
+            .get_mut(id)
+            .ok_or_else(|| Refused::NotFound(format!("no job {id}")))?;
         if job.state.is_terminal() {
             return Ok(JobOutcome::AlreadyFinished { state: job.state });
         }

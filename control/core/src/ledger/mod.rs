@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::capacity::{Tier, TIER_LABEL};
 use crate::fleet::Fleet;
+use crate::refused::Refused;
 
 pub const MINUTE_MS: u64 = 60_000;
 pub const HOUR_MS: u64 = 60 * MINUTE_MS;
@@ -139,9 +140,9 @@ pub struct UsageReport {
 }
 
 impl UsageReport {
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), Refused> {
         if self.rows.len() > 10_000 {
-            return Err(format!("{} usage rows in one report; at most 10000", self.rows.len()));
+            return Err(format!("{} usage rows in one report; at most 10000", self.rows.len()).into());
         }
         if self.seq == 0 || self.incarnation.is_empty() {
             return Err("a usage report needs an incarnation and a sequence number from 1".into());
@@ -302,7 +303,7 @@ fn pool_and_tier(fleet: &Fleet, node: &str) -> Option<(String, Tier)> {
 
 impl Ledger {
     /// Sets (or, with `None`, removes) the price of a product on a tier.
-    pub fn set_price(&mut self, product: &str, tier: Tier, micros: Option<u64>) -> Result<(), String> {
+    pub fn set_price(&mut self, product: &str, tier: Tier, micros: Option<u64>) -> Result<(), Refused> {
         if product.is_empty() || product.len() > 64 {
             return Err("product: give a GPU product name such as H100-80GB".into());
         }

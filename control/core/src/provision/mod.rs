@@ -22,6 +22,7 @@ use crate::capacity::Tier;
 pub use crate::capacity::{CapacityMark, NodeRequest, RequestState};
 use crate::command::Command;
 use crate::fleet::{Fleet, Liveness};
+use crate::refused::Refused;
 use crate::registry::{LaneKind, Model, Registry};
 use crate::scheduler::placement::Unplaced;
 
@@ -175,12 +176,12 @@ impl ProvisionConfig {
         };
         let text = std::fs::read_to_string(path).map_err(|e| err(format!("cannot read it: {e}")))?;
         let cfg: ProvisionConfig = toml::from_str(&text).map_err(|e| err(e.to_string().trim().to_string()))?;
-        cfg.validate().map_err(err)?;
+        cfg.validate().map_err(|e| err(e.to_string()))?;
         Ok(cfg)
     }
 
     /// Checks what parsing cannot: names, counts, references between pools and hosts.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), Refused> {
         if self.pools.is_empty() {
             return Err("no [[pool]]: list the pools the slow loop may grow".into());
         }
@@ -194,34 +195,30 @@ impl ProvisionConfig {
                 return Err(format!(
                     "pool name {:?}: use 1-56 characters of a-z, 0-9 and '-' (a node of it is named <pool>-xxxxxx)",
                     p.name
-                ));
+                )
+                .into());
             }
             if !names.insert(p.name.as_str()) {
-                return Err(format!("pool {} is listed twice", p.name));
+                return Err(format!("pool {} is listed twice", p.name).into());
             }
             if p.product.is_empty() || p.product.contains('@') {
                 return Err(format!(
                     "pool {}: product {:?} must be the GPU product its nodes report, e.g. H100-80GB",
                     p.name, p.product
-                ));
+                )
+                .into());
             }
             if p.gpu_memory_gb == 0 || !(1..=16).contains(&p.gpus_per_node) {
-                return Err(format!(
-                    "pool {}: gpu_memory_gb must be > 0 and gpus_per_node 1 to 16",
-                    p.name
-                ));
+                return Err(format!("pool {}: gpu_memory_gb must be > 0 and gpus_per_node 1 to 16", p.name).into());
             }
             if p.boot_deadline_s == 0 {
-                return Err(format!("pool {}: boot_deadline_s must be at least 1", p.name));
+                return Err(format!("pool {}: boot_deadline_s must be at least 1", p.name).into());
             }
         }
         for p in &self.pools {
             for f in &p.fallback {
                 if f == &p.name || !names.contains(f.as_str()) {
-                    return Err(format!(
-                        "pool {}: fallback {f:?} is not another [[pool]] of this file",
-                        p.name
-                    ));
+                    return Err(format!("pool {}: fallback {f:?} is not another [[pool]] of this file", p.name).into());
                 }
             }
         }
@@ -230,7 +227,7 @@ impl ProvisionConfig {
                 for h in hosts {
                     crate::fleet::validate_node_id(&h.node_id)?;
                     if !names.contains(h.pool.as_str()) {
-                        return Err(format!("static host {}: no [[pool]] named {:?}", h.node_id, h.pool));
+                        return Err(format!("static host {}: no [[pool]] named {:?}", h.node_id, h.pool).into());
                     }
                 }
             }
@@ -254,7 +251,8 @@ impl ProvisionConfig {
                 if let Some(u) = unavailable.iter().find(|u| !u.contains('@')) {
                     return Err(format!(
                         "sim provider: unavailable entry {u:?} must be product@region, e.g. H100-80GB@us-east-1"
-                    ));
+                    )
+                    .into());
                 }
             }
         }

@@ -372,17 +372,21 @@ fn the_example_config_is_valid() {
 fn bad_configs_are_refused_saying_what_to_fix() {
     let mut cfg = config(sim());
     cfg.pools[1].fallback = vec!["nowhere".into()];
-    assert!(cfg.validate().unwrap_err().contains("fallback \"nowhere\""));
+    assert!(cfg.validate().unwrap_err().message().contains("fallback \"nowhere\""));
     let mut cfg = config(sim());
     cfg.pools[0].gpus_per_node = 0;
-    assert!(cfg.validate().unwrap_err().contains("gpus_per_node"));
+    assert!(cfg.validate().unwrap_err().message().contains("gpus_per_node"));
     let cfg = config(ProviderConfig::Static {
         hosts: vec![StaticHost {
             node_id: "h1".into(),
             pool: "gone".into(),
         }],
     });
-    assert!(cfg.validate().unwrap_err().contains("no [[pool]] named \"gone\""));
+    assert!(cfg
+        .validate()
+        .unwrap_err()
+        .message()
+        .contains("no [[pool]] named \"gone\""));
     let err = toml::from_str::<ProvisionConfig>("[provider]\nkind = \"cloud\"\n").unwrap_err();
     assert!(err.to_string().contains("cloud"), "{err}");
 }

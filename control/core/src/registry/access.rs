@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::*;
+use crate::refused::Refused;
 
 /// A bearer token of the admin API with a role (ADR 0013).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -101,13 +102,15 @@ impl Registry {
     }
 
     /// Marks the join or admin token with this sha256 revoked.
-    pub fn revoke_token(&mut self, sha256: &str) -> Result<(), String> {
+    pub fn revoke_token(&mut self, sha256: &str) -> Result<(), Refused> {
         if let Some(t) = self.join_tokens.get_mut(sha256) {
             t.revoked = true;
         } else if let Some(t) = self.admin_tokens.get_mut(sha256) {
             t.revoked = true;
         } else {
-            return Err("no such token; `lanectl token list` shows them".into());
+            return Err(Refused::NotFound(
+                "no such token; `lanectl token list` shows them".into(),
+            ));
         }
         Ok(())
     }
@@ -128,20 +131,22 @@ impl Registry {
         key_sha256: &str,
         at_ms: u64,
         registered: bool,
-    ) -> Result<(), String> {
+    ) -> Result<(), Refused> {
         let id = token_id(sha256);
         let Some(t) = self.join_tokens.get(sha256) else {
-            return Err("the join token is not known to this cluster; create one with `lanectl token create`".into());
+            return Err(Refused::NotFound(
+                "the join token is not known to this cluster; create one with `lanectl token create`".into(),
+            ));
         };
         if t.revoked {
-            return Err(format!(
+            return Err(Refused::Conflict(format!(
                 "join token {id} was revoked; create a new one with `lanectl token create`"
-            ));
+            )));
         }
         if at_ms >= t.expires_ms {
-            return Err(format!(
+            return Err(Refused::Conflict(format!(
                 "join token {id} has expired; create a new one with `lanectl token create --ttl 1h`"
-            ));
+            )));
         }
         match &t.used_by {
             Some(by) if by == node_id => {
@@ -150,24 +155,24 @@ impl Registry {
                 if same_key && soon {
                     return Ok(());
                 }
-                return Err(format!(
+                return Err(Refused::Conflict(format!(
                     "join token {id} was already used by node {by}; only the same key may use it again, within {} minutes of the join: create a new one (`lanectl token create --node {by}`)",
                     JOIN_RETRY_MS / 60_000
-                ));
+                )));
             }
             Some(by) => {
-                return Err(format!(
+                return Err(Refused::Conflict(format!(
                     "join token {id} was already used (by node {by}): a token lets one node in; create a new one"
-                ))
+                )))
             }
             None => {}
         }
         match &t.node_id {
-            Some(only) if only != node_id => Err(format!("join token {id} is for node {only}, not {node_id}")),
+            Some(only) if only != node_id => Err(Refused::Conflict(format!("join token {id} is for node {only}, not {node_id}"))),
             Some(_) => Ok(()),
-            None if registered || self.joined.contains_key(node_id) => Err(format!(
+            None if registered || self.joined.contains_key(node_id) => Err(Refused::Conflict(format!(
                 "node id {node_id} is already in this cluster and node ids are never reused: give this host a new node id (to re-key the same host, an admin makes a token bound to it: `lanectl token create --node {node_id}`)"
-            )),
+            ))),
             None => Ok(()),
         }
     }
@@ -180,7 +185,7 @@ impl Registry {
         key_sha256: &str,
         at_ms: u64,
         registered: bool,
-    ) -> Result<(), String> {
+    ) -> Result<(), Refused> {
         self.check_join_token(sha256, node_id, key_sha256, at_ms, registered)?;
         if let Some(t) = self.join_tokens.get_mut(sha256).filter(|t| t.used_by.is_none()) {
             t.used_by = Some(node_id.to_string());

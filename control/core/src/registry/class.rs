@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::*;
+use crate::refused::Refused;
 
 /// A duration in milliseconds with microsecond precision, stored as an integer.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -304,7 +305,7 @@ fn default_timeout() -> Millis {
 pub const OVERFLOW_TOKEN_ENV_PREFIX: &str = "LANEWAY_OVERFLOW_";
 
 /// Checks the name of an overflow endpoint's key variable (on write, and again before it is read).
-pub fn check_overflow_token_env(var: &str) -> Result<(), String> {
+pub fn check_overflow_token_env(var: &str) -> Result<(), Refused> {
     let ok = !var.is_empty()
         && var.len() <= 128
         && var
@@ -314,12 +315,12 @@ pub fn check_overflow_token_env(var: &str) -> Result<(), String> {
         return Err(format!(
             "token_env {:?}: give the name of an environment variable (A-Z, 0-9, _, e.g. {OVERFLOW_TOKEN_ENV_PREFIX}HOSTED_API), not the key itself",
             crate::text::clip(var, 64)
-        ));
+        ).into());
     }
     if !var.starts_with(OVERFLOW_TOKEN_ENV_PREFIX) {
         return Err(format!(
             "token_env {var:?}: the variable's name must start with {OVERFLOW_TOKEN_ENV_PREFIX} (e.g. {OVERFLOW_TOKEN_ENV_PREFIX}HOSTED_API), so that no other secret of the controllers' environment can be sent out"
-        ));
+        ).into());
     }
     Ok(())
 }
@@ -339,7 +340,7 @@ impl OverflowSpec {
 }
 
 /// Checks a taint (or toleration): 1-63 characters of a-z, 0-9, '.', '/', '-', '_'.
-pub fn validate_taint(t: &str) -> Result<(), String> {
+pub fn validate_taint(t: &str) -> Result<(), Refused> {
     let ok = !t.is_empty()
         && t.len() <= 63
         && t.chars()
@@ -349,7 +350,8 @@ pub fn validate_taint(t: &str) -> Result<(), String> {
     } else {
         Err(format!(
             "taint {t:?}: use 1-63 characters of a-z, 0-9, '.', '/', '-' and '_', e.g. dedicated or team/research"
-        ))
+        )
+        .into())
     }
 }
 
@@ -399,12 +401,12 @@ impl Class {
     /// Whether a tenant's job of this class may name `uri` as its input: a plain location
     /// under one of the operator's [`Class::input_prefixes`]. Never a bare path, never
     /// `file://` outside a prefix, never a walk out of one.
-    pub fn check_input_uri(&self, uri: &str) -> Result<(), String> {
+    pub fn check_input_uri(&self, uri: &str) -> Result<(), Refused> {
         let n = &self.name;
         if self.input_prefixes.is_empty() {
             return Err(format!(
                 "class {n} takes inputs inline only: send {{\"model\": …, \"input\": {{…}}}}; an operator allows locations for input_uri with `lanectl lane set {n} --input-prefix s3://bucket/inputs/`"
-            ));
+            ).into());
         }
         plain_location(uri).map_err(|e| format!("input_uri: {e}"))?;
         if self.input_prefixes.iter().any(|p| uri.starts_with(p.as_str())) {
@@ -414,34 +416,36 @@ impl Class {
                 "input_uri {:?} is not under a location class {n} allows ({}); upload the input there",
                 crate::text::clip(uri, 128),
                 self.input_prefixes.join(", ")
-            ))
+            )
+            .into())
         }
     }
 
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), Refused> {
         validate_name("class", &self.name)?;
         let n = &self.name;
         if !self.input_prefixes.is_empty() && self.lane != LaneKind::Durable {
-            return Err(format!(
-                "class {n}: input_prefixes are for durable lanes (their jobs may name an input_uri)"
-            ));
+            return Err(
+                format!("class {n}: input_prefixes are for durable lanes (their jobs may name an input_uri)").into(),
+            );
         }
         if self.input_prefixes.len() > MAX_INPUT_PREFIXES {
-            return Err(format!("class {n}: {MAX_INPUT_PREFIXES} input_prefixes at most"));
+            return Err(format!("class {n}: {MAX_INPUT_PREFIXES} input_prefixes at most").into());
         }
         for p in &self.input_prefixes {
             let u = plain_location(p).map_err(|e| format!("class {n}: input prefix {e}"))?;
             if !p.ends_with('/') || u.path().trim_matches('/').is_empty() && u.scheme() == "file" {
                 return Err(format!(
                     "class {n}: input prefix {p:?}: end it with '/' and name a directory (file:///srv/inputs/, s3://bucket/inputs/), never a whole host's files"
-                ));
+                ).into());
             }
         }
         if let Some(o) = &self.overflow {
             if self.lane == LaneKind::Durable {
                 return Err(format!(
                     "class {n}: a durable lane queues its excess as jobs; overflow is for sync and bounded lanes"
-                ));
+                )
+                .into());
             }
             let url = o.url.trim_end_matches('/');
             let https = url.starts_with("https://");
@@ -453,7 +457,7 @@ impl Class {
                 {
                     return Err(format!(
                         "class {n}: overflow url {url:?}: no query, fragment or user name; give scheme://host[:port][/prefix] and the key in token_env"
-                    ));
+                    ).into());
                 }
             }
             if !(https || url.starts_with("http://"))
@@ -461,13 +465,14 @@ impl Class {
             {
                 return Err(format!(
                     "class {n}: overflow url {url:?}: give http://host:port[/prefix] or https://host[:port][/prefix]"
-                ));
+                )
+                .into());
             }
             if let Some(pem) = &o.ca_pem {
                 if !https {
-                    return Err(format!(
-                        "class {n}: overflow ca_pem is for an https endpoint; {url:?} is plain http"
-                    ));
+                    return Err(
+                        format!("class {n}: overflow ca_pem is for an https endpoint; {url:?} is plain http").into(),
+                    );
                 }
                 ca_certs(pem)
                     .map(|_| ())
@@ -478,34 +483,33 @@ impl Class {
                 if !https {
                     return Err(format!(
                         "class {n}: overflow token_env: {url:?} is plain http and would carry the key in the clear; use https"
-                    ));
+                    ).into());
                 }
             }
             if o.max_in_flight == 0 || o.max_in_flight > 10_000 {
-                return Err(format!(
-                    "class {n}: overflow max_in_flight = {}: give 1-10000",
-                    o.max_in_flight
-                ));
+                return Err(format!("class {n}: overflow max_in_flight = {}: give 1-10000", o.max_in_flight).into());
             }
         }
         if let Some(h) = &self.hedge {
             if self.lane != LaneKind::Sync {
                 return Err(format!(
                     "class {n}: hedged requests are for sync lanes (a bounded lane queues, a durable one retries jobs)"
-                ));
+                )
+                .into());
             }
             if h.after_ms.as_ms() <= 0.0 || h.after_ms.as_ms() >= self.request_timeout_ms.as_ms() {
                 return Err(format!(
                     "class {n}: hedge after {} ms: give more than 0 and less than the lane's timeout ({} ms), about the model's p95",
                     h.after_ms.as_ms(),
                     self.request_timeout_ms.as_ms()
-                ));
+                ).into());
             }
             if !(1..=50).contains(&h.percent) {
                 return Err(format!(
                     "class {n}: hedge percent {}: give 1-50 (each hedge is a second GPU run of a request)",
                     h.percent
-                ));
+                )
+                .into());
             }
         }
         if let Some(f) = &self.fallback_response {
@@ -513,71 +517,77 @@ impl Class {
                 return Err(format!(
                     "class {n}: fallback_response is for sync and bounded lanes, with a 2xx status (got {})",
                     f.status
-                ));
+                )
+                .into());
             }
             if f.body.len() > 64 * 1024 || serde_json::from_str::<serde_json::Value>(&f.body).is_err() {
-                return Err(format!(
-                    "class {n}: fallback_response.body must be a JSON document of at most 64 KiB"
-                ));
+                return Err(
+                    format!("class {n}: fallback_response.body must be a JSON document of at most 64 KiB").into(),
+                );
             }
         }
         if let Some(c) = &self.cache {
             if self.lane == LaneKind::Durable {
                 return Err(format!(
                     "class {n}: a durable lane's results are stored per job, not cached; remove cache"
-                ));
+                )
+                .into());
             }
             if !(1..=7 * 86_400).contains(&c.ttl_s) || !(1..=65_536).contains(&c.max_mib) {
                 return Err(format!(
                     "class {n}: cache ttl_s = {} and max_mib = {}: give 1 s to 7 days and 1 MiB to 64 GiB",
                     c.ttl_s, c.max_mib
-                ));
+                )
+                .into());
             }
         }
         if !(1..=100).contains(&self.utilisation_target_pct) {
             return Err(format!(
                 "class {n}: utilisation_target_pct = {}: give 1-100 (sync lanes keep headroom, e.g. 60)",
                 self.utilisation_target_pct
-            ));
+            )
+            .into());
         }
         match self.lane {
             LaneKind::Sync if self.budget_ms.0 > 0 => {
                 return Err(format!(
                     "class {n}: a sync lane has no queue, so budget_ms must be 0 (got {}); use lane = \"bounded\" for a queue",
                     self.budget_ms.as_ms()
-                ))
+                ).into())
             }
             LaneKind::Bounded | LaneKind::Durable if self.budget_ms.0 == 0 => {
                 return Err(format!(
                     "class {n}: a {} lane needs budget_ms > 0 (the longest a request may wait in its queue)",
                     self.lane
-                ))
+                ).into())
             }
             _ => {}
         }
         if self.request_timeout_ms.0 == 0 {
-            return Err(format!("class {n}: request_timeout_ms must be > 0"));
+            return Err(format!("class {n}: request_timeout_ms must be > 0").into());
         }
         self.tolerations.iter().try_for_each(|t| validate_taint(t))?;
         if let Some(slo) = self.slo_p99_ms {
             if self.lane == LaneKind::Durable {
                 return Err(format!(
                     "class {n}: a durable lane has no latency objective (jobs are not waited on); remove slo_p99_ms"
-                ));
+                )
+                .into());
             }
             if slo.0 == 0 || slo > self.request_timeout_ms {
                 return Err(format!(
                     "class {n}: slo_p99_ms = {}: give more than 0 and at most request_timeout_ms ({})",
                     slo.as_ms(),
                     self.request_timeout_ms.as_ms()
-                ));
+                )
+                .into());
             }
         }
         if let Some(l) = &self.llm {
             if self.lane == LaneKind::Durable {
                 return Err(format!(
                     "class {n}: durable lanes take jobs, not streams; token objectives and signals are for sync and bounded lanes"
-                ));
+                ).into());
             }
             for (what, slo) in [
                 ("ttft_slo_p99_ms", l.ttft_slo_p99_ms),
@@ -587,33 +597,33 @@ impl Class {
                     return Err(format!(
                         "class {n}: {what} must be more than 0 and at most request_timeout_ms ({})",
                         self.request_timeout_ms.as_ms()
-                    ));
+                    )
+                    .into());
                 }
             }
             if l.scale_on == ScaleSignal::Ttft && l.ttft_slo_p99_ms.is_none() {
                 return Err(format!(
                     "class {n}: scale_on = \"ttft\" needs ttft_slo_p99_ms (the objective it scales against)"
-                ));
+                )
+                .into());
             }
             if !(1..=100).contains(&l.kv_cache_target_pct) {
-                return Err(format!(
-                    "class {n}: kv_cache_target_pct = {}: give 1-100",
-                    l.kv_cache_target_pct
-                ));
+                return Err(format!("class {n}: kv_cache_target_pct = {}: give 1-100", l.kv_cache_target_pct).into());
             }
         }
         if let Some(d) = &self.degraded {
             if self.lane != LaneKind::Bounded {
                 return Err(format!(
                     "class {n}: only bounded lanes degrade; remove [degraded] or use lane = \"bounded\""
-                ));
+                )
+                .into());
             }
             if d.budget_ms < self.budget_ms {
                 return Err(format!(
                     "class {n}: degraded.budget_ms ({}) must be at least budget_ms ({}): degrading lengthens the queue budget",
                     d.budget_ms.as_ms(),
                     self.budget_ms.as_ms()
-                ));
+                ).into());
             }
         }
         Ok(())

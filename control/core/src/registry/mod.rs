@@ -23,6 +23,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::refused::Refused;
 use rollout::{Rollout, RolloutAction, RolloutState};
 
 /// Longest class, model or tenant name.
@@ -104,7 +105,7 @@ impl Registry {
 }
 
 /// Checks a class, model or tenant name.
-pub fn validate_name(what: &str, name: &str) -> Result<(), String> {
+pub fn validate_name(what: &str, name: &str) -> Result<(), Refused> {
     let ok = !name.is_empty()
         && name.len() <= MAX_NAME
         && name
@@ -116,7 +117,7 @@ pub fn validate_name(what: &str, name: &str) -> Result<(), String> {
     } else {
         Err(format!(
             "{what} name {name:?}: use 1-{MAX_NAME} characters of a-z, 0-9, '-', '_' and '.', starting with a letter or digit"
-        ))
+        ).into())
     }
 }
 
@@ -128,7 +129,7 @@ impl Registry {
             .find(|m| m.public_name() == name && m.version == version)
     }
 
-    pub fn put_class(&mut self, class: &Class) -> Result<(), String> {
+    pub fn put_class(&mut self, class: &Class) -> Result<(), Refused> {
         class.validate()?;
         if let Some(old) = self.classes.get(&class.name) {
             if old.lane != class.lane {
@@ -139,70 +140,76 @@ impl Registry {
                     .map(|m| m.name.as_str())
                     .collect();
                 if !models.is_empty() {
-                    return Err(format!(
+                    return Err(Refused::Conflict(format!(
                         "class {} is a {} lane with models ({}); its lane kind cannot change under them: create a new class and move the models",
                         class.name,
                         old.lane,
                         models.join(", ")
-                    ));
+                    )));
                 }
             }
         } else if self.classes.len() >= MAX_ENTRIES {
-            return Err(format!("{MAX_ENTRIES} classes already; remove one first"));
+            return Err(Refused::Conflict(format!(
+                "{MAX_ENTRIES} classes already; remove one first"
+            )));
         }
         self.classes.insert(class.name.clone(), class.clone());
         Ok(())
     }
 
-    pub fn put_model(&mut self, model: &Model) -> Result<(), String> {
+    pub fn put_model(&mut self, model: &Model) -> Result<(), Refused> {
         model.validate()?;
         self.check_fallback(model)?;
         if model.serves.is_some() {
             return Err(format!(
                 "model {}: `serves` is set by the registry, not in a model file; remove it",
                 model.name
-            ));
+            )
+            .into());
         }
         if let Some(r) = self
             .rollouts
             .values()
             .find(|r| r.state.is_active() && (r.from == model.name || r.to == model.name))
         {
-            return Err(format!(
+            return Err(Refused::Conflict(format!(
                 "model {} is in the running rollout of {} (version {} → {}): a rollout compares fixed versions; promote or abort it first, or deploy a new version",
                 model.name, r.model, r.from_version, r.to_version
-            ));
+            )));
         }
         if !self.classes.contains_key(&model.class) {
-            return Err(format!(
+            return Err(Refused::NotFound(format!(
                 "model {}: class {:?} does not exist; `lanectl lane list` shows the classes",
                 model.name, model.class
-            ));
+            )));
         }
         if !self.models.contains_key(&model.name) && self.models.len() >= MAX_ENTRIES {
-            return Err(format!("{MAX_ENTRIES} models already; remove one first"));
+            return Err(Refused::Conflict(format!(
+                "{MAX_ENTRIES} models already; remove one first"
+            )));
         }
         self.models.insert(model.name.clone(), model.clone());
         Ok(())
     }
 
     /// A model's fallback names another existing model, not in a durable class.
-    fn check_fallback(&self, model: &Model) -> Result<(), String> {
+    fn check_fallback(&self, model: &Model) -> Result<(), Refused> {
         let Some(f) = &model.fallback else { return Ok(()) };
         if f == model.public_name() {
-            return Err(format!("model {}: a model cannot be its own fallback", model.name));
+            return Err(format!("model {}: a model cannot be its own fallback", model.name).into());
         }
         let Some(fm) = self.models.get(self.serving_entry(f)) else {
-            return Err(format!(
+            return Err(Refused::NotFound(format!(
                 "model {}: fallback {f:?} is not registered; register it first (`lanectl model list` shows the models)",
                 model.name
-            ));
+            )));
         };
         if self.classes.get(&fm.class).is_some_and(|c| c.lane == LaneKind::Durable) {
             return Err(format!(
                 "model {}: fallback {f} is in a durable class; a fallback answers synchronously",
                 model.name
-            ));
+            )
+            .into());
         }
         Ok(())
     }
@@ -244,12 +251,13 @@ impl Registry {
     /// an ordinary model; a later one becomes the entry `name@version`, idle until a rollout
     /// moves traffic to it. Versions are immutable: deploying one again with another
     /// specification is refused. Returns the entry key.
-    pub fn deploy_version(&mut self, model: &Model) -> Result<String, String> {
+    pub fn deploy_version(&mut self, model: &Model) -> Result<String, Refused> {
         if model.serves.is_some() {
             return Err(format!(
                 "model {}: `serves` is set by the registry, not in a model file; remove it",
                 model.name
-            ));
+            )
+            .into());
         }
         validate_name("version", &model.version)?;
         let Some(current) = self.models.get(self.serving_entry(&model.name)) else {
@@ -260,7 +268,7 @@ impl Registry {
             return Err(format!(
                 "model {} is in class {}, this version says {}: a version changes the model, not its lane; keep class = {:?}",
                 model.name, current.class, model.class, current.class
-            ));
+            ).into());
         }
         if let Some(e) = self.version_entry(&model.name, &model.version) {
             let same = Model {
@@ -271,17 +279,19 @@ impl Registry {
             return if same {
                 Ok(e.name.clone())
             } else {
-                Err(format!(
+                Err(Refused::Conflict(format!(
                     "version {} of {} is already deployed with another specification; versions are immutable: give this one a new version",
                     model.version, model.name
-                ))
+                )))
             };
         }
         model.validate()?;
         self.check_fallback(model)?;
         let key = rollout::entry_key(&model.name, &model.version);
         if self.models.len() >= MAX_ENTRIES {
-            return Err(format!("{MAX_ENTRIES} models already; retire old versions first"));
+            return Err(Refused::Conflict(format!(
+                "{MAX_ENTRIES} models already; retire old versions first"
+            )));
         }
         self.models.insert(
             key.clone(),
@@ -295,41 +305,45 @@ impl Registry {
     }
 
     /// Starts a rollout (validated against the registry as it is when applied).
-    pub fn start_rollout(&mut self, r: &Rollout) -> Result<(), String> {
+    pub fn start_rollout(&mut self, r: &Rollout) -> Result<(), Refused> {
         r.validate()?;
         if let Some(a) = self.active_rollout(&r.model) {
-            return Err(format!(
+            return Err(Refused::Conflict(format!(
                 "{} is already rolling out version {} ({}); promote or abort it first",
                 r.model,
                 a.to_version,
                 a.state.as_str()
-            ));
+            )));
         }
         let Some(to) = self.models.get(&r.to) else {
-            return Err(format!(
+            return Err(Refused::NotFound(format!(
                 "no version {} of {}; `lanectl model deploy FILE` deploys it first",
                 r.to_version, r.model
-            ));
+            )));
         };
         if to.public_name() != r.model {
-            return Err(format!("{} is not a version of {}", r.to, r.model));
+            return Err(format!("{} is not a version of {}", r.to, r.model).into());
         }
         let class = self.classes.get(&to.class);
         if class.is_some_and(|c| c.lane == LaneKind::Durable) {
             return Err(format!(
                 "{} is in a durable class: rollouts split synchronous traffic (sync and bounded lanes); jobs are not split between versions yet",
                 r.model
-            ));
+            ).into());
         }
         let serving = self.serving_entry(&r.model);
         if serving == r.to {
-            return Err(format!("version {} already serves {}", r.to_version, r.model));
+            return Err(Refused::Conflict(format!(
+                "version {} already serves {}",
+                r.to_version, r.model
+            )));
         }
         if serving != r.from {
             return Err(format!(
                 "{} is served by {serving}, not {}: start the rollout again",
                 r.model, r.from
-            ));
+            )
+            .into());
         }
         self.rollouts.insert(r.model.clone(), r.clone());
         Ok(())
@@ -344,24 +358,27 @@ impl Registry {
         action: RolloutAction,
         at_ms: u64,
         message: &str,
-    ) -> Result<(), String> {
+    ) -> Result<(), Refused> {
         let replicas = &self.replicas;
         let Some(r) = self.rollouts.get_mut(model) else {
-            return Err(format!("{model} has no rollout; `lanectl rollout start` starts one"));
+            return Err(Refused::NotFound(format!(
+                "{model} has no rollout; `lanectl rollout start` starts one"
+            )));
         };
         if !r.state.is_active() {
             return Err(format!(
                 "the rollout of {model} to version {} has ended ({}); start a new one",
                 r.to_version,
                 r.state.as_str()
-            ));
+            )
+            .into());
         }
         if expect_step.is_some_and(|s| s != r.step) {
-            return Err(format!(
+            return Err(Refused::Conflict(format!(
                 "the rollout of {model} is at step {}, not {}: already moved on",
                 r.step,
                 expect_step.unwrap_or_default()
-            ));
+            )));
         }
         let mut promoted = false;
         match action {
@@ -373,7 +390,7 @@ impl Registry {
                 return Err(format!(
                     "the rollout of {model} cannot advance now ({})",
                     r.state.as_str()
-                ))
+                ).into())
             }
             // A shadow moves no traffic: promoting it ends the comparison as passed.
             RolloutAction::Promote if r.strategy == rollout::Strategy::Shadow => r.state = RolloutState::Passed,
@@ -382,7 +399,7 @@ impl Registry {
                 return Err(format!(
                     "version {} of {model} has no ready replica yet: promoting now would send every request to nothing; wait for its replicas (`lanectl rollout status {model}`) or abort",
                     r.to_version
-                ))
+                ).into())
             }
             RolloutAction::Promote => {
                 r.state = RolloutState::Promoted;
@@ -410,7 +427,7 @@ impl Registry {
         Ok(())
     }
 
-    pub fn remove_model(&mut self, name: &str) -> Result<(), String> {
+    pub fn remove_model(&mut self, name: &str) -> Result<(), Refused> {
         if let Some(m) = self.models.get(name) {
             let public = m.public_name();
             if self.serving_entry(public) == name
@@ -421,21 +438,22 @@ impl Registry {
             {
                 return Err(format!(
                     "{name} serves {public} while other versions exist; roll out another version first"
-                ));
+                )
+                .into());
             }
             if self
                 .active_rollout(public)
                 .is_some_and(|r| r.to == name || r.from == name)
             {
-                return Err(format!(
+                return Err(Refused::Conflict(format!(
                     "{name} is in the running rollout of {public}; promote or abort it first"
-                ));
+                )));
             }
         }
         self.models
             .remove(name)
             .map(|_| ())
-            .ok_or_else(|| format!("no model {name}; `lanectl model list` shows the models"))
+            .ok_or_else(|| Refused::NotFound(format!("no model {name}; `lanectl model list` shows the models")))
     }
 }
 

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use super::*;
+use crate::refused::Refused;
 
 /// How one model runs on one GPU product.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -133,62 +134,57 @@ fn default_version() -> String {
 }
 
 impl Model {
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), Refused> {
         validate_name("model", &self.name)?;
         validate_name("class", &self.class)?;
         let n = &self.name;
         if self.profiles.is_empty() {
             return Err(format!(
                 "model {n}: no profiles; give at least one [profiles.<GPU product>] with service_ms and max_batch"
-            ));
+            )
+            .into());
         }
         for (product, p) in &self.profiles {
             if product.is_empty() || product.len() > 64 {
-                return Err(format!(
-                    "model {n}: profile for {product:?}: name a GPU product such as L4 or H100-80GB"
-                ));
+                return Err(
+                    format!("model {n}: profile for {product:?}: name a GPU product such as L4 or H100-80GB").into(),
+                );
             }
             if p.service_ms.0 == 0 {
-                return Err(format!("model {n}: profiles.{product}.service_ms must be > 0"));
+                return Err(format!("model {n}: profiles.{product}.service_ms must be > 0").into());
             }
             if p.max_batch == 0 || p.max_batch > 4096 {
-                return Err(format!(
-                    "model {n}: profiles.{product}.max_batch = {}: give 1-4096",
-                    p.max_batch
-                ));
+                return Err(format!("model {n}: profiles.{product}.max_batch = {}: give 1-4096", p.max_batch).into());
             }
         }
         for a in &self.weights {
             if a.sha256.len() != 64 || !a.sha256.chars().all(|c| c.is_ascii_hexdigit()) {
-                return Err(format!(
-                    "model {n}: weights {:?}: sha256 must be 64 hex characters",
-                    a.uri
-                ));
+                return Err(format!("model {n}: weights {:?}: sha256 must be 64 hex characters", a.uri).into());
             }
             if a.uri.is_empty() {
-                return Err(format!("model {n}: a weight artifact has an empty uri"));
+                return Err(format!("model {n}: a weight artifact has an empty uri").into());
             }
         }
         if !self.runtime.health_path.starts_with('/') {
             return Err(format!(
                 "model {n}: runtime.health_path {:?} must be an HTTP path starting with '/', e.g. /v2/health/ready",
                 self.runtime.health_path
-            ));
+            )
+            .into());
         }
         if self.version.is_empty() || self.version.len() > 64 {
-            return Err(format!("model {n}: version must be 1-64 characters"));
+            return Err(format!("model {n}: version must be 1-64 characters").into());
         }
         if let Some(l) = &self.llm {
             if l.context_tokens == 0 {
-                return Err(format!(
-                    "model {n}: llm.context_tokens must be > 0 (the model's context window)"
-                ));
+                return Err(format!("model {n}: llm.context_tokens must be > 0 (the model's context window)").into());
             }
             if l.default_max_tokens == 0 || l.default_max_tokens > l.context_tokens {
                 return Err(format!(
                     "model {n}: llm.default_max_tokens = {}: give 1 to context_tokens ({})",
                     l.default_max_tokens, l.context_tokens
-                ));
+                )
+                .into());
             }
         }
         Ok(())

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use super::*;
+use crate::refused::Refused;
 
 /// A replica as the leader last committed it from its agent's heartbeats.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -25,12 +26,13 @@ pub const MAX_REPLICAS_PER_NODE: usize = 128;
 
 /// Checks what an agent reports of its replicas before it is proposed: a bounded set of
 /// short, plain names (a compromised agent must not write megabytes per heartbeat).
-pub fn validate_replica_report(replicas: &[ReplicaRecord]) -> Result<(), String> {
+pub fn validate_replica_report(replicas: &[ReplicaRecord]) -> Result<(), Refused> {
     if replicas.len() > MAX_REPLICAS_PER_NODE {
         return Err(format!(
             "{} replicas reported: a node runs {MAX_REPLICAS_PER_NODE} at most",
             replicas.len()
-        ));
+        )
+        .into());
     }
     for r in replicas {
         for (what, v, max) in [
@@ -44,7 +46,8 @@ pub fn validate_replica_report(replicas: &[ReplicaRecord]) -> Result<(), String>
                 return Err(format!(
                     "replica {what} {:?}: {max} bytes at most, no spaces or control characters",
                     crate::text::clip(v, 64)
-                ));
+                )
+                .into());
             }
         }
     }

@@ -9,6 +9,7 @@
 //! the promotion or the rollback. Every step is a Raft entry, so a new leader carries on from
 //! the step the old one committed.
 
+use crate::refused::Refused;
 use serde::{Deserialize, Serialize};
 
 /// Registry entry key of `model`'s `version` (never a valid model name: names have no '@').
@@ -168,17 +169,18 @@ impl Rollout {
         }
     }
 
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), Refused> {
         match self.strategy {
             Strategy::Canary => self.validate_canary()?,
             Strategy::BlueGreen if self.steps != [0, 100] => {
-                return Err(format!("rollout of {}: blue/green steps are [0, 100]", self.model))
+                return Err(format!("rollout of {}: blue/green steps are [0, 100]", self.model).into())
             }
             Strategy::Shadow if !matches!(self.steps.as_slice(), [1..=100]) => {
                 return Err(format!(
                     "rollout of {}: shadow mirrors one share of the traffic, 1 to 100 percent; got {:?}",
                     self.model, self.steps
-                ))
+                )
+                .into())
             }
             _ => {}
         }
@@ -186,35 +188,39 @@ impl Rollout {
             return Err(format!(
                 "rollout of {}: bake time {} ms; give 1 s to 24 h per step",
                 self.model, self.bake_ms
-            ));
+            )
+            .into());
         }
         if self.guards.min_requests == 0 {
             return Err(format!(
                 "rollout of {}: min_requests must be at least 1 (a step judged on no traffic says nothing)",
                 self.model
-            ));
+            )
+            .into());
         }
         Ok(())
     }
 
-    fn validate_canary(&self) -> Result<(), String> {
+    fn validate_canary(&self) -> Result<(), Refused> {
         if self.steps.is_empty() || self.steps.len() > 20 {
             return Err(format!(
                 "rollout of {}: give 1 to 20 canary steps, e.g. --steps 1,5,25,100",
                 self.model
-            ));
+            )
+            .into());
         }
         if self.steps.windows(2).any(|w| w[0] >= w[1]) || self.steps[0] == 0 {
             return Err(format!(
                 "rollout of {}: steps {:?} must rise from above 0, e.g. 1,5,25,100",
                 self.model, self.steps
-            ));
+            )
+            .into());
         }
         if self.steps.last() != Some(&100) {
             return Err(format!(
                 "rollout of {}: the last step must be 100 (the new version takes all traffic before it is promoted); got {:?}",
                 self.model, self.steps
-            ));
+            ).into());
         }
         Ok(())
     }
@@ -254,12 +260,12 @@ fn default_bake_s() -> u64 {
 
 impl RolloutRequest {
     /// The rollout this request starts from `registry` at `now_ms`, by `by`.
-    pub fn rollout(&self, registry: &super::Registry, now_ms: u64, by: &str) -> Result<Rollout, String> {
+    pub fn rollout(&self, registry: &super::Registry, now_ms: u64, by: &str) -> Result<Rollout, Refused> {
         let Some(serving) = registry.models.get(registry.serving_entry(&self.model)) else {
-            return Err(format!(
+            return Err(Refused::NotFound(format!(
                 "no model {}; `lanectl model list` shows the models",
                 self.model
-            ));
+            )));
         };
         let to = registry.version_entry(&self.model, &self.version).ok_or_else(|| {
             format!(

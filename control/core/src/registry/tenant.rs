@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use super::*;
+use crate::refused::Refused;
 
 /// Limits of one tenant on one lane (class).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -40,11 +41,11 @@ impl Tenant {
 }
 
 impl TenantLimit {
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), Refused> {
         if self.concurrency == 0 || self.rate_per_s == 0 || self.burst == 0 || self.tokens_per_min == Some(0) {
             return Err(format!(
                 "limit {self:?}: concurrency, rate_per_s, burst and tokens_per_min must all be > 0 (to stop a tenant, rotate its key)"
-            ));
+            ).into());
         }
         Ok(())
     }
@@ -57,16 +58,16 @@ pub fn hash_key(key: &str) -> String {
 }
 
 impl Registry {
-    pub fn create_tenant(&mut self, tenant: &Tenant) -> Result<(), String> {
+    pub fn create_tenant(&mut self, tenant: &Tenant) -> Result<(), Refused> {
         validate_name("tenant", &tenant.name)?;
         if self.tenants.contains_key(&tenant.name) {
-            return Err(format!(
+            return Err(Refused::Conflict(format!(
                 "tenant {} exists; use `lanectl tenant rotate-key` for a new key",
                 tenant.name
-            ));
+            )));
         }
         if self.tenants.len() >= MAX_ENTRIES {
-            return Err(format!("{MAX_ENTRIES} tenants already"));
+            return Err(Refused::Conflict(format!("{MAX_ENTRIES} tenants already")));
         }
         for l in tenant.limits.values() {
             l.validate()?;
@@ -75,16 +76,16 @@ impl Registry {
         Ok(())
     }
 
-    pub fn set_tenant_limit(&mut self, tenant: &str, class: &str, limit: Option<TenantLimit>) -> Result<(), String> {
+    pub fn set_tenant_limit(&mut self, tenant: &str, class: &str, limit: Option<TenantLimit>) -> Result<(), Refused> {
         if class != "*" && !self.classes.contains_key(class) {
-            return Err(format!(
+            return Err(Refused::NotFound(format!(
                 "no class {class}; give a class from `lanectl lane list`, or * for every class"
-            ));
+            )));
         }
         let t = self
             .tenants
             .get_mut(tenant)
-            .ok_or_else(|| format!("no tenant {tenant}; `lanectl tenant list` shows the tenants"))?;
+            .ok_or_else(|| Refused::NotFound(format!("no tenant {tenant}; `lanectl tenant list` shows the tenants")))?;
         match limit {
             Some(l) => {
                 l.validate()?;
@@ -97,11 +98,11 @@ impl Registry {
         Ok(())
     }
 
-    pub fn rotate_key(&mut self, tenant: &str, key_sha256: &str) -> Result<(), String> {
+    pub fn rotate_key(&mut self, tenant: &str, key_sha256: &str) -> Result<(), Refused> {
         let t = self
             .tenants
             .get_mut(tenant)
-            .ok_or_else(|| format!("no tenant {tenant}; `lanectl tenant list` shows the tenants"))?;
+            .ok_or_else(|| Refused::NotFound(format!("no tenant {tenant}; `lanectl tenant list` shows the tenants")))?;
         t.key_sha256 = key_sha256.to_string();
         Ok(())
     }

@@ -18,11 +18,11 @@ fn a_join_token_is_one_time_unexpired_unrevoked_and_a_node_id_joins_once() {
     let e = r
         .consume_join_token(&"a".repeat(64), "n1", "k1", 1_000, false)
         .unwrap_err();
-    assert!(e.contains("expired"), "{e}");
+    assert!(e.message().contains("expired"), "{e}");
     let e = r
         .consume_join_token(&"b".repeat(64), "n1", "k1", 10, false)
         .unwrap_err();
-    assert!(e.contains("is for node n2"), "{e}");
+    assert!(e.message().contains("is for node n2"), "{e}");
     r.consume_join_token(&"a".repeat(64), "n1", "k1", 999, false).unwrap();
     r.consume_join_token(&"a".repeat(64), "n1", "k1", 999, true)
         .expect("the same node may ask again with the same key (its answer may have been lost)");
@@ -30,25 +30,28 @@ fn a_join_token_is_one_time_unexpired_unrevoked_and_a_node_id_joins_once() {
         .consume_join_token(&"a".repeat(64), "n1", "k2", 999, true)
         .unwrap_err();
     assert!(
-        e.contains("only the same key"),
+        e.message().contains("only the same key"),
         "another key never reuses a spent token: {e}"
     );
     r.join_tokens.get_mut(&"a".repeat(64)).unwrap().expires_ms = 100 * JOIN_RETRY_MS;
     let e = r
         .consume_join_token(&"a".repeat(64), "n1", "k1", 999 + JOIN_RETRY_MS, true)
         .unwrap_err();
-    assert!(e.contains("within 10 minutes"), "nor the same key long after: {e}");
+    assert!(
+        e.message().contains("within 10 minutes"),
+        "nor the same key long after: {e}"
+    );
     let e = r
         .consume_join_token(&"a".repeat(64), "n3", "k1", 999, false)
         .unwrap_err();
-    assert!(e.contains("already used (by node n1)"), "{e}");
+    assert!(e.message().contains("already used (by node n1)"), "{e}");
     let e = r
         .consume_join_token(&"c".repeat(64), "n1", "k1", 10, false)
         .unwrap_err();
-    assert!(e.contains("never reused"), "{e}");
+    assert!(e.message().contains("never reused"), "{e}");
     let e = r.consume_join_token(&"c".repeat(64), "n9", "k1", 10, true).unwrap_err();
     assert!(
-        e.contains("never reused"),
+        e.message().contains("never reused"),
         "a node registered with a certificate is not taken: {e}"
     );
     // A token an admin bound to n2 re-keys it even though it is registered.
@@ -57,10 +60,11 @@ fn a_join_token_is_one_time_unexpired_unrevoked_and_a_node_id_joins_once() {
     let e = r
         .consume_join_token(&"c".repeat(64), "n4", "k1", 10, false)
         .unwrap_err();
-    assert!(e.contains("revoked"), "{e}");
+    assert!(e.message().contains("revoked"), "{e}");
     assert!(r
         .consume_join_token(&"d".repeat(64), "n5", "k1", 10, false)
         .unwrap_err()
+        .message()
         .contains("not known"));
     assert_eq!(r.joined.keys().collect::<Vec<_>>(), ["n1", "n2"]);
 }
@@ -80,14 +84,14 @@ fn overflow_keys_come_only_from_laneway_overflow_variables() {
     let e = with("https://api.example.com", "AWS_SECRET_ACCESS_KEY")
         .validate()
         .unwrap_err();
-    assert!(e.contains("must start with LANEWAY_OVERFLOW_"), "{e}");
+    assert!(e.message().contains("must start with LANEWAY_OVERFLOW_"), "{e}");
     for url in [
         "https://api.example.com/?k=v",
         "https://api.example.com/#x",
         "https://u:p@api.example.com",
     ] {
         let e = with(url, "LANEWAY_OVERFLOW_HOSTED").validate().unwrap_err();
-        assert!(e.contains("no query, fragment or user name"), "{url}: {e}");
+        assert!(e.message().contains("no query, fragment or user name"), "{url}: {e}");
     }
     with("https://api.example.com/v1", "LANEWAY_OVERFLOW_HOSTED")
         .validate()
@@ -107,7 +111,10 @@ fn job_inputs_come_only_from_allowed_locations() {
         ..Class::for_test("video", LaneKind::Durable)
     };
     let e = c.check_input_uri("s3://bucket/inputs/a.json").unwrap_err();
-    assert!(e.contains("inline only") && e.contains("--input-prefix"), "{e}");
+    assert!(
+        e.message().contains("inline only") && e.message().contains("--input-prefix"),
+        "{e}"
+    );
     c.input_prefixes = vec!["s3://bucket/inputs/".into(), "file:///srv/inputs/".into()];
     c.validate().unwrap();
     c.check_input_uri("s3://bucket/inputs/a.json").unwrap();
@@ -131,7 +138,7 @@ fn job_inputs_come_only_from_allowed_locations() {
     }
     let mut sync = Class::for_test("speech", LaneKind::Sync);
     sync.input_prefixes = vec!["s3://b/x/".into()];
-    assert!(sync.validate().unwrap_err().contains("durable"));
+    assert!(sync.validate().unwrap_err().message().contains("durable"));
 }
 
 fn class(name: &str, lane: LaneKind, budget: f64) -> Class {
@@ -153,10 +160,12 @@ fn a_latency_objective_must_fit_the_timeout_and_a_durable_lane_has_none() {
     assert!(with(LaneKind::Sync, 0.0, 2000.0)
         .validate()
         .unwrap_err()
+        .message()
         .contains("at most request_timeout_ms"));
     assert!(with(LaneKind::Durable, 100.0, 500.0)
         .validate()
         .unwrap_err()
+        .message()
         .contains("no latency objective"));
     // An older binary must not be handed a class it cannot read.
     let put = crate::command::Command::PutClass(with(LaneKind::Sync, 0.0, 500.0));
@@ -173,7 +182,7 @@ fn taints_and_tolerations_are_checked() {
         tolerations: vec!["Not OK".into()],
         ..class("c", LaneKind::Sync, 0.0)
     };
-    assert!(bad.validate().unwrap_err().contains("taint \"Not OK\""));
+    assert!(bad.validate().unwrap_err().message().contains("taint \"Not OK\""));
     let put = crate::command::Command::SetPoolTaints {
         pool: "h100".into(),
         taints: vec!["dedicated".into(), "".into()],
@@ -217,17 +226,19 @@ fn lanes_are_checked_for_their_kind() {
     assert!(class("speech", LaneKind::Sync, 10.0)
         .validate()
         .unwrap_err()
+        .message()
         .contains("no queue"));
     assert!(class("image", LaneKind::Bounded, 0.0)
         .validate()
         .unwrap_err()
+        .message()
         .contains("budget_ms > 0"));
     let mut c = class("image", LaneKind::Bounded, 500.0);
     c.degraded = Some(Degraded {
         budget_ms: Millis::from_ms(100.0),
         parameters: BTreeMap::new(),
     });
-    assert!(c.validate().unwrap_err().contains("at least budget_ms"));
+    assert!(c.validate().unwrap_err().message().contains("at least budget_ms"));
 }
 
 #[test]
@@ -236,12 +247,13 @@ fn models_inherit_an_existing_class_and_need_one() {
     assert!(r
         .put_model(&model("whisper", "speech"))
         .unwrap_err()
+        .message()
         .contains("does not exist"));
     r.put_class(&class("speech", LaneKind::Sync, 0.0)).unwrap();
     r.put_model(&model("whisper", "speech")).unwrap();
     // A class with models cannot change its lane kind under them.
     let e = r.put_class(&class("speech", LaneKind::Bounded, 100.0)).unwrap_err();
-    assert!(e.contains("cannot change"), "{e}");
+    assert!(e.message().contains("cannot change"), "{e}");
     r.remove_model("whisper").unwrap();
     r.put_class(&class("speech", LaneKind::Bounded, 100.0)).unwrap();
 }
@@ -276,5 +288,6 @@ fn tenant_limits_fall_back_to_the_wildcard() {
     assert!(r
         .create_tenant(&r.tenants["acme"].clone())
         .unwrap_err()
+        .message()
         .contains("exists"));
 }

@@ -689,6 +689,7 @@ async fn no_healthy_replica_means_the_fallback_model_or_the_lanes_canned_answer(
         .contains("not registered"));
     let mut speech = reg.classes["speech"].clone();
     speech.fallback_response = Some(FallbackResponse {
+        .message()
         status: 200,
         body: r#"{"outputs":[]}"#.into(),
     });
@@ -831,19 +832,24 @@ async fn an_https_overflow_endpoint_is_verified_and_sent_its_key_from_the_enviro
         .contains("ca_pem holds no certificate"));
     let spec = OverflowSpec {
         ca_pem: Some(ca.cert_pem().to_string()),
+        .message()
         ..spec
     };
     speech.overflow = Some(OverflowSpec {
         token_env: Some("sk-live-123".into()),
         ..spec.clone()
     });
-    assert!(reg.put_class(&speech).unwrap_err().contains("not the key itself"));
+    assert!(reg
+        .put_class(&speech)
+        .unwrap_err()
+        .message()
+        .contains("not the key itself"));
     speech.overflow = Some(OverflowSpec {
         url: format!("http://localhost:{}", hosted.addr.port()),
         ca_pem: None,
         ..spec.clone()
     });
-    assert!(reg.put_class(&speech).unwrap_err().contains("in the clear"));
+    assert!(reg.put_class(&speech).unwrap_err().message().contains("in the clear"));
     speech.overflow = Some(spec);
     reg.put_class(&speech).unwrap();
     add_tenant(&mut reg, "t", "k");

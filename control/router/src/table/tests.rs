@@ -97,13 +97,21 @@ fn a_rollout_splits_a_models_traffic_and_a_promotion_moves_it() {
         },
         ..v2.clone()
     };
-    assert!(reg.deploy_version(&changed).unwrap_err().contains("immutable"));
+    assert!(reg
+        .deploy_version(&changed)
+        .unwrap_err()
+        .message()
+        .contains("immutable"));
     let other_class = laneway_core::registry::Model {
         class: "other".into(),
         version: "3".into(),
         ..v1.clone()
     };
-    assert!(reg.deploy_version(&other_class).unwrap_err().contains("not its lane"));
+    assert!(reg
+        .deploy_version(&other_class)
+        .unwrap_err()
+        .message()
+        .contains("not its lane"));
     assert!(reg.is_placed(&reg.models["whisper"]));
     assert!(!reg.is_placed(&reg.models["whisper@2"]), "idle until a rollout");
 
@@ -122,7 +130,11 @@ fn a_rollout_splits_a_models_traffic_and_a_promotion_moves_it() {
     let r = start(&reg, vec![25, 100]);
     assert_eq!((r.from.as_str(), r.to.as_str()), ("whisper", "whisper@2"));
     reg.start_rollout(&r).unwrap();
-    assert!(reg.start_rollout(&r).unwrap_err().contains("already rolling out"));
+    assert!(reg
+        .start_rollout(&r)
+        .unwrap_err()
+        .message()
+        .contains("already rolling out"));
     assert!(reg.is_placed(&reg.models["whisper@2"]), "placed while it rolls out");
     let replica = |id: &str, model: &str, port: u16| laneway_core::registry::ReplicaRecord {
         id: id.into(),
@@ -161,6 +173,7 @@ fn a_rollout_splits_a_models_traffic_and_a_promotion_moves_it() {
     assert!(reg
         .update_rollout("whisper", None, RolloutAction::Abort, 4_000, "late")
         .unwrap_err()
+        .message()
         .contains("has ended"));
     assert_eq!(reg.rollouts["whisper"].events.len(), 3, "started, advanced, promoted");
 

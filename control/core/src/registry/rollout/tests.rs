@@ -177,9 +177,9 @@ fn a_shadow_moves_no_traffic_and_ends_passed_or_rolled_back() {
     assert!(matches!(v, Verdict::RollBack(_)));
     let mut bad = r.clone();
     bad.steps = vec![0];
-    assert!(bad.validate().unwrap_err().contains("1 to 100"));
+    assert!(bad.validate().unwrap_err().message().contains("1 to 100"));
     bad.strategy = Strategy::BlueGreen;
-    assert!(bad.validate().unwrap_err().contains("[0, 100]"));
+    assert!(bad.validate().unwrap_err().message().contains("[0, 100]"));
 }
 
 #[test]
@@ -187,12 +187,12 @@ fn steps_must_rise_to_100() {
     let mut r = rollout();
     assert!(r.validate().is_ok());
     r.steps = vec![10, 5, 100];
-    assert!(r.validate().unwrap_err().contains("must rise"));
+    assert!(r.validate().unwrap_err().message().contains("must rise"));
     r.steps = vec![10, 50];
-    assert!(r.validate().unwrap_err().contains("last step must be 100"));
+    assert!(r.validate().unwrap_err().message().contains("last step must be 100"));
     r.steps = vec![100];
     r.bake_ms = 10;
-    assert!(r.validate().unwrap_err().contains("bake time"));
+    assert!(r.validate().unwrap_err().message().contains("bake time"));
 }
 
 /// Operators promote, abort, pause and resume; advancing and rolling back are the loop's.
