@@ -1,6 +1,6 @@
-//! Admission: a tenant's ceiling and rate, a lane's slot or queue place (sync: none free means
-//! refused at once; bounded: queued only while the expected wait fits the budget), and which
-//! replica a request goes to (power of two choices, prefix affinity).
+//! Admission: a tenant's ceiling, rate and tokens per minute, a lane's slot or queue place
+//! (sync: none free means refused at once; bounded: queued only while the expected wait fits
+//! the budget), and which replica a request goes to (power of two choices, prefix affinity).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -309,6 +309,60 @@ impl Router {
             };
             s.pressure = pressure;
             s.overload.observe(now, pressure, short);
+        }
+    }
+}
+
+/// Why a tenant's tokens per minute refused a request.
+pub enum TokenRefusal {
+    /// It fits the minute later: 429 with this wait.
+    Wait(Duration, String),
+    /// It is larger than the tenant's whole minute: it never fits.
+    Never(String),
+}
+
+impl Router {
+    /// Takes `tokens` from the tenant's tokens-per-minute bucket on `class`, if it has one.
+    pub fn admit_tokens(
+        &self,
+        tenant: &TenantRoute,
+        class: &Class,
+        tokens: u32,
+        now: Instant,
+    ) -> Result<(), TokenRefusal> {
+        let Some(per_min) = tenant.limit_for(&class.name).and_then(|l| l.tokens_per_min) else {
+            return Ok(());
+        };
+        if tokens > per_min {
+            return Err(TokenRefusal::Never(format!(
+                "this request counts about {tokens} tokens (input + max_tokens for each choice), more than tenant {}'s whole minute on class {} ({per_min} tokens/min); lower max_tokens or n, or split the prompt",
+                tenant.name, class.name
+            )));
+        }
+        let rate = per_min.div_ceil(60).max(1);
+        let mut buckets = self.token_buckets.lock().unwrap_or_else(|p| p.into_inner());
+        let bucket = buckets
+            .entry((tenant.name.clone(), class.name.clone()))
+            .or_insert_with(|| TokenBucket::new(rate, per_min, now));
+        if !bucket.has_limits(rate, per_min) {
+            *bucket = TokenBucket::new(rate, per_min, now);
+        }
+        bucket.take_n(tokens, now).map_err(|wait| {
+            TokenRefusal::Wait(
+                wait,
+                format!(
+                    "tenant {} is over its {per_min} tokens/min on class {} (this request counts about {tokens}: input + max_tokens for each choice); retry after the Retry-After",
+                    tenant.name, class.name
+                ),
+            )
+        })
+    }
+
+    /// Gives back tokens of a request that was admitted by tokens and then not served.
+    pub fn refund_tokens(&self, tenant: &TenantRoute, class: &Class, tokens: u32) {
+        let mut buckets = self.token_buckets.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(b) = buckets.get_mut(&(tenant.name.clone(), class.name.clone())) {
+            b.give_back(tokens);
         }
     }
 }

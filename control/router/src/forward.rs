@@ -103,6 +103,17 @@ impl Router {
             .observe(now.duration_since(started), slot.service, self.now_ms(now));
     }
 
+    /// Where a language model's request to `endpoint` goes on `slot`'s replica.
+    pub(super) fn completion_uri(
+        &self,
+        slot: &ReplicaSlot,
+        endpoint: laneway_core::llm::Endpoint,
+    ) -> Result<hyper::Uri, ForwardError> {
+        format!("http://{}{}", slot.endpoint, endpoint.path())
+            .parse()
+            .map_err(|e| ForwardError::NotDelivered(format!("endpoint {:?}: {e}", slot.endpoint)))
+    }
+
     /// Sends a language model's request (for a whole answer) to `slot`'s `endpoint` within
     /// `timeout`.
     pub(super) async fn forward_completion(
@@ -113,9 +124,7 @@ impl Router {
         request_id: &str,
         timeout: Duration,
     ) -> Result<Forwarded, ForwardError> {
-        let uri: hyper::Uri = format!("http://{}{}", slot.endpoint, endpoint.path())
-            .parse()
-            .map_err(|e| ForwardError::NotDelivered(format!("endpoint {:?}: {e}", slot.endpoint)))?;
+        let uri = self.completion_uri(slot, endpoint)?;
         let out = Outbound {
             uri: &uri,
             target: &slot.name,
@@ -141,7 +150,18 @@ impl Router {
         C: hyper_util::client::legacy::connect::Connect + Clone + Send + Sync + 'static,
     {
         let deadline = Instant::now() + timeout;
-        let (parts, body) = self.send_head(client, out, body, timeout).await?.into_parts();
+        let answer = self.send_head(client, out, body, timeout).await?;
+        self.whole(answer, deadline).await
+    }
+
+    /// The whole of `answer` (its head already here), read before `deadline` and within the
+    /// router's limit on answers.
+    pub(super) async fn whole(
+        &self,
+        answer: hyper::Response<hyper::body::Incoming>,
+        deadline: Instant,
+    ) -> Result<Forwarded, ForwardError> {
+        let (parts, body) = answer.into_parts();
         let limit = self.bodies().limits().max_answer_bytes;
         let body = tokio::time::timeout_at(deadline, body::read_answer(body, limit))
             .await

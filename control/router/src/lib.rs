@@ -15,6 +15,7 @@ pub mod answer;
 pub mod body;
 pub mod cache;
 mod ejection;
+pub mod flight;
 mod forward;
 #[doc(hidden)]
 pub mod fuzzing;

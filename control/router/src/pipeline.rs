@@ -1,7 +1,8 @@
-//! The steps every request takes, whatever protocol brought it: who asks (the tenant's key),
-//! which route serves it, reading and checking the body, answering from the cache or the
-//! overflow endpoint, refusing with an honest Retry-After, and the headers every answer carries.
-//! The protocol files (`http` for KServe v2, `llm` for OpenAI, `jobs`) only translate.
+//! The steps every request takes before its body is known, whatever protocol brought it: who
+//! asks (the tenant's key), which route serves it (or its fallback, or the class's canned
+//! answer), reading and checking the body, and the lane's refusals with an honest Retry-After.
+//! The steps after reading are [`super::flight`]'s. The protocol files (`http` for
+//! KServe v2, `llm` for OpenAI, `jobs`) only translate.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,9 +16,9 @@ use serde::Deserialize;
 use serde_json::Value;
 use tokio::time::Instant;
 
-use super::answer::{error, stamp, stamp_version, with_retry_after, Meta, DEGRADED};
+use super::answer::{error, stamp, with_retry_after, Meta, DEGRADED};
 use super::table::{ModelRoute, Table, TenantRoute};
-use super::{Refusal, RequestRecord, Router};
+use super::{Refusal, Router};
 use laneway_core::registry::hash_key;
 
 /// The route that answers a request for `route` at `now_ms`: itself while it has a healthy
@@ -168,96 +169,6 @@ pub async fn read_body(
         .read(body, headers, since)
         .await
         .map_err(|e| e.response(what_to_do, meta))
-}
-
-/// What a step that may answer a request did: answered it (and recorded it), or passed it on
-/// with its record to the next step.
-pub enum Handled {
-    Answered(Response),
-    Pass(RequestRecord),
-}
-
-/// The class's cached answer to this input, if it has a cache and the answer is in it (the
-/// request is recorded as served, with no GPU time). `Pass`: not answered; on a miss (or a
-/// bypass) `meta` says where to keep the answer the replica will give.
-#[allow(clippy::too_many_arguments)]
-pub fn from_cache(
-    router: &Router,
-    table: &Table,
-    route: &ModelRoute,
-    tenant: &TenantRoute,
-    headers: &HeaderMap,
-    body: &Bytes,
-    api: &str,
-    meta: &mut Meta,
-    mut record: RequestRecord,
-) -> Handled {
-    let Some(cache) = table.caches.get(&route.class.name) else {
-        return Handled::Pass(record);
-    };
-    let bypass = headers
-        .get(super::cache::CACHE_HEADER)
-        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(super::cache::BYPASS.as_bytes()));
-    let Some(key) = cache.key(&route.name, &route.version, api, &tenant.name, body) else {
-        return Handled::Pass(record);
-    };
-    let Some(hit) = cache.get(&key).filter(|_| !bypass) else {
-        route.lane.lock().counters.cache_miss += 1;
-        meta.cache = Some((cache.clone(), key, if bypass { super::cache::BYPASS } else { "miss" }));
-        return Handled::Pass(record);
-    };
-    route.lane.lock().counters.cache_hit += 1;
-    let mut r = (
-        StatusCode::from_u16(hit.status).unwrap_or(StatusCode::OK),
-        hit.body.clone(),
-    )
-        .into_response();
-    if let Some(ct) = &hit.content_type {
-        r.headers_mut().insert(axum::http::header::CONTENT_TYPE, ct.clone());
-    }
-    r.headers_mut()
-        .insert(super::cache::CACHE_HEADER, HeaderValue::from_static("hit"));
-    stamp(r.headers_mut(), meta);
-    stamp_version(r.headers_mut(), meta);
-    record.status = hit.status;
-    router.record(record);
-    Handled::Answered(r)
-}
-
-/// The overflow endpoint answered `r` to a request that arrived and went out at `times`:
-/// its breaker's count starts over, the answer is marked, and the request is metered at the
-/// endpoint's price with no node (nothing of the fleet's is billed for it).
-pub fn overflow_answered(
-    router: &Router,
-    ov: &super::overflow::Overflow,
-    route: &ModelRoute,
-    meta: &Meta,
-    mut record: RequestRecord,
-    (arrived, started): (Instant, Instant),
-    mut r: Response,
-) -> Response {
-    ov.succeeded();
-    route.lane.lock().counters.overflowed += 1;
-    record.replica = Some(laneway_core::ledger::OVERFLOW_PRODUCT.into());
-    record.product = Some(laneway_core::ledger::OVERFLOW_PRODUCT.into());
-    record.service_ms = started.elapsed().as_secs_f64() * 1000.0;
-    record.queue_ms = started.saturating_duration_since(arrived).as_secs_f64() * 1000.0;
-    record.status = r.status().as_u16();
-    record.overflow_micros = ov.spec.micros_per_request;
-    r.headers_mut()
-        .insert(super::overflow::OVERFLOW_HEADER, HeaderValue::from_static("1"));
-    stamp(r.headers_mut(), meta);
-    router.record(record);
-    r
-}
-
-/// The overflow endpoint failed a request (`why`): counted towards its breaker, logged.
-pub fn overflow_failed(router: &Router, ov: &super::overflow::Overflow, route: &ModelRoute, why: &str) {
-    if ov.failed(router.now_ms(Instant::now())) {
-        tracing::warn!(class = %route.class.name, url = %ov.spec.url, %why, "overflow endpoint failed {} times in a row: not used for {} s", super::overflow::BREAKER_FAILURES, super::overflow::BREAKER_OPEN.as_secs());
-    } else {
-        tracing::debug!(class = %route.class.name, url = %ov.spec.url, %why, "overflow endpoint failed");
-    }
 }
 
 pub fn refusal_response(refusal: &Refusal, route: &ModelRoute, meta: &Meta) -> Response {

@@ -2,7 +2,10 @@ use std::net::SocketAddr;
 
 use tokio::net::TcpListener;
 
+use std::time::Duration;
+
 use super::*;
+use crate::answer::REPLICA;
 use axum::routing::post;
 use laneway_core::registry::hash_key;
 
@@ -686,10 +689,10 @@ async fn no_healthy_replica_means_the_fallback_model_or_the_lanes_canned_answer(
             ..whisper.clone()
         })
         .unwrap_err()
+        .message()
         .contains("not registered"));
     let mut speech = reg.classes["speech"].clone();
     speech.fallback_response = Some(FallbackResponse {
-        .message()
         status: 200,
         body: r#"{"outputs":[]}"#.into(),
     });
@@ -829,10 +832,10 @@ async fn an_https_overflow_endpoint_is_verified_and_sent_its_key_from_the_enviro
     assert!(reg
         .put_class(&speech)
         .unwrap_err()
+        .message()
         .contains("ca_pem holds no certificate"));
     let spec = OverflowSpec {
         ca_pem: Some(ca.cert_pem().to_string()),
-        .message()
         ..spec
     };
     speech.overflow = Some(OverflowSpec {
