@@ -133,18 +133,29 @@ impl Router {
     }
 }
 
-/// Submits one job for `route`'s model; `input` is the inference request (inline) or a URI.
-#[allow(clippy::too_many_arguments)] // one submission's facts; a struct would only rename them
+/// What a client asked to run, as either jobs path reads it.
+pub(super) struct JobInput {
+    /// The inference request (inline), or the URI it is read from.
+    pub input: Result<String, String>,
+    /// sha256 of the request body: what a reused Idempotency-Key is compared with.
+    pub body_sha256: String,
+    pub max_attempts: u32,
+}
+
+/// Submits one job for `route`'s model.
 pub(super) async fn submit(
     router: &Arc<Router>,
     tenant: &TenantRoute,
     route: &ModelRoute,
-    input: Result<String, String>,
+    asked: JobInput,
     headers: &HeaderMap,
-    body_sha256: String,
-    max_attempts: u32,
     meta: &Meta,
 ) -> Response {
+    let JobInput {
+        input,
+        body_sha256,
+        max_attempts,
+    } = asked;
     let Some(gateway) = router.jobs.get() else {
         return error(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -355,18 +366,12 @@ pub(super) async fn submit_infer(
             meta,
         );
     };
-    let sha = sha256_hex(&body);
-    submit(
-        router,
-        tenant,
-        route,
-        Ok(text.to_string()),
-        headers,
-        sha,
-        DEFAULT_MAX_ATTEMPTS,
-        meta,
-    )
-    .await
+    let asked = JobInput {
+        input: Ok(text.to_string()),
+        body_sha256: sha256_hex(&body),
+        max_attempts: DEFAULT_MAX_ATTEMPTS,
+    };
+    submit(router, tenant, route, asked, headers, meta).await
 }
 
 /// `POST /v1/jobs`.
@@ -441,8 +446,12 @@ pub(super) async fn post_job(State(router): State<Arc<Router>>, headers: HeaderM
         }
     };
     // The body (not the generated job id) is what a reused Idempotency-Key is compared with.
-    let sha = sha256_hex(&body);
-    submit(&router, &tenant, &route, input, &headers, sha, max_attempts, &meta).await
+    let asked = JobInput {
+        input,
+        body_sha256: sha256_hex(&body),
+        max_attempts,
+    };
+    submit(&router, &tenant, &route, asked, &headers, &meta).await
 }
 
 /// The tenant's job, or a 404 that does not reveal other tenants' jobs. A miss catches up with
