@@ -725,7 +725,8 @@ fn job_reply(ctx: &Context, hb: &Heartbeat) -> (Vec<AssignedJob>, Vec<JobRef>) {
 /// The MIG layouts the controllers want on `node_id`, as the heartbeat reply carries them.
 pub fn mig_for(sm: &crate::store::StateMachineStore, node_id: &str) -> Vec<laneway_proto::agent::MigLayout> {
     sm.with_registry(|r| {
-        r.mig
+        r.placement
+            .mig
             .get(node_id)
             .into_iter()
             .flatten()
@@ -741,7 +742,8 @@ pub fn mig_for(sm: &crate::store::StateMachineStore, node_id: &str) -> Vec<lanew
 /// command with its placeholders filled in.
 pub fn desired_for(sm: &crate::store::StateMachineStore, node_id: &str) -> Vec<laneway_proto::agent::DesiredReplica> {
     sm.with_registry(|r| {
-        r.desired
+        r.placement
+            .desired
             .get(node_id)
             .into_iter()
             .flatten()

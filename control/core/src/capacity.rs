@@ -134,3 +134,17 @@ pub struct MigPlan {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub applied_ms: Option<u64>,
 }
+
+/// What the slow loop and the MIG planner asked for, replicated.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CapacityState {
+    /// Nodes the slow loop asked for, by request id (= the node id), until given back.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_requests: BTreeMap<String, NodeRequest>,
+    /// `product@region` → a recent capacity failure there (launches wait until it expires).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub capacity_marks: BTreeMap<String, CapacityMark>,
+    /// The latest MIG capacity plan (`lanectl mig plan`), applied or not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_plan: Option<MigPlan>,
+}

@@ -191,26 +191,26 @@ impl AppState {
             Command::SetMigLayout { node_id, gpu, profiles } => refused(self.set_mig_layout(node_id, gpu, profiles)),
             Command::SetPoolTaints { pool, taints } => {
                 if taints.is_empty() {
-                    self.registry.pool_taints.remove(pool);
+                    self.registry.placement.pool_taints.remove(pool);
                 } else {
-                    self.registry.pool_taints.insert(pool.clone(), taints.clone());
+                    self.registry.placement.pool_taints.insert(pool.clone(), taints.clone());
                 }
                 CommandResponse::default()
             }
             Command::PutNodeRequest(r) => refused(crate::fleet::validate_node_id(&r.id).map(|()| {
-                self.registry.node_requests.insert(r.id.clone(), r.clone());
+                self.registry.capacity.node_requests.insert(r.id.clone(), r.clone());
             })),
             Command::RemoveNodeRequest { id } => {
-                self.registry.node_requests.remove(id);
+                self.registry.capacity.node_requests.remove(id);
                 CommandResponse::default()
             }
             Command::PutMigPlan(p) => {
-                let latest = self.registry.mig_plan.as_ref();
+                let latest = self.registry.capacity.mig_plan.as_ref();
                 let next = latest.map_or(1, |l| l.version + 1);
                 let marks_applied =
                     latest.is_some_and(|l| l.version == p.version && l.applied_ms.is_none()) && p.applied_ms.is_some();
                 if p.version == next || marks_applied {
-                    self.registry.mig_plan = Some(p.clone());
+                    self.registry.capacity.mig_plan = Some(p.clone());
                     CommandResponse::default()
                 } else {
                     refused(Err(Refused::Conflict(format!(
@@ -221,28 +221,29 @@ impl AppState {
             }
             Command::SetCapacityMark { key, mark } => {
                 match mark {
-                    Some(m) => self.registry.capacity_marks.insert(key.clone(), m.clone()),
-                    None => self.registry.capacity_marks.remove(key),
+                    Some(m) => self.registry.capacity.capacity_marks.insert(key.clone(), m.clone()),
+                    None => self.registry.capacity.capacity_marks.remove(key),
                 };
                 CommandResponse::default()
             }
             Command::CreateJoinToken { sha256, token } => {
-                if self.registry.join_tokens.contains_key(sha256) {
+                if self.registry.access.join_tokens.contains_key(sha256) {
                     return refused(Err(Refused::Conflict("this join token exists already".into())));
                 }
-                self.registry.join_tokens.insert(sha256.clone(), token.clone());
+                self.registry.access.join_tokens.insert(sha256.clone(), token.clone());
                 CommandResponse::default()
             }
             Command::RevokeToken { sha256 } => refused(self.registry.revoke_token(sha256)),
             Command::CreateAdminToken { sha256, token } => {
-                if self.registry.admin_tokens.contains_key(sha256) {
+                if self.registry.access.admin_tokens.contains_key(sha256) {
                     return refused(Err(Refused::Conflict("this admin token exists already".into())));
                 }
-                self.registry.admin_tokens.insert(sha256.clone(), token.clone());
+                self.registry.access.admin_tokens.insert(sha256.clone(), token.clone());
                 CommandResponse::default()
             }
             Command::RevokeCertificate { serial, cert } => {
                 self.registry
+                    .access
                     .revoked_certs
                     .insert(crate::registry::revocation_key(serial, &cert.identity), cert.clone());
                 CommandResponse::default()
@@ -322,11 +323,18 @@ impl AppState {
         // The product it was placed for, or, for a static replica, that of the GPU it runs on.
         let product = node.as_ref().and_then(|n| {
             let replica = replica.as_ref()?;
-            let placed = self.registry.desired.get(n).into_iter().flatten();
+            let placed = self.registry.placement.desired.get(n).into_iter().flatten();
             if let Some(d) = placed.into_iter().find(|d| &d.id == replica) {
                 return Some(d.product.clone());
             }
-            let device = &self.registry.replicas.get(n)?.iter().find(|r| &r.id == replica)?.device;
+            let device = &self
+                .registry
+                .placement
+                .replicas
+                .get(n)?
+                .iter()
+                .find(|r| &r.id == replica)?
+                .device;
             let gpus = &self.fleet.nodes.get(n)?.registration.gpus;
             gpus.iter().find(|g| &g.uuid == device).map(|g| g.product.clone())
         });
@@ -371,17 +379,17 @@ impl AppState {
             "class" => r.classes.get(name).map(json),
             "model" => r.models.get(name).map(json),
             "tenant" => r.tenants.get(name).map(json),
-            "replicas" => r.replicas.get(name).map(json),
-            "desired" => r.desired.get(name).map(json),
-            "mig" => r.mig.get(name).map(json),
-            "pool" => r.pool_taints.get(name).map(json),
-            "noderequest" => r.node_requests.get(name).map(json),
-            "capacity" => r.capacity_marks.get(name).map(json),
-            "migplan" => r.mig_plan.as_ref().map(json),
-            "jointoken" => r.join_tokens.get(name).map(json),
-            "joined" => r.joined.get(name).map(json),
-            "admintoken" => r.admin_tokens.get(name).map(json),
-            "revokedcert" => r.revoked_certs.get(name).map(json),
+            "replicas" => r.placement.replicas.get(name).map(json),
+            "desired" => r.placement.desired.get(name).map(json),
+            "mig" => r.placement.mig.get(name).map(json),
+            "pool" => r.placement.pool_taints.get(name).map(json),
+            "noderequest" => r.capacity.node_requests.get(name).map(json),
+            "capacity" => r.capacity.capacity_marks.get(name).map(json),
+            "migplan" => r.capacity.mig_plan.as_ref().map(json),
+            "jointoken" => r.access.join_tokens.get(name).map(json),
+            "joined" => r.access.joined.get(name).map(json),
+            "admintoken" => r.access.admin_tokens.get(name).map(json),
+            "revokedcert" => r.access.revoked_certs.get(name).map(json),
             "serving" => r.serving.get(name).map(json),
             "rollout" => r.rollouts.get(name).map(json),
             _ => None,
@@ -407,46 +415,56 @@ impl AppState {
                 .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
                 .map(|_| ()),
             "replicas" => r
+                .placement
                 .replicas
                 .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
                 .map(|_| ()),
             "desired" => r
+                .placement
                 .desired
                 .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
                 .map(|_| ()),
             "mig" => r
+                .placement
                 .mig
                 .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
                 .map(|_| ()),
             "pool" => r
+                .placement
                 .pool_taints
                 .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
                 .map(|_| ()),
             "noderequest" => r
+                .capacity
                 .node_requests
                 .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
                 .map(|_| ()),
             "capacity" => r
+                .capacity
                 .capacity_marks
                 .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
                 .map(|_| ()),
             "migplan" => {
-                r.mig_plan = Some(serde_json::from_slice(bytes).map_err(e)?);
+                r.capacity.mig_plan = Some(serde_json::from_slice(bytes).map_err(e)?);
                 None
             }
             "jointoken" => r
+                .access
                 .join_tokens
                 .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
                 .map(|_| ()),
             "joined" => r
+                .access
                 .joined
                 .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
                 .map(|_| ()),
             "admintoken" => r
+                .access
                 .admin_tokens
                 .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
                 .map(|_| ()),
             "revokedcert" => r
+                .access
                 .revoked_certs
                 .insert(name.into(), serde_json::from_slice(bytes).map_err(e)?)
                 .map(|_| ()),
@@ -472,17 +490,17 @@ impl AppState {
             .map(|k| format!("class/{k}"))
             .chain(r.models.keys().map(|k| format!("model/{k}")))
             .chain(r.tenants.keys().map(|k| format!("tenant/{k}")))
-            .chain(r.replicas.keys().map(|k| format!("replicas/{k}")))
-            .chain(r.desired.keys().map(|k| format!("desired/{k}")))
-            .chain(r.mig.keys().map(|k| format!("mig/{k}")))
-            .chain(r.pool_taints.keys().map(|k| format!("pool/{k}")))
-            .chain(r.node_requests.keys().map(|k| format!("noderequest/{k}")))
-            .chain(r.capacity_marks.keys().map(|k| format!("capacity/{k}")))
-            .chain(r.mig_plan.iter().map(|_| "migplan/latest".to_string()))
-            .chain(r.join_tokens.keys().map(|k| format!("jointoken/{k}")))
-            .chain(r.joined.keys().map(|k| format!("joined/{k}")))
-            .chain(r.admin_tokens.keys().map(|k| format!("admintoken/{k}")))
-            .chain(r.revoked_certs.keys().map(|k| format!("revokedcert/{k}")))
+            .chain(r.placement.replicas.keys().map(|k| format!("replicas/{k}")))
+            .chain(r.placement.desired.keys().map(|k| format!("desired/{k}")))
+            .chain(r.placement.mig.keys().map(|k| format!("mig/{k}")))
+            .chain(r.placement.pool_taints.keys().map(|k| format!("pool/{k}")))
+            .chain(r.capacity.node_requests.keys().map(|k| format!("noderequest/{k}")))
+            .chain(r.capacity.capacity_marks.keys().map(|k| format!("capacity/{k}")))
+            .chain(r.capacity.mig_plan.iter().map(|_| "migplan/latest".to_string()))
+            .chain(r.access.join_tokens.keys().map(|k| format!("jointoken/{k}")))
+            .chain(r.access.joined.keys().map(|k| format!("joined/{k}")))
+            .chain(r.access.admin_tokens.keys().map(|k| format!("admintoken/{k}")))
+            .chain(r.access.revoked_certs.keys().map(|k| format!("revokedcert/{k}")))
             .chain(r.serving.keys().map(|k| format!("serving/{k}")))
             .chain(r.rollouts.keys().map(|k| format!("rollout/{k}")));
         keys.filter_map(|k| self.registry_value(&k).map(|v| (k, v))).collect()

@@ -258,7 +258,7 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &Table) -> Table {
         .collect();
     let mut by_model: HashMap<&str, Vec<Arc<ReplicaSlot>>> = HashMap::new();
     let mut unroutable = Vec::new();
-    for (node_id, replicas) in &registry.replicas {
+    for (node_id, replicas) in &registry.placement.replicas {
         let Some(node) = fleet.nodes.get(node_id) else { continue };
         if node.liveness != Liveness::Up {
             continue;
@@ -266,7 +266,7 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &Table) -> Table {
         // What an agent reports is routed only as far as the controllers placed it there (the
         // same id and model), or as a static replica of a node an operator vouched for: a
         // compromised agent cannot take another model's traffic.
-        let placed = registry.desired.get(node_id);
+        let placed = registry.placement.desired.get(node_id);
         let vouched = |r: &&laneway_core::registry::ReplicaRecord| {
             node.static_replicas || placed.is_some_and(|d| d.iter().any(|p| p.id == r.id && p.model == r.model))
         };

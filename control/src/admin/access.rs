@@ -54,9 +54,10 @@ pub(super) async fn revoke_token(
         .audited("revoke_token", super::audit::Caller::of(&req), async move {
             let id = req.into_inner().id;
             let matching: Vec<String> = admin.sm.with_registry(|r| {
-                r.join_tokens
+                r.access
+                    .join_tokens
                     .keys()
-                    .chain(r.admin_tokens.keys())
+                    .chain(r.access.admin_tokens.keys())
                     .filter(|sha| id.len() >= 6 && sha.starts_with(&id))
                     .cloned()
                     .collect()

@@ -67,7 +67,7 @@ pub(super) async fn plan_mig(
             .into());
             }
             let plan = crate::scheduler::mig_plan::MigPlan {
-                version: registry.mig_plan.as_ref().map_or(1, |p| p.version + 1),
+                version: registry.capacity.mig_plan.as_ref().map_or(1, |p| p.version + 1),
                 created_ms: crate::jobs::unix_ms(),
                 gpus,
                 notes,
@@ -88,7 +88,7 @@ pub(super) async fn show_mig_plan(
 ) -> Result<Response<DocumentsReply>, Status> {
     admin.linearizable_barrier().await?;
     Ok(Response::new(DocumentsReply {
-        json: admin.sm.registry().mig_plan.iter().map(to_json).collect(),
+        json: admin.sm.registry().capacity.mig_plan.iter().map(to_json).collect(),
         applied_index: admin.sm.applied_index(),
     }))
 }
@@ -101,7 +101,7 @@ pub(super) async fn apply_mig_plan(
         let version = req.into_inner().version;
         admin.linearizable_barrier().await?;
         let (fleet, registry) = (admin.sm.fleet(), admin.sm.registry());
-        let Some(plan) = registry.mig_plan.clone() else {
+        let Some(plan) = registry.capacity.mig_plan.clone() else {
             return Err(AdminError::FailedPrecondition(
                 "no MIG plan yet: run `lanectl mig plan` and review it".into(),
             )
@@ -131,7 +131,7 @@ pub(super) async fn apply_mig_plan(
                 .into());
             }
             let now = registry
-                .mig
+                .placement.mig
                 .get(&g.node)
                 .and_then(|m| m.get(&g.gpu))
                 .cloned()
@@ -183,7 +183,7 @@ pub(super) async fn list_nodes(
     _req: Request<ListNodesRequest>,
 ) -> Result<Response<ListNodesReply>, Status> {
     let fleet = admin.sm.fleet();
-    let layouts = admin.sm.registry().mig;
+    let layouts = admin.sm.registry().placement.mig;
     let leader = admin.raft.metrics().borrow().current_leader == Some(admin.node_id);
     let suspects = if leader {
         admin.heartbeats.suspects()

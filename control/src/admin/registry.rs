@@ -157,13 +157,13 @@ pub(super) async fn list_registry(
             .map(|t| to_json(&serde_json::json!({"name": t.name, "limits": t.limits})))
             .collect(),
         "pools" => r
-            .pool_taints
+            .placement.pool_taints
             .iter()
             .map(|(pool, taints)| to_json(&serde_json::json!({"pool": pool, "taints": taints})))
             .collect(),
-        "node-requests" => r.node_requests.values().map(to_json).collect(),
+        "node-requests" => r.capacity.node_requests.values().map(to_json).collect(),
         "admin-tokens" => r
-            .admin_tokens
+            .access.admin_tokens
             .iter()
             .map(|(sha, t)| {
                 let mut v = serde_json::to_value(t).expect("admin token serializes");
@@ -172,13 +172,13 @@ pub(super) async fn list_registry(
             })
             .collect(),
         "revoked" => r
-            .revoked_certs
+            .access.revoked_certs
             .iter()
             .map(|(serial, c)| to_json(&serde_json::json!({"serial": serial, "identity": c.identity, "at_ms": c.at_ms})))
             .collect(),
         // The token's hash stays inside: its id is a prefix of the hash.
         "join-tokens" => r
-            .join_tokens
+            .access.join_tokens
             .iter()
             .map(|(sha, t)| {
                 let mut v = serde_json::to_value(t).expect("join token serializes");
@@ -186,9 +186,9 @@ pub(super) async fn list_registry(
                 to_json(&v)
             })
             .collect(),
-        "capacity" => r.capacity_marks.values().map(to_json).collect(),
+        "capacity" => r.capacity.capacity_marks.values().map(to_json).collect(),
         "desired" => r
-            .desired
+            .placement.desired
             .iter()
             .flat_map(|(node, rs)| {
                 rs.iter()
@@ -196,7 +196,7 @@ pub(super) async fn list_registry(
             })
             .collect(),
         "replicas" => r
-            .replicas
+            .placement.replicas
             .iter()
             .flat_map(|(node, rs)| {
                 rs.iter()

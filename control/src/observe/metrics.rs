@@ -201,7 +201,7 @@ fn fleet(root: &mut Registry, ctx: &Context) {
     let jobs = gauge(root, "jobs", "Durable jobs by class and state");
     ctx.sm.with_jobs(|js, _, registry| {
         let mut counts: std::collections::BTreeMap<(String, String), i64> = Default::default();
-        for r in registry.replicas.values().flatten() {
+        for r in registry.placement.replicas.values().flatten() {
             *counts.entry((r.model.clone(), r.state.clone())).or_default() += 1;
         }
         for ((model, state), n) in counts {

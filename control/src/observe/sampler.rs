@@ -51,7 +51,7 @@ pub fn lane_gpu_utilisation(ctx: &Context) -> HashMap<String, f64> {
     }
     let registry = ctx.sm.registry();
     let mut sums: HashMap<String, (f64, u32)> = HashMap::new();
-    for r in registry.replicas.values().flatten() {
+    for r in registry.placement.replicas.values().flatten() {
         let (Some(model), Some(u)) = (registry.models.get(&r.model), util.get(r.device.as_str())) else {
             continue;
         };

@@ -76,7 +76,7 @@ pub fn render(ctx: &Context) -> String {
                 .entry(j.state.to_string())
                 .or_default() += 1;
         }
-        (registry.replicas.clone(), jobs)
+        (registry.placement.replicas.clone(), jobs)
     });
 
     let mut h = String::with_capacity(64 * 1024);

@@ -152,7 +152,7 @@ impl Provisioner {
         let join = Join {
             controllers: controllers(ctx),
         };
-        for r in registry.node_requests.values() {
+        for r in registry.capacity.node_requests.values() {
             if !matches!(r.state, RequestState::Requested | RequestState::Releasing) {
                 continue;
             }
@@ -215,6 +215,7 @@ async fn launch(ctx: &Context, provider: &dyn NodeProvider, r: &NodeRequest, joi
             let still = ctx
                 .sm
                 .registry()
+                .capacity
                 .node_requests
                 .get(&r.id)
                 .is_some_and(|now| now.state == RequestState::Requested);

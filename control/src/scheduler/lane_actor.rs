@@ -114,7 +114,7 @@ fn fast_loop(
         // Every placed replica's batch size, and how many of them are on suspect nodes.
         let mut placed: Vec<u32> = Vec::new();
         let mut on_suspect = 0;
-        for (node, rs) in &registry.desired {
+        for (node, rs) in &registry.placement.desired {
             for r in rs.iter().filter(|r| r.model == m.name) {
                 placed.push(m.profiles.get(&r.product).map_or(1, |p| p.max_batch));
                 on_suspect += usize::from(suspect.contains(node));
@@ -138,6 +138,7 @@ fn fast_loop(
             model_load.kv_cache = e.kv_cache;
         }
         let ready = registry
+            .placement
             .replicas
             .iter()
             .filter(|(node, _)| !suspect.contains(*node))

@@ -159,6 +159,7 @@ pub fn held_targets(
     for m in registry.models.values() {
         // A suspect node's replicas are being replaced: holding them too would place them twice.
         let placed = registry
+            .placement
             .desired
             .iter()
             .filter(|(node, _)| !suspect.contains(*node))
@@ -191,6 +192,7 @@ fn blue_green_targets(registry: &Registry, targets: &mut HashMap<String, usize>)
             continue;
         }
         let serving = registry
+            .placement
             .desired
             .values()
             .flatten()
@@ -214,6 +216,7 @@ fn settled_slices(ctx: &Context, registry: &Registry) -> HashMap<String, Vec<rep
                 .filter(|g| !g.mig_devices.is_empty())
                 .filter(|g| {
                     let mut wanted = registry
+                        .placement
                         .mig
                         .get(&node)
                         .and_then(|m| m.get(&g.uuid))

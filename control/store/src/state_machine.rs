@@ -451,6 +451,7 @@ impl StateMachineStore {
         self.read()
             .state
             .registry
+            .placement
             .replicas
             .get(node_id)
             .cloned()

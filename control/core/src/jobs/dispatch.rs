@@ -35,7 +35,7 @@ fn free_slots(
         }
     }
     let mut slots: HashMap<String, Vec<Slot>> = HashMap::new();
-    for (node_id, replicas) in &registry.replicas {
+    for (node_id, replicas) in &registry.placement.replicas {
         let Some(node) = fleet.nodes.get(node_id) else { continue };
         if node.liveness != Liveness::Up || node.draining || suspect.contains(node_id) {
             continue;
@@ -52,6 +52,7 @@ fn free_slots(
                 continue;
             }
             let product = registry
+                .placement
                 .desired
                 .get(node_id)
                 .and_then(|d| d.iter().find(|d| d.id == r.id))

@@ -493,7 +493,7 @@ fn durable_fleet(nodes: usize) -> AppState {
                 replica_host: String::new(),
             })
             .unwrap();
-        s.registry.replicas.insert(
+        s.registry.placement.replicas.insert(
             node.clone(),
             vec![ReplicaRecord {
                 id: format!("video-{n}"),
@@ -574,10 +574,10 @@ fn dispatch_skips_down_draining_and_suspect_nodes_and_unready_replicas() {
     let mut s = durable_fleet(3);
     s.fleet.set_liveness("n0", crate::fleet::Liveness::Down).unwrap();
     s.fleet.set_flags("n1", None, Some(true)).unwrap();
-    s.registry.replicas.get_mut("n2").unwrap()[0].state = "starting".into();
+    s.registry.placement.replicas.get_mut("n2").unwrap()[0].state = "starting".into();
     s.apply(&Command::SubmitJob(sub("a", "t", None, "1")), 1);
     assert!(dispatch(&s.fleet, &s.registry, &s.jobs, &HashSet::new()).is_empty());
-    s.registry.replicas.get_mut("n2").unwrap()[0].state = "ready".into();
+    s.registry.placement.replicas.get_mut("n2").unwrap()[0].state = "ready".into();
     // A node whose heartbeat stream dropped (suspect) gets nothing new either.
     let n2 = HashSet::from(["n2".to_string()]);
     assert!(dispatch(&s.fleet, &s.registry, &s.jobs, &n2).is_empty());

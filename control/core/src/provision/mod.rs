@@ -363,7 +363,7 @@ fn free_static_host<'h>(
     hosts.iter().find(|h| {
         h.pool == pool
             && !taken.contains(&h.node_id)
-            && !i.registry.node_requests.contains_key(&h.node_id)
+            && !i.registry.capacity.node_requests.contains_key(&h.node_id)
             && i.fleet
                 .nodes
                 .get(&h.node_id)
@@ -377,7 +377,7 @@ pub fn plan(i: &PlanInputs, new_id: &mut dyn FnMut(&PoolSpec) -> String) -> Prov
     let mut out = ProvisionPlan::default();
     let cfg = i.config;
     let now = i.now_ms;
-    let mut marks: Marks = i.registry.capacity_marks.clone();
+    let mut marks: Marks = i.registry.capacity.capacity_marks.clone();
     let mut mark = |pool: &PoolSpec, why: String| {
         let m = CapacityMark {
             product: pool.product.clone(),
@@ -394,7 +394,7 @@ pub fn plan(i: &PlanInputs, new_id: &mut dyn FnMut(&PoolSpec) -> String) -> Prov
 
     // The requests already made: joined, late, idle or lost.
     let mut pending: Vec<&NodeRequest> = Vec::new();
-    for r in i.registry.node_requests.values() {
+    for r in i.registry.capacity.node_requests.values() {
         let node = i.fleet.nodes.get(&r.id);
         let up = node.is_some_and(|n| n.liveness == Liveness::Up);
         let Some(pool) = cfg.pool(&r.pool) else {
@@ -446,7 +446,7 @@ pub fn plan(i: &PlanInputs, new_id: &mut dyn FnMut(&PoolSpec) -> String) -> Prov
                 out.commands.push(r.releasing());
             }
             RequestState::Joined => {
-                let busy = i.registry.desired.get(&r.id).is_some_and(|d| !d.is_empty());
+                let busy = i.registry.placement.desired.get(&r.id).is_some_and(|d| !d.is_empty());
                 let draining = node.is_some_and(|n| n.draining);
                 // Fixed hosts are not given back: there is nothing to give them back to.
                 let fixed = matches!(cfg.provider, ProviderConfig::Static { .. });
@@ -492,7 +492,7 @@ pub fn plan(i: &PlanInputs, new_id: &mut dyn FnMut(&PoolSpec) -> String) -> Prov
     }
 
     // Expired capacity marks go, so launches there are tried again.
-    for (key, m) in &i.registry.capacity_marks {
+    for (key, m) in &i.registry.capacity.capacity_marks {
         if m.until_ms <= now && marks.get(key).is_some_and(|now_m| now_m.until_ms <= now) {
             marks.remove(key);
             out.commands.push(Command::SetCapacityMark {
@@ -653,6 +653,7 @@ fn refuse_lane(i: &PlanInputs, m: &Model, pool: &PoolSpec) -> Option<String> {
     let tolerated = class.map(|c| c.tolerations.as_slice()).unwrap_or_default();
     if let Some(t) = i
         .registry
+        .placement
         .pool_taints
         .get(&pool.name)
         .into_iter()

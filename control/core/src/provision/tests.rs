@@ -131,17 +131,17 @@ fn apply(reg: &mut Registry, p: &ProvisionPlan) {
     for c in &p.commands {
         match c {
             Command::PutNodeRequest(r) => {
-                reg.node_requests.insert(r.id.clone(), r.clone());
+                reg.capacity.node_requests.insert(r.id.clone(), r.clone());
             }
             Command::RemoveNodeRequest { id } => {
-                reg.node_requests.remove(id);
+                reg.capacity.node_requests.remove(id);
             }
             Command::SetCapacityMark { key, mark } => match mark {
                 Some(m) => {
-                    reg.capacity_marks.insert(key.clone(), m.clone());
+                    reg.capacity.capacity_marks.insert(key.clone(), m.clone());
                 }
                 None => {
-                    reg.capacity_marks.remove(key);
+                    reg.capacity.capacity_marks.remove(key);
                 }
             },
             _ => {}
@@ -247,11 +247,11 @@ fn a_launch_that_never_joins_marks_the_capacity_and_the_fallback_is_used_visibly
         "{p:?}"
     );
     apply(&mut reg, &p);
-    let mark = &reg.capacity_marks["H100-80GB@us-east-1"];
+    let mark = &reg.capacity.capacity_marks["H100-80GB@us-east-1"];
     assert_eq!(mark.until_ms, 5 * MIN + 600_000);
     assert!(mark.why.contains("did not join within 300 s"), "{mark:?}");
     // Both H100 regions out: the A100 fallback (a product the model also lists).
-    reg.capacity_marks.insert(
+    reg.capacity.capacity_marks.insert(
         "H100-80GB@us-west-2".into(),
         CapacityMark {
             product: "H100-80GB".into(),
@@ -260,7 +260,7 @@ fn a_launch_that_never_joins_marks_the_capacity_and_the_fallback_is_used_visibly
             why: "test".into(),
         },
     );
-    reg.node_requests.clear();
+    reg.capacity.node_requests.clear();
     let p = pass(&cfg, &fleet, &reg, &[unplaced("wan", 1)], 6 * MIN);
     assert_eq!(requests(&p)[0].product, "A100-80GB", "{p:?}");
     // whisper does not list A100: with its L4 pool full and H100 out, it waits, saying why.
@@ -291,7 +291,7 @@ fn a_node_that_joins_is_kept_while_busy_and_given_back_when_idle() {
     join(&mut fleet, &r);
     let p = pass(&cfg, &fleet, &reg, &[], 30_000);
     apply(&mut reg, &p);
-    assert_eq!(reg.node_requests[&r.id].state, RequestState::Joined);
+    assert_eq!(reg.capacity.node_requests[&r.id].state, RequestState::Joined);
     assert!(p
         .events
         .iter()
@@ -308,12 +308,12 @@ fn a_node_that_joins_is_kept_while_busy_and_given_back_when_idle() {
     );
     let p = pass(&cfg, &fleet, &reg, &[], 60_000);
     apply(&mut reg, &p);
-    assert_eq!(reg.node_requests[&r.id].idle_since_ms, None);
+    assert_eq!(reg.capacity.node_requests[&r.id].idle_since_ms, None);
     // Idle from 2 min; given back 10 min later, drained first.
     reg.set_desired(&r.id, &[]);
     let p = pass(&cfg, &fleet, &reg, &[], 2 * MIN);
     apply(&mut reg, &p);
-    assert_eq!(reg.node_requests[&r.id].idle_since_ms, Some(2 * MIN));
+    assert_eq!(reg.capacity.node_requests[&r.id].idle_since_ms, Some(2 * MIN));
     let p = pass(&cfg, &fleet, &reg, &[], 11 * MIN);
     assert!(
         !p.commands.iter().any(|c| matches!(c, Command::SetNodeFlags { .. })),
@@ -326,7 +326,7 @@ fn a_node_that_joins_is_kept_while_busy_and_given_back_when_idle() {
         draining: Some(true)
     }));
     apply(&mut reg, &p);
-    assert_eq!(reg.node_requests[&r.id].state, RequestState::Releasing);
+    assert_eq!(reg.capacity.node_requests[&r.id].state, RequestState::Releasing);
 }
 
 #[test]
@@ -349,7 +349,7 @@ fn static_hosts_are_named_from_the_list_and_never_given_back() {
     let ids: Vec<String> = requests(&p).into_iter().map(|r| r.id).collect();
     assert_eq!(ids, ["rack1-l4", "rack2-l4"], "only the listed hosts: {p:?}");
     apply(&mut reg, &p);
-    join(&mut fleet, &reg.node_requests["rack1-l4"].clone());
+    join(&mut fleet, &reg.capacity.node_requests["rack1-l4"].clone());
     let p = pass(&cfg, &fleet, &reg, &[], 1000);
     apply(&mut reg, &p);
     let p = pass(&cfg, &fleet, &reg, &[], 2000);

@@ -72,12 +72,31 @@ pub struct JoinToken {
 /// same key (the host's first answer was lost).
 pub const JOIN_RETRY_MS: u64 = 10 * 60_000;
 
+/// Who may join the cluster and call its API, besides the cluster CA's certificates.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Access {
+    /// Join tokens by the sha256 (hex) of the token (the token itself is never stored); their
+    /// id is its first 12 characters. Kept after use, as a record of who joined with what.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub join_tokens: BTreeMap<String, JoinToken>,
+    /// Node ids that joined with a token, and when (ms): they can never join again.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub joined: BTreeMap<String, u64>,
+    /// Bearer tokens of the admin API, by the sha256 (hex) of the token.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub admin_tokens: BTreeMap<String, AdminToken>,
+    /// Certificates refused from now on, by serial (hex).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub revoked_certs: BTreeMap<String, RevokedCert>,
+}
+
 impl Registry {
     /// The role and name an admin token (by its sha256) stands for at `now_ms`, or why it is
     /// refused.
     pub fn admin_token(&self, sha256: &str, now_ms: u64) -> Result<(&str, &str), String> {
         let id = token_id(sha256);
         let t = self
+            .access
             .admin_tokens
             .get(sha256)
             .ok_or("the bearer token is not known to this cluster; make one with `lanectl token create --role`")?;
@@ -94,8 +113,9 @@ impl Registry {
     /// revoked: by serial, or as a certificate of that identity issued before a revocation of
     /// the identity or of any of its certificates (a renewal made with a stolen key included).
     pub fn cert_revoked(&self, serial: &str, identity: &str, from_ms: u64) -> bool {
-        self.revoked_certs.contains_key(serial)
+        self.access.revoked_certs.contains_key(serial)
             || self
+                .access
                 .revoked_certs
                 .values()
                 .any(|c| c.identity == identity && from_ms <= c.at_ms)
@@ -103,9 +123,9 @@ impl Registry {
 
     /// Marks the join or admin token with this sha256 revoked.
     pub fn revoke_token(&mut self, sha256: &str) -> Result<(), Refused> {
-        if let Some(t) = self.join_tokens.get_mut(sha256) {
+        if let Some(t) = self.access.join_tokens.get_mut(sha256) {
             t.revoked = true;
-        } else if let Some(t) = self.admin_tokens.get_mut(sha256) {
+        } else if let Some(t) = self.access.admin_tokens.get_mut(sha256) {
             t.revoked = true;
         } else {
             return Err(Refused::NotFound(
@@ -133,7 +153,7 @@ impl Registry {
         registered: bool,
     ) -> Result<(), Refused> {
         let id = token_id(sha256);
-        let Some(t) = self.join_tokens.get(sha256) else {
+        let Some(t) = self.access.join_tokens.get(sha256) else {
             return Err(Refused::NotFound(
                 "the join token is not known to this cluster; create one with `lanectl token create`".into(),
             ));
@@ -170,7 +190,7 @@ impl Registry {
         match &t.node_id {
             Some(only) if only != node_id => Err(Refused::Conflict(format!("join token {id} is for node {only}, not {node_id}"))),
             Some(_) => Ok(()),
-            None if registered || self.joined.contains_key(node_id) => Err(Refused::Conflict(format!(
+            None if registered || self.access.joined.contains_key(node_id) => Err(Refused::Conflict(format!(
                 "node id {node_id} is already in this cluster and node ids are never reused: give this host a new node id (to re-key the same host, an admin makes a token bound to it: `lanectl token create --node {node_id}`)"
             ))),
             None => Ok(()),
@@ -187,12 +207,12 @@ impl Registry {
         registered: bool,
     ) -> Result<(), Refused> {
         self.check_join_token(sha256, node_id, key_sha256, at_ms, registered)?;
-        if let Some(t) = self.join_tokens.get_mut(sha256).filter(|t| t.used_by.is_none()) {
+        if let Some(t) = self.access.join_tokens.get_mut(sha256).filter(|t| t.used_by.is_none()) {
             t.used_by = Some(node_id.to_string());
             t.used_key = Some(key_sha256.to_string());
             t.used_ms = Some(at_ms);
         }
-        self.joined.insert(node_id.to_string(), at_ms);
+        self.access.joined.insert(node_id.to_string(), at_ms);
         Ok(())
     }
 }

@@ -31,46 +31,23 @@ pub const MAX_NAME: usize = 63;
 /// Most models, classes or tenants of each kind.
 pub const MAX_ENTRIES: usize = 10_000;
 
-/// The registry part of the replicated state.
+/// The registry part of the replicated state: classes, models and tenants, and by area what
+/// placement, capacity and access keep. The areas are flattened, so the snapshot's JSON is one
+/// object as it was before they were split out (the golden test holds it byte for byte).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Registry {
     pub classes: BTreeMap<String, Class>,
     pub models: BTreeMap<String, Model>,
     pub tenants: BTreeMap<String, Tenant>,
-    /// Node id → its replicas as observed (from heartbeats).
-    pub replicas: BTreeMap<String, Vec<ReplicaRecord>>,
-    /// Node id → the replicas placed there (intent).
-    #[serde(default)]
-    pub desired: BTreeMap<String, Vec<DesiredReplica>>,
-    /// Pool → its taints: only lanes that tolerate all of them place replicas there.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub pool_taints: BTreeMap<String, Vec<String>>,
-    /// Node id → GPU UUID → its MIG layout (mig-parted profile names; empty = the whole card,
-    /// MIG off). A GPU without an entry is left as it is.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub mig: BTreeMap<String, BTreeMap<String, Vec<String>>>,
-    /// Nodes the slow loop asked for, by request id (= the node id), until given back.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub node_requests: BTreeMap<String, crate::capacity::NodeRequest>,
-    /// `product@region` → a recent capacity failure there (launches wait until it expires).
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub capacity_marks: BTreeMap<String, crate::capacity::CapacityMark>,
-    /// The latest MIG capacity plan (`lanectl mig plan`), applied or not.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mig_plan: Option<crate::capacity::MigPlan>,
-    /// Join tokens by the sha256 (hex) of the token (the token itself is never stored); their
-    /// id is its first 12 characters. Kept after use, as a record of who joined with what.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub join_tokens: BTreeMap<String, JoinToken>,
-    /// Node ids that joined with a token, and when (ms): they can never join again.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub joined: BTreeMap<String, u64>,
-    /// Bearer tokens of the admin API, by the sha256 (hex) of the token.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub admin_tokens: BTreeMap<String, AdminToken>,
-    /// Certificates refused from now on, by serial (hex).
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub revoked_certs: BTreeMap<String, RevokedCert>,
+    /// Where replicas run: placed (intent) and reported (observed), pools' taints, MIG layouts.
+    #[serde(flatten)]
+    pub placement: Placement,
+    /// What the slow loop and the MIG planner asked for.
+    #[serde(flatten)]
+    pub capacity: crate::capacity::CapacityState,
+    /// Who may join and call: join tokens, admin tokens, revoked certificates.
+    #[serde(flatten)]
+    pub access: Access,
     /// Public model name → the entry serving it, once a rollout promoted a later version
     /// (absent: the entry of the same name).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -359,7 +336,7 @@ impl Registry {
         at_ms: u64,
         message: &str,
     ) -> Result<(), Refused> {
-        let replicas = &self.replicas;
+        let replicas = &self.placement.replicas;
         let Some(r) = self.rollouts.get_mut(model) else {
             return Err(Refused::NotFound(format!(
                 "{model} has no rollout; `lanectl rollout start` starts one"

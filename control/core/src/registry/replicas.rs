@@ -74,10 +74,29 @@ pub fn ready_replicas(replicas: &BTreeMap<String, Vec<ReplicaRecord>>, entry: &s
         .count()
 }
 
+/// Where replicas run, per node: what the leader placed (intent) and what the agents report
+/// (observed), with the pools' taints and the GPUs' MIG layouts placement reads.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placement {
+    /// Node id → its replicas as observed (from heartbeats).
+    pub replicas: BTreeMap<String, Vec<ReplicaRecord>>,
+    /// Node id → the replicas placed there (intent).
+    #[serde(default)]
+    pub desired: BTreeMap<String, Vec<DesiredReplica>>,
+    /// Pool → its taints: only lanes that tolerate all of them place replicas there.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub pool_taints: BTreeMap<String, Vec<String>>,
+    /// Node id → GPU UUID → its MIG layout (mig-parted profile names; empty = the whole card,
+    /// MIG off). A GPU without an entry is left as it is.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub mig: BTreeMap<String, BTreeMap<String, Vec<String>>>,
+}
+
 impl Registry {
     /// Whether a GPU is (to be) split into MIG slices: whole-card replicas do not go there.
     pub fn mig_split(&self, node_id: &str, gpu: &str) -> bool {
-        self.mig
+        self.placement
+            .mig
             .get(node_id)
             .and_then(|g| g.get(gpu))
             .is_some_and(|profiles| !profiles.is_empty())
@@ -85,7 +104,8 @@ impl Registry {
 
     /// Sets a GPU's MIG layout (validated by the caller).
     pub fn set_mig_layout(&mut self, node_id: &str, gpu: &str, profiles: &[String]) {
-        self.mig
+        self.placement
+            .mig
             .entry(node_id.to_string())
             .or_default()
             .insert(gpu.to_string(), profiles.to_vec());
@@ -94,18 +114,18 @@ impl Registry {
     /// Replaces the replicas placed on a node (an empty list removes them all).
     pub fn set_desired(&mut self, node_id: &str, replicas: &[DesiredReplica]) {
         if replicas.is_empty() {
-            self.desired.remove(node_id);
+            self.placement.desired.remove(node_id);
         } else {
-            self.desired.insert(node_id.to_string(), replicas.to_vec());
+            self.placement.desired.insert(node_id.to_string(), replicas.to_vec());
         }
     }
 
     /// Replaces a node's committed replicas (an empty list forgets them).
     pub fn set_node_replicas(&mut self, node_id: &str, replicas: &[ReplicaRecord]) {
         if replicas.is_empty() {
-            self.replicas.remove(node_id);
+            self.placement.replicas.remove(node_id);
         } else {
-            self.replicas.insert(node_id.to_string(), replicas.to_vec());
+            self.placement.replicas.insert(node_id.to_string(), replicas.to_vec());
         }
     }
 }

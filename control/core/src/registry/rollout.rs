@@ -390,8 +390,9 @@ impl VersionSignals {
 /// The new version's fleet against the serving version's: ready replicas of `r.to`, placed
 /// replicas of `r.from`.
 pub fn fleet_of(registry: &super::Registry, r: &Rollout) -> Fleet {
-    let ready = super::ready_replicas(&registry.replicas, &r.to);
+    let ready = super::ready_replicas(&registry.placement.replicas, &r.to);
     let needed = registry
+        .placement
         .desired
         .values()
         .flatten()

@@ -12,9 +12,9 @@ fn a_join_token_is_one_time_unexpired_unrevoked_and_a_node_id_joins_once() {
         used_ms: None,
         revoked: false,
     };
-    r.join_tokens.insert("a".repeat(64), token(1_000, None));
-    r.join_tokens.insert("b".repeat(64), token(1_000, Some("n2")));
-    r.join_tokens.insert("c".repeat(64), token(5_000, None));
+    r.access.join_tokens.insert("a".repeat(64), token(1_000, None));
+    r.access.join_tokens.insert("b".repeat(64), token(1_000, Some("n2")));
+    r.access.join_tokens.insert("c".repeat(64), token(5_000, None));
     let e = r
         .consume_join_token(&"a".repeat(64), "n1", "k1", 1_000, false)
         .unwrap_err();
@@ -33,7 +33,7 @@ fn a_join_token_is_one_time_unexpired_unrevoked_and_a_node_id_joins_once() {
         e.message().contains("only the same key"),
         "another key never reuses a spent token: {e}"
     );
-    r.join_tokens.get_mut(&"a".repeat(64)).unwrap().expires_ms = 100 * JOIN_RETRY_MS;
+    r.access.join_tokens.get_mut(&"a".repeat(64)).unwrap().expires_ms = 100 * JOIN_RETRY_MS;
     let e = r
         .consume_join_token(&"a".repeat(64), "n1", "k1", 999 + JOIN_RETRY_MS, true)
         .unwrap_err();
@@ -56,7 +56,7 @@ fn a_join_token_is_one_time_unexpired_unrevoked_and_a_node_id_joins_once() {
     );
     // A token an admin bound to n2 re-keys it even though it is registered.
     r.consume_join_token(&"b".repeat(64), "n2", "k1", 10, true).unwrap();
-    r.join_tokens.get_mut(&"c".repeat(64)).unwrap().revoked = true;
+    r.access.join_tokens.get_mut(&"c".repeat(64)).unwrap().revoked = true;
     let e = r
         .consume_join_token(&"c".repeat(64), "n4", "k1", 10, false)
         .unwrap_err();
@@ -66,7 +66,7 @@ fn a_join_token_is_one_time_unexpired_unrevoked_and_a_node_id_joins_once() {
         .unwrap_err()
         .message()
         .contains("not known"));
-    assert_eq!(r.joined.keys().collect::<Vec<_>>(), ["n1", "n2"]);
+    assert_eq!(r.access.joined.keys().collect::<Vec<_>>(), ["n1", "n2"]);
 }
 
 /// An overflow endpoint's key comes only from a variable set for it, and its URL carries

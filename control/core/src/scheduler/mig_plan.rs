@@ -22,7 +22,7 @@ type Demand = BTreeMap<String, Vec<(String, String, u32)>>;
 /// `mig_profiles` (the first is the one planned).
 fn demand(fleet: &Fleet, registry: &Registry) -> Demand {
     let mut placed: HashMap<&str, u32> = HashMap::new();
-    for r in registry.desired.values().flatten() {
+    for r in registry.placement.desired.values().flatten() {
         *placed.entry(r.model.as_str()).or_default() += 1;
     }
     let mig_products: std::collections::BTreeSet<&str> = fleet
@@ -72,6 +72,7 @@ pub fn propose(fleet: &Fleet, registry: &Registry) -> (Vec<PlannedGpu>, Vec<Stri
         .collect();
     let current = |node: &str, gpu: &str| {
         registry
+            .placement
             .mig
             .get(node)
             .and_then(|m| m.get(gpu))
@@ -80,6 +81,7 @@ pub fn propose(fleet: &Fleet, registry: &Registry) -> (Vec<PlannedGpu>, Vec<Stri
     };
     let busy = |node: &str, gpu: &str| {
         registry
+            .placement
             .desired
             .get(node)
             .is_some_and(|rs| rs.iter().any(|r| r.gpu == gpu))

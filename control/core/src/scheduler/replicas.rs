@@ -62,6 +62,7 @@ fn products_by_size(registry: &Registry, model: &Model, card_mb: &HashMap<String
 fn node_taints(registry: &Registry, n: &NodeRecord) -> Vec<String> {
     let spot = Tier::of_labels(&n.registration.labels) == Tier::Spot;
     registry
+        .placement
         .pool_taints
         .get(&n.registration.pool)
         .cloned()
@@ -150,7 +151,7 @@ pub fn plan_observed(
         mut desired,
         mut unplaced,
         short,
-    } = place(fleet, registry, &registry.desired, targets, observed, new_id);
+    } = place(fleet, registry, &registry.placement.desired, targets, observed, new_id);
     // A warm floor or a scale-up that did not fit takes the cards of less protected classes'
     // replicas above their own floors (protect sync first, durable last), then placement runs
     // again. Kept only when it placed more of what was short: never stop a replica for nothing.
@@ -182,10 +183,10 @@ pub fn plan_observed(
     }
 
     let mut commands = Vec::new();
-    let nodes: std::collections::BTreeSet<&String> = desired.keys().chain(registry.desired.keys()).collect();
+    let nodes: std::collections::BTreeSet<&String> = desired.keys().chain(registry.placement.desired.keys()).collect();
     for node in nodes {
         let now = desired.get(node).cloned().unwrap_or_default();
-        let before = registry.desired.get(node).cloned().unwrap_or_default();
+        let before = registry.placement.desired.get(node).cloned().unwrap_or_default();
         if now != before {
             commands.push(Command::SetDesiredReplicas {
                 node_id: node.clone(),

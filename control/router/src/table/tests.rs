@@ -39,10 +39,10 @@ fn only_placed_or_vouched_replicas_route() {
         gpu: "GPU-1".into(),
         product: "L4".into(),
     };
-    reg.desired.insert("n1".into(), vec![placed("other")]);
+    reg.placement.desired.insert("n1".into(), vec![placed("other")]);
     let t = build(&fleet, &reg, &Table::default());
     assert!(t.models["whisper"].replicas.is_empty(), "placed for another model");
-    reg.desired.insert("n1".into(), vec![placed("whisper")]);
+    reg.placement.desired.insert("n1".into(), vec![placed("whisper")]);
     let t = build(&fleet, &reg, &Table::default());
     assert_eq!(t.models["whisper"].replicas.len(), 1, "placed by the scheduler");
 }

@@ -96,7 +96,7 @@ fn floors_are_placed_spread_and_on_the_smallest_card_first() {
     let mut r = registry(3);
     let p = plan(&f, &r, &HashMap::new(), &mut ids());
     apply(&mut r, &p);
-    let on = |n: &str| r.desired.get(n).map_or(0, Vec::len);
+    let on = |n: &str| r.placement.desired.get(n).map_or(0, Vec::len);
     assert_eq!(
         (on("a"), on("b"), on("h")),
         (2, 1, 0),
@@ -117,7 +117,7 @@ fn a_lane_without_time_slicing_gets_a_card_per_replica() {
     r.put_class(&c).unwrap();
     let p = plan(&f, &r, &HashMap::new(), &mut ids());
     apply(&mut r, &p);
-    let mut gpus: Vec<&str> = r.desired.values().flatten().map(|d| d.gpu.as_str()).collect();
+    let mut gpus: Vec<&str> = r.placement.desired.values().flatten().map(|d| d.gpu.as_str()).collect();
     gpus.sort();
     assert_eq!(
         gpus,
@@ -130,7 +130,7 @@ fn a_lane_without_time_slicing_gets_a_card_per_replica() {
     r.put_class(&c).unwrap();
     let p = plan(&f, &r, &HashMap::new(), &mut ids());
     apply(&mut r, &p);
-    assert_eq!(r.desired["a"].len(), 3, "{:?}", r.desired);
+    assert_eq!(r.placement.desired["a"].len(), 3, "{:?}", r.placement.desired);
     assert!(p.unplaced.is_empty());
 }
 
@@ -151,7 +151,7 @@ fn models_with_mig_profiles_take_free_settled_slices_before_whole_cards() {
     let slices: HashMap<String, Vec<Slice>> = [("h".to_string(), vec![slice(0), slice(1)])].into();
     let p = plan_observed(&f, &r, &HashMap::new(), &sliced(&slices), &mut ids());
     apply(&mut r, &p);
-    let mut on: Vec<String> = r.desired["h"].iter().map(|d| d.gpu.clone()).collect();
+    let mut on: Vec<String> = r.placement.desired["h"].iter().map(|d| d.gpu.clone()).collect();
     on.sort();
     assert_eq!(
         on,
@@ -173,7 +173,7 @@ fn models_with_mig_profiles_take_free_settled_slices_before_whole_cards() {
     let fewer: HashMap<String, Vec<Slice>> = [("h".to_string(), vec![slice(0)])].into();
     let p = plan_observed(&f, &r, &HashMap::new(), &sliced(&fewer), &mut ids());
     apply(&mut r, &p);
-    let mut on: Vec<String> = r.desired["h"].iter().map(|d| d.gpu.clone()).collect();
+    let mut on: Vec<String> = r.placement.desired["h"].iter().map(|d| d.gpu.clone()).collect();
     on.sort();
     assert_eq!(on, ["MIG-h-0-0", "h-1", "h-1"], "{p:?}");
 }
@@ -184,17 +184,20 @@ fn a_dead_nodes_replicas_are_placed_elsewhere_and_a_lower_floor_removes_extras()
     let mut r = registry(2);
     let p = plan(&f, &r, &HashMap::new(), &mut ids());
     apply(&mut r, &p);
-    assert_eq!(r.desired["a"].len() + r.desired["b"].len(), 2);
+    assert_eq!(r.placement.desired["a"].len() + r.placement.desired["b"].len(), 2);
     f.set_liveness("a", Liveness::Down).unwrap();
     let p = plan(&f, &r, &HashMap::new(), &mut ids());
     apply(&mut r, &p);
-    assert!(!r.desired.contains_key("a"), "the dead node's placements are dropped");
-    assert_eq!(r.desired["b"].len(), 2, "and placed on the live node");
+    assert!(
+        !r.placement.desired.contains_key("a"),
+        "the dead node's placements are dropped"
+    );
+    assert_eq!(r.placement.desired["b"].len(), 2, "and placed on the live node");
     // The floor drops to 1: one replica goes.
     r.classes.get_mut("speech").unwrap().warm_floor = 1;
     let p = plan(&f, &r, &HashMap::new(), &mut ids());
     apply(&mut r, &p);
-    assert_eq!(r.desired["b"].len(), 1);
+    assert_eq!(r.placement.desired["b"].len(), 1);
 }
 
 #[test]
@@ -205,15 +208,18 @@ fn a_suspect_nodes_replicas_stay_but_are_replaced_elsewhere_at_once() {
     apply(&mut r, &p);
     let (with, without): (Vec<&str>, Vec<&str>) = ["a", "b", "c"]
         .into_iter()
-        .partition(|n| r.desired.get(*n).is_some_and(|d| !d.is_empty()));
-    assert_eq!(with.len(), 2, "spread over two nodes: {:?}", r.desired);
+        .partition(|n| r.placement.desired.get(*n).is_some_and(|d| !d.is_empty()));
+    assert_eq!(with.len(), 2, "spread over two nodes: {:?}", r.placement.desired);
     let (lost, free) = (with[0], without[0]);
-    let before = r.desired[lost].clone();
+    let before = r.placement.desired[lost].clone();
 
     // The node's stream dropped: what it runs stays placed, a replacement goes elsewhere.
     let p = plan_observed(&f, &r, &HashMap::new(), &suspect(&[lost]), &mut ids());
     apply(&mut r, &p);
-    assert_eq!(r.desired[lost], before, "nothing is taken from a suspect node");
+    assert_eq!(
+        r.placement.desired[lost], before,
+        "nothing is taken from a suspect node"
+    );
     let elsewhere: usize = ["a", "b", "c"]
         .iter()
         .filter(|n| **n != lost)
@@ -222,7 +228,7 @@ fn a_suspect_nodes_replicas_stay_but_are_replaced_elsewhere_at_once() {
     assert_eq!(
         elsewhere, 2,
         "the floor is met without the suspect node: {:?}",
-        r.desired
+        r.placement.desired
     );
     assert_eq!(on(&r, free, "whisper"), 1, "the replacement took the free node");
     assert!(
@@ -235,14 +241,14 @@ fn a_suspect_nodes_replicas_stay_but_are_replaced_elsewhere_at_once() {
     r.classes.get_mut("speech").unwrap().warm_floor = 20;
     let p = plan_observed(&f, &r, &HashMap::new(), &suspect(&[lost]), &mut ids());
     apply(&mut r, &p);
-    assert_eq!(r.desired[lost], before);
+    assert_eq!(r.placement.desired[lost], before);
     r.classes.get_mut("speech").unwrap().warm_floor = 2;
 
     // It comes back: one over the floor, and the surplus is trimmed.
     let p = plan(&f, &r, &HashMap::new(), &mut ids());
     apply(&mut r, &p);
     let total: usize = ["a", "b", "c"].iter().map(|n| on(&r, n, "whisper")).sum();
-    assert_eq!(total, 2, "back to the floor: {:?}", r.desired);
+    assert_eq!(total, 2, "back to the floor: {:?}", r.placement.desired);
 }
 
 fn tiered(nodes: &[(&str, usize, &str)]) -> Fleet {
@@ -273,7 +279,8 @@ fn durable(r: &mut Registry, floor: u32) {
 }
 
 fn on(r: &Registry, node: &str, model: &str) -> usize {
-    r.desired
+    r.placement
+        .desired
         .get(node)
         .map_or(0, |rs| rs.iter().filter(|x| x.model == model).count())
 }
@@ -313,18 +320,23 @@ fn the_floor_goes_to_reserved_cards_the_working_range_to_on_demand_and_spot_for_
     let targets: HashMap<String, usize> = [("whisper".to_string(), 3), ("wan".to_string(), 2)].into();
     let p = plan(&f, &r, &targets, &mut ids());
     apply(&mut r, &p);
-    assert_eq!(on(&r, "r", "whisper"), 1, "the floor on reserved: {:?}", r.desired);
+    assert_eq!(
+        on(&r, "r", "whisper"),
+        1,
+        "the floor on reserved: {:?}",
+        r.placement.desired
+    );
     assert_eq!(
         on(&r, "o", "whisper"),
         2,
         "above the floor on on-demand: {:?}",
-        r.desired
+        r.placement.desired
     );
     assert_eq!(
         on(&r, "s", "wan"),
         2,
         "a durable lane's working range on spot: {:?}",
-        r.desired
+        r.placement.desired
     );
     assert_eq!(on(&r, "s", "whisper"), 0);
 }
@@ -342,8 +354,18 @@ fn scaling_down_gives_back_spot_then_on_demand_and_keeps_reserved() {
         let p = plan(&f, &r, &down, &mut ids());
         apply(&mut r, &p);
     }
-    assert_eq!(on(&r, "o", "whisper") + on(&r, "s", "wan"), 0, "{:?}", r.desired);
-    assert_eq!(on(&r, "r", "whisper") + on(&r, "r", "wan"), 2, "{:?}", r.desired);
+    assert_eq!(
+        on(&r, "o", "whisper") + on(&r, "s", "wan"),
+        0,
+        "{:?}",
+        r.placement.desired
+    );
+    assert_eq!(
+        on(&r, "r", "whisper") + on(&r, "r", "wan"),
+        2,
+        "{:?}",
+        r.placement.desired
+    );
 }
 
 #[test]
@@ -354,7 +376,8 @@ fn a_tainted_pool_takes_only_lanes_that_tolerate_it() {
     reg.pool = "l4-dedicated".into();
     f.register(&reg).unwrap();
     let mut r = registry(3);
-    r.pool_taints
+    r.placement
+        .pool_taints
         .insert("l4-dedicated".into(), vec!["team/research".into()]);
     let p = plan(&f, &r, &HashMap::new(), &mut ids());
     apply(&mut r, &p);
@@ -362,7 +385,7 @@ fn a_tainted_pool_takes_only_lanes_that_tolerate_it() {
         (on(&r, "a", "whisper"), on(&r, "d", "whisper")),
         (2, 0),
         "{:?}",
-        r.desired
+        r.placement.desired
     );
     assert_eq!(
         p.unplaced.len(),
@@ -372,14 +395,19 @@ fn a_tainted_pool_takes_only_lanes_that_tolerate_it() {
     r.classes.get_mut("speech").unwrap().tolerations = vec!["team/research".into()];
     let p = plan(&f, &r, &HashMap::new(), &mut ids());
     apply(&mut r, &p);
-    assert_eq!(on(&r, "a", "whisper") + on(&r, "d", "whisper"), 3, "{:?}", r.desired);
+    assert_eq!(
+        on(&r, "a", "whisper") + on(&r, "d", "whisper"),
+        3,
+        "{:?}",
+        r.placement.desired
+    );
     assert!(on(&r, "d", "whisper") >= 1);
     // The lane stops tolerating it: its replicas there move off (the one that no longer
     // fits anywhere waits).
     r.classes.get_mut("speech").unwrap().tolerations.clear();
     let p = plan(&f, &r, &HashMap::new(), &mut ids());
     apply(&mut r, &p);
-    assert_eq!(on(&r, "d", "whisper"), 0, "{:?}", r.desired);
+    assert_eq!(on(&r, "d", "whisper"), 0, "{:?}", r.placement.desired);
 }
 
 #[test]
@@ -411,8 +439,8 @@ fn a_sync_floor_takes_the_card_of_a_durable_replica_above_its_floor() {
     r.classes.get_mut("speech").unwrap().warm_floor = 1;
     let p = plan(&f, &r, &targets, &mut ids());
     apply(&mut r, &p);
-    assert_eq!(on(&r, "a", "whisper"), 1, "{:?}", r.desired);
-    assert_eq!(on(&r, "a", "wan"), 1, "{:?}", r.desired);
+    assert_eq!(on(&r, "a", "whisper"), 1, "{:?}", r.placement.desired);
+    assert_eq!(on(&r, "a", "wan"), 1, "{:?}", r.placement.desired);
     assert!(
         p.unplaced.iter().any(|u| u.model == "wan"),
         "the durable shortfall is reported"
@@ -437,7 +465,12 @@ fn a_scale_up_takes_the_card_of_a_less_protected_replica_above_its_floor_never_t
     targets.insert("whisper".into(), 2);
     let p = plan(&f, &r, &targets, &mut ids());
     apply(&mut r, &p);
-    assert_eq!((on(&r, "a", "whisper"), on(&r, "a", "wan")), (2, 0), "{:?}", r.desired);
+    assert_eq!(
+        (on(&r, "a", "whisper"), on(&r, "a", "wan")),
+        (2, 0),
+        "{:?}",
+        r.placement.desired
+    );
     assert!(
         p.unplaced.iter().any(|u| u.model == "wan"),
         "the durable shortfall is reported"
@@ -489,9 +522,14 @@ fn a_replica_whose_card_no_short_model_takes_is_not_stopped() {
     apply(&mut r, &p);
     // The sync scale-up takes wan-a's place. Stopping a replica on b-0 would not make room
     // for the 20 GB bounded model, so b-0 keeps both, under their own ids.
-    assert_eq!((on(&r, "a", "whisper"), on(&r, "a", "wan")), (1, 0), "{:?}", r.desired);
-    let b: Vec<&str> = r.desired["b"].iter().map(|x| x.id.as_str()).collect();
-    assert_eq!(b, ["wan-b1", "wan-b2"], "{:?}", r.desired);
+    assert_eq!(
+        (on(&r, "a", "whisper"), on(&r, "a", "wan")),
+        (1, 0),
+        "{:?}",
+        r.placement.desired
+    );
+    let b: Vec<&str> = r.placement.desired["b"].iter().map(|x| x.id.as_str()).collect();
+    assert_eq!(b, ["wan-b1", "wan-b2"], "{:?}", r.placement.desired);
     assert!(p.unplaced.iter().any(|u| u.model == "big"));
 }
 
@@ -542,7 +580,7 @@ fn replicas_crowded_on_one_node_spread_again_when_another_has_room() {
         (on(&r, "a", "whisper"), on(&r, "b", "whisper")),
         (1, 1),
         "{:?}",
-        r.desired
+        r.placement.desired
     );
     // Spread: the next pass changes nothing.
     assert!(plan(&f, &r, &HashMap::new(), &mut ids()).commands.is_empty());
