@@ -43,10 +43,10 @@ pub async fn actors(client: &AdminClient, given: &[String], out: Output, node: O
     match out {
         Output::Json => {
             for d in &docs {
-                println!("{d}");
+                outln!("{d}");
             }
         }
-        Output::Table => print!("{}", table(&docs)),
+        Output::Table => out!("{}", table(&docs)),
     }
     Ok(())
 }

@@ -64,18 +64,22 @@ pub async fn audit(
     match out {
         Output::Json => {
             for e in &entries {
-                println!("{e}");
+                outln!("{e}");
             }
         }
         Output::Table => {
-            println!(
+            outln!(
                 "{:<24} {:>4} {:<21} {:<18} {:<18} TARGET",
-                "AT", "CTRL", "WHO", "CALL", "RESULT"
+                "AT",
+                "CTRL",
+                "WHO",
+                "CALL",
+                "RESULT"
             );
             for e in &entries {
                 let target = e["target"].as_str().unwrap_or("");
                 let target: String = target.chars().take(80).collect();
-                println!(
+                outln!(
                     "{:<24} {:>4} {:<21} {:<18} {:<18} {}{}",
                     e["at"].as_str().unwrap_or(""),
                     e["controller"].to_string(),

@@ -188,7 +188,7 @@ async fn write_result(api: &Api, id: &str, out: Option<PathBuf>) -> anyhow::Resu
             std::fs::write(&p, &bytes).with_context(|| format!("writing {}", p.display()))?;
             eprintln!("result of {id}: {} bytes written to {}", bytes.len(), p.display());
         }
-        None => println!("{}", String::from_utf8_lossy(&bytes)),
+        None => outln!("{}", String::from_utf8_lossy(&bytes)),
     }
     Ok(())
 }

@@ -1,5 +1,17 @@
 //! `lanectl`: the operator CLI of a Laneway cluster (gRPC, follows the leader).
 
+/// `print!` to standard output that ends lanectl quietly when its reader has gone
+/// (`lanectl -o json plan … | head`), as Unix tools that die of SIGPIPE do.
+macro_rules! out {
+    ($($t:tt)*) => { $crate::write_out(format_args!($($t)*), false) };
+}
+
+/// `println!` that ends lanectl quietly when its reader has gone (see [`out!`]).
+macro_rules! outln {
+    () => { $crate::write_out(format_args!(""), true) };
+    ($($t:tt)*) => { $crate::write_out(format_args!($($t)*), true) };
+}
+
 mod actors;
 mod audit;
 mod bootstrap;
@@ -72,6 +84,10 @@ enum Output {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Shell completion for lanectl: `source <(lanectl completion bash)`, or write it where
+    /// your shell loads completions (zsh: a file `_lanectl` on $fpath; fish:
+    /// ~/.config/fish/completions/lanectl.fish).
+    Completion { shell: clap_complete::Shell },
     /// The cluster CA and certificates for controllers, agents and people (offline).
     #[command(subcommand)]
     Certs(certs::CertsCmd),
@@ -242,6 +258,29 @@ fn main() -> ExitCode {
     }
 }
 
+/// Exit status when standard output's reader has gone: a process killed by SIGPIPE (128 + 13),
+/// which is what a shell pipeline with `pipefail` expects of a writer cut short.
+const CLOSED_PIPE_EXIT: i32 = 141;
+
+/// Writes `args` (and a newline) to standard output; a closed pipe ends the process quietly
+/// with [`CLOSED_PIPE_EXIT`], any other write error with a message.
+pub fn write_out(args: std::fmt::Arguments, newline: bool) {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    let written = stdout
+        .write_fmt(args)
+        .and_then(|()| if newline { stdout.write_all(b"\n") } else { Ok(()) })
+        .and_then(|()| stdout.flush());
+    match written {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(CLOSED_PIPE_EXIT),
+        Err(e) => {
+            eprintln!("lanectl: writing to standard output: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
 /// TLS towards the controllers and the bearer token, set once from the flags.
 static TLS: std::sync::OnceLock<(Option<tonic::transport::ClientTlsConfig>, Option<String>)> =
     std::sync::OnceLock::new();
@@ -275,6 +314,17 @@ fn client_tls(cli: &Cli) -> anyhow::Result<Option<tonic::transport::ClientTlsCon
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
+    if let Cmd::Completion { shell } = cli.command {
+        let mut script = Vec::new();
+        clap_complete::generate(
+            shell,
+            &mut <Cli as clap::CommandFactory>::command(),
+            "lanectl",
+            &mut script,
+        );
+        out!("{}", String::from_utf8_lossy(&script));
+        return Ok(());
+    }
     if matches!(&cli.command, Cmd::Certs(c) if !c.needs_cluster()) {
         let Cmd::Certs(cmd) = cli.command else {
             unreachable!("matched above")
@@ -450,8 +500,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 let evs = events(&client, from).await?;
                 for e in &evs {
                     match out {
-                        Output::Json => println!("{e}"),
-                        Output::Table => println!(
+                        Output::Json => outln!("{e}"),
+                        Output::Table => outln!(
                             "{} {:<16} {:<20} {}",
                             laneway_core::ledger::fmt_unix_ms(e["at_ms"].as_u64().unwrap_or(0)),
                             e["kind"].as_str().unwrap_or(""),
@@ -490,6 +540,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             });
         }
         Cmd::Certs(_) => unreachable!("offline certs commands are handled before connecting"),
+        Cmd::Completion { .. } => unreachable!("completion is handled before connecting"),
         Cmd::Ledger { by, since } => ledger::ledger(&client, out, &by, &since).await?,
         Cmd::Model(c) => model::model(&client, out, c).await?,
         Cmd::Rollout(c) => rollout::rollout(&client, out, c).await?,
@@ -544,16 +595,16 @@ fn plan(
     };
     let plan = planner::plan(&scenario, scale)?;
     match out {
-        Output::Json => println!("{}", serde_json::to_string_pretty(&plan)?),
-        Output::Table => print!("{}", planner::report::render(&plan)),
+        Output::Json => outln!("{}", serde_json::to_string_pretty(&plan)?),
+        Output::Table => out!("{}", planner::report::render(&plan)),
     }
     Ok(())
 }
 
 fn print(out: Output, value: serde_json::Value, table: impl FnOnce() -> String) {
     match out {
-        Output::Json => println!("{}", serde_json::to_string_pretty(&value).expect("json")),
-        Output::Table => println!("{}", table()),
+        Output::Json => outln!("{}", serde_json::to_string_pretty(&value).expect("json")),
+        Output::Table => outln!("{}", table()),
     }
 }
 
@@ -620,10 +671,10 @@ async fn status(client: &AdminClient, given: &[String], out: Output) -> anyhow::
                 .collect();
             let v = json!({"cluster": first.cluster, "leader_id": leader, "term": first.term,
                            "retired_node_ids": first.retired_node_ids, "members": members});
-            println!("{}", serde_json::to_string_pretty(&v)?);
+            outln!("{}", serde_json::to_string_pretty(&v)?);
         }
         Output::Table => {
-            println!(
+            outln!(
                 "cluster {:?}  leader {}  term {}",
                 first.cluster,
                 if leader == 0 {
@@ -633,13 +684,21 @@ async fn status(client: &AdminClient, given: &[String], out: Output) -> anyhow::
                 },
                 first.term
             );
-            println!(
+            outln!(
                 "{:>4}  {:<21} {:<8} {:<12} {:>5} {:>9} {:>9} {:>9} {:>9}  STATE HASH",
-                "ID", "ADDR", "ROLE", "STATE", "TERM", "LAST LOG", "COMMITTED", "APPLIED", "SNAPSHOT"
+                "ID",
+                "ADDR",
+                "ROLE",
+                "STATE",
+                "TERM",
+                "LAST LOG",
+                "COMMITTED",
+                "APPLIED",
+                "SNAPSHOT"
             );
             for (m, s) in &rows {
                 match s {
-                    Ok(s) => println!(
+                    Ok(s) => outln!(
                         "{:>4}  {:<21} {:<8} {:<12} {:>5} {:>9} {:>9} {:>9} {:>9}  {}",
                         m.node_id,
                         m.addr,
@@ -652,11 +711,11 @@ async fn status(client: &AdminClient, given: &[String], out: Output) -> anyhow::
                         s.snapshot_index,
                         s.state_hash.get(..12).unwrap_or(&s.state_hash)
                     ),
-                    Err(e) => println!("{:>4}  {:<21} {:<8} unreachable: {e}", m.node_id, m.addr, m.role),
+                    Err(e) => outln!("{:>4}  {:<21} {:<8} unreachable: {e}", m.node_id, m.addr, m.role),
                 }
             }
             if !first.retired_node_ids.is_empty() {
-                println!("retired node ids (never reusable): {:?}", first.retired_node_ids);
+                outln!("retired node ids (never reusable): {:?}", first.retired_node_ids);
             }
         }
     }

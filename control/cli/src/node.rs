@@ -95,12 +95,18 @@ fn print_nodes(out: Output, nodes: &[NodeInfo], detail: bool) {
                 })
             })
             .collect();
-        println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+        outln!("{}", serde_json::to_string_pretty(&v).expect("json"));
         return;
     }
-    println!(
+    outln!(
         "{:<20} {:<10} {:<7} {:<10} {:<28} {:>10} {:>8}",
-        "NODE", "POOL", "STATE", "FLAGS", "GPUS", "LAST SEEN", "REPLICAS"
+        "NODE",
+        "POOL",
+        "STATE",
+        "FLAGS",
+        "GPUS",
+        "LAST SEEN",
+        "REPLICAS"
     );
     for n in nodes {
         let mut products: std::collections::BTreeMap<&str, usize> = Default::default();
@@ -128,7 +134,7 @@ fn print_nodes(out: Output, nodes: &[NodeInfo], detail: bool) {
         } else {
             n.liveness.as_str()
         };
-        println!(
+        outln!(
             "{:<20} {:<10} {:<7} {:<10} {:<28} {:>10} {:>8}",
             n.node_id,
             n.pool,
@@ -139,12 +145,12 @@ fn print_nodes(out: Output, nodes: &[NodeInfo], detail: bool) {
             format!("{}/{}", n.replicas_ready, n.replicas_total)
         );
         if detail {
-            println!("  hostname: {}", n.hostname);
+            outln!("  hostname: {}", n.hostname);
             for (k, v) in &n.labels {
-                println!("  label {k}={v}");
+                outln!("  label {k}={v}");
             }
             for g in &n.gpus {
-                println!(
+                outln!(
                     "  gpu {} {} {:.0} GiB{}",
                     g.uuid,
                     g.product,

@@ -188,20 +188,20 @@ async fn status(client: &AdminClient, out: Output, model: &str, watch: bool) -> 
             }
             print(out, json!(value), String::new);
         } else if !watch || shown == 0 {
-            println!("{}", render(&r));
+            outln!("{}", render(&r));
             if !judgement.is_empty() {
-                println!("{judgement}");
+                outln!("{judgement}");
             }
             shown = r.events.len();
             last_line = judgement;
         } else {
             // Watching: only what happened since, and the judgement when it changes.
             for e in r.events.iter().skip(shown) {
-                println!("{}\n  {}  {}", header(&r), clock(e.at_ms), e.message);
+                outln!("{}\n  {}  {}", header(&r), clock(e.at_ms), e.message);
             }
             shown = r.events.len();
             if !judgement.is_empty() && judgement != last_line {
-                println!("{judgement}");
+                outln!("{judgement}");
                 last_line = judgement;
             }
         }

@@ -43,3 +43,43 @@ fn an_unreachable_controller_names_the_address_and_fails() {
         "{err}"
     );
 }
+
+/// `lanectl -o json plan … | head`: the reader goes before lanectl writes, and lanectl ends
+/// quietly with the status of a writer stopped by SIGPIPE, never a panic and a backtrace.
+#[test]
+fn a_closed_pipe_ends_lanectl_quietly() {
+    let scenario = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/examples/fleet.toml");
+    let mut child = lanectl()
+        .arg("plan")
+        .arg(&scenario)
+        .args(["-o", "json"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The reader is gone before lanectl has read its scenario, let alone written the plan.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.is_empty(), "nothing on stderr: {stderr}");
+    assert_eq!(out.status.code(), Some(141), "{:?}", out.status);
+}
+
+#[test]
+fn completion_scripts_are_printed_for_each_shell() {
+    for (shell, mark) in [
+        ("bash", "complete -F"),
+        ("zsh", "#compdef lanectl"),
+        ("fish", "complete -c lanectl"),
+    ] {
+        let out = lanectl().args(["completion", shell]).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{shell}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let script = String::from_utf8_lossy(&out.stdout);
+        assert!(script.contains(mark), "{shell}: {}", &script[..script.len().min(300)]);
+        assert!(script.contains("tenant"), "{shell}: subcommands are completed");
+    }
+}
