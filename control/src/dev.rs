@@ -117,6 +117,9 @@ class = "speech"
 profiles.L4 = { service_ms = 120, max_batch = 8, gpu_memory_gb = 6 }
 profiles.L40S = { service_ms = 80, max_batch = 8, gpu_memory_gb = 6 }
 profiles.H100-80GB = { service_ms = 40, max_batch = 8, gpu_memory_gb = 6, mig_profiles = ["1g.10gb"] }
+# What GET /v2/models/whisper reports to clients: 16 kHz audio in, token ids out.
+inputs = [{ name = "audio", datatype = "FP32", shape = [-1, -1] }]
+outputs = [{ name = "tokens", datatype = "INT64", shape = [-1, -1] }]
 
 [[model]]
 name = "sdxl"
@@ -230,6 +233,8 @@ fn with_sim_runtime(registry: &mut DevRegistry) -> bool {
             "/metrics",
             laneway_agent::sim_model::IN_FLIGHT_METRIC,
         ));
+        // The simulator reads binary tensors, as Triton and MLServer do.
+        m.runtime.binary_tensors = true;
     }
     true
 }

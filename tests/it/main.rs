@@ -5,6 +5,7 @@
 mod actors;
 mod agents;
 mod attacks;
+mod clients;
 mod cluster;
 mod harness;
 mod jobs;

@@ -14,17 +14,17 @@ const BODY: &str = r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data
 
 /// `laneway-control dev` as a new user starts it, stopped with Ctrl-C (SIGINT) on drop so its
 /// simulated replicas are drained.
-struct Dev {
+pub(super) struct Dev {
     child: Child,
     /// Its admin gRPC address (for lanectl).
     admin: String,
-    router: String,
-    key: String,
+    pub(super) router: String,
+    pub(super) key: String,
     _dir: tempfile::TempDir,
 }
 
 impl Dev {
-    fn start() -> Dev {
+    pub(super) fn start() -> Dev {
         Dev::start_with(&[])
     }
 

@@ -257,6 +257,32 @@ async fn model_ready(State(s): State<Arc<AppState>>, Path(model): Path<String>) 
     }
 }
 
+/// The simulated model's answer: its first input, as `output0` with the input's datatype and
+/// shape, the data as JSON (a binary input decoded from `tensors`, the bytes after the JSON
+/// part). An input it cannot decode is answered as an empty FP32 tensor.
+fn echo_first_input(request: &Value, tensors: &[u8]) -> (Value, Value, Value) {
+    let Some(first) = request.get("inputs").and_then(|i| i.get(0)) else {
+        return (json!("FP32"), json!([0]), json!([]));
+    };
+    let datatype = first.get("datatype").cloned().unwrap_or(json!("FP32"));
+    let shape = first.get("shape").cloned().unwrap_or(json!([1]));
+    if let Some(data) = first.get("data") {
+        return (datatype, shape, data.clone());
+    }
+    let size = first
+        .pointer("/parameters/binary_data_size")
+        .and_then(Value::as_u64)
+        .and_then(|n| usize::try_from(n).ok());
+    let decoded = size
+        .and_then(|n| tensors.get(..n))
+        .zip(datatype.as_str())
+        .and_then(|(bytes, dt)| laneway_core::kserve::decode(dt, bytes));
+    match decoded {
+        Some(values) => (datatype, shape, Value::Array(values)),
+        None => (json!("FP32"), json!([0]), json!([])),
+    }
+}
+
 async fn infer(
     State(s): State<Arc<AppState>>,
     Path(model): Path<String>,
@@ -269,7 +295,21 @@ async fn infer(
     if !is_ready(&s) {
         return error(StatusCode::SERVICE_UNAVAILABLE, "model is still starting".into());
     }
-    let request: Value = match serde_json::from_slice(&body) {
+    // The binary tensor data extension: a JSON part of the header's length, then the tensors.
+    let (json_part, tensors) = match headers.get(laneway_core::kserve::INFERENCE_HEADER) {
+        None => (&body[..], &[][..]),
+        Some(v) => match v
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .ok_or_else(|| "the Inference-Header-Content-Length header is not a length".to_string())
+            .and_then(|n| laneway_core::kserve::split_binary(&body, n))
+        {
+            Ok(split) => split,
+            Err(e) => return error(StatusCode::BAD_REQUEST, e),
+        },
+    };
+    let request: Value = match serde_json::from_slice(json_part) {
         Ok(v @ Value::Object(_)) => v,
         Ok(_) => {
             return error(
@@ -338,19 +378,14 @@ async fn infer(
             .into_response();
     }
     let id = request.get("id").cloned().unwrap_or(Value::Null);
-    let echoed = request
-        .get("inputs")
-        .and_then(|i| i.get(0))
-        .and_then(|i| i.get("data"))
-        .cloned()
-        .unwrap_or(json!([]));
+    let (datatype, shape, echoed) = echo_first_input(&request, tensors);
     (
         headers,
         Json(json!({
             "model_name": s.cfg.model,
             "model_version": "1",
             "id": id,
-            "outputs": [{"name": "output0", "datatype": "FP32", "shape": [1], "data": echoed}],
+            "outputs": [{"name": "output0", "datatype": datatype, "shape": shape, "data": echoed}],
             "parameters": {"batch_size": result.batch_size, "queue_ms": result.queue_ms},
         })),
     )

@@ -87,6 +87,8 @@ pub async fn model(client: &AdminClient, out: Output, cmd: ModelCmd) -> anyhow::
             let mut m = match &a.file {
                 Some(p) => read_model_file(p)?,
                 None => Model {
+                    inputs: Vec::new(),
+                    outputs: Vec::new(),
                     fallback: None,
                     name: a
                         .name

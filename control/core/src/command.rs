@@ -22,7 +22,7 @@ use crate::registry::{Class, DesiredReplica, Model, ReplicaRecord, Tenant, Tenan
 /// loop's node requests and capacity marks, format 8 join tokens, format 9 model versions and rollouts, format 10 operator-approved static replicas and job input locations; a command is written with the lowest format that can express it
 /// ([`Command::format`]), so an older controller keeps applying what it knows and stops only
 /// at the first command it cannot understand.
-pub const COMMAND_FORMAT: u32 = 10;
+pub const COMMAND_FORMAT: u32 = 11;
 
 /// The cluster setting holding the highest command format every member can apply, written at
 /// `cluster init` and raised by `lanectl cluster finalize-upgrade` once every member runs a
@@ -340,6 +340,7 @@ impl Command {
             | Command::SetNodeFlags { .. } => 1,
             Command::Batch(commands) => commands.iter().map(Command::format).max().unwrap_or(1),
             // An older binary refuses a class with fields it does not know.
+            Command::PutModel(m) | Command::DeployVersion(m) if m.declares_v2_signature() => 11,
             Command::PutClass(c) if !c.input_prefixes.is_empty() => 10,
             Command::PutClass(c)
                 if c.cache.is_some() || c.fallback_response.is_some() || c.overflow.is_some() || c.hedge.is_some() =>

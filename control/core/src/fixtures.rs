@@ -33,6 +33,8 @@ pub fn test_fixture() -> (Fleet, Registry) {
     })
     .unwrap();
     reg.put_model(&Model {
+        inputs: Vec::new(),
+        outputs: Vec::new(),
         fallback: None,
         name: "whisper".into(),
         class: "speech".into(),

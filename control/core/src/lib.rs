@@ -20,6 +20,7 @@ pub mod fleet;
 pub mod gpu;
 pub mod identity;
 pub mod jobs;
+pub mod kserve;
 pub mod lane_report;
 pub mod ledger;
 pub mod llm;

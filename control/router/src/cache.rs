@@ -27,6 +27,8 @@ pub type Key = [u8; 32];
 pub struct Cached {
     pub status: u16,
     pub content_type: Option<HeaderValue>,
+    /// A binary answer's `Inference-Header-Content-Length`.
+    pub binary: Option<HeaderValue>,
     pub body: Bytes,
 }
 
@@ -147,6 +149,7 @@ mod tests {
         let c = cache(false);
         let k = c.key("m", "1", "infer", "t", b"{}").unwrap();
         let answer = |status| Cached {
+            binary: None,
             status,
             content_type: None,
             body: Bytes::from_static(b"x"),

@@ -41,6 +41,9 @@ pub struct Flight {
     /// it, so a slow upload spends neither.
     pub arrived: Instant,
     pub traceparent: Option<HeaderValue>,
+    /// A binary KServe v2 request's `Inference-Header-Content-Length` (its JSON part's
+    /// length), sent on with it.
+    pub binary: Option<HeaderValue>,
     /// The tenant's hold on its concurrency ceiling, let go when the request ends.
     tenant_hold: Option<TenantGuard>,
     /// Tokens taken from the tenant's minute: given back when the request is refused.
@@ -86,6 +89,7 @@ impl Flight {
             record,
             arrived,
             traceparent: headers.get("traceparent").cloned(),
+            binary: None,
             tenant_hold: None,
             tokens: 0,
         }
@@ -138,6 +142,10 @@ impl Flight {
             .into_response();
         if let Some(ct) = &hit.content_type {
             r.headers_mut().insert(axum::http::header::CONTENT_TYPE, ct.clone());
+        }
+        if let Some(len) = &hit.binary {
+            r.headers_mut()
+                .insert(laneway_core::kserve::INFERENCE_HEADER, len.clone());
         }
         r.headers_mut()
             .insert(super::cache::CACHE_HEADER, HeaderValue::from_static("hit"));
@@ -239,6 +247,7 @@ impl Flight {
             request_id: &self.meta.request_id,
             traceparent: self.traceparent.as_ref(),
             authorization,
+            binary: self.binary.as_ref(),
         };
         let left = deadline.saturating_duration_since(started);
         let head = router.send_head(client, out, body.clone(), left).await;
@@ -301,8 +310,13 @@ impl Flight {
         };
         let mut r = Response::new(answer);
         *r.status_mut() = parts.status;
-        if let Some(ct) = parts.headers.get(axum::http::header::CONTENT_TYPE) {
-            r.headers_mut().insert(axum::http::header::CONTENT_TYPE, ct.clone());
+        for h in [
+            axum::http::header::CONTENT_TYPE.as_str(),
+            laneway_core::kserve::INFERENCE_HEADER,
+        ] {
+            if let Some(v) = parts.headers.get(h) {
+                r.headers_mut().insert(h, v.clone());
+            }
         }
         Err(self.overflow_answered(&ov, started, r))
     }
@@ -373,7 +387,8 @@ impl Flight {
         hedge: laneway_core::registry::HedgeSpec,
     ) -> Sent<Forwarded> {
         let (router, route) = (&self.router, &self.route);
-        let (request_id, traceparent) = (self.meta.request_id.as_str(), self.traceparent.as_ref());
+        let request_id = self.meta.request_id.as_str();
+        let sending = (self.traceparent.as_ref(), self.binary.as_ref());
         let started = Instant::now();
         let left = self.deadline().saturating_duration_since(started);
         let after = hedge.after_ms.as_duration();
@@ -384,7 +399,7 @@ impl Flight {
         };
         // The sends borrow their own handle on the slot, so the guard can be handed back.
         let first_slot = guard.slot.clone();
-        let first = router.forward(&first_slot, body.clone(), request_id, traceparent, left);
+        let first = router.forward(&first_slot, body.clone(), request_id, sending, left);
         tokio::pin!(first);
         // A copy needs the time to be answered: the delay and then the fastest replica's service.
         if left <= after + route.min_service().unwrap_or_default() {
@@ -403,7 +418,7 @@ impl Flight {
         let second_guard = SlotGuard::new(other, route.lane.clone());
         let second_slot = second_guard.slot.clone();
         let left = left.saturating_sub(started.elapsed());
-        let second = router.forward(&second_slot, body.clone(), request_id, traceparent, left);
+        let second = router.forward(&second_slot, body.clone(), request_id, sending, left);
         tokio::pin!(second);
         let good = |r: &Result<Forwarded, ForwardError>| r.as_ref().is_ok_and(|f| !super::fails_replica(f.status));
         let copied = |outcome, guard| Sent {
@@ -515,6 +530,7 @@ impl Flight {
                 super::cache::Cached {
                     status: f.status.as_u16(),
                     content_type: f.content_type.clone(),
+                    binary: f.binary.clone(),
                     body: f.body.clone(),
                 },
             );
@@ -534,6 +550,9 @@ impl Flight {
         let mut r = (f.status, f.body).into_response();
         if let Some(ct) = f.content_type {
             r.headers_mut().insert(axum::http::header::CONTENT_TYPE, ct);
+        }
+        if let Some(len) = f.binary {
+            r.headers_mut().insert(laneway_core::kserve::INFERENCE_HEADER, len);
         }
         if let Some(g) = f.gpu_ms {
             if let Ok(v) = HeaderValue::from_str(&format!("{g:.3}")) {

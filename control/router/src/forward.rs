@@ -35,13 +35,14 @@ impl Router {
         self.pick(route, Some(&failed.name), Instant::now())
     }
 
-    /// Sends the request to the replica within `timeout`.
+    /// Sends the request (binary when `binary` is its JSON part's length) to the replica
+    /// within `timeout`.
     pub async fn forward(
         &self,
         slot: &ReplicaSlot,
         body: Bytes,
         request_id: &str,
-        traceparent: Option<&HeaderValue>,
+        (traceparent, binary): (Option<&HeaderValue>, Option<&HeaderValue>),
         timeout: Duration,
     ) -> Result<Forwarded, ForwardError> {
         let out = Outbound {
@@ -50,6 +51,7 @@ impl Router {
             request_id,
             traceparent,
             authorization: None,
+            binary,
         };
         self.forward_to(slot, out, body, timeout, true).await
     }
@@ -131,6 +133,7 @@ impl Router {
             request_id,
             traceparent: None,
             authorization: None,
+            binary: None,
         };
         // A language model's answer time is its generation's length: not comparable across
         // replicas, so not measured (ADR 0014).
@@ -178,6 +181,7 @@ impl Router {
         Ok(Forwarded {
             status: parts.status,
             content_type: parts.headers.get(CONTENT_TYPE).cloned(),
+            binary: parts.headers.get(laneway_core::kserve::INFERENCE_HEADER).cloned(),
             body,
             gpu_ms,
         })
@@ -201,14 +205,25 @@ impl Router {
             request_id,
             traceparent,
             authorization,
+            binary,
         } = out;
         let span = tracing::debug_span!(target: "laneway_trace", "dispatch", replica = %target, otel.kind = "client");
         let mut req = hyper::Request::post(uri.clone())
-            .header(CONTENT_TYPE, "application/json")
+            .header(
+                CONTENT_TYPE,
+                if binary.is_some() {
+                    "application/octet-stream"
+                } else {
+                    "application/json"
+                },
+            )
             .header("x-request-id", request_id)
             .header(TIMEOUT_HEADER, replica_timeout_ms(timeout).to_string());
         if let Some(a) = authorization {
             req = req.header(hyper::header::AUTHORIZATION, a);
+        }
+        if let Some(len) = binary {
+            req = req.header(laneway_core::kserve::INFERENCE_HEADER, len);
         }
         // The replica continues this dispatch's span when traces are exported, else the
         // client's trace as it came.
@@ -258,8 +273,12 @@ impl Router {
         route: &ModelRoute,
         body: &Bytes,
         request_id: &str,
-        completion: Option<laneway_core::llm::Endpoint>,
+        form: Mirrored<'_>,
     ) {
+        let (completion, binary) = match form {
+            Mirrored::Infer { binary } => (None, binary.cloned()),
+            Mirrored::Completion(endpoint) => (Some(endpoint), None),
+        };
         let Some(shadow) = table.shadow(&route.public) else {
             return;
         };
@@ -284,7 +303,11 @@ impl Router {
             let started = Instant::now();
             let timeout = shadow.class.request_timeout_ms.as_duration();
             let r = match completion {
-                None => router.forward(slot, body, &record.request_id, None, timeout).await,
+                None => {
+                    router
+                        .forward(slot, body, &record.request_id, (None, binary.as_ref()), timeout)
+                        .await
+                }
                 Some(endpoint) => {
                     router
                         .forward_completion(slot, endpoint, body, &record.request_id, timeout)
@@ -322,4 +345,12 @@ impl Router {
             router.meter_only(record);
         });
     }
+}
+
+/// What kind of request a shadow copy is.
+pub enum Mirrored<'a> {
+    /// A KServe v2 request (binary when this is its JSON part's length).
+    Infer { binary: Option<&'a HeaderValue> },
+    /// A language model's request to this OpenAI-compatible endpoint.
+    Completion(laneway_core::llm::Endpoint),
 }

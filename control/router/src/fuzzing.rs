@@ -4,9 +4,18 @@
 
 use laneway_core::llm::{CompletionRequest, Endpoint};
 
-/// A KServe v2 inference body: checked or refused.
+/// A KServe v2 inference body, as JSON and as a binary request whose JSON part is its first
+/// `data[0]` bytes: checked or refused.
 pub fn kserve_body(data: &[u8]) {
-    let _ = super::pipeline::check_body(data);
+    let _ = super::pipeline::check_body(data, &axum::http::HeaderMap::new());
+    if let Some((n, rest)) = data.split_first() {
+        let mut headers = axum::http::HeaderMap::new();
+        headers.insert(
+            laneway_core::kserve::INFERENCE_HEADER,
+            axum::http::HeaderValue::from(usize::from(*n)),
+        );
+        let _ = super::pipeline::check_body(rest, &headers);
+    }
 }
 
 /// A `POST /v1/jobs` body, as the handler reads it.

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use bytes::Bytes;
@@ -19,27 +19,64 @@ use super::pipeline::{authenticate, check_body, healthy_or_fallback, lookup, rea
 use super::table::ModelRoute;
 use super::{Admitted, Router};
 
-/// The request's metadata, its tenant checked and its model looked up (the GET paths).
-fn authorized(router: &Router, model: &str, headers: &HeaderMap) -> Result<(Meta, Arc<ModelRoute>), Response> {
+/// The request's metadata, its tenant checked and its model (or that `version` of it) looked
+/// up: the GET paths.
+fn authorized(
+    router: &Router,
+    model: &str,
+    version: Option<&str>,
+    headers: &HeaderMap,
+) -> Result<(Meta, Arc<ModelRoute>), Response> {
     let mut meta = Meta {
         request_id: request_id(headers),
         ..Meta::default()
     };
     let table = router.table();
     authenticate(&table, headers, &meta)?;
-    let route = lookup(router, &table, model, &mut meta)?;
+    let route = lookup(router, &table, model, version, &mut meta)?;
     Ok((meta, route))
 }
 
+/// `GET /v2`: the server's name, version and the protocol extensions it serves.
+pub async fn server_metadata() -> Response {
+    Json(json!({
+        "name": "laneway",
+        "version": env!("CARGO_PKG_VERSION"),
+        "extensions": ["binary_tensor_data"],
+    }))
+    .into_response()
+}
+
+/// `GET /v2/models/{model}`: the model's name, its registered versions, and the tensors its
+/// model file declares; Laneway adds its class, lane and ready replicas.
 pub async fn metadata(State(router): State<Arc<Router>>, Path(model): Path<String>, headers: HeaderMap) -> Response {
-    let (meta, route) = match authorized(&router, &model, &headers) {
+    model_metadata(&router, &model, None, &headers)
+}
+
+/// `GET /v2/models/{model}/versions/{version}`.
+pub async fn version_metadata(
+    State(router): State<Arc<Router>>,
+    Path((model, version)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> Response {
+    model_metadata(&router, &model, Some(&version), &headers)
+}
+
+fn model_metadata(router: &Router, model: &str, version: Option<&str>, headers: &HeaderMap) -> Response {
+    let (meta, route) = match authorized(router, model, version, headers) {
         Ok(x) => x,
         Err(r) => return r,
     };
+    let versions = match version {
+        Some(v) => vec![v.to_string()],
+        None => router.table().versions(&route.public),
+    };
     let mut r = Json(json!({
-        "name": route.name,
-        "versions": [route.version],
+        "name": route.public,
+        "versions": versions,
         "platform": "laneway",
+        "inputs": route.inputs,
+        "outputs": route.outputs,
         "class": route.class.name,
         "lane": route.class.lane,
         "ready_replicas": route.replicas.len(),
@@ -49,8 +86,22 @@ pub async fn metadata(State(router): State<Arc<Router>>, Path(model): Path<Strin
     r
 }
 
+/// `GET /v2/models/{model}/ready`: 200 when a replica is ready.
 pub async fn model_ready(State(router): State<Arc<Router>>, Path(model): Path<String>, headers: HeaderMap) -> Response {
-    let (meta, route) = match authorized(&router, &model, &headers) {
+    ready_answer(&router, &model, None, &headers)
+}
+
+/// `GET /v2/models/{model}/versions/{version}/ready`.
+pub async fn version_ready(
+    State(router): State<Arc<Router>>,
+    Path((model, version)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> Response {
+    ready_answer(&router, &model, Some(&version), &headers)
+}
+
+fn ready_answer(router: &Router, model: &str, version: Option<&str>, headers: &HeaderMap) -> Response {
+    let (meta, route) = match authorized(router, model, version, headers) {
         Ok(x) => x,
         Err(r) => return r,
     };
@@ -66,9 +117,23 @@ pub async fn model_ready(State(router): State<Arc<Router>>, Path(model): Path<St
     r
 }
 
-/// Merges the degraded lane's parameters into the request's `parameters`.
-fn degrade(body: &[u8], params: &std::collections::BTreeMap<String, String>) -> Result<Bytes, String> {
-    let mut v: Value = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+/// Merges the degraded lane's parameters into the request's `parameters` (the JSON part of a
+/// binary request, whose new length it returns with it).
+fn degrade(
+    body: &[u8],
+    binary: Option<&HeaderValue>,
+    params: &std::collections::BTreeMap<String, String>,
+) -> Result<(Bytes, Option<HeaderValue>), String> {
+    let json_len = match binary {
+        None => body.len(),
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .ok_or("checked above")?,
+    };
+    let (json, tensors) = laneway_core::kserve::split_binary(body, json_len)?;
+    let mut v: Value = serde_json::from_slice(json).map_err(|e| e.to_string())?;
     let obj = v.as_object_mut().ok_or("the body is not a JSON object")?;
     let p = obj
         .entry("parameters")
@@ -79,7 +144,10 @@ fn degrade(body: &[u8], params: &std::collections::BTreeMap<String, String>) -> 
         }
         p.insert("laneway_degraded".into(), Value::Bool(true));
     }
-    serde_json::to_vec(&v).map(Bytes::from).map_err(|e| e.to_string())
+    let mut out = serde_json::to_vec(&v).map_err(|e| e.to_string())?;
+    let binary = binary.map(|_| HeaderValue::from(out.len()));
+    out.extend_from_slice(tensors);
+    Ok((Bytes::from(out), binary))
 }
 
 /// `POST /v2/models/{model}/infer`, in a span that continues the client's W3C trace and that
@@ -87,6 +155,27 @@ fn degrade(body: &[u8], params: &std::collections::BTreeMap<String, String>) -> 
 pub async fn infer(
     State(router): State<Arc<Router>>,
     Path(model): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    infer_traced(router, model, None, headers, body).await
+}
+
+/// `POST /v2/models/{model}/versions/{version}/infer`: that version only (no fallback, no
+/// rollout split).
+pub async fn infer_version(
+    State(router): State<Arc<Router>>,
+    Path((model, version)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    infer_traced(router, model, Some(version), headers, body).await
+}
+
+async fn infer_traced(
+    router: Arc<Router>,
+    model: String,
+    version: Option<String>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
@@ -98,7 +187,7 @@ pub async fn infer(
         otel.kind = "server"
     );
     if span.is_disabled() {
-        return serve_infer(router, model, headers, body).await;
+        return serve_infer(router, model, version, headers, body).await;
     }
     {
         use tracing_opentelemetry::OpenTelemetrySpanExt;
@@ -107,12 +196,18 @@ pub async fn infer(
         });
         let _ = span.set_parent(parent);
     }
-    let resp = tracing::Instrument::instrument(serve_infer(router, model, headers, body), span.clone()).await;
+    let resp = tracing::Instrument::instrument(serve_infer(router, model, version, headers, body), span.clone()).await;
     span.record("status", resp.status().as_u16());
     resp
 }
 
-async fn serve_infer(router: Arc<Router>, model: String, headers: HeaderMap, body: Body) -> Response {
+async fn serve_infer(
+    router: Arc<Router>,
+    model: String,
+    version: Option<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
     let since = Instant::now();
     let mut meta = Meta {
         request_id: request_id(&headers),
@@ -124,15 +219,19 @@ async fn serve_infer(router: Arc<Router>, model: String, headers: HeaderMap, bod
         Ok(t) => t,
         Err(r) => return r,
     };
-    let route = match lookup(&router, &table, &model, &mut meta) {
+    let route = match lookup(&router, &table, &model, version.as_deref(), &mut meta) {
         Ok(r) => r,
         Err(r) => return r,
     };
-    // A fallback of the same kind: a language model's is one too.
+    // A fallback of the same kind: a language model's is one too. A pinned version is that
+    // version or nothing.
     let same_kind = |r: &ModelRoute| r.llm.is_some() == route.llm.is_some();
-    let route = match healthy_or_fallback(&router, &table, &route, &tenant, &mut meta, same_kind, true) {
-        Ok(r) => r,
-        Err(canned) => return canned,
+    let route = match version {
+        Some(_) => route,
+        None => match healthy_or_fallback(&router, &table, &route, &tenant, &mut meta, same_kind, true) {
+            Ok(r) => r,
+            Err(canned) => return canned,
+        },
     };
     // Only now, the key checked and the model known, is the body read.
     let (body, _body_share) =
@@ -143,13 +242,35 @@ async fn serve_infer(router: Arc<Router>, model: String, headers: HeaderMap, bod
     // The lane's clocks (its budget, the request timeout) start once the whole request is
     // here: a slow upload does not spend them.
     let arrived = Instant::now();
-    if let Err(msg) = check_body(&body) {
-        return error(StatusCode::BAD_REQUEST, msg, &meta);
+    let binary = match check_body(&body, &headers) {
+        Ok(b) => b.binary,
+        Err(msg) => return error(StatusCode::BAD_REQUEST, msg, &meta),
+    };
+    if binary.is_some() && !route.binary_tensors {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "model {}'s server does not take binary tensors (its model file has no `binary_tensors = true` under [runtime]); send the tensors as JSON `data` (tritonclient: binary_data=False), or declare the extension if the server speaks it",
+                route.public
+            ),
+            &meta,
+        );
     }
     if route.class.lane == laneway_core::registry::LaneKind::Durable {
+        if binary.is_some() {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "model {} is in the durable class {}: a job's input is JSON; send the tensors as JSON `data` (tritonclient: binary_data=False)",
+                    route.public, route.class.name
+                ),
+                &meta,
+            );
+        }
         return super::jobs::submit_infer(&router, &tenant, &route, body, &headers, &meta).await;
     }
-    let flight = Flight::new(router, table, tenant, route, meta, &headers, arrived);
+    let mut flight = Flight::new(router, table, tenant, route, meta, &headers, arrived);
+    flight.binary = binary;
     match serve_flight(flight, &headers, body).await {
         Ok(r) | Err(r) => r,
     }
@@ -158,16 +279,24 @@ async fn serve_infer(router: Arc<Router>, model: String, headers: HeaderMap, bod
 /// The steps after reading, for a KServe v2 request: cache, tenant, lane (or overflow), the
 /// replica (hedged, retried elsewhere when never reached); the answer passed on whole.
 async fn serve_flight(flight: Flight, headers: &HeaderMap, body: Bytes) -> Result<Response, Response> {
-    let flight = flight.from_cache(headers, &body, "infer")?.admit_tenant()?;
+    // The same bytes split at another length are another request.
+    let api = match &flight.binary {
+        None => std::borrow::Cow::Borrowed("infer"),
+        Some(len) => std::borrow::Cow::Owned(format!("infer;binary={}", len.to_str().unwrap_or_default())),
+    };
+    let flight = flight.from_cache(headers, &body, &api)?.admit_tenant()?;
     let over = Overflowing {
         path: None,
         stream: false,
         usage: false,
     };
     let (mut flight, admitted) = flight.acquire(None, &body, over).await?;
+    let shadow = crate::forward::Mirrored::Infer {
+        binary: flight.binary.as_ref(),
+    };
     flight
         .router
-        .mirror(&flight.table, &flight.route, &body, &flight.meta.request_id, None);
+        .mirror(&flight.table, &flight.route, &body, &flight.meta.request_id, shadow);
     let Admitted {
         guard,
         queued,
@@ -175,9 +304,10 @@ async fn serve_flight(flight: Flight, headers: &HeaderMap, body: Bytes) -> Resul
     } = admitted;
     flight.record.queue_ms = queued.as_secs_f64() * 1000.0;
     let body = match &degraded {
-        Some(params) => match degrade(&body, params) {
-            Ok(b) => {
+        Some(params) => match degrade(&body, flight.binary.as_ref(), params) {
+            Ok((b, binary)) => {
                 flight.record.degraded = true;
+                flight.binary = binary;
                 b
             }
             Err(e) => {
@@ -199,14 +329,9 @@ async fn serve_flight(flight: Flight, headers: &HeaderMap, body: Bytes) -> Resul
                     Some(hedge) => f.hedged(guard, body, hedge).await,
                     None => {
                         let left = f.deadline().saturating_duration_since(Instant::now());
+                        let sending = (f.traceparent.as_ref(), f.binary.as_ref());
                         let outcome = (f.router)
-                            .forward(
-                                &guard.slot,
-                                body.clone(),
-                                &f.meta.request_id,
-                                f.traceparent.as_ref(),
-                                left,
-                            )
+                            .forward(&guard.slot, body.clone(), &f.meta.request_id, sending, left)
                             .await;
                         Sent {
                             outcome,

@@ -403,7 +403,7 @@ pub(super) async fn post_job(State(router): State<Arc<Router>>, headers: HeaderM
             )
         }
     };
-    let route = match lookup(&router, &table, &req.model, &mut meta) {
+    let route = match lookup(&router, &table, &req.model, None, &mut meta) {
         Ok(r) => r,
         Err(r) => return r,
     };
@@ -431,7 +431,7 @@ pub(super) async fn post_job(State(router): State<Arc<Router>>, headers: HeaderM
             if text.len() > MAX_INLINE_INPUT_BYTES {
                 return too_large(text.len(), &meta);
             }
-            if let Err(e) = check_body(text.as_bytes()) {
+            if let Err(e) = check_body(text.as_bytes(), &HeaderMap::new()) {
                 return error(StatusCode::BAD_REQUEST, format!("`input`: {e}"), &meta);
             }
             Ok(text)

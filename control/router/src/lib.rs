@@ -122,6 +122,8 @@ pub struct Outbound<'a> {
     pub traceparent: Option<&'a HeaderValue>,
     /// For an overflow endpoint that wants an API key.
     pub authorization: Option<&'a HeaderValue>,
+    /// A binary KServe v2 request's `Inference-Header-Content-Length` (its JSON part's length).
+    pub binary: Option<&'a HeaderValue>,
 }
 
 /// What the replica answered.
@@ -129,6 +131,8 @@ pub struct Forwarded {
     pub status: StatusCode,
     pub body: Bytes,
     pub content_type: Option<HeaderValue>,
+    /// A binary answer's `Inference-Header-Content-Length`, passed on with it.
+    pub binary: Option<HeaderValue>,
     pub gpu_ms: Option<f64>,
 }
 
@@ -431,6 +435,9 @@ mod tests {
             replicas: vec![table::test_slot("m", slots)],
             llm: None,
             fallback: None,
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+            binary_tensors: false,
         }
     }
 

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http_body_util::BodyExt;
 pub use laneway_core::lane_report::LlmSummary;
@@ -40,6 +40,87 @@ use super::table::ModelRoute;
 use super::token_count::TokenCount;
 use super::Router;
 use laneway_core::registry::LaneKind;
+
+/// `GET /v1/models`: the language models (public names, one entry for all versions), in
+/// OpenAI's list shape. Any tenant key may list them: a tenant's limits are per class, not a
+/// list of models it may see.
+pub(super) async fn models(State(router): State<Arc<Router>>, headers: HeaderMap) -> Response {
+    let table = router.table();
+    if let Err(r) = openai_key(&table, &headers) {
+        return r;
+    }
+    let mut names: Vec<&str> = table
+        .models
+        .values()
+        .filter(|m| m.llm.is_some())
+        .map(|m| m.public.as_str())
+        .collect();
+    names.sort_unstable();
+    names.dedup();
+    axum::Json(serde_json::json!({
+        "object": "list",
+        "data": names.iter().map(|n| openai_model(n)).collect::<Vec<_>>(),
+    }))
+    .into_response()
+}
+
+/// `GET /v1/models/{model}`: one language model, or OpenAI's 404.
+pub(super) async fn model(
+    State(router): State<Arc<Router>>,
+    axum::extract::Path(model): axum::extract::Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let table = router.table();
+    if let Err(r) = openai_key(&table, &headers) {
+        return r;
+    }
+    match table.route(&model, 0).filter(|r| r.llm.is_some()) {
+        Some(r) => axum::Json(openai_model(&r.public)).into_response(),
+        None => openai_error(
+            StatusCode::NOT_FOUND,
+            "model_not_found",
+            format!("the model {model:?} does not exist or is not a language model; GET /v1/models lists them"),
+        ),
+    }
+}
+
+/// A model in OpenAI's shape. The registry keeps no creation time: `created` is 0.
+fn openai_model(name: &str) -> serde_json::Value {
+    serde_json::json!({"id": name, "object": "model", "created": 0, "owned_by": "laneway"})
+}
+
+/// The tenant's key checked, with OpenAI's error shape when it is missing or unknown.
+fn openai_key(table: &super::table::Table, headers: &HeaderMap) -> Result<(), Response> {
+    authenticate(table, headers, &Meta::default()).map(|_| ()).map_err(|r| {
+        let code = if headers.contains_key(axum::http::header::AUTHORIZATION) {
+            "invalid_api_key"
+        } else {
+            "missing_api_key"
+        };
+        openai_error(
+            r.status(),
+            code,
+            "unknown or missing API key: send `Authorization: Bearer <key>` (`lanectl tenant create` issues keys)"
+                .into(),
+        )
+    })
+}
+
+/// An error in OpenAI's error object shape.
+fn openai_error(status: StatusCode, code: &str, message: String) -> Response {
+    let kind = if status == StatusCode::UNAUTHORIZED {
+        "authentication_error"
+    } else {
+        "invalid_request_error"
+    };
+    (
+        status,
+        axum::Json(serde_json::json!({
+            "error": {"message": message, "type": kind, "param": null, "code": code}
+        })),
+    )
+        .into_response()
+}
 
 /// `POST /v1/chat/completions`.
 pub(super) async fn chat_completions(State(router): State<Arc<Router>>, headers: HeaderMap, body: Body) -> Response {
@@ -80,7 +161,7 @@ async fn serve(router: Arc<Router>, endpoint: Endpoint, headers: HeaderMap, body
             )
         }
     };
-    let asked = match lookup(&router, &table, &req.model, &mut meta) {
+    let asked = match lookup(&router, &table, &req.model, None, &mut meta) {
         Ok(r) => r,
         Err(r) => return r,
     };
@@ -200,7 +281,7 @@ impl Completion {
             &flight.route,
             &body,
             &flight.meta.request_id,
-            Some(self.endpoint),
+            super::forward::Mirrored::Completion(self.endpoint),
         );
         flight.record.queue_ms = admitted.queued.as_secs_f64() * 1000.0;
         let started = Instant::now();
@@ -217,6 +298,7 @@ impl Completion {
                             request_id: &f.meta.request_id,
                             traceparent: f.traceparent.as_ref(),
                             authorization: None,
+                            binary: None,
                         };
                         router.send_head(&router.client, out, body.clone(), left).await
                     }

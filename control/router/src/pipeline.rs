@@ -100,13 +100,28 @@ pub fn authenticate(table: &Table, headers: &HeaderMap, meta: &Meta) -> Result<A
     })
 }
 
-pub fn lookup(router: &Router, table: &Table, model: &str, meta: &mut Meta) -> Result<Arc<ModelRoute>, Response> {
-    let route = table.route(model, router.now_ms(Instant::now())).ok_or_else(|| {
-        error(
-            StatusCode::NOT_FOUND,
-            format!("model {model:?} is not registered; `lanectl model list` shows the models"),
-            meta,
-        )
+/// The route of `model` (during a rollout, the side this request draws), or of its `version`
+/// when the request pins one; 404 when there is none.
+pub fn lookup(
+    router: &Router,
+    table: &Table,
+    model: &str,
+    version: Option<&str>,
+    meta: &mut Meta,
+) -> Result<Arc<ModelRoute>, Response> {
+    let found = match version {
+        None => table.route(model, router.now_ms(Instant::now())),
+        Some(v) => table.version(model, v),
+    };
+    let route = found.ok_or_else(|| {
+        let msg = match version {
+            Some(v) if table.route(model, 0).is_some() => format!(
+                "model {model:?} has no version {v:?}; its versions are {:?} (`lanectl model show {model}`)",
+                table.versions(model)
+            ),
+            _ => format!("model {model:?} is not registered; `lanectl model list` shows the models"),
+        };
+        error(StatusCode::NOT_FOUND, msg, meta)
     })?;
     meta.lane = Some(route.class.lane.as_str());
     meta.class = Some(route.class_header.clone());
@@ -114,11 +129,13 @@ pub fn lookup(router: &Router, table: &Table, model: &str, meta: &mut Meta) -> R
     Ok(route)
 }
 
-/// The Open Inference Protocol request, checked field by field before it costs a replica slot.
-/// Tensor data is not inspected (only required), so checking costs no copy of it.
+/// The Open Inference Protocol request, checked field by field before it costs a replica slot:
+/// every input's elements agree with its shape and datatype, whether its data is JSON or (the
+/// binary tensor data extension) bytes after the JSON header. JSON data is counted, never
+/// copied.
 #[derive(Deserialize)]
 #[allow(dead_code)]
-pub struct InferRequest {
+struct InferRequest {
     #[serde(default)]
     id: Option<String>,
     inputs: Vec<InferInput>,
@@ -129,19 +146,90 @@ pub struct InferRequest {
 }
 
 #[derive(Deserialize)]
-#[allow(dead_code)]
 struct InferInput {
     name: String,
     shape: Vec<i64>,
     datatype: String,
     #[serde(default)]
-    parameters: Option<IgnoredAny>,
-    data: IgnoredAny,
+    parameters: Option<InputParameters>,
+    #[serde(default)]
+    data: Option<DataCount>,
 }
 
-pub fn check_body(body: &[u8]) -> Result<InferRequest, String> {
-    let de = &mut serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(de).map_err(|e| {
+#[derive(Deserialize)]
+struct InputParameters {
+    #[serde(default)]
+    binary_data_size: Option<u64>,
+}
+
+/// The number of elements of a tensor's JSON `data` (nested or flat arrays of scalars).
+struct DataCount(u64);
+
+impl<'de> Deserialize<'de> for DataCount {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Count;
+        impl<'de> serde::de::Visitor<'de> for Count {
+            type Value = DataCount;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an array of the tensor's elements")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<DataCount, A::Error> {
+                let mut n = 0u64;
+                while let Some(DataCount(k)) = seq.next_element()? {
+                    n += k;
+                }
+                Ok(DataCount(n))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<DataCount, E> {
+                Ok(DataCount(1))
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<DataCount, E> {
+                Ok(DataCount(1))
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<DataCount, E> {
+                Ok(DataCount(1))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<DataCount, E> {
+                Ok(DataCount(1))
+            }
+            fn visit_str<E>(self, _: &str) -> Result<DataCount, E> {
+                Ok(DataCount(1))
+            }
+        }
+        d.deserialize_any(Count)
+    }
+}
+
+/// What a checked v2 request body holds.
+pub struct InferBody {
+    /// The binary tensor data extension's header (the JSON part's length), when it uses it.
+    pub binary: Option<HeaderValue>,
+}
+
+/// Checks a v2 request `body` whose `Inference-Header-Content-Length` (the binary tensor data
+/// extension) is in `headers` or absent; says what is wrong and how to send it instead.
+pub fn check_body(body: &[u8], headers: &HeaderMap) -> Result<InferBody, String> {
+    let binary = headers.get(laneway_core::kserve::INFERENCE_HEADER).cloned();
+    let header_len = match &binary {
+        None => None,
+        Some(v) => Some(
+            v.to_str()
+                .ok()
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .ok_or_else(|| {
+                    format!(
+                        "{}: {v:?} is not a length; it gives the bytes of the JSON part of a binary request",
+                        laneway_core::kserve::INFERENCE_HEADER
+                    )
+                })?,
+        ),
+    };
+    let (json, rest) = match header_len {
+        Some(n) => laneway_core::kserve::split_binary(body, n)?,
+        None => (body, &[][..]),
+    };
+    let de = &mut serde_json::Deserializer::from_slice(json);
+    let req: InferRequest = serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
         if path == "." {
@@ -149,7 +237,62 @@ pub fn check_body(body: &[u8]) -> Result<InferRequest, String> {
         } else {
             format!("invalid inference request at `{path}`: {inner}")
         }
-    })
+    })?;
+    let mut offset = 0usize;
+    for input in &req.inputs {
+        let name = &input.name;
+        if laneway_core::kserve::element_bytes(&input.datatype).is_none() {
+            return Err(format!(
+                "input {name}: datatype {:?} is not a KServe v2 datatype (BOOL, UINT8…UINT64, INT8…INT64, FP16, BF16, FP32, FP64, BYTES)",
+                input.datatype
+            ));
+        }
+        let size = input.parameters.as_ref().and_then(|p| p.binary_data_size);
+        match (size, &input.data) {
+            (Some(_), Some(_)) => {
+                return Err(format!(
+                    "input {name}: give `data` or parameters.binary_data_size, not both"
+                ))
+            }
+            (None, None) => return Err(format!("input {name}: no `data` and no parameters.binary_data_size")),
+            (Some(size), None) => {
+                if header_len.is_none() {
+                    return Err(format!(
+                        "input {name}: binary_data_size needs the {} header (the binary tensor data extension), giving the length of the JSON part",
+                        laneway_core::kserve::INFERENCE_HEADER
+                    ));
+                }
+                let end = usize::try_from(size)
+                    .ok()
+                    .and_then(|s| offset.checked_add(s))
+                    .filter(|e| *e <= rest.len());
+                let Some(end) = end else {
+                    return Err(format!(
+                        "input {name}: binary_data_size {size} runs past the body: {} bytes of binary data follow the JSON part",
+                        rest.len()
+                    ));
+                };
+                laneway_core::kserve::check_binary(name, &input.datatype, &input.shape, &rest[offset..end])?;
+                offset = end;
+            }
+            (None, Some(DataCount(n))) => {
+                let want = laneway_core::kserve::elements(name, &input.shape)?;
+                if *n != want {
+                    return Err(format!(
+                        "input {name}: `data` has {n} elements; shape {:?} is {want}",
+                        input.shape
+                    ));
+                }
+            }
+        }
+    }
+    if offset != rest.len() {
+        return Err(format!(
+            "the binary part is {} bytes; the inputs' binary_data_size add up to {offset}",
+            rest.len()
+        ));
+    }
+    Ok(InferBody { binary })
 }
 
 /// The request body, read now that the request's key was checked (within the router's limits

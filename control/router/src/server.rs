@@ -107,9 +107,15 @@ pub fn app(router: Arc<Router>) -> axum::Router {
     axum::Router::new()
         .route("/v2/health/live", get(|| async { StatusCode::OK }))
         .route("/v2/health/ready", get(ready))
+        .route("/v2", get(super::http::server_metadata))
         .route("/v2/models/{model}", get(metadata))
         .route("/v2/models/{model}/ready", get(model_ready))
         .route("/v2/models/{model}/infer", post(infer))
+        .route("/v2/models/{model}/versions/{version}", get(super::http::version_metadata))
+        .route("/v2/models/{model}/versions/{version}/ready", get(super::http::version_ready))
+        .route("/v2/models/{model}/versions/{version}/infer", post(super::http::infer_version))
+        .route("/v1/models", get(super::llm::models))
+        .route("/v1/models/{model}", get(super::llm::model))
         .route("/v1/chat/completions", post(super::llm::chat_completions))
         .route("/v1/completions", post(super::llm::completions))
         .route("/v1/jobs", post(super::jobs::post_job).get(super::jobs::list_jobs))
@@ -121,7 +127,7 @@ pub fn app(router: Arc<Router>) -> axum::Router {
         .fallback(|| async {
             error(
                 StatusCode::NOT_FOUND,
-                "no such path; the router serves POST /v2/models/{model}/infer, GET /v2/models/{model}, GET /v2/health/live|ready, language models at POST /v1/chat/completions and /v1/completions, jobs at POST|GET /v1/jobs, GET|DELETE /v1/jobs/{id}, GET /v1/jobs/{id}/result, and GET /metrics and /ui".into(),
+                "no such path; the router serves KServe v2 at GET /v2, GET /v2/health/live|ready, GET /v2/models/{model}[/versions/{version}][/ready] and POST /v2/models/{model}[/versions/{version}]/infer, language models at GET /v1/models[/{model}], POST /v1/chat/completions and /v1/completions, jobs at POST|GET /v1/jobs, GET|DELETE /v1/jobs/{id}, GET /v1/jobs/{id}/result, and GET /metrics and /ui (docs/protocols.md)".into(),
                 &Meta::default(),
             )
         })

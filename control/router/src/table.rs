@@ -41,6 +41,12 @@ pub struct ModelRoute {
     pub llm: Option<laneway_core::registry::LlmSpec>,
     /// The model that answers while this one has no healthy replica.
     pub fallback: Option<String>,
+    /// The tensors it takes and answers, as its model file declares them (KServe v2
+    /// metadata).
+    pub inputs: Vec<laneway_core::kserve::TensorSpec>,
+    pub outputs: Vec<laneway_core::kserve::TensorSpec>,
+    /// Its servers take binary tensors (the binary tensor data extension).
+    pub binary_tensors: bool,
 }
 
 impl ModelRoute {
@@ -177,6 +183,32 @@ pub struct Split {
 }
 
 impl Table {
+    /// The entry of `version` of the public model `name` (its first version's entry is named
+    /// `name`, later ones `name@version`).
+    pub fn version(&self, name: &str, version: &str) -> Option<Arc<ModelRoute>> {
+        self.models
+            .get(name)
+            .filter(|m| m.version == version && m.public == name)
+            .or_else(|| {
+                self.models
+                    .get(&laneway_core::registry::rollout::entry_key(name, version))
+                    .filter(|m| m.public == name)
+            })
+            .cloned()
+    }
+
+    /// The registered versions of the public model `name`, sorted.
+    pub fn versions(&self, name: &str) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .models
+            .values()
+            .filter(|m| m.public == name)
+            .map(|m| m.version.clone())
+            .collect();
+        v.sort();
+        v
+    }
+
     /// Where to send a copy of a request for `name`, when a shadow rollout draws it (and the
     /// new version has a ready replica).
     pub fn shadow(&self, name: &str) -> Option<Arc<ModelRoute>> {
@@ -353,6 +385,9 @@ pub fn build(fleet: &Fleet, registry: &Registry, previous: &Table) -> Table {
                     replicas: by_model.remove(m.name.as_str()).unwrap_or_default(),
                     llm: m.llm.clone(),
                     fallback: m.fallback.clone(),
+                    inputs: m.inputs.clone(),
+                    outputs: m.outputs.clone(),
+                    binary_tensors: m.runtime.binary_tensors,
                 }),
             ))
         })
@@ -424,6 +459,9 @@ impl ModelRoute {
             replicas: self.replicas.clone(),
             llm: self.llm.clone(),
             fallback: self.fallback.clone(),
+            inputs: self.inputs.clone(),
+            outputs: self.outputs.clone(),
+            binary_tensors: self.binary_tensors,
         }
     }
 }

@@ -302,6 +302,8 @@ mod tests {
         }
         for (name, class) in [("whisper", "speech"), ("wan", "video"), ("new", "speech")] {
             r.put_model(&Model {
+                inputs: Vec::new(),
+                outputs: Vec::new(),
                 fallback: None,
                 name: name.into(),
                 class: class.into(),

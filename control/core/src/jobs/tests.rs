@@ -455,6 +455,8 @@ fn durable_fleet(nodes: usize) -> AppState {
         .unwrap();
     s.registry
         .put_model(&Model {
+            inputs: Vec::new(),
+            outputs: Vec::new(),
             fallback: None,
             name: "wan-video".into(),
             class: "video".into(),

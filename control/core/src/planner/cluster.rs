@@ -204,6 +204,8 @@ mod tests {
 
     fn model(name: &str, class: &str, product: &str) -> Model {
         Model {
+            inputs: Vec::new(),
+            outputs: Vec::new(),
             fallback: None,
             name: name.into(),
             class: class.into(),

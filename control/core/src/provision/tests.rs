@@ -82,6 +82,8 @@ fn registry() -> Registry {
         tokens_per_s: None,
     };
     let model = |name: &str, class: &str, profiles: Vec<(&str, u32)>| Model {
+        inputs: Vec::new(),
+        outputs: Vec::new(),
         fallback: None,
         name: name.into(),
         class: class.into(),

@@ -54,6 +54,11 @@ pub struct Runtime {
     /// agents read it with every heartbeat.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub in_flight: Option<crate::runtime_spec::InFlightProbe>,
+    /// The server takes KServe v2 requests with binary tensors (Triton's binary tensor data
+    /// extension: Triton, MLServer, Laneway's simulator). Without it the router refuses such a
+    /// request with a 400 instead of sending the server bytes it cannot read.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub binary_tensors: bool,
 }
 
 fn default_health() -> String {
@@ -67,6 +72,7 @@ impl Default for Runtime {
             env: BTreeMap::new(),
             health_path: default_health(),
             in_flight: None,
+            binary_tensors: false,
         }
     }
 }
@@ -96,9 +102,21 @@ pub struct Model {
     /// healthy replica; the answer says so (`x-laneway-fallback`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fallback: Option<String>,
+    /// The tensors it takes (`[[inputs]]` name, datatype, shape), as `GET /v2/models/{m}`
+    /// reports them to clients.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub inputs: Vec<crate::kserve::TensorSpec>,
+    /// The tensors it answers (`[[outputs]]`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub outputs: Vec<crate::kserve::TensorSpec>,
 }
 
 impl Model {
+    /// Whether the entry uses what command format 11 added: tensor metadata, binary tensors.
+    pub fn declares_v2_signature(&self) -> bool {
+        !self.inputs.is_empty() || !self.outputs.is_empty() || self.runtime.binary_tensors
+    }
+
     /// The name clients use (and the model server serves).
     pub fn public_name(&self) -> &str {
         self.serves.as_deref().unwrap_or(&self.name)
@@ -172,6 +190,7 @@ impl Model {
             )
             .into());
         }
+        crate::kserve::validate_signature(&self.inputs, &self.outputs).map_err(|e| format!("model {n}: {e}"))?;
         if self.version.is_empty() || self.version.len() > 64 {
             return Err(format!("model {n}: version must be 1-64 characters").into());
         }

@@ -198,6 +198,8 @@ fn taints_and_tolerations_are_checked() {
 
 fn model(name: &str, class: &str) -> Model {
     Model {
+        inputs: Vec::new(),
+        outputs: Vec::new(),
         fallback: None,
         name: name.into(),
         class: class.into(),

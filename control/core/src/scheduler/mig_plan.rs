@@ -185,6 +185,8 @@ mod tests {
         })
         .unwrap();
         r.put_model(&Model {
+            inputs: Vec::new(),
+            outputs: Vec::new(),
             fallback: None,
             name: "whisper".into(),
             class: "speech".into(),

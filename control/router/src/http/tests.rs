@@ -14,19 +14,91 @@ use crate::server::{serve, HttpsSettings, RouterServer, RouterSettings};
 
 #[test]
 fn malformed_bodies_name_the_field() {
-    let e = check_body(b"{\"inputs\":[{\"name\":\"a\",\"shape\":\"x\",\"datatype\":\"FP32\",\"data\":[1]}]}")
-        .err()
-        .unwrap();
+    let json = HeaderMap::new();
+    let check = |b: &[u8]| check_body(b, &json).map(|_| ()).err().unwrap_or_default();
+    let e = check(b"{\"inputs\":[{\"name\":\"a\",\"shape\":\"x\",\"datatype\":\"FP32\",\"data\":[1]}]}");
     assert!(e.contains("inputs[0].shape"), "{e}");
-    let e = check_body(b"{}").err().unwrap();
-    assert!(e.contains("missing field `inputs`"), "{e}");
-    let e = check_body(b"{\"inputs\":[{\"name\":\"a\",\"shape\":[1],\"datatype\":\"FP32\"}]}")
+    assert!(check(b"{}").contains("missing field `inputs`"));
+    let e = check(b"{\"inputs\":[{\"name\":\"a\",\"shape\":[1],\"datatype\":\"FP32\"}]}");
+    assert!(e.contains("no `data`"), "{e}");
+    assert!(check(b"not json").contains("invalid inference request"));
+    assert_eq!(
+        check(b"{\"inputs\":[{\"name\":\"a\",\"shape\":[1],\"datatype\":\"FP32\",\"data\":[1]}]}"),
+        ""
+    );
+    // Shapes against data, nested or flat.
+    assert_eq!(
+        check(b"{\"inputs\":[{\"name\":\"a\",\"shape\":[2,2],\"datatype\":\"FP32\",\"data\":[[1,2],[3,4]]}]}"),
+        ""
+    );
+    let e = check(b"{\"inputs\":[{\"name\":\"a\",\"shape\":[2,2],\"datatype\":\"FP32\",\"data\":[1,2,3]}]}");
+    assert!(e.contains("3 elements; shape [2, 2] is 4"), "{e}");
+    let e = check(b"{\"inputs\":[{\"name\":\"a\",\"shape\":[1],\"datatype\":\"FLOAT\",\"data\":[1]}]}");
+    assert!(e.contains("not a KServe v2 datatype"), "{e}");
+}
+
+/// A request in the binary tensor data extension: its JSON part, then each tensor's bytes.
+fn binary_request(inputs: &[(&str, &str, Vec<i64>, Vec<u8>)]) -> (Vec<u8>, HeaderMap) {
+    let header = serde_json::json!({
+        "inputs": inputs.iter().map(|(name, dt, shape, bytes)| serde_json::json!({
+            "name": name, "datatype": dt, "shape": shape,
+            "parameters": {"binary_data_size": bytes.len()},
+        })).collect::<Vec<_>>(),
+        "parameters": {"binary_data_output": true},
+    })
+    .to_string();
+    let mut body = header.clone().into_bytes();
+    for (_, _, _, bytes) in inputs {
+        body.extend_from_slice(bytes);
+    }
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        laneway_core::kserve::INFERENCE_HEADER,
+        axum::http::HeaderValue::from(header.len()),
+    );
+    (body, headers)
+}
+
+#[test]
+fn binary_tensors_are_checked_against_their_declared_sizes() {
+    let fp32 = |xs: &[f32]| xs.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let (body, headers) = binary_request(&[
+        ("a", "FP32", vec![1, 2], fp32(&[1.0, 2.0])),
+        ("b", "INT8", vec![3], vec![1, 2, 3]),
+    ]);
+    assert!(check_body(&body, &headers).unwrap().binary.is_some());
+    // A tensor whose bytes are not its shape.
+    let (body, headers) = binary_request(&[("a", "FP32", vec![1, 3], fp32(&[1.0, 2.0]))]);
+    let e = check_body(&body, &headers).err().unwrap();
+    assert!(
+        e.contains("input a") && e.contains("8 bytes") && e.contains("= 12"),
+        "{e}"
+    );
+    // Bytes left over after the last tensor.
+    let (mut body, headers) = binary_request(&[("a", "FP32", vec![1], fp32(&[1.0]))]);
+    body.push(0);
+    let e = check_body(&body, &headers).err().unwrap();
+    assert!(e.contains("binary part is 5 bytes") && e.contains("add up to 4"), "{e}");
+    // A header longer than the body, and binary sizes without the header.
+    let (body, mut headers) = binary_request(&[("a", "FP32", vec![1], fp32(&[1.0]))]);
+    headers.insert(
+        laneway_core::kserve::INFERENCE_HEADER,
+        axum::http::HeaderValue::from(9999),
+    );
+    assert!(check_body(&body, &headers)
         .err()
-        .unwrap();
-    assert!(e.contains("data"), "{e}");
-    let e = check_body(b"not json").err().unwrap();
-    assert!(e.contains("invalid inference request"), "{e}");
-    assert!(check_body(b"{\"inputs\":[{\"name\":\"a\",\"shape\":[1],\"datatype\":\"FP32\",\"data\":[1]}]}").is_ok());
+        .unwrap()
+        .contains("length of the JSON part"));
+    let e = check_body(&body, &HeaderMap::new()).err().unwrap();
+    assert!(
+        e.contains("invalid inference request") || e.contains("needs the"),
+        "{e}"
+    );
+    headers.insert(
+        laneway_core::kserve::INFERENCE_HEADER,
+        axum::http::HeaderValue::from_static("x"),
+    );
+    assert!(check_body(&body, &headers).err().unwrap().contains("is not a length"));
 }
 
 /// A router whose table has `whisper` (tenant key `k`) on node n1's replicas at `replicas`.
@@ -868,9 +940,140 @@ async fn an_https_overflow_endpoint_is_verified_and_sent_its_key_from_the_enviro
 #[test]
 fn degrading_merges_parameters() {
     let params = [("resolution".to_string(), "512".to_string())].into();
-    let b = degrade(b"{\"inputs\":[],\"parameters\":{\"a\":1}}", &params).unwrap();
+    let (b, binary) = degrade(b"{\"inputs\":[],\"parameters\":{\"a\":1}}", None, &params).unwrap();
     let v: Value = serde_json::from_slice(&b).unwrap();
     assert_eq!(v["parameters"]["resolution"], "512");
     assert_eq!(v["parameters"]["a"], 1);
     assert_eq!(v["parameters"]["laneway_degraded"], true);
+    assert!(binary.is_none());
+    // A binary request: the JSON part changes, its length with it, the tensors do not.
+    let json = b"{\"inputs\":[]}";
+    let mut body = json.to_vec();
+    body.extend_from_slice(&[1, 2, 3, 4]);
+    let (b, binary) = degrade(&body, Some(&axum::http::HeaderValue::from(json.len())), &params).unwrap();
+    let len: usize = binary.unwrap().to_str().unwrap().parse().unwrap();
+    let v: Value = serde_json::from_slice(&b[..len]).unwrap();
+    assert_eq!(v["parameters"]["resolution"], "512");
+    assert_eq!(&b[len..], &[1, 2, 3, 4]);
+}
+
+/// A binary v2 request reaches a replica that declares the extension byte for byte, with its
+/// header, and the replica's binary answer comes back with its own; a model that does not
+/// declare it gets a 400 saying what to send; a pinned version is that version or a 404.
+#[tokio::test(flavor = "current_thread")]
+async fn binary_tensors_pass_through_unchanged_to_replicas_that_declare_them() {
+    type Seen = Arc<std::sync::Mutex<Vec<(Option<String>, Bytes)>>>;
+    let seen: Seen = Arc::default();
+    let answer_json =
+        br#"{"outputs":[{"name":"y","datatype":"INT8","shape":[2],"parameters":{"binary_data_size":2}}]}"#;
+    let replica = axum::Router::new().route(
+        "/v2/models/whisper/infer",
+        post({
+            let seen = seen.clone();
+            move |headers: HeaderMap, body: Bytes| async move {
+                let len = headers
+                    .get(laneway_core::kserve::INFERENCE_HEADER)
+                    .map(|v| v.to_str().unwrap().to_string());
+                seen.lock().unwrap().push((len, body));
+                let mut out = answer_json.to_vec();
+                out.extend_from_slice(&[7, 9]);
+                (
+                    [
+                        (laneway_core::kserve::INFERENCE_HEADER, answer_json.len().to_string()),
+                        ("content-type", "application/octet-stream".to_string()),
+                    ],
+                    out,
+                )
+            }
+        }),
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, replica).await });
+
+    let fp32 = [1.5f32, -2.0].iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let (body, headers) = binary_request(&[("audio", "FP32", vec![1, 2], fp32)]);
+    let send = |url: String, body: Vec<u8>, headers: HeaderMap| async move {
+        reqwest::Client::new()
+            .post(url)
+            .headers(headers)
+            .bearer_auth("k")
+            .body(body)
+            .send()
+            .await
+            .unwrap()
+    };
+
+    // A server that only reads JSON is never sent bytes it cannot read.
+    let (fleet, mut reg) = fixture_with_tenant();
+    reg.set_node_replicas("n1", &[ready("r1", "whisper", addr)]);
+    let server = serve_on_free_port(router_from(&fleet, &reg)).await;
+    let url = format!("http://{}/v2/models/whisper/infer", server.addr);
+    let r = send(url.clone(), body.clone(), headers.clone()).await;
+    assert_eq!(r.status(), 400);
+    let text = r.text().await.unwrap();
+    assert!(
+        text.contains("binary_tensors = true") && text.contains("binary_data=False"),
+        "{text}"
+    );
+    assert!(seen.lock().unwrap().is_empty());
+
+    // Declared: passed through as it came, and the answer as the replica gave it.
+    let whisper = reg.models.get_mut("whisper").unwrap();
+    whisper.runtime.binary_tensors = true;
+    whisper.inputs = vec![laneway_core::kserve::TensorSpec {
+        name: "audio".into(),
+        datatype: "FP32".into(),
+        shape: vec![-1, 2],
+    }];
+    let server = serve_on_free_port(router_from(&fleet, &reg)).await;
+    let base = format!("http://{}", server.addr);
+    let r = send(
+        format!("{base}/v2/models/whisper/versions/1/infer"),
+        body.clone(),
+        headers.clone(),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.headers()[laneway_core::kserve::INFERENCE_HEADER].to_str().unwrap(),
+        answer_json.len().to_string()
+    );
+    let answer = r.bytes().await.unwrap();
+    assert_eq!(&answer[answer_json.len()..], &[7, 9]);
+    let (len, forwarded) = seen.lock().unwrap().pop().unwrap();
+    assert_eq!(
+        forwarded,
+        Bytes::from(body.clone()),
+        "the body reached the replica unchanged"
+    );
+    assert_eq!(
+        len,
+        headers
+            .get(laneway_core::kserve::INFERENCE_HEADER)
+            .map(|v| v.to_str().unwrap().to_string())
+    );
+
+    // A version that is not registered, and the metadata clients read.
+    let r = send(format!("{base}/v2/models/whisper/versions/9/infer"), body, headers).await;
+    assert_eq!(r.status(), 404);
+    let text = r.text().await.unwrap();
+    assert!(
+        text.contains("no version \\\"9\\\"") && text.contains("[\\\"1\\\"]"),
+        "{text}"
+    );
+    let http = reqwest::Client::new();
+    let meta: serde_json::Value = http
+        .get(format!("{base}/v2/models/whisper/versions/1"))
+        .bearer_auth("k")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(meta["inputs"][0]["shape"], serde_json::json!([-1, 2]), "{meta}");
+    assert_eq!(meta["versions"], serde_json::json!(["1"]));
+    let server_meta: serde_json::Value = reqwest::get(format!("{base}/v2")).await.unwrap().json().await.unwrap();
+    assert_eq!(server_meta["extensions"], serde_json::json!(["binary_tensor_data"]));
 }

@@ -46,6 +46,8 @@ fn registry(floor: u32) -> Registry {
         tokens_per_s: None,
     };
     r.put_model(&Model {
+        inputs: Vec::new(),
+        outputs: Vec::new(),
         fallback: None,
         name: "whisper".into(),
         class: "speech".into(),

@@ -1,0 +1,255 @@
+//! The KServe Open Inference Protocol (v2) as far as Laneway checks it: the tensor metadata a
+//! model file declares, the protocol's datatypes and their sizes, and the layout of the binary
+//! tensor data extension (Triton's `binary_tensor_data`): a JSON header of
+//! `Inference-Header-Content-Length` bytes, then each binary tensor's bytes in the order of
+//! the tensors that name a `binary_data_size`.
+//!
+//! Pure functions: the router checks a request with them before it costs a replica slot, the
+//! simulated model server decodes with them.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// Request and response header of the binary extension: the length of the JSON part.
+pub const INFERENCE_HEADER: &str = "inference-header-content-length";
+
+/// Most tensors a model declares on each side.
+pub const MAX_TENSORS: usize = 64;
+/// Most dimensions of a tensor.
+pub const MAX_DIMS: usize = 16;
+
+/// A tensor of a model's signature, as `GET /v2/models/{m}` reports it. `-1` in `shape` is a
+/// dimension of any size (a batch, a sequence).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TensorSpec {
+    pub name: String,
+    pub datatype: String,
+    pub shape: Vec<i64>,
+}
+
+/// The protocol's datatypes and the bytes of one element (`None`: `BYTES`, each element a
+/// 4-byte little-endian length and that many bytes).
+pub fn element_bytes(datatype: &str) -> Option<Option<usize>> {
+    Some(match datatype {
+        "BOOL" | "UINT8" | "INT8" => Some(1),
+        "UINT16" | "INT16" | "FP16" | "BF16" => Some(2),
+        "UINT32" | "INT32" | "FP32" => Some(4),
+        "UINT64" | "INT64" | "FP64" => Some(8),
+        "BYTES" => None,
+        _ => return None,
+    })
+}
+
+const DATATYPES: &str = "BOOL, UINT8, UINT16, UINT32, UINT64, INT8, INT16, INT32, INT64, FP16, BF16, FP32, FP64, BYTES";
+
+impl TensorSpec {
+    /// Checks a declared tensor (`side`: `inputs` or `outputs`).
+    pub fn validate(&self, side: &str) -> Result<(), String> {
+        let n = &self.name;
+        if n.is_empty() || n.len() > 128 || n.chars().any(|c| c.is_control()) {
+            return Err(format!("{side}: tensor name {n:?}: give 1-128 printable characters"));
+        }
+        if element_bytes(&self.datatype).is_none() {
+            return Err(format!(
+                "{side}.{n}: datatype {:?} is not a KServe v2 datatype; use one of {DATATYPES}",
+                self.datatype
+            ));
+        }
+        if self.shape.len() > MAX_DIMS {
+            return Err(format!(
+                "{side}.{n}: {} dimensions; at most {MAX_DIMS}",
+                self.shape.len()
+            ));
+        }
+        if let Some(d) = self.shape.iter().find(|d| **d < -1) {
+            return Err(format!(
+                "{side}.{n}: dimension {d}; give a size of 0 or more, or -1 for any size"
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Checks a model's declared `inputs` and `outputs`: valid, at most [`MAX_TENSORS`] a side,
+/// names unique on each side.
+pub fn validate_signature(inputs: &[TensorSpec], outputs: &[TensorSpec]) -> Result<(), String> {
+    for (side, tensors) in [("inputs", inputs), ("outputs", outputs)] {
+        if tensors.len() > MAX_TENSORS {
+            return Err(format!("{} {side}; at most {MAX_TENSORS}", tensors.len()));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for t in tensors {
+            t.validate(side)?;
+            if !seen.insert(t.name.as_str()) {
+                return Err(format!("{side}: tensor {} is declared twice", t.name));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Elements of a tensor of a request's `shape` (every dimension given: no `-1`).
+pub fn elements(name: &str, shape: &[i64]) -> Result<u64, String> {
+    shape.iter().try_fold(1u64, |n, d| {
+        let d = u64::try_from(*d).map_err(|_| {
+            format!("input {name}: shape {shape:?} has a negative dimension; a request gives every dimension's size")
+        })?;
+        n.checked_mul(d)
+            .ok_or_else(|| format!("input {name}: shape {shape:?} is too large"))
+    })
+}
+
+/// Checks that `bytes` hold a whole tensor of `datatype` and `shape` in the binary layout.
+pub fn check_binary(name: &str, datatype: &str, shape: &[i64], bytes: &[u8]) -> Result<(), String> {
+    let n = elements(name, shape)?;
+    match element_bytes(datatype) {
+        None => Err(format!(
+            "input {name}: datatype {datatype:?} is not a KServe v2 datatype; use one of {DATATYPES}"
+        )),
+        Some(Some(size)) => {
+            let want = n.saturating_mul(size as u64);
+            if bytes.len() as u64 == want {
+                Ok(())
+            } else {
+                Err(format!(
+                    "input {name}: binary_data_size is {} bytes; {datatype} {shape:?} is {n} elements of {size} bytes = {want}",
+                    bytes.len()
+                ))
+            }
+        }
+        Some(None) => {
+            let mut rest = bytes;
+            let mut count = 0u64;
+            while !rest.is_empty() {
+                let Some((len, tail)) = rest.split_first_chunk::<4>() else {
+                    return Err(format!(
+                        "input {name}: BYTES element {count} is cut off in its 4-byte length"
+                    ));
+                };
+                let len = u32::from_le_bytes(*len) as usize;
+                if tail.len() < len {
+                    return Err(format!(
+                        "input {name}: BYTES element {count} says {len} bytes; {} are left",
+                        tail.len()
+                    ));
+                }
+                rest = &tail[len..];
+                count += 1;
+            }
+            if count == n {
+                Ok(())
+            } else {
+                Err(format!(
+                    "input {name}: {count} BYTES elements in its binary data; shape {shape:?} is {n}"
+                ))
+            }
+        }
+    }
+}
+
+/// The JSON header and the binary part of a request or answer whose
+/// `Inference-Header-Content-Length` is `header_len`.
+pub fn split_binary(body: &[u8], header_len: usize) -> Result<(&[u8], &[u8]), String> {
+    if header_len > body.len() {
+        return Err(format!(
+            "{INFERENCE_HEADER} is {header_len} but the body is {} bytes; it gives the length of the JSON part",
+            body.len()
+        ));
+    }
+    Ok(body.split_at(header_len))
+}
+
+/// The elements of a binary tensor as JSON values (numbers, booleans, or strings for BYTES
+/// that are UTF-8), as a server answering in JSON would give them; `None` for a datatype with
+/// no plain JSON form (FP16, BF16) or bytes that do not divide into elements.
+pub fn decode(datatype: &str, bytes: &[u8]) -> Option<Vec<Value>> {
+    fn each<const N: usize>(bytes: &[u8], f: impl Fn([u8; N]) -> Value) -> Option<Vec<Value>> {
+        let chunks = bytes.chunks_exact(N);
+        if !chunks.remainder().is_empty() {
+            return None;
+        }
+        Some(chunks.map(|c| f(c.try_into().expect("chunks of N"))).collect())
+    }
+    match datatype {
+        "BOOL" => each::<1>(bytes, |b| Value::Bool(b[0] != 0)),
+        "UINT8" => each::<1>(bytes, |b| Value::from(b[0])),
+        "INT8" => each::<1>(bytes, |b| Value::from(i8::from_le_bytes(b))),
+        "UINT16" => each::<2>(bytes, |b| Value::from(u16::from_le_bytes(b))),
+        "INT16" => each::<2>(bytes, |b| Value::from(i16::from_le_bytes(b))),
+        "UINT32" => each::<4>(bytes, |b| Value::from(u32::from_le_bytes(b))),
+        "INT32" => each::<4>(bytes, |b| Value::from(i32::from_le_bytes(b))),
+        "UINT64" => each::<8>(bytes, |b| Value::from(u64::from_le_bytes(b))),
+        "INT64" => each::<8>(bytes, |b| Value::from(i64::from_le_bytes(b))),
+        "FP32" => each::<4>(bytes, |b| Value::from(f64::from(f32::from_le_bytes(b)))),
+        "FP64" => each::<8>(bytes, |b| Value::from(f64::from_le_bytes(b))),
+        "BYTES" => {
+            let mut out = Vec::new();
+            let mut rest = bytes;
+            while let Some((len, tail)) = rest.split_first_chunk::<4>() {
+                let len = u32::from_le_bytes(*len) as usize;
+                let s = tail.get(..len)?;
+                out.push(Value::String(String::from_utf8_lossy(s).into_owned()));
+                rest = &tail[len..];
+            }
+            rest.is_empty().then_some(out)
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn binary_tensors_are_checked_by_datatype_and_shape() {
+        assert!(check_binary("x", "FP32", &[2, 2], &[0u8; 16]).is_ok());
+        let e = check_binary("x", "FP32", &[2, 2], &[0u8; 12]).unwrap_err();
+        assert!(e.contains("12 bytes") && e.contains("= 16"), "{e}");
+        let e = check_binary("x", "FP32", &[-1, 2], &[0u8; 8]).unwrap_err();
+        assert!(e.contains("negative dimension"), "{e}");
+        let mut two = Vec::new();
+        for s in ["ab", ""] {
+            two.extend_from_slice(&(s.len() as u32).to_le_bytes());
+            two.extend_from_slice(s.as_bytes());
+        }
+        assert!(check_binary("s", "BYTES", &[2], &two).is_ok());
+        assert!(check_binary("s", "BYTES", &[3], &two)
+            .unwrap_err()
+            .contains("2 BYTES elements"));
+        assert!(check_binary("s", "BYTES", &[1], &two[..5])
+            .unwrap_err()
+            .contains("says 2 bytes"));
+        assert_eq!(decode("BYTES", &two), Some(vec![Value::from("ab"), Value::from("")]));
+        assert!(check_binary("x", "FP8", &[1], &[0])
+            .unwrap_err()
+            .contains("not a KServe v2 datatype"));
+    }
+
+    #[test]
+    fn binary_decodes_little_endian_numbers() {
+        let bytes: Vec<u8> = [1.5f32, -2.0].iter().flat_map(|f| f.to_le_bytes()).collect();
+        assert_eq!(decode("FP32", &bytes), Some(vec![Value::from(1.5), Value::from(-2.0)]));
+        assert_eq!(decode("INT64", &7i64.to_le_bytes()), Some(vec![Value::from(7)]));
+        assert_eq!(decode("FP32", &[0, 0, 0]), None);
+        assert_eq!(decode("FP16", &[0, 0]), None);
+    }
+
+    #[test]
+    fn a_signature_is_checked_on_register() {
+        let t = |name: &str, datatype: &str, shape: Vec<i64>| TensorSpec {
+            name: name.into(),
+            datatype: datatype.into(),
+            shape,
+        };
+        assert!(validate_signature(&[t("x", "FP32", vec![-1, 4])], &[t("y", "INT64", vec![-1])]).is_ok());
+        let e = validate_signature(&[t("x", "FLOAT", vec![1])], &[]).unwrap_err();
+        assert!(e.contains("inputs.x") && e.contains("FP32"), "{e}");
+        let e = validate_signature(&[], &[t("y", "FP32", vec![1]), t("y", "FP32", vec![1])]).unwrap_err();
+        assert!(e.contains("declared twice"), "{e}");
+        let e = validate_signature(&[t("x", "FP32", vec![-2])], &[]).unwrap_err();
+        assert!(e.contains("-1 for any size"), "{e}");
+        assert!(split_binary(b"{}", 3).unwrap_err().contains("length of the JSON part"));
+    }
+}
