@@ -109,3 +109,49 @@ mod tests {
         assert_eq!(CommandResponse::default().refused(), None);
     }
 }
+
+#[cfg(test)]
+mod rollout_tests {
+    use super::*;
+    use crate::registry::rollout::{RolloutAction, RolloutRequest, Strategy};
+    use crate::registry::Model;
+
+    /// What an operator or an automation does next depends on the kind: retry later
+    /// (Conflict), name something else (NotFound), fix the request (Invalid).
+    #[test]
+    fn rollout_refusals_say_whether_to_wait_or_to_name_something_else() {
+        let (_, mut r) = crate::fixtures::test_fixture();
+        let request = |version: &str| RolloutRequest {
+            model: "whisper".into(),
+            version: version.into(),
+            strategy: Strategy::Canary,
+            steps: vec![5, 100],
+            bake_s: 60,
+            guards: Default::default(),
+        };
+        let e = request("2").rollout(&r, 0, "admin:test").unwrap_err();
+        assert!(matches!(e, Refused::NotFound(m) if m.contains("no version 2")));
+        let next = Model {
+            version: "2".into(),
+            ..r.models["whisper"].clone()
+        };
+        r.deploy_version(&next).unwrap();
+        let rollout = request("2").rollout(&r, 0, "admin:test").unwrap();
+        r.start_rollout(&rollout).unwrap();
+        // No replica of version 2 is ready: promoting must wait for them.
+        let e = r
+            .update_rollout("whisper", None, RolloutAction::Promote, 1, "op")
+            .unwrap_err();
+        assert!(matches!(e, Refused::Conflict(m) if m.contains("no ready replica yet")));
+        r.update_rollout("whisper", None, RolloutAction::Abort, 2, "op")
+            .unwrap();
+        let e = r
+            .update_rollout("whisper", None, RolloutAction::Resume, 3, "op")
+            .unwrap_err();
+        assert!(matches!(e, Refused::Conflict(m) if m.contains("has ended")));
+        let e = r
+            .update_rollout("sdxl", None, RolloutAction::Abort, 4, "op")
+            .unwrap_err();
+        assert!(matches!(e, Refused::NotFound(_)));
+    }
+}

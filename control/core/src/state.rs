@@ -287,10 +287,11 @@ impl AppState {
                 "no node {node_id}; `lanectl node list` shows the registered nodes"
             ))
         })?;
-        let record =
-            node.registration.gpus.iter().find(|g| g.uuid == gpu).ok_or_else(|| {
-                format!("node {node_id} has no GPU {gpu}; `lanectl node show {node_id}` lists its GPUs")
-            })?;
+        let record = node.registration.gpus.iter().find(|g| g.uuid == gpu).ok_or_else(|| {
+            Refused::NotFound(format!(
+                "node {node_id} has no GPU {gpu}; `lanectl node show {node_id}` lists its GPUs"
+            ))
+        })?;
         if !profiles.is_empty() {
             let mut geometry = crate::gpu::mig::Geometry::new();
             for p in profiles {

@@ -63,11 +63,17 @@ pub(super) async fn revoke_token(
                     .collect()
             });
             let [sha256] = matching.as_slice() else {
-                return Err(AdminError::InvalidArgument(format!(
+                let msg = format!(
                     "{} tokens have the id {id:?}; give the id `lanectl token list` shows",
                     matching.len()
-                ))
-                .into());
+                );
+                // None is a token not found; several is an id too short to say which.
+                let e = if matching.is_empty() {
+                    AdminError::NotFound(msg)
+                } else {
+                    AdminError::InvalidArgument(msg)
+                };
+                return Err(e.into());
             };
             Ok(Response::new(
                 admin.write(Command::RevokeToken { sha256: sha256.clone() }).await?,

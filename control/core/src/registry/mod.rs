@@ -316,11 +316,10 @@ impl Registry {
             )));
         }
         if serving != r.from {
-            return Err(format!(
+            return Err(Refused::Conflict(format!(
                 "{} is served by {serving}, not {}: start the rollout again",
                 r.model, r.from
-            )
-            .into());
+            )));
         }
         self.rollouts.insert(r.model.clone(), r.clone());
         Ok(())
@@ -343,12 +342,11 @@ impl Registry {
             )));
         };
         if !r.state.is_active() {
-            return Err(format!(
+            return Err(Refused::Conflict(format!(
                 "the rollout of {model} to version {} has ended ({}); start a new one",
                 r.to_version,
                 r.state.as_str()
-            )
-            .into());
+            )));
         }
         if expect_step.is_some_and(|s| s != r.step) {
             return Err(Refused::Conflict(format!(
@@ -364,19 +362,19 @@ impl Registry {
                 r.step_started_ms = at_ms;
             }
             RolloutAction::Advance => {
-                return Err(format!(
+                return Err(Refused::Conflict(format!(
                     "the rollout of {model} cannot advance now ({})",
                     r.state.as_str()
-                ).into())
+                )))
             }
             // A shadow moves no traffic: promoting it ends the comparison as passed.
             RolloutAction::Promote if r.strategy == rollout::Strategy::Shadow => r.state = RolloutState::Passed,
             // A promotion needs a ready replica of the new version.
             RolloutAction::Promote if ready_replicas(replicas, &r.to) == 0 => {
-                return Err(format!(
+                return Err(Refused::Conflict(format!(
                     "version {} of {model} has no ready replica yet: promoting now would send every request to nothing; wait for its replicas (`lanectl rollout status {model}`) or abort",
                     r.to_version
-                ).into())
+                )))
             }
             RolloutAction::Promote => {
                 r.state = RolloutState::Promoted;
@@ -413,10 +411,9 @@ impl Registry {
                     .values()
                     .any(|o| o.public_name() == public && o.name != name)
             {
-                return Err(format!(
+                return Err(Refused::Conflict(format!(
                     "{name} serves {public} while other versions exist; roll out another version first"
-                )
-                .into());
+                )));
             }
             if self
                 .active_rollout(public)

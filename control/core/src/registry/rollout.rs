@@ -268,10 +268,10 @@ impl RolloutRequest {
             )));
         };
         let to = registry.version_entry(&self.model, &self.version).ok_or_else(|| {
-            format!(
+            Refused::NotFound(format!(
                 "no version {} of {} is deployed; `lanectl model deploy FILE` deploys it first",
                 self.version, self.model
-            )
+            ))
         })?;
         let mut r = Rollout {
             model: self.model.clone(),
