@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use crate::ledger::{Usage, UsageReport};
 
 /// One request as the router saw it; the meter's raw material.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct RequestRecord {
     pub request_id: String,
     pub unix_ms: u64,

@@ -63,9 +63,23 @@ impl ClassCache {
 
     /// The key of `body` (an inference request to the API `api`: the KServe path or an
     /// OpenAI-compatible one, whose answers differ in form) for `entry@version` from `tenant`;
-    /// `None` when the body is not JSON (it is then neither looked up nor kept).
-    pub fn key(&self, entry: &str, version: &str, api: &str, tenant: &str, body: &[u8]) -> Option<Key> {
-        let value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    /// `None` when the body is not JSON (it is then neither looked up nor kept). A binary
+    /// KServe request (`json_len`: its JSON part's length) is keyed by its JSON part, canonical,
+    /// and every byte of its tensors.
+    pub fn key(
+        &self,
+        entry: &str,
+        version: &str,
+        api: &str,
+        tenant: &str,
+        body: &[u8],
+        json_len: Option<usize>,
+    ) -> Option<Key> {
+        let (json, tensors) = match json_len {
+            Some(n) => (body.get(..n)?, Some(&body[n..])),
+            None => (body, None),
+        };
+        let value: serde_json::Value = serde_json::from_slice(json).ok()?;
         // serde_json's map is ordered by key: this is the canonical form.
         let canonical = serde_json::to_vec(&value).ok()?;
         let mut h = Sha256::new();
@@ -79,6 +93,11 @@ impl ClassCache {
             h.update(part);
         }
         h.update(&canonical);
+        if let Some(t) = tensors {
+            h.update(b"\0binary");
+            h.update((t.len() as u64).to_le_bytes());
+            h.update(t);
+        }
         Some(h.finalize().into())
     }
 
@@ -114,32 +133,49 @@ mod tests {
     #[test]
     fn keys_are_canonical_scoped_to_the_tenant_and_the_version() {
         let c = cache(false);
-        let a = c.key("m", "1", "infer", "t1", br#"{"b":1,"a":[1,2]}"#).unwrap();
+        let a = c.key("m", "1", "infer", "t1", br#"{"b":1,"a":[1,2]}"#, None).unwrap();
         assert_eq!(
             Some(a),
-            c.key("m", "1", "infer", "t1", br#"{ "a": [1, 2], "b": 1 }"#),
+            c.key("m", "1", "infer", "t1", br#"{ "a": [1, 2], "b": 1 }"#, None),
             "key order and spaces do not matter"
         );
         assert_ne!(
             Some(a),
-            c.key("m", "1", "infer", "t2", br#"{"b":1,"a":[1,2]}"#),
+            c.key("m", "1", "infer", "t2", br#"{"b":1,"a":[1,2]}"#, None),
             "another tenant"
         );
         assert_ne!(
             Some(a),
-            c.key("m", "2", "infer", "t1", br#"{"b":1,"a":[1,2]}"#),
+            c.key("m", "2", "infer", "t1", br#"{"b":1,"a":[1,2]}"#, None),
             "another version"
         );
         assert_ne!(
             Some(a),
-            c.key("m", "1", "infer", "t1", br#"{"b":1,"a":[2,1]}"#),
+            c.key("m", "1", "infer", "t1", br#"{"b":1,"a":[2,1]}"#, None),
             "another input"
         );
-        assert!(c.key("m", "1", "infer", "t1", b"not json").is_none());
+        assert!(c.key("m", "1", "infer", "t1", b"not json", None).is_none());
+        // A binary request: the same JSON part with other tensor bytes is another input, even
+        // bytes JSON would read as whitespace.
+        let json = br#"{"inputs":[]}"#;
+        let with = |tensor: &[u8]| [&json[..], tensor].concat();
+        let spaces = c
+            .key("m", "1", "infer", "t1", &with(b"    "), Some(json.len()))
+            .unwrap();
+        let tabs = c
+            .key("m", "1", "infer", "t1", &with(b"\t\t\t\t"), Some(json.len()))
+            .unwrap();
+        assert_ne!(spaces, tabs, "tensor bytes are part of the key");
+        assert_ne!(
+            Some(spaces),
+            c.key("m", "1", "infer", "t1", json, None),
+            "binary is not JSON"
+        );
+        assert!(c.key("m", "1", "infer", "t1", json, Some(99)).is_none());
         let s = cache(true);
         assert_eq!(
-            s.key("m", "1", "infer", "t1", b"{}"),
-            s.key("m", "1", "infer", "t2", b"{}"),
+            s.key("m", "1", "infer", "t1", b"{}", None),
+            s.key("m", "1", "infer", "t2", b"{}", None),
             "shared across tenants"
         );
     }
@@ -147,7 +183,7 @@ mod tests {
     #[test]
     fn only_successful_answers_are_kept() {
         let c = cache(false);
-        let k = c.key("m", "1", "infer", "t", b"{}").unwrap();
+        let k = c.key("m", "1", "infer", "t", b"{}", None).unwrap();
         let answer = |status| Cached {
             binary: None,
             status,

@@ -48,6 +48,28 @@ pub struct Flight {
     tenant_hold: Option<TenantGuard>,
     /// Tokens taken from the tenant's minute: given back when the request is refused.
     tokens: u32,
+    /// Recorded: by [`Flight::close`], or on drop as a request its client left (499).
+    ended: bool,
+}
+
+impl Drop for Flight {
+    /// A flight dropped before it ended is a request whose client went away while it was
+    /// queued or at a replica (its handler's future was dropped): recorded as nginx's 499, its
+    /// tokens given back to the tenant's minute, its holds let go.
+    fn drop(&mut self) {
+        if self.ended {
+            return;
+        }
+        if self.tokens > 0 {
+            self.router.refund_tokens(&self.tenant, &self.route.class, self.tokens);
+        }
+        drop(self.tenant_hold.take());
+        self.record.status = 499;
+        if self.record.queue_ms == 0.0 {
+            self.record.queue_ms = self.arrived.elapsed().as_secs_f64() * 1000.0;
+        }
+        self.router.record(std::mem::take(&mut self.record));
+    }
 }
 
 /// What a replica was sent, for [`Flight::forward`]: the outcome, the slot it came from (a
@@ -92,7 +114,13 @@ impl Flight {
             binary: None,
             tenant_hold: None,
             tokens: 0,
+            ended: false,
         }
+    }
+
+    /// A binary request's JSON part length (the validated `Inference-Header-Content-Length`).
+    pub fn binary_len(&self) -> Option<usize> {
+        self.binary.as_ref()?.to_str().ok()?.parse().ok()
     }
 
     /// When the lane's request timeout runs out.
@@ -109,9 +137,10 @@ impl Flight {
 
     /// Records the request with the status already in its record (a stream that ended).
     pub fn close(mut self) {
+        self.ended = true;
         drop(self.tenant_hold.take());
         self.router.llm_stats.finished(&self.record, Instant::now());
-        self.router.record(self.record);
+        self.router.record(std::mem::take(&mut self.record));
     }
 
     /// The class's cached answer to this input (`body`, for `api`), if it has a cache and the
@@ -126,7 +155,8 @@ impl Flight {
         let bypass = headers
             .get(super::cache::CACHE_HEADER)
             .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(super::cache::BYPASS.as_bytes()));
-        let Some(key) = cache.key(&route.name, &route.version, api, &flight.tenant.name, body) else {
+        let json_len = flight.binary_len();
+        let Some(key) = cache.key(&route.name, &route.version, api, &flight.tenant.name, body, json_len) else {
             return Ok(flight);
         };
         let Some(hit) = cache.get(&key).filter(|_| !bypass) else {

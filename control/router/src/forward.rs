@@ -282,6 +282,10 @@ impl Router {
         let Some(shadow) = table.shadow(&route.public) else {
             return;
         };
+        // A binary request goes only to a version whose servers read binary tensors.
+        if binary.is_some() && !shadow.binary_tensors {
+            return;
+        }
         let Some(slot) = self.pick(&shadow, None, Instant::now()) else {
             return;
         };

@@ -62,7 +62,7 @@ pub fn cache_key(data: &[u8]) {
         max_mib: 1,
         shared: false,
     });
-    let Some(key) = cache.key("m", "1", "kserve", "t", data) else {
+    let Some(key) = cache.key("m", "1", "kserve", "t", data, None) else {
         return;
     };
     let value: serde_json::Value = serde_json::from_slice(data).expect("the key was made from JSON");
@@ -70,13 +70,13 @@ pub fn cache_key(data: &[u8]) {
     let again: serde_json::Value = serde_json::from_slice(&pretty).expect("re-encoded JSON parses");
     if again == value {
         assert_eq!(
-            cache.key("m", "1", "kserve", "t", &pretty),
+            cache.key("m", "1", "kserve", "t", &pretty, None),
             Some(key),
             "the key is not canonical"
         );
     }
     assert_ne!(
-        cache.key("m", "1", "kserve", "u", data),
+        cache.key("m", "1", "kserve", "u", data, None),
         Some(key),
         "tenants share a key"
     );

@@ -279,12 +279,7 @@ async fn serve_infer(
 /// The steps after reading, for a KServe v2 request: cache, tenant, lane (or overflow), the
 /// replica (hedged, retried elsewhere when never reached); the answer passed on whole.
 async fn serve_flight(flight: Flight, headers: &HeaderMap, body: Bytes) -> Result<Response, Response> {
-    // The same bytes split at another length are another request.
-    let api = match &flight.binary {
-        None => std::borrow::Cow::Borrowed("infer"),
-        Some(len) => std::borrow::Cow::Owned(format!("infer;binary={}", len.to_str().unwrap_or_default())),
-    };
-    let flight = flight.from_cache(headers, &body, &api)?.admit_tenant()?;
+    let flight = flight.from_cache(headers, &body, "infer")?.admit_tenant()?;
     let over = Overflowing {
         path: None,
         stream: false,

@@ -52,7 +52,9 @@ pub(super) async fn models(State(router): State<Arc<Router>>, headers: HeaderMap
     let mut names: Vec<&str> = table
         .models
         .values()
-        .filter(|m| m.llm.is_some())
+        // Durable classes take jobs, not completions: listing them would offer a model that
+        // always answers 400.
+        .filter(|m| m.llm.is_some() && m.class.lane != LaneKind::Durable)
         .map(|m| m.public.as_str())
         .collect();
     names.sort_unstable();
@@ -74,7 +76,10 @@ pub(super) async fn model(
     if let Err(r) = openai_key(&table, &headers) {
         return r;
     }
-    match table.route(&model, 0).filter(|r| r.llm.is_some()) {
+    match table
+        .route(&model, 0)
+        .filter(|r| r.llm.is_some() && r.class.lane != LaneKind::Durable)
+    {
         Some(r) => axum::Json(openai_model(&r.public)).into_response(),
         None => openai_error(
             StatusCode::NOT_FOUND,

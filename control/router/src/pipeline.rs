@@ -209,13 +209,13 @@ pub struct InferBody {
 /// Checks a v2 request `body` whose `Inference-Header-Content-Length` (the binary tensor data
 /// extension) is in `headers` or absent; says what is wrong and how to send it instead.
 pub fn check_body(body: &[u8], headers: &HeaderMap) -> Result<InferBody, String> {
-    let binary = headers.get(laneway_core::kserve::INFERENCE_HEADER).cloned();
-    let header_len = match &binary {
+    let header_len = match headers.get(laneway_core::kserve::INFERENCE_HEADER) {
         None => None,
         Some(v) => Some(
             v.to_str()
                 .ok()
-                .and_then(|v| v.trim().parse::<usize>().ok())
+                .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|v| v.parse::<usize>().ok())
                 .ok_or_else(|| {
                     format!(
                         "{}: {v:?} is not a length; it gives the bytes of the JSON part of a binary request",
@@ -224,6 +224,8 @@ pub fn check_body(body: &[u8], headers: &HeaderMap) -> Result<InferBody, String>
                 })?,
         ),
     };
+    // What goes on to the replica is the length as checked here, in one form.
+    let binary = header_len.map(HeaderValue::from);
     let (json, rest) = match header_len {
         Some(n) => laneway_core::kserve::split_binary(body, n)?,
         None => (body, &[][..]),

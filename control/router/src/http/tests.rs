@@ -1077,3 +1077,45 @@ async fn binary_tensors_pass_through_unchanged_to_replicas_that_declare_them() {
     let server_meta: serde_json::Value = reqwest::get(format!("{base}/v2")).await.unwrap().json().await.unwrap();
     assert_eq!(server_meta["extensions"], serde_json::json!(["binary_tensor_data"]));
 }
+
+/// A client that gives up while its request is at a replica is still metered: recorded once,
+/// as nginx's 499, and its slot freed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_client_leaves_is_recorded_as_499() {
+    let replica = axum::Router::new().route(
+        "/v2/models/whisper/infer",
+        post(|| async {
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            "late"
+        }),
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, replica).await });
+    let router = router_with(&[("r1", addr)]);
+    let server = serve_on_free_port(router.clone()).await;
+    let gave_up = reqwest::Client::new()
+        .post(format!("http://{}/v2/models/whisper/infer", server.addr))
+        .bearer_auth("k")
+        .timeout(Duration::from_millis(300))
+        .body(r#"{"inputs":[{"name":"a","shape":[1],"datatype":"FP32","data":[1]}]}"#)
+        .send()
+        .await;
+    assert!(gave_up.is_err());
+    let mut recorded = Vec::new();
+    for _ in 0..100 {
+        recorded = router.recent(None, 10);
+        if !recorded.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(recorded.len(), 1, "recorded once: {recorded:?}");
+    assert_eq!(recorded[0].status, 499, "{:?}", recorded[0]);
+    assert_eq!(
+        router.table().models["whisper"].replicas[0].load(),
+        0,
+        "the slot is free"
+    );
+    server.stop().await;
+}
