@@ -47,19 +47,19 @@ pub async fn server_metadata() -> Response {
     .into_response()
 }
 
-/// `GET /v2/models/{model}`: the model's name, its registered versions, and the tensors its
-/// model file declares; Laneway adds its class, lane and ready replicas.
-pub async fn metadata(State(router): State<Arc<Router>>, Path(model): Path<String>, headers: HeaderMap) -> Response {
-    model_metadata(&router, &model, None, &headers)
+/// A model path's parameters: `/v2/models/{model}[/versions/{version}]…`.
+#[derive(serde::Deserialize)]
+pub struct ModelPath {
+    model: String,
+    /// A pinned version (that entry only: no fallback, no rollout split).
+    #[serde(default)]
+    version: Option<String>,
 }
 
-/// `GET /v2/models/{model}/versions/{version}`.
-pub async fn version_metadata(
-    State(router): State<Arc<Router>>,
-    Path((model, version)): Path<(String, String)>,
-    headers: HeaderMap,
-) -> Response {
-    model_metadata(&router, &model, Some(&version), &headers)
+/// `GET /v2/models/{model}[/versions/{version}]`: the model's name, its registered versions,
+/// and the tensors its model file declares; Laneway adds its class, lane and ready replicas.
+pub async fn metadata(State(router): State<Arc<Router>>, Path(p): Path<ModelPath>, headers: HeaderMap) -> Response {
+    model_metadata(&router, &p.model, p.version.as_deref(), &headers)
 }
 
 fn model_metadata(router: &Router, model: &str, version: Option<&str>, headers: &HeaderMap) -> Response {
@@ -86,18 +86,9 @@ fn model_metadata(router: &Router, model: &str, version: Option<&str>, headers: 
     r
 }
 
-/// `GET /v2/models/{model}/ready`: 200 when a replica is ready.
-pub async fn model_ready(State(router): State<Arc<Router>>, Path(model): Path<String>, headers: HeaderMap) -> Response {
-    ready_answer(&router, &model, None, &headers)
-}
-
-/// `GET /v2/models/{model}/versions/{version}/ready`.
-pub async fn version_ready(
-    State(router): State<Arc<Router>>,
-    Path((model, version)): Path<(String, String)>,
-    headers: HeaderMap,
-) -> Response {
-    ready_answer(&router, &model, Some(&version), &headers)
+/// `GET /v2/models/{model}[/versions/{version}]/ready`: 200 when a replica is ready.
+pub async fn model_ready(State(router): State<Arc<Router>>, Path(p): Path<ModelPath>, headers: HeaderMap) -> Response {
+    ready_answer(&router, &p.model, p.version.as_deref(), &headers)
 }
 
 fn ready_answer(router: &Router, model: &str, version: Option<&str>, headers: &HeaderMap) -> Response {
@@ -150,26 +141,16 @@ fn degrade(
     Ok((Bytes::from(out), binary))
 }
 
-/// `POST /v2/models/{model}/infer`, in a span that continues the client's W3C trace and that
+/// `POST /v2/models/{model}[/versions/{version}]/infer` (a pinned version: that entry only, no
+/// fallback and no rollout split), in a span that continues the client's W3C trace and that
 /// the dispatch to the replica continues (exported when traces are configured).
 pub async fn infer(
     State(router): State<Arc<Router>>,
-    Path(model): Path<String>,
+    Path(p): Path<ModelPath>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    infer_traced(router, model, None, headers, body).await
-}
-
-/// `POST /v2/models/{model}/versions/{version}/infer`: that version only (no fallback, no
-/// rollout split).
-pub async fn infer_version(
-    State(router): State<Arc<Router>>,
-    Path((model, version)): Path<(String, String)>,
-    headers: HeaderMap,
-    body: Body,
-) -> Response {
-    infer_traced(router, model, Some(version), headers, body).await
+    infer_traced(router, p.model, p.version, headers, body).await
 }
 
 async fn infer_traced(
