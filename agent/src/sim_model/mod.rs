@@ -298,11 +298,7 @@ async fn infer(
     // The binary tensor data extension: a JSON part of the header's length, then the tensors.
     let (json_part, tensors) = match headers.get(laneway_core::kserve::INFERENCE_HEADER) {
         None => (&body[..], &[][..]),
-        Some(v) => match v
-            .to_str()
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .ok_or_else(|| "the Inference-Header-Content-Length header is not a length".to_string())
+        Some(v) => match laneway_core::kserve::json_part_len(v.as_bytes())
             .and_then(|n| laneway_core::kserve::split_binary(&body, n))
         {
             Ok(split) => split,

@@ -148,6 +148,21 @@ pub fn check_binary(name: &str, datatype: &str, shape: &[i64], bytes: &[u8]) -> 
     }
 }
 
+/// The JSON part's length an `Inference-Header-Content-Length` value gives: plain decimal
+/// digits, nothing else (so every reader of the body splits it at the same place).
+pub fn json_part_len(value: &[u8]) -> Result<usize, String> {
+    std::str::from_utf8(value)
+        .ok()
+        .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| {
+            format!(
+                "{INFERENCE_HEADER}: {:?} is not a length; it gives the bytes of the JSON part of a binary request",
+                String::from_utf8_lossy(value)
+            )
+        })
+}
+
 /// The JSON header and the binary part of a request or answer whose
 /// `Inference-Header-Content-Length` is `header_len`.
 pub fn split_binary(body: &[u8], header_len: usize) -> Result<(&[u8], &[u8]), String> {

@@ -41,9 +41,9 @@ pub struct Flight {
     /// it, so a slow upload spends neither.
     pub arrived: Instant,
     pub traceparent: Option<HeaderValue>,
-    /// A binary KServe v2 request's `Inference-Header-Content-Length` (its JSON part's
-    /// length), sent on with it.
-    pub binary: Option<HeaderValue>,
+    /// A binary KServe v2 request's JSON part (its length, sent on in
+    /// `Inference-Header-Content-Length`).
+    pub binary: Option<super::pipeline::BinaryPart>,
     /// The tenant's hold on its concurrency ceiling, let go when the request ends.
     tenant_hold: Option<TenantGuard>,
     /// Tokens taken from the tenant's minute: given back when the request is refused.
@@ -82,13 +82,12 @@ pub struct Sent<T> {
 
 /// Where a request the lane has no capacity for goes on its overflow endpoint, and how.
 pub struct Overflowing<'a> {
-    /// The path on the endpoint, the protocol's own: an OpenAI path (`/v1/chat/completions`),
-    /// or none for the KServe v2 infer path of the request's model.
+    /// The path on the endpoint, the protocol's own: an OpenAI path (`/v1/chat/completions`,
+    /// whose answer's `usage` is metered), or none for the KServe v2 infer path of the
+    /// request's model.
     pub path: Option<&'a str>,
     /// A stream is passed through as it comes, holding the endpoint's slot until it ends.
     pub stream: bool,
-    /// The answer carries OpenAI's `usage` (its tokens are metered).
-    pub usage: bool,
 }
 
 impl Flight {
@@ -116,11 +115,6 @@ impl Flight {
             tokens: 0,
             ended: false,
         }
-    }
-
-    /// A binary request's JSON part length (the validated `Inference-Header-Content-Length`).
-    pub fn binary_len(&self) -> Option<usize> {
-        self.binary.as_ref()?.to_str().ok()?.parse().ok()
     }
 
     /// When the lane's request timeout runs out.
@@ -155,7 +149,7 @@ impl Flight {
         let bypass = headers
             .get(super::cache::CACHE_HEADER)
             .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(super::cache::BYPASS.as_bytes()));
-        let json_len = flight.binary_len();
+        let json_len = flight.binary.as_ref().map(|b| b.len);
         let Some(key) = cache.key(&route.name, &route.version, api, &flight.tenant.name, body, json_len) else {
             return Ok(flight);
         };
@@ -277,7 +271,7 @@ impl Flight {
             request_id: &self.meta.request_id,
             traceparent: self.traceparent.as_ref(),
             authorization,
-            binary: self.binary.as_ref(),
+            binary: self.binary.as_ref().map(|b| &b.header),
         };
         let left = deadline.saturating_duration_since(started);
         let head = router.send_head(client, out, body.clone(), left).await;
@@ -313,7 +307,7 @@ impl Flight {
             drop(slot);
             match read {
                 Ok(Ok(bytes)) => {
-                    if let Some((input, output, _)) = over.usage.then(|| super::sse::answer_usage(&bytes)).flatten() {
+                    if let Some((input, output, _)) = over.path.and_then(|_| super::sse::answer_usage(&bytes)) {
                         (self.record.input_tokens, self.record.output_tokens) = (input, output);
                     }
                     Body::from(bytes)
@@ -418,7 +412,7 @@ impl Flight {
     ) -> Sent<Forwarded> {
         let (router, route) = (&self.router, &self.route);
         let request_id = self.meta.request_id.as_str();
-        let sending = (self.traceparent.as_ref(), self.binary.as_ref());
+        let (traceparent, binary) = (self.traceparent.as_ref(), self.binary.as_ref().map(|b| &b.header));
         let started = Instant::now();
         let left = self.deadline().saturating_duration_since(started);
         let after = hedge.after_ms.as_duration();
@@ -429,7 +423,7 @@ impl Flight {
         };
         // The sends borrow their own handle on the slot, so the guard can be handed back.
         let first_slot = guard.slot.clone();
-        let first = router.forward(&first_slot, body.clone(), request_id, sending, left);
+        let first = router.forward(&first_slot, body.clone(), request_id, traceparent, binary, left);
         tokio::pin!(first);
         // A copy needs the time to be answered: the delay and then the fastest replica's service.
         if left <= after + route.min_service().unwrap_or_default() {
@@ -448,7 +442,7 @@ impl Flight {
         let second_guard = SlotGuard::new(other, route.lane.clone());
         let second_slot = second_guard.slot.clone();
         let left = left.saturating_sub(started.elapsed());
-        let second = router.forward(&second_slot, body.clone(), request_id, sending, left);
+        let second = router.forward(&second_slot, body.clone(), request_id, traceparent, binary, left);
         tokio::pin!(second);
         let good = |r: &Result<Forwarded, ForwardError>| r.as_ref().is_ok_and(|f| !super::fails_replica(f.status));
         let copied = |outcome, guard| Sent {

@@ -42,7 +42,8 @@ impl Router {
         slot: &ReplicaSlot,
         body: Bytes,
         request_id: &str,
-        (traceparent, binary): (Option<&HeaderValue>, Option<&HeaderValue>),
+        traceparent: Option<&HeaderValue>,
+        binary: Option<&HeaderValue>,
         timeout: Duration,
     ) -> Result<Forwarded, ForwardError> {
         let out = Outbound {
@@ -309,7 +310,7 @@ impl Router {
             let r = match completion {
                 None => {
                     router
-                        .forward(slot, body, &record.request_id, (None, binary.as_ref()), timeout)
+                        .forward(slot, body, &record.request_id, None, binary.as_ref(), timeout)
                         .await
                 }
                 Some(endpoint) => {

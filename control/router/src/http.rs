@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use bytes::Bytes;
@@ -15,7 +15,7 @@ use tokio::time::Instant;
 
 use super::answer::{error, request_id, stamp, Meta};
 use super::flight::{Flight, Overflowing, Sent};
-use super::pipeline::{authenticate, check_body, healthy_or_fallback, lookup, read_body};
+use super::pipeline::{authenticate, check_body, healthy_or_fallback, lookup, read_body, BinaryPart};
 use super::table::ModelRoute;
 use super::{Admitted, Router};
 
@@ -112,18 +112,10 @@ fn ready_answer(router: &Router, model: &str, version: Option<&str>, headers: &H
 /// binary request, whose new length it returns with it).
 fn degrade(
     body: &[u8],
-    binary: Option<&HeaderValue>,
+    binary: Option<&BinaryPart>,
     params: &std::collections::BTreeMap<String, String>,
-) -> Result<(Bytes, Option<HeaderValue>), String> {
-    let json_len = match binary {
-        None => body.len(),
-        Some(v) => v
-            .to_str()
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .ok_or("checked above")?,
-    };
-    let (json, tensors) = laneway_core::kserve::split_binary(body, json_len)?;
+) -> Result<(Bytes, Option<BinaryPart>), String> {
+    let (json, tensors) = laneway_core::kserve::split_binary(body, binary.map_or(body.len(), |b| b.len))?;
     let mut v: Value = serde_json::from_slice(json).map_err(|e| e.to_string())?;
     let obj = v.as_object_mut().ok_or("the body is not a JSON object")?;
     let p = obj
@@ -136,7 +128,7 @@ fn degrade(
         p.insert("laneway_degraded".into(), Value::Bool(true));
     }
     let mut out = serde_json::to_vec(&v).map_err(|e| e.to_string())?;
-    let binary = binary.map(|_| HeaderValue::from(out.len()));
+    let binary = binary.map(|_| BinaryPart::new(out.len()));
     out.extend_from_slice(tensors);
     Ok((Bytes::from(out), binary))
 }
@@ -146,17 +138,7 @@ fn degrade(
 /// the dispatch to the replica continues (exported when traces are configured).
 pub async fn infer(
     State(router): State<Arc<Router>>,
-    Path(p): Path<ModelPath>,
-    headers: HeaderMap,
-    body: Body,
-) -> Response {
-    infer_traced(router, p.model, p.version, headers, body).await
-}
-
-async fn infer_traced(
-    router: Arc<Router>,
-    model: String,
-    version: Option<String>,
+    Path(ModelPath { model, version }): Path<ModelPath>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
@@ -224,7 +206,7 @@ async fn serve_infer(
     // here: a slow upload does not spend them.
     let arrived = Instant::now();
     let binary = match check_body(&body, &headers) {
-        Ok(b) => b.binary,
+        Ok(b) => b,
         Err(msg) => return error(StatusCode::BAD_REQUEST, msg, &meta),
     };
     if binary.is_some() && !route.binary_tensors {
@@ -264,11 +246,10 @@ async fn serve_flight(flight: Flight, headers: &HeaderMap, body: Bytes) -> Resul
     let over = Overflowing {
         path: None,
         stream: false,
-        usage: false,
     };
     let (mut flight, admitted) = flight.acquire(None, &body, over).await?;
     let shadow = crate::forward::Mirrored::Infer {
-        binary: flight.binary.as_ref(),
+        binary: flight.binary.as_ref().map(|b| &b.header),
     };
     flight
         .router
@@ -305,9 +286,16 @@ async fn serve_flight(flight: Flight, headers: &HeaderMap, body: Bytes) -> Resul
                     Some(hedge) => f.hedged(guard, body, hedge).await,
                     None => {
                         let left = f.deadline().saturating_duration_since(Instant::now());
-                        let sending = (f.traceparent.as_ref(), f.binary.as_ref());
+                        let binary = f.binary.as_ref().map(|b| &b.header);
                         let outcome = (f.router)
-                            .forward(&guard.slot, body.clone(), &f.meta.request_id, sending, left)
+                            .forward(
+                                &guard.slot,
+                                body.clone(),
+                                &f.meta.request_id,
+                                f.traceparent.as_ref(),
+                                binary,
+                                left,
+                            )
                             .await;
                         Sent {
                             outcome,

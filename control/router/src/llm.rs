@@ -277,7 +277,6 @@ impl Completion {
         let over = Overflowing {
             path: Some(path),
             stream: self.stream,
-            usage: true,
         };
         let (mut flight, admitted) = flight.acquire(self.affinity, &body, over).await?;
         let router = flight.router.clone();

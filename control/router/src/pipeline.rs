@@ -200,32 +200,31 @@ impl<'de> Deserialize<'de> for DataCount {
     }
 }
 
-/// What a checked v2 request body holds.
-pub struct InferBody {
-    /// The binary tensor data extension's header (the JSON part's length), when it uses it.
-    pub binary: Option<HeaderValue>,
+/// A binary v2 request's JSON part length (the binary tensor data extension), as checked, and
+/// the `Inference-Header-Content-Length` value that says it to a replica.
+#[derive(Clone)]
+pub struct BinaryPart {
+    pub len: usize,
+    pub header: HeaderValue,
+}
+
+impl BinaryPart {
+    pub fn new(len: usize) -> Self {
+        BinaryPart {
+            len,
+            header: HeaderValue::from(len),
+        }
+    }
 }
 
 /// Checks a v2 request `body` whose `Inference-Header-Content-Length` (the binary tensor data
 /// extension) is in `headers` or absent; says what is wrong and how to send it instead.
-pub fn check_body(body: &[u8], headers: &HeaderMap) -> Result<InferBody, String> {
-    let header_len = match headers.get(laneway_core::kserve::INFERENCE_HEADER) {
-        None => None,
-        Some(v) => Some(
-            v.to_str()
-                .ok()
-                .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
-                .and_then(|v| v.parse::<usize>().ok())
-                .ok_or_else(|| {
-                    format!(
-                        "{}: {v:?} is not a length; it gives the bytes of the JSON part of a binary request",
-                        laneway_core::kserve::INFERENCE_HEADER
-                    )
-                })?,
-        ),
-    };
-    // What goes on to the replica is the length as checked here, in one form.
-    let binary = header_len.map(HeaderValue::from);
+/// `Some`: the body is binary, its JSON part as long as checked.
+pub fn check_body(body: &[u8], headers: &HeaderMap) -> Result<Option<BinaryPart>, String> {
+    let header_len = headers
+        .get(laneway_core::kserve::INFERENCE_HEADER)
+        .map(|v| laneway_core::kserve::json_part_len(v.as_bytes()))
+        .transpose()?;
     let (json, rest) = match header_len {
         Some(n) => laneway_core::kserve::split_binary(body, n)?,
         None => (body, &[][..]),
@@ -294,7 +293,8 @@ pub fn check_body(body: &[u8], headers: &HeaderMap) -> Result<InferBody, String>
             rest.len()
         ));
     }
-    Ok(InferBody { binary })
+    // What goes on to the replica is the length as checked here, in one form.
+    Ok(header_len.map(BinaryPart::new))
 }
 
 /// The request body, read now that the request's key was checked (within the router's limits

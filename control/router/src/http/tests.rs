@@ -66,7 +66,7 @@ fn binary_tensors_are_checked_against_their_declared_sizes() {
         ("a", "FP32", vec![1, 2], fp32(&[1.0, 2.0])),
         ("b", "INT8", vec![3], vec![1, 2, 3]),
     ]);
-    assert!(check_body(&body, &headers).unwrap().binary.is_some());
+    assert!(check_body(&body, &headers).unwrap().is_some());
     // A tensor whose bytes are not its shape.
     let (body, headers) = binary_request(&[("a", "FP32", vec![1, 3], fp32(&[1.0, 2.0]))]);
     let e = check_body(&body, &headers).err().unwrap();
@@ -950,8 +950,8 @@ fn degrading_merges_parameters() {
     let json = b"{\"inputs\":[]}";
     let mut body = json.to_vec();
     body.extend_from_slice(&[1, 2, 3, 4]);
-    let (b, binary) = degrade(&body, Some(&axum::http::HeaderValue::from(json.len())), &params).unwrap();
-    let len: usize = binary.unwrap().to_str().unwrap().parse().unwrap();
+    let (b, binary) = degrade(&body, Some(&crate::pipeline::BinaryPart::new(json.len())), &params).unwrap();
+    let len = binary.unwrap().len;
     let v: Value = serde_json::from_slice(&b[..len]).unwrap();
     assert_eq!(v["parameters"]["resolution"], "512");
     assert_eq!(&b[len..], &[1, 2, 3, 4]);
