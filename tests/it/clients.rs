@@ -14,10 +14,14 @@ fn clients_python() -> Option<PathBuf> {
     let given = std::env::var_os("LANEWAY_CLIENTS_PYTHON").map(PathBuf::from);
     let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/clients-venv/bin/python");
     let python = given.or_else(|| venv.exists().then_some(venv))?;
-    let has_clients = Command::new(&python)
-        .args(["-c", "import tritonclient.http, openai, numpy"])
-        .output()
-        .is_ok_and(|o| o.status.success());
+    // kserve and tritonclient each load protos of package `inference`: two processes.
+    let imports = |what: &str| {
+        Command::new(&python)
+            .args(["-c", &format!("import {what}")])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    let has_clients = imports("tritonclient.http, tritonclient.grpc, openai, numpy") && imports("kserve");
     has_clients.then_some(python)
 }
 

@@ -213,6 +213,53 @@ pub fn decode(datatype: &str, bytes: &[u8]) -> Option<Vec<Value>> {
     }
 }
 
+/// The inverse of [`decode`]: a tensor's JSON `data` (flat, or nested row-major as the v2
+/// JSON form allows) as its raw little-endian bytes (BYTES: each element a 4-byte length and
+/// its bytes), for a protocol that carries raw contents (the v2 gRPC `raw_output_contents`).
+/// Errors name the element that does not fit the datatype.
+pub fn encode(name: &str, datatype: &str, data: &Value) -> Result<Vec<u8>, String> {
+    fn flat<'a>(v: &'a Value, out: &mut Vec<&'a Value>) {
+        match v {
+            Value::Array(items) => items.iter().for_each(|i| flat(i, out)),
+            other => out.push(other),
+        }
+    }
+    let mut values = Vec::new();
+    flat(data, &mut values);
+    let mut out = Vec::with_capacity(values.len() * element_bytes(datatype).flatten().unwrap_or(4));
+    let bad = |i: usize, v: &Value| format!("tensor {name}: element {i} ({v}) is not a {datatype} value");
+    for (i, v) in values.into_iter().enumerate() {
+        let int = || v.as_i64().ok_or_else(|| bad(i, v));
+        let uint = || v.as_u64().ok_or_else(|| bad(i, v));
+        let ranged = |lo: i64, hi: i64| int().and_then(|n| if (lo..=hi).contains(&n) { Ok(n) } else { Err(bad(i, v)) });
+        match datatype {
+            "BOOL" => out.push(u8::from(v.as_bool().ok_or_else(|| bad(i, v))?)),
+            "UINT8" => out.push(ranged(0, 255)? as u8),
+            "INT8" => out.extend_from_slice(&(ranged(-128, 127)? as i8).to_le_bytes()),
+            "UINT16" => out.extend_from_slice(&(ranged(0, 65_535)? as u16).to_le_bytes()),
+            "INT16" => out.extend_from_slice(&(ranged(-32_768, 32_767)? as i16).to_le_bytes()),
+            "UINT32" => out.extend_from_slice(&(ranged(0, u32::MAX.into())? as u32).to_le_bytes()),
+            "INT32" => out.extend_from_slice(&(ranged(i32::MIN.into(), i32::MAX.into())? as i32).to_le_bytes()),
+            "UINT64" => out.extend_from_slice(&uint()?.to_le_bytes()),
+            "INT64" => out.extend_from_slice(&int()?.to_le_bytes()),
+            "FP32" => out.extend_from_slice(&(v.as_f64().ok_or_else(|| bad(i, v))? as f32).to_le_bytes()),
+            "FP64" => out.extend_from_slice(&v.as_f64().ok_or_else(|| bad(i, v))?.to_le_bytes()),
+            "BYTES" => {
+                let s = v.as_str().ok_or_else(|| bad(i, v))?;
+                let len = u32::try_from(s.len()).map_err(|_| bad(i, v))?;
+                out.extend_from_slice(&len.to_le_bytes());
+                out.extend_from_slice(s.as_bytes());
+            }
+            other => {
+                return Err(format!(
+                    "tensor {name}: {other} has no JSON form to convert (FP16 and BF16 travel only as binary tensors)"
+                ))
+            }
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -240,6 +287,35 @@ mod tests {
         assert!(check_binary("x", "FP8", &[1], &[0])
             .unwrap_err()
             .contains("not a KServe v2 datatype"));
+    }
+
+    #[test]
+    fn json_data_encodes_to_the_bytes_it_decodes_from() {
+        for (datatype, data) in [
+            ("FP32", serde_json::json!([[1.5, -2.0], [0.25, 4.0]])),
+            ("INT64", serde_json::json!([7, -9])),
+            ("UINT8", serde_json::json!([0, 255])),
+            ("INT16", serde_json::json!([-32768, 32767])),
+            ("BOOL", serde_json::json!([true, false])),
+            ("BYTES", serde_json::json!(["ab", ""])),
+        ] {
+            let bytes = encode("t", datatype, &data).unwrap();
+            let mut flat = Vec::new();
+            for v in data.as_array().unwrap() {
+                match v {
+                    Value::Array(row) => flat.extend(row.iter().cloned()),
+                    v => flat.push(v.clone()),
+                }
+            }
+            assert_eq!(decode(datatype, &bytes), Some(flat), "{datatype}");
+        }
+        let e = encode("t", "UINT8", &serde_json::json!([256])).unwrap_err();
+        assert!(e.contains("element 0 (256) is not a UINT8"), "{e}");
+        let e = encode("t", "INT32", &serde_json::json!(["x"])).unwrap_err();
+        assert!(e.contains("tensor t") && e.contains("INT32"), "{e}");
+        assert!(encode("t", "FP16", &serde_json::json!([1.0]))
+            .unwrap_err()
+            .contains("only as binary"));
     }
 
     #[test]

@@ -457,7 +457,8 @@ pub fn https_acceptor(cert_pem: &str, key_pem: &str) -> Result<tokio_rustls::Tls
         .with_no_client_auth()
         .with_single_cert(chain, key)
         .map_err(|e| PkiError::Invalid(format!("the router certificate and key do not go together: {e}")))?;
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    // HTTP/2 for gRPC clients (the KServe v2 service), HTTP/1.1 for the rest.
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config)))
 }
 

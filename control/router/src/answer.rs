@@ -44,7 +44,25 @@ pub struct Meta {
     pub cache: Option<(Arc<super::cache::ClassCache>, super::cache::Key, &'static str)>,
 }
 
+/// Marks a refusal that sheds load (the lane or the tenant has no room now, come back after
+/// the `Retry-After`), as opposed to one where nothing could serve: a protocol with its own
+/// codes says so (gRPC's `RESOURCE_EXHAUSTED` rather than `UNAVAILABLE`). Never on the wire.
+#[derive(Clone, Copy, Debug)]
+pub struct Shed;
+
+/// `r`, marked as a [`Shed`].
+pub fn shed(mut r: Response) -> Response {
+    r.extensions_mut().insert(Shed);
+    r
+}
+
+/// The message of an error the router itself answered (not a replica's answer passed on), for
+/// a protocol that shapes its errors its own way (OpenAI's error object). Never on the wire.
+#[derive(Clone, Debug)]
+pub struct Said(pub Arc<str>);
+
 pub fn error(status: StatusCode, message: String, meta: &Meta) -> Response {
+    let said = Said(message.as_str().into());
     let mut r = (
         status,
         Json(json!({
@@ -55,6 +73,7 @@ pub fn error(status: StatusCode, message: String, meta: &Meta) -> Response {
     )
         .into_response();
     stamp(r.headers_mut(), meta);
+    r.extensions_mut().insert(said);
     r
 }
 

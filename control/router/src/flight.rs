@@ -216,7 +216,10 @@ impl Flight {
 
     fn throttled(self, wait: Duration, why: String) -> Response {
         self.route.lane.lock().counters.throttled += 1;
-        let r = with_retry_after(error(StatusCode::TOO_MANY_REQUESTS, why, &self.meta), wait);
+        let r = super::answer::shed(with_retry_after(
+            error(StatusCode::TOO_MANY_REQUESTS, why, &self.meta),
+            wait,
+        ));
         self.end(r)
     }
 

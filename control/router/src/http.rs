@@ -21,7 +21,7 @@ use super::{Admitted, Router};
 
 /// The request's metadata, its tenant checked and its model (or that `version` of it) looked
 /// up: the GET paths.
-fn authorized(
+pub(crate) fn authorized(
     router: &Router,
     model: &str,
     version: Option<&str>,
@@ -37,12 +37,21 @@ fn authorized(
     Ok((meta, route))
 }
 
+/// The server's name in v2 server metadata.
+pub const SERVER_NAME: &str = "laneway";
+
+/// The v2 protocol extensions the router serves (HTTP and gRPC alike).
+pub const EXTENSIONS: &[&str] = &["binary_tensor_data"];
+
+/// The platform v2 model metadata names.
+pub const PLATFORM: &str = "laneway";
+
 /// `GET /v2`: the server's name, version and the protocol extensions it serves.
 pub async fn server_metadata() -> Response {
     Json(json!({
-        "name": "laneway",
+        "name": SERVER_NAME,
         "version": env!("CARGO_PKG_VERSION"),
-        "extensions": ["binary_tensor_data"],
+        "extensions": EXTENSIONS,
     }))
     .into_response()
 }
@@ -54,6 +63,12 @@ pub struct ModelPath {
     /// A pinned version (that entry only: no fallback, no rollout split).
     #[serde(default)]
     version: Option<String>,
+}
+
+impl ModelPath {
+    pub fn new(model: String, version: Option<String>) -> Self {
+        ModelPath { model, version }
+    }
 }
 
 /// `GET /v2/models/{model}[/versions/{version}]`: the model's name, its registered versions,
@@ -74,7 +89,7 @@ fn model_metadata(router: &Router, model: &str, version: Option<&str>, headers: 
     let mut r = Json(json!({
         "name": route.public,
         "versions": versions,
-        "platform": "laneway",
+        "platform": PLATFORM,
         "inputs": route.inputs,
         "outputs": route.outputs,
         "class": route.class.name,
@@ -314,4 +329,4 @@ async fn serve_flight(flight: Flight, headers: &HeaderMap, body: Bytes) -> Resul
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

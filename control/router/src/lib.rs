@@ -19,6 +19,7 @@ pub mod flight;
 mod forward;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod grpc;
 pub mod host;
 pub mod http;
 pub mod jobs;

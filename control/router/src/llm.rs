@@ -113,28 +113,62 @@ fn openai_key(table: &super::table::Table, headers: &HeaderMap) -> Result<(), Re
 
 /// An error in OpenAI's error object shape.
 fn openai_error(status: StatusCode, code: &str, message: String) -> Response {
-    let kind = if status == StatusCode::UNAUTHORIZED {
-        "authentication_error"
-    } else {
-        "invalid_request_error"
+    (status, axum::Json(openai_error_body(status, Some(code), &message))).into_response()
+}
+
+/// OpenAI's error object: `type` from the status (the names OpenAI's own API and its clients
+/// use), `code` when one is known.
+fn openai_error_body(status: StatusCode, code: Option<&str>, message: &str) -> serde_json::Value {
+    let kind = match status {
+        StatusCode::UNAUTHORIZED => "authentication_error",
+        StatusCode::FORBIDDEN => "permission_error",
+        StatusCode::NOT_FOUND => "not_found_error",
+        StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+        s if s.is_server_error() => "server_error",
+        _ => "invalid_request_error",
     };
-    (
-        status,
-        axum::Json(serde_json::json!({
-            "error": {"message": message, "type": kind, "param": null, "code": code}
-        })),
-    )
-        .into_response()
+    serde_json::json!({"error": {"message": message, "type": kind, "param": null, "code": code}})
+}
+
+/// An error the router answered itself (never a replica's answer, passed on as it came), in
+/// OpenAI's error object shape, keeping Laneway's fields (`request_id`, `lane`) beside it and
+/// every header (`Retry-After`, `x-laneway-*`).
+fn in_openai_shape(r: Response) -> Response {
+    let Some(super::answer::Said(message)) = r.extensions().get::<super::answer::Said>().cloned() else {
+        return r;
+    };
+    let (mut parts, _) = r.into_parts();
+    let code = match parts.status {
+        StatusCode::UNAUTHORIZED => Some("invalid_api_key"),
+        StatusCode::NOT_FOUND => Some("model_not_found"),
+        StatusCode::TOO_MANY_REQUESTS => Some("rate_limit_exceeded"),
+        StatusCode::SERVICE_UNAVAILABLE => Some("overloaded"),
+        StatusCode::GATEWAY_TIMEOUT => Some("timeout"),
+        _ => None,
+    };
+    let mut body = openai_error_body(parts.status, code, &message);
+    let id = parts
+        .headers
+        .get(super::answer::REQUEST_ID)
+        .and_then(|v| v.to_str().ok());
+    body["request_id"] = id.into();
+    body["lane"] = parts
+        .headers
+        .get(super::answer::LANE)
+        .and_then(|v| v.to_str().ok())
+        .into();
+    parts.headers.remove(axum::http::header::CONTENT_LENGTH);
+    Response::from_parts(parts, Body::from(body.to_string()))
 }
 
 /// `POST /v1/chat/completions`.
 pub(super) async fn chat_completions(State(router): State<Arc<Router>>, headers: HeaderMap, body: Body) -> Response {
-    serve(router, Endpoint::Chat, headers, body).await
+    in_openai_shape(serve(router, Endpoint::Chat, headers, body).await)
 }
 
 /// `POST /v1/completions`.
 pub(super) async fn completions(State(router): State<Arc<Router>>, headers: HeaderMap, body: Body) -> Response {
-    serve(router, Endpoint::Completion, headers, body).await
+    in_openai_shape(serve(router, Endpoint::Completion, headers, body).await)
 }
 
 async fn serve(router: Arc<Router>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {

@@ -16,7 +16,7 @@ use serde::Deserialize;
 use serde_json::Value;
 use tokio::time::Instant;
 
-use super::answer::{error, stamp, with_retry_after, Meta, DEGRADED};
+use super::answer::{error, shed, stamp, with_retry_after, Meta, DEGRADED};
 use super::table::{ModelRoute, Table, TenantRoute};
 use super::{Refusal, Router};
 use laneway_core::registry::hash_key;
@@ -318,7 +318,7 @@ pub async fn read_body(
 
 pub fn refusal_response(refusal: &Refusal, route: &ModelRoute, meta: &Meta) -> Response {
     match refusal {
-        Refusal::NoSlot { retry_after } => with_retry_after(
+        Refusal::NoSlot { retry_after } => shed(with_retry_after(
             error(
                 StatusCode::SERVICE_UNAVAILABLE,
                 format!(
@@ -328,11 +328,11 @@ pub fn refusal_response(refusal: &Refusal, route: &ModelRoute, meta: &Meta) -> R
                 meta,
             ),
             *retry_after,
-        ),
+        )),
         Refusal::OverBudget {
             retry_after,
             expected_wait,
-        } => with_retry_after(
+        } => shed(with_retry_after(
             error(
                 StatusCode::TOO_MANY_REQUESTS,
                 format!(
@@ -343,7 +343,7 @@ pub fn refusal_response(refusal: &Refusal, route: &ModelRoute, meta: &Meta) -> R
                 meta,
             ),
             *retry_after,
-        ),
+        )),
         Refusal::Expired { waited } => error(
             StatusCode::GATEWAY_TIMEOUT,
             format!(

@@ -105,7 +105,9 @@ impl Default for RouterSettings {
 /// and within the router's [`super::body::BodyLimits`].
 pub fn app(router: Arc<Router>) -> axum::Router {
     axum::Router::new()
-        .route("/v2/health/live", get(|| async { StatusCode::OK }))
+        // The status is the answer (Triton's clients read it); the body says it too (KServe's
+        // read `live` / `ready`).
+        .route("/v2/health/live", get(|| async { axum::Json(serde_json::json!({"live": true})) }))
         .route("/v2/health/ready", get(ready))
         .route("/v2", get(super::http::server_metadata))
         .route("/v2/models/{model}", get(metadata))
@@ -198,7 +200,10 @@ pub fn serve(
 ) -> std::io::Result<RouterServer> {
     let addr = listener.local_addr()?;
     router.set_body_limits(settings.body_limits());
-    let app = app(router).merge(extra);
+    // KServe v2 over gRPC on the same port (HTTP/2), outside the HTTP layers: it answers
+    // catching-up and unread bodies in its own terms.
+    let grpc = axum::Router::new().route_service(super::grpc::PATH, super::grpc::service(router.clone()));
+    let app = app(router).merge(extra).merge(grpc);
     let permits = Arc::new(Semaphore::new(settings.max_connections));
     let header_timeout = settings.header_read_timeout;
     let tls = settings.tls.as_ref().map(|t| t.acceptor.clone());
@@ -232,11 +237,19 @@ pub fn serve(
             let tls = tls.clone();
             tokio::spawn(async move {
                 match tls {
-                    None => serve_connection(TokioIo::new(stream), svc, header_timeout, stop).await,
-                    // The handshake gets the header timeout too: a client that opens a
-                    // connection and says nothing holds a permit no longer than that.
+                    // A client that opens a connection and says nothing holds a permit no
+                    // longer than the header timeout.
+                    None => match tokio::time::timeout(header_timeout, speaks_http2(&stream)).await {
+                        Ok(Some(h2)) => serve_connection(TokioIo::new(stream), svc, header_timeout, h2, stop).await,
+                        Ok(None) => {}
+                        Err(_) => tracing::debug!(%peer, "router connection sent nothing within the header timeout"),
+                    },
+                    // The handshake gets the header timeout too; HTTP/2 when ALPN chose it.
                     Some(acceptor) => match tokio::time::timeout(header_timeout, acceptor.accept(stream)).await {
-                        Ok(Ok(tls)) => serve_connection(TokioIo::new(tls), svc, header_timeout, stop).await,
+                        Ok(Ok(tls)) => {
+                            let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+                            serve_connection(TokioIo::new(tls), svc, header_timeout, h2, stop).await
+                        }
                         Ok(Err(e)) => tracing::debug!(%peer, error = %e, "router TLS handshake failed"),
                         Err(_) => tracing::debug!(%peer, "router TLS handshake timed out"),
                     },
@@ -252,12 +265,36 @@ pub fn serve(
     })
 }
 
-/// Serves one HTTP/1.1 connection until it closes or the router stops (then gracefully, for up
-/// to 5 s).
 /// Read buffer of one connection, bytes: request headers must fit (nginx allows 32 KiB).
 pub const MAX_CONNECTION_BUFFER: usize = 32 * 1024;
 
-async fn serve_connection<I, S>(io: I, svc: S, header_timeout: Duration, mut stop: watch::Receiver<bool>)
+/// Streams one HTTP/2 connection (a gRPC client's) may have open at once.
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 256;
+
+/// Whether a plain-TCP client speaks HTTP/2 with prior knowledge (gRPC clients, `curl
+/// --http2-prior-knowledge`): its first bytes are the connection preface `PRI * HTTP/2.0`, which
+/// no HTTP/1 request line starts with. `None`: it closed without a byte.
+async fn speaks_http2(stream: &tokio::net::TcpStream) -> Option<bool> {
+    const PREFACE: &[u8] = b"PRI * HTTP/2.0";
+    let mut buf = [0u8; PREFACE.len()];
+    loop {
+        let n = stream.peek(&mut buf).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        // A prefix of the preface may be all that has come yet: wait for the rest (within the
+        // caller's header timeout), else decide.
+        if n < buf.len() && PREFACE.starts_with(&buf[..n]) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            continue;
+        }
+        return Some(buf[..n] == *PREFACE);
+    }
+}
+
+/// Serves one connection, HTTP/1.1 or (`h2`) HTTP/2, until it closes or the router stops (then
+/// gracefully, for up to 5 s).
+async fn serve_connection<I, S>(io: I, svc: S, header_timeout: Duration, h2: bool, stop: watch::Receiver<bool>)
 where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
     S: hyper::service::HttpService<hyper::body::Incoming> + Send,
@@ -266,28 +303,51 @@ where
     <S::ResBody as hyper::body::Body>::Data: Send,
     <S::ResBody as hyper::body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let conn = hyper::server::conn::http1::Builder::new()
-        .timer(TokioTimer::new())
-        .header_read_timeout(header_timeout)
-        // What a connection buffers of a request at most (headers included): thousands of
-        // clients sending bodies at once must not cost the router hyper's 400 KB each.
-        .max_buf_size(MAX_CONNECTION_BUFFER)
-        .keep_alive(true)
-        .serve_connection(io, svc);
+    if h2 {
+        let conn = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
+            .max_header_list_size(MAX_CONNECTION_BUFFER as u32)
+            // A client that stops answering pings is gone: its streams and permit are let go.
+            .keep_alive_interval(Some(Duration::from_secs(30)))
+            .keep_alive_timeout(Duration::from_secs(10))
+            .serve_connection(io, svc);
+        until_stopped(conn, stop, |c| c.graceful_shutdown()).await;
+    } else {
+        let conn = hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(header_timeout)
+            // What a connection buffers of a request at most (headers included): thousands of
+            // clients sending bodies at once must not cost the router hyper's 400 KB each.
+            .max_buf_size(MAX_CONNECTION_BUFFER)
+            .keep_alive(true)
+            .serve_connection(io, svc);
+        until_stopped(conn, stop, |c| c.graceful_shutdown()).await;
+    }
+}
+
+/// Runs a connection until it ends, or until the router stops: then `graceful` and up to 5 s.
+async fn until_stopped<C: std::future::Future>(
+    conn: C,
+    mut stop: watch::Receiver<bool>,
+    graceful: impl FnOnce(std::pin::Pin<&mut C>),
+) {
     let mut conn = std::pin::pin!(conn);
     tokio::select! {
         _ = conn.as_mut() => {}
         _ = stop.changed() => {
-            conn.as_mut().graceful_shutdown();
+            graceful(conn.as_mut());
             let _ = tokio::time::timeout(Duration::from_secs(5), conn).await;
         }
     }
 }
 
-async fn ready(State(router): State<Arc<Router>>) -> StatusCode {
-    if router.is_ready() {
+async fn ready(State(router): State<Arc<Router>>) -> (StatusCode, axum::Json<serde_json::Value>) {
+    let ready = router.is_ready();
+    let status = if ready {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
-    }
+    };
+    (status, axum::Json(serde_json::json!({ "ready": ready })))
 }

@@ -102,7 +102,7 @@ fn binary_tensors_are_checked_against_their_declared_sizes() {
 }
 
 /// A router whose table has `whisper` (tenant key `k`) on node n1's replicas at `replicas`.
-fn router_with(replicas: &[(&str, SocketAddr)]) -> Arc<Router> {
+pub(crate) fn router_with(replicas: &[(&str, SocketAddr)]) -> Arc<Router> {
     let (fleet, mut reg) = fixture_with_tenant();
     let records: Vec<_> = replicas.iter().map(|(id, addr)| ready(id, "whisper", *addr)).collect();
     reg.set_node_replicas("n1", &records);
@@ -110,7 +110,7 @@ fn router_with(replicas: &[(&str, SocketAddr)]) -> Arc<Router> {
 }
 
 /// The router unit tests' fleet and registry with tenant `t` (key `k`).
-fn fixture_with_tenant() -> (laneway_core::fleet::Fleet, laneway_core::registry::Registry) {
+pub(crate) fn fixture_with_tenant() -> (laneway_core::fleet::Fleet, laneway_core::registry::Registry) {
     let (fleet, mut reg) = super::super::table::test_fixture();
     add_tenant(&mut reg, "t", "k");
     (fleet, reg)
@@ -126,7 +126,7 @@ fn add_tenant(reg: &mut laneway_core::registry::Registry, name: &str, key: &str)
 }
 
 /// A ready replica `id` of the entry `model` on n1's GPU, at `addr`.
-fn ready(id: &str, model: &str, addr: SocketAddr) -> laneway_core::registry::ReplicaRecord {
+pub(crate) fn ready(id: &str, model: &str, addr: SocketAddr) -> laneway_core::registry::ReplicaRecord {
     laneway_core::registry::ReplicaRecord {
         id: id.into(),
         model: model.into(),
@@ -137,14 +137,14 @@ fn ready(id: &str, model: &str, addr: SocketAddr) -> laneway_core::registry::Rep
 }
 
 /// A router with the table built from `fleet` and `reg` (no controller behind it).
-fn router_from(fleet: &laneway_core::fleet::Fleet, reg: &laneway_core::registry::Registry) -> Arc<Router> {
+pub(crate) fn router_from(fleet: &laneway_core::fleet::Fleet, reg: &laneway_core::registry::Registry) -> Arc<Router> {
     let router = Router::new(Arc::new(crate::host::MemoryState::default()));
     router.install(super::super::table::build(fleet, reg, &Default::default()));
     router
 }
 
 /// Serves `router` on a free port with the default settings.
-async fn serve_on_free_port(router: Arc<Router>) -> RouterServer {
+pub(crate) async fn serve_on_free_port(router: Arc<Router>) -> RouterServer {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     serve(router, axum::Router::new(), listener, &RouterSettings::default()).unwrap()
 }
@@ -299,7 +299,7 @@ async fn a_request_that_never_reached_its_replica_is_retried_elsewhere() {
 
 /// A simulated `whisper` replica on L4 taking `service_ms` per batch (max 4), serving on a
 /// free port.
-async fn sim_replica(service_ms: f64) -> SocketAddr {
+pub(crate) async fn sim_replica(service_ms: f64) -> SocketAddr {
     sim_replica_of("whisper", service_ms).await
 }
 

@@ -675,14 +675,17 @@ async fn choices_tools_and_images_count_against_the_minute_and_the_context() {
     assert!(e.contains("context of 4096 tokens") && e.contains("tools"), "{e}");
     let r = chat(&server, with(serde_json::json!({"n": "4"}))).send().await.unwrap();
     assert_eq!(r.status(), 400);
+    // OpenAI's error object, which its clients read, with Laneway's fields beside it.
     let e: serde_json::Value = r.json().await.unwrap();
     assert!(
-        e["error"]
+        e["error"]["message"]
             .as_str()
             .unwrap()
             .contains("`n` = \"4\": expected a whole number"),
         "{e}"
     );
+    assert_eq!(e["error"]["type"], "invalid_request_error", "{e}");
+    assert!(e["request_id"].is_string() && e["lane"].is_string(), "{e}");
     assert_eq!(chat(&server, ask("hi", 10, false)).send().await.unwrap().status(), 200);
     assert_eq!(
         replica_metric(addr, "laneway_sim_llm_finished_total").await,
