@@ -197,6 +197,142 @@ async fn metrics_parse_as_openmetrics_and_carry_the_lane_series() {
     }
 }
 
+/// Debian's Prometheus, scraping dev mode's controller every second (its `/metrics` carries
+/// the in-process agents' series too) with the shipped alert rules loaded: every series the
+/// Grafana dashboard and the rules use returns data through Prometheus's HTTP API, and every
+/// rule evaluates without error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_prometheus_scrapes_every_series_the_dashboard_and_rules_use() {
+    let Some(prometheus) = tool("prometheus", "prometheus") else {
+        return;
+    };
+    let dev = Dev::start();
+    let stop = dev.load(&["whisper", "sdxl"]);
+    // An overflow endpoint on the image lane (nothing listens there), so the rule on overflow
+    // has its series.
+    super::harness::lanectl_ok(
+        &dev.admin,
+        &[
+            "lane",
+            "set",
+            "image",
+            "--overflow-url",
+            "http://127.0.0.1:9",
+            "--overflow-max",
+            "2",
+        ],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let rules = repo_root().join("deploy/prometheus/laneway-rules.yml");
+    let config = dir.path().join("prometheus.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files: ['{}']\nscrape_configs:\n  - job_name: laneway\n    static_configs:\n      - targets: ['{}']\n",
+            rules.display(),
+            dev.router.trim_start_matches("http://"),
+        ),
+    )
+    .unwrap();
+    let port = free_port();
+    let child = Command::new(prometheus)
+        .arg(format!("--config.file={}", config.display()))
+        .arg(format!("--storage.tsdb.path={}", dir.path().join("data").display()))
+        .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let _prometheus = KillOnDrop(child);
+    let api = format!("http://127.0.0.1:{port}/api/v1");
+    let http = reqwest::Client::new();
+    let query = |q: String| {
+        let (http, api) = (http.clone(), api.clone());
+        async move {
+            // Percent-encoded by hand: a PromQL query is ASCII.
+            let q: String = q
+                .bytes()
+                .map(|b| match b {
+                    b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'_' => char::from(b).to_string(),
+                    _ => format!("%{b:02X}"),
+                })
+                .collect();
+            let r = http.get(format!("{api}/query?query={q}")).send().await.ok()?;
+            let v: serde_json::Value = r.json().await.ok()?;
+            v["data"]["result"].as_array().map(|a| a.len())
+        }
+    };
+    let mut wanted = std::collections::BTreeSet::new();
+    for file in [
+        "deploy/grafana/laneway-dashboard.json",
+        "deploy/prometheus/laneway-rules.yml",
+    ] {
+        wanted.extend(metric_names(&std::fs::read_to_string(repo_root().join(file)).unwrap()));
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    let missing = loop {
+        let mut missing = Vec::new();
+        for name in &wanted {
+            if query(name.clone()).await.unwrap_or(0) == 0 {
+                missing.push(name.clone());
+            }
+        }
+        if missing.is_empty() || tokio::time::Instant::now() > deadline {
+            break missing;
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    };
+    stop.store(true, Ordering::Relaxed);
+    assert_eq!(
+        query("up{job=\"laneway\"} == 1".into()).await,
+        Some(1),
+        "Prometheus scrapes the controller"
+    );
+    assert!(
+        missing.is_empty(),
+        "series the dashboard or the rules use with no data in Prometheus: {missing:?}"
+    );
+    // Each rule once evaluated (`unknown` before): none may be in error.
+    let rules = loop {
+        let v: serde_json::Value = http
+            .get(format!("{api}/rules"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let rules: Vec<serde_json::Value> = v["data"]["groups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|g| g["rules"].as_array().unwrap().clone())
+            .collect();
+        if rules.iter().all(|r| r["health"] != "unknown") || tokio::time::Instant::now() > deadline {
+            break rules;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    };
+    assert!(rules.len() >= 4, "{rules:?}");
+    for r in rules {
+        assert_eq!(
+            r["health"], "ok",
+            "rule {} does not evaluate: {}",
+            r["name"], r["lastError"]
+        );
+    }
+}
+
+/// A child process killed when the test ends, passed or not.
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .parent()
