@@ -103,6 +103,17 @@ request_timeout_ms = 60000
 llm = { ttft_slo_p99_ms = 800, itl_slo_p99_ms = 100, scale_on = "ttft" }
 
 [[class]]
+name = "embed"
+# Embeddings for retrieval: small and fast, no queue.
+time_slicing = true
+lane = "sync"
+utilisation_target_pct = 60
+warm_floor = 1
+protection_rank = 0
+request_timeout_ms = 5000
+slo_p99_ms = 500
+
+[[class]]
 name = "video"
 lane = "durable"
 utilisation_target_pct = 90
@@ -134,6 +145,14 @@ class = "chat"
 profiles.L40S = { service_ms = 3000, max_batch = 32, gpu_memory_gb = 20, tokens_per_s = 1500 }
 profiles.H100-80GB = { service_ms = 1500, max_batch = 64, gpu_memory_gb = 20, tokens_per_s = 4000 }
 llm = { context_tokens = 8192, default_max_tokens = 64 }
+
+[[model]]
+name = "bge-small"
+class = "embed"
+# An embedding model: POST /v1/embeddings only, metered by input tokens.
+profiles.L4 = { service_ms = 20, max_batch = 32, gpu_memory_gb = 2, tokens_per_s = 20000 }
+profiles.H100-80GB = { service_ms = 8, max_batch = 64, gpu_memory_gb = 2, tokens_per_s = 60000, mig_profiles = ["1g.10gb"] }
+llm = { context_tokens = 512, default_max_tokens = 1, prefix_affinity_tokens = 0, task = "embed" }
 
 [[model]]
 name = "wan-video"
@@ -532,7 +551,7 @@ pub async fn start(args: DevArgs) -> Result<DevController, DevError> {
     let agents = start_agents(&controller.advertise, &data_dir).await?;
     set_mig_layouts(&controller).await?;
     if replicas_running {
-        for m in ["whisper", "sdxl", "llama-3-8b"] {
+        for m in ["whisper", "sdxl", "llama-3-8b", "bge-small"] {
             if !wait_routable(&controller, m).await {
                 tracing::warn!(model = m, "no routable replica after 30 s");
             }

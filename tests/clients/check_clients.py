@@ -200,12 +200,16 @@ async def kserve_clients():
             except Exception as exc:
                 return exc.code().name, dict(exc.trailing_metadata() or ())
 
-        outcomes = await asyncio.gather(*(one() for _ in range(20)))
-        codes = sorted({c for c, _ in outcomes})
+        # Larger bursts until one is shed: an earlier run may have scaled the lane up.
+        for n in (20, 60, 150):
+            outcomes = await asyncio.gather(*(one() for _ in range(n)))
+            codes = {c for c, _ in outcomes}
+            if "RESOURCE_EXHAUSTED" in codes:
+                break
         shed = [m for c, m in outcomes if c == "RESOURCE_EXHAUSTED"]
         check(
             "kserve gRPC burst: admitted or RESOURCE_EXHAUSTED with retry-after",
-            "ok" in codes and shed and set(codes) <= {"ok", "RESOURCE_EXHAUSTED"}
+            "ok" in codes and shed and codes <= {"ok", "RESOURCE_EXHAUSTED"}
             and all(int(m.get("retry-after", "0")) >= 1 for m in shed),
             outcomes,
         )
@@ -216,7 +220,7 @@ async def kserve_clients():
 def openai_api():
     client = openai.OpenAI(base_url=f"{ROUTER}/v1", api_key=KEY)
     ids = [m.id for m in client.models.list()]
-    check("models.list", ids == ["llama-3-8b"], ids)
+    check("models.list", ids == ["bge-small", "llama-3-8b"], ids)
     check("models.retrieve", client.models.retrieve("llama-3-8b").id == "llama-3-8b")
     e = raises(lambda: client.models.retrieve("whisper"), openai.NotFoundError)
     check("a model that is no language model is not found", e is not None and e.code == "model_not_found", e)
@@ -246,6 +250,37 @@ def openai_api():
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     check("streamed chat completion", len(chunks) > 1 and text, [c.model_dump() for c in chunks[:3]])
+
+    deadline = time.time() + 90
+    while True:
+        try:
+            emb = client.embeddings.create(model="bge-small", input=["hello", "a lighthouse"])
+            break
+        except (openai.APIStatusError, openai.APIConnectionError) as e:
+            check("bge-small becomes ready", time.time() < deadline, e)
+            time.sleep(0.5)
+    check(
+        "embeddings",
+        [d.index for d in emb.data] == [0, 1]
+        and all(len(d.embedding) == 8 for d in emb.data)
+        and emb.data[0].embedding != emb.data[1].embedding
+        and emb.usage.prompt_tokens > 0,
+        emb,
+    )
+    again = client.embeddings.create(model="bge-small", input="hello")
+    check("an embedding is the same next time", again.data[0].embedding == emb.data[0].embedding)
+
+    # Router-made errors in OpenAI's error object: the client raises the right class, with
+    # the router's message.
+    e = raises(
+        lambda: client.chat.completions.create(model="bge-small", messages=[{"role": "user", "content": "x"}]),
+        openai.BadRequestError,
+    )
+    check("chat to an embedding model is a BadRequestError", e is not None and "/v1/embeddings" in e.message, e)
+    e = raises(lambda: client.embeddings.create(model="nope", input="x"), openai.NotFoundError)
+    check("an unknown model is a NotFoundError", e is not None and e.code == "model_not_found", e)
+    e = raises(lambda: client.embeddings.create(model="bge-small", input="x" * 4000), openai.BadRequestError)
+    check("an input over the context is refused", e is not None and "context of 512 tokens" in e.message, e)
 
 
 if sys.argv[1:] == ["kserve"]:

@@ -130,6 +130,7 @@ struct Usage {
 struct Seq {
     prompt_tokens: u32,
     blocks: Vec<u64>,
+    /// 0: an embedding — done after its prefill, nothing generated.
     max_tokens: u32,
     generated: u32,
     cached_tokens: u32,
@@ -276,6 +277,17 @@ async fn engine(cfg: EngineConfig, mut rx: mpsc::UnboundedReceiver<Seq>, stats: 
         let share = step.as_secs_f64() * 1000.0 / n as f64;
         running.retain_mut(|s| {
             s.gpu_ms += share;
+            if s.max_tokens == 0 {
+                stats.finished.fetch_add(1, Ordering::Relaxed);
+                let _ = s.tx.send(Event::Done(Usage {
+                    prompt_tokens: s.prompt_tokens,
+                    completion_tokens: 0,
+                    cached_tokens: s.cached_tokens,
+                    gpu_ms: s.gpu_ms,
+                }));
+                kv_used -= s.reserve();
+                return false;
+            }
             s.generated += 1;
             stats.generation_tokens.fetch_add(1, Ordering::Relaxed);
             let delivered = s.tx.send(Event::Token(s.generated)).is_ok();
@@ -343,8 +355,104 @@ pub fn app(cfg: LlmSimConfig) -> Result<Router, SimModelError> {
             "/v1/completions",
             post(|s: State<Arc<AppState>>, b: Bytes| complete(s, Endpoint::Completion, b)),
         )
+        .route("/v1/embeddings", post(embed))
         .route("/metrics", get(metrics))
         .with_state(state))
+}
+
+/// Dimensions of the simulated embeddings.
+pub const EMBEDDING_DIMS: usize = 8;
+
+/// The simulated embedding of `input` (a text, or token ids as JSON): deterministic, unit
+/// length, so tests can check the same input gives the same vector.
+pub fn embedding_of(input: &Value) -> Vec<f32> {
+    use std::hash::{Hash, Hasher};
+    let v: Vec<f32> = (0..EMBEDDING_DIMS)
+        .map(|i| {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            (i, input.to_string()).hash(&mut h);
+            (h.finish() % 2001) as f32 / 1000.0 - 1.0
+        })
+        .collect();
+    let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(f32::EPSILON);
+    v.into_iter().map(|x| x / norm).collect()
+}
+
+/// `POST /v1/embeddings`: each input is one prefill on the engine (it queues and shares the
+/// engine with completions), answered in OpenAI's shape with usage.
+async fn embed(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    let req = match CompletionRequest::parse(Endpoint::Embeddings, &body) {
+        Ok(r) => r,
+        Err(e) => return error(StatusCode::BAD_REQUEST, e),
+    };
+    if req.model != s.cfg.model {
+        return error(
+            StatusCode::NOT_FOUND,
+            format!(
+                "the model `{}` does not exist; this server serves `{}`",
+                req.model, s.cfg.model
+            ),
+        );
+    }
+    let v: Value = serde_json::from_slice(&body).unwrap_or_default();
+    let inputs: Vec<Value> = match &v["input"] {
+        Value::Array(items) if items.iter().all(|i| !i.is_u64()) => items.clone(),
+        one => vec![one.clone()],
+    };
+    let tokens = laneway_core::llm::embedding_tokens(Some(&v["input"])).unwrap_or_default();
+    if let Some(t) = tokens.iter().find(|&&t| t > s.cfg.context_tokens) {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "This model's maximum context length is {} tokens; an input has {t}.",
+                s.cfg.context_tokens
+            ),
+        );
+    }
+    let mut done = Vec::new();
+    for (input, &prompt_tokens) in inputs.iter().zip(&tokens) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let seq = Seq {
+            prompt_tokens,
+            blocks: block_hashes(input.as_str().unwrap_or_default()),
+            max_tokens: 0,
+            generated: 0,
+            cached_tokens: 0,
+            prefilled: false,
+            gpu_ms: 0.0,
+            tx,
+        };
+        if s.submit.send(seq).is_err() {
+            return error(StatusCode::SERVICE_UNAVAILABLE, "the simulated engine stopped".into());
+        }
+        done.push(rx);
+    }
+    let (mut prompt_tokens, mut gpu_ms) = (0u32, 0.0f64);
+    for rx in &mut done {
+        match rx.recv().await {
+            Some(Event::Done(u)) => {
+                prompt_tokens += u.prompt_tokens;
+                gpu_ms += u.gpu_ms;
+            }
+            _ => return error(StatusCode::SERVICE_UNAVAILABLE, "the simulated engine stopped".into()),
+        }
+    }
+    let data: Vec<Value> = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, input)| json!({"object": "embedding", "index": i, "embedding": embedding_of(input)}))
+        .collect();
+    Json(json!({
+        "object": "list",
+        "data": data,
+        "model": s.cfg.model,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens,
+            "laneway_gpu_ms": (gpu_ms * 1000.0).round() / 1000.0,
+        },
+    }))
+    .into_response()
 }
 
 fn error(status: StatusCode, message: String) -> Response {
@@ -448,7 +556,9 @@ async fn complete(State(s): State<Arc<AppState>>, endpoint: Endpoint, body: Byte
     let choice = move |text: Option<String>, finish: Option<&str>| match (endpoint, text) {
         (Endpoint::Chat, Some(t)) => json!({"index": 0, "delta": {"content": t}, "finish_reason": finish}),
         (Endpoint::Chat, None) => json!({"index": 0, "delta": {}, "finish_reason": finish}),
-        (Endpoint::Completion, t) => json!({"index": 0, "text": t.unwrap_or_default(), "finish_reason": finish}),
+        (Endpoint::Completion | Endpoint::Embeddings, t) => {
+            json!({"index": 0, "text": t.unwrap_or_default(), "finish_reason": finish})
+        }
     };
     if !req.stream {
         let mut text = String::new();
@@ -460,11 +570,13 @@ async fn complete(State(s): State<Arc<AppState>>, endpoint: Endpoint, body: Byte
                         Endpoint::Chat => {
                             json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
                         }
-                        Endpoint::Completion => json!({"index": 0, "text": text, "finish_reason": "length"}),
+                        Endpoint::Completion | Endpoint::Embeddings => {
+                            json!({"index": 0, "text": text, "finish_reason": "length"})
+                        }
                     };
                     let object = match endpoint {
                         Endpoint::Chat => "chat.completion",
-                        Endpoint::Completion => "text_completion",
+                        Endpoint::Completion | Endpoint::Embeddings => "text_completion",
                     };
                     return Json(json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice], "usage": usage_json(&u)})).into_response();
                 }

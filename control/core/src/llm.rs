@@ -25,6 +25,8 @@ pub enum Endpoint {
     Chat,
     /// `/v1/completions`: `prompt`.
     Completion,
+    /// `/v1/embeddings`: `input`, nothing generated.
+    Embeddings,
 }
 
 impl Endpoint {
@@ -32,6 +34,15 @@ impl Endpoint {
         match self {
             Endpoint::Chat => "/v1/chat/completions",
             Endpoint::Completion => "/v1/completions",
+            Endpoint::Embeddings => "/v1/embeddings",
+        }
+    }
+
+    /// The kind of language model the endpoint serves.
+    pub fn task(self) -> crate::registry::LlmTask {
+        match self {
+            Endpoint::Embeddings => crate::registry::LlmTask::Embed,
+            Endpoint::Chat | Endpoint::Completion => crate::registry::LlmTask::Generate,
         }
     }
 
@@ -40,6 +51,8 @@ impl Endpoint {
         match self {
             Endpoint::Chat => "chat.completion.chunk",
             Endpoint::Completion => "text_completion",
+            // Never streamed; the object of a whole answer.
+            Endpoint::Embeddings => "list",
         }
     }
 }
@@ -73,6 +86,12 @@ impl CompletionRequest {
         let prompt = match endpoint {
             Endpoint::Chat => chat_prompt(obj.get("messages"))?,
             Endpoint::Completion => completion_prompt(obj.get("prompt"))?,
+            Endpoint::Embeddings => {
+                // Checked here; counted by [`embedding_tokens`]. The text (of string inputs)
+                // is the prompt a prefix hash would read.
+                embedding_tokens(obj.get("input"))?;
+                embedding_text(obj.get("input"))
+            }
         };
         let max_tokens = match obj.get("max_completion_tokens").or_else(|| obj.get("max_tokens")) {
             None | Some(Value::Null) => None,
@@ -149,6 +168,46 @@ fn completion_prompt(prompt: Option<&Value>) -> Result<String, String> {
     }
 }
 
+/// Tokens of each input of an embeddings request's `input`: a string (estimated), an array of
+/// strings, an array of token ids, or an array of those (each counted exactly). Errors say
+/// what `input` should be.
+pub fn embedding_tokens(input: Option<&Value>) -> Result<Vec<u32>, String> {
+    const SHAPE: &str =
+        "`input` must be a string, an array of strings, an array of token ids, or an array of token-id arrays";
+    let ids = |items: &[Value]| -> Option<u32> {
+        items
+            .iter()
+            .all(|t| t.as_u64().is_some())
+            .then(|| u32::try_from(items.len()).unwrap_or(u32::MAX))
+    };
+    let one = |v: &Value| -> Option<u32> {
+        match v {
+            Value::String(s) => Some(estimate_tokens(s)),
+            Value::Array(items) if !items.is_empty() => ids(items),
+            _ => None,
+        }
+    };
+    let counts = match input {
+        Some(Value::String(s)) => vec![estimate_tokens(s)],
+        Some(Value::Array(items)) if items.is_empty() => {
+            return Err("`input` is empty: send at least one text to embed".into())
+        }
+        Some(Value::Array(items)) if items[0].is_u64() => vec![ids(items).ok_or(SHAPE)?],
+        Some(Value::Array(items)) => items.iter().map(one).collect::<Option<Vec<_>>>().ok_or(SHAPE)?,
+        None | Some(Value::Null) => return Err("missing field `input`: the text (or texts) to embed".into()),
+        Some(_) => return Err(SHAPE.into()),
+    };
+    Ok(counts)
+}
+
+fn embedding_text(input: Option<&Value>) -> String {
+    match input {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(items)) => items.iter().filter_map(Value::as_str).collect::<Vec<_>>().join("\n"),
+        _ => String::new(),
+    }
+}
+
 /// A hash of the prompt's first `tokens` estimated tokens: requests that share it share a
 /// KV-cache prefix on the replica that served one of them.
 pub fn prefix_hash(prompt: &str, tokens: u32) -> u64 {
@@ -163,6 +222,22 @@ pub fn prefix_hash(prompt: &str, tokens: u32) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn embedding_inputs_are_counted_each() {
+        let count = |v: serde_json::Value| embedding_tokens(Some(&v));
+        assert_eq!(count(serde_json::json!("12345678")), Ok(vec![2]));
+        assert_eq!(count(serde_json::json!(["1234", "12345678"])), Ok(vec![1, 2]));
+        assert_eq!(
+            count(serde_json::json!([5, 6, 7])),
+            Ok(vec![3]),
+            "token ids count exactly"
+        );
+        assert_eq!(count(serde_json::json!([[5, 6], [7]])), Ok(vec![2, 1]));
+        assert!(count(serde_json::json!([[5, -6]])).is_err());
+        let r = CompletionRequest::parse(Endpoint::Embeddings, br#"{"model":"m","input":["ab","cd"]}"#).unwrap();
+        assert_eq!((r.prompt.as_str(), r.max_tokens, r.stream), ("ab\ncd", None, false));
+    }
 
     #[test]
     fn requests_are_read_with_errors_that_name_the_field() {
@@ -197,6 +272,14 @@ mod tests {
                 "`stream`",
             ),
             (Endpoint::Completion, b"nope", "not valid JSON"),
+            (Endpoint::Embeddings, br#"{"model":"m"}"#, "missing field `input`"),
+            (Endpoint::Embeddings, br#"{"model":"m","input":[]}"#, "`input` is empty"),
+            (Endpoint::Embeddings, br#"{"model":"m","input":[1,"a"]}"#, "token ids"),
+            (
+                Endpoint::Embeddings,
+                br#"{"model":"m","input":{"a":1}}"#,
+                "must be a string",
+            ),
         ] {
             let e = CompletionRequest::parse(endpoint, body).unwrap_err();
             assert!(e.contains(says), "{e} should mention {says}");

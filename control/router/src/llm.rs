@@ -39,7 +39,7 @@ use super::sse::*;
 use super::table::ModelRoute;
 use super::token_count::TokenCount;
 use super::Router;
-use laneway_core::registry::LaneKind;
+use laneway_core::registry::{LaneKind, LlmTask};
 
 /// `GET /v1/models`: the language models (public names, one entry for all versions), in
 /// OpenAI's list shape. Any tenant key may list them: a tenant's limits are per class, not a
@@ -171,6 +171,13 @@ pub(super) async fn completions(State(router): State<Arc<Router>>, headers: Head
     in_openai_shape(serve(router, Endpoint::Completion, headers, body).await)
 }
 
+/// `POST /v1/embeddings`, for models whose `[llm]` says `task = "embed"`: metered by input
+/// tokens, never streamed, cached when the class has a cache (an embedding is the same next
+/// time).
+pub(super) async fn embeddings(State(router): State<Arc<Router>>, headers: HeaderMap, body: Body) -> Response {
+    in_openai_shape(serve(router, Endpoint::Embeddings, headers, body).await)
+}
+
 async fn serve(router: Arc<Router>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
     let since = Instant::now();
     let mut meta = Meta {
@@ -206,7 +213,8 @@ async fn serve(router: Arc<Router>, endpoint: Endpoint, headers: HeaderMap, body
     };
     // A fallback must be a language model too; a canned answer is one JSON body, which a
     // client reading a stream could not parse, so a stream is refused as usual instead.
-    let is_llm = |r: &ModelRoute| r.llm.is_some();
+    let task = endpoint.task();
+    let is_llm = |r: &ModelRoute| r.llm.as_ref().is_some_and(|l| l.task == task);
     let route =
         match super::pipeline::healthy_or_fallback(&router, &table, &asked, &tenant, &mut meta, is_llm, !req.stream) {
             Ok(r) => r,
@@ -234,6 +242,20 @@ async fn serve(router: Arc<Router>, endpoint: Endpoint, headers: HeaderMap, body
             &meta,
         );
     };
+    if spec.task != task {
+        let (path, what) = match spec.task {
+            LlmTask::Embed => ("/v1/embeddings", "an embedding model"),
+            LlmTask::Generate => ("/v1/chat/completions or /v1/completions", "a text-generating model"),
+        };
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "model {} is {what} (its [llm] task); send its requests to {path}",
+                route.public
+            ),
+            &meta,
+        );
+    }
     let class = route.class.clone();
     if class.lane == LaneKind::Durable {
         return error(
@@ -256,6 +278,18 @@ async fn serve(router: Arc<Router>, endpoint: Endpoint, headers: HeaderMap, body
         }
     };
     let (input, max_tokens) = (count.input, count.max_tokens);
+    if count.per_sequence() > u64::from(spec.context_tokens) && endpoint == Endpoint::Embeddings {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "model {} has a context of {} tokens; an input here is about {} (estimated at {CHARS_PER_TOKEN} characters a token); split or shorten it",
+                route.name,
+                spec.context_tokens,
+                count.per_sequence()
+            ),
+            &meta,
+        );
+    }
     if count.per_sequence() > u64::from(spec.context_tokens) {
         return error(
             StatusCode::BAD_REQUEST,
@@ -303,7 +337,8 @@ impl Completion {
     /// prefix (retried elsewhere when never reached); the answer streamed or passed on whole.
     async fn serve(self, flight: Flight, headers: &HeaderMap, body: Bytes) -> Result<Response, Response> {
         let path = self.endpoint.path();
-        let flight = match !self.stream && greedy(&body) {
+        let cacheable = !self.stream && (self.endpoint == Endpoint::Embeddings || greedy(&body));
+        let flight = match cacheable {
             true => flight.from_cache(headers, &body, path)?,
             false => flight,
         };

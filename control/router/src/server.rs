@@ -120,6 +120,7 @@ pub fn app(router: Arc<Router>) -> axum::Router {
         .route("/v1/models/{model}", get(super::llm::model))
         .route("/v1/chat/completions", post(super::llm::chat_completions))
         .route("/v1/completions", post(super::llm::completions))
+        .route("/v1/embeddings", post(super::llm::embeddings))
         .route("/v1/jobs", post(super::jobs::post_job).get(super::jobs::list_jobs))
         .route(
             "/v1/jobs/{id}",
@@ -129,7 +130,7 @@ pub fn app(router: Arc<Router>) -> axum::Router {
         .fallback(|| async {
             error(
                 StatusCode::NOT_FOUND,
-                "no such path; the router serves KServe v2 at GET /v2, GET /v2/health/live|ready, GET /v2/models/{model}[/versions/{version}][/ready] and POST /v2/models/{model}[/versions/{version}]/infer, language models at GET /v1/models[/{model}], POST /v1/chat/completions and /v1/completions, jobs at POST|GET /v1/jobs, GET|DELETE /v1/jobs/{id}, GET /v1/jobs/{id}/result, and GET /metrics and /ui (docs/protocols.md)".into(),
+                "no such path; the router serves KServe v2 at GET /v2, GET /v2/health/live|ready, GET /v2/models/{model}[/versions/{version}][/ready] and POST /v2/models/{model}[/versions/{version}]/infer, language models at GET /v1/models[/{model}], POST /v1/chat/completions, /v1/completions and /v1/embeddings, KServe v2 over gRPC on this port, jobs at POST|GET /v1/jobs, GET|DELETE /v1/jobs/{id}, GET /v1/jobs/{id}/result, and GET /metrics and /ui (docs/protocols.md)".into(),
                 &Meta::default(),
             )
         })

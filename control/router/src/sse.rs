@@ -37,6 +37,8 @@ pub struct Delta {
 #[derive(Deserialize, Clone, Copy)]
 pub struct ReportedUsage {
     pub(crate) prompt_tokens: u32,
+    /// Absent from an embeddings answer.
+    #[serde(default)]
     pub(crate) completion_tokens: u32,
     /// The simulated server's GPU time for the request; real servers do not report it.
     #[serde(default)]

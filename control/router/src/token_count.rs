@@ -69,6 +69,9 @@ pub struct TokenCount {
     /// Sequences the engine generates: the larger of `n` and `best_of`, for each prompt (a
     /// completion's `prompt` may be a batch).
     pub sequences: u32,
+    /// An embeddings request's longest input, which alone must fit the context (its inputs
+    /// are embedded one by one); `None` for completions, whose whole input is one prompt.
+    pub longest: Option<u32>,
 }
 
 impl TokenCount {
@@ -83,6 +86,16 @@ impl TokenCount {
     ) -> Result<Self, String> {
         let v: Value = serde_json::from_slice(body).map_err(|e| format!("the body is not valid JSON: {e}"))?;
         let obj = v.as_object().ok_or("the body must be a JSON object")?;
+        if endpoint == Endpoint::Embeddings {
+            // Each input is one sequence of the model's context; nothing is generated.
+            let each = laneway_core::llm::embedding_tokens(obj.get("input"))?;
+            return Ok(TokenCount {
+                input: saturate(each.iter().map(|&n| u64::from(n)).sum()),
+                max_tokens: 0,
+                sequences: 1,
+                longest: each.iter().copied().max(),
+            });
+        }
         let choices = whole_number(obj, "n")?.max(whole_number(obj, "best_of")?);
         let prompts = match (endpoint, obj.get("prompt")) {
             (Endpoint::Completion, Some(Value::Array(batch))) => batch.len().max(1),
@@ -121,12 +134,13 @@ impl TokenCount {
             input: saturate(input),
             max_tokens: req.max_tokens.unwrap_or(default_max_tokens),
             sequences: saturate(u64::from(choices).saturating_mul(prompts as u64)),
+            longest: None,
         })
     }
 
     /// What one sequence needs of the model's context: its input and its `max_tokens`.
     pub fn per_sequence(&self) -> u64 {
-        u64::from(self.input) + u64::from(self.max_tokens)
+        u64::from(self.longest.unwrap_or(self.input)) + u64::from(self.max_tokens)
     }
 
     /// What the request takes from its tenant's tokens per minute: its input, and `max_tokens`
@@ -225,7 +239,8 @@ mod tests {
             TokenCount {
                 input: 3,
                 max_tokens: 10,
-                sequences: 1
+                sequences: 1,
+                longest: None,
             }
         );
         assert_eq!((c.per_sequence(), c.total()), (13, 13));
@@ -239,9 +254,25 @@ mod tests {
             TokenCount {
                 input: 2,
                 max_tokens: 8,
-                sequences: 1
+                sequences: 1,
+                longest: None,
             },
             "the model's default max_tokens"
+        );
+    }
+
+    #[test]
+    fn an_embeddings_batch_counts_every_input_and_fits_the_longest() {
+        let c = count(
+            Endpoint::Embeddings,
+            serde_json::json!({"model": "m", "input": ["abcdefgh", "abcd", [1, 2, 3]]}),
+        )
+        .unwrap();
+        assert_eq!((c.input, c.max_tokens, c.longest), (6, 0, Some(3)));
+        assert_eq!(
+            (c.per_sequence(), c.total()),
+            (3, 6),
+            "the context holds one input at a time"
         );
     }
 

@@ -137,6 +137,28 @@ pub struct LlmSpec {
     /// 0 turns affinity off.
     #[serde(default = "default_prefix_tokens")]
     pub prefix_affinity_tokens: u32,
+    /// What the model does: `generate` (chat and completions, the default) or `embed`
+    /// (`/v1/embeddings` only). A request to the other kind's paths is refused with where to
+    /// send it.
+    #[serde(default, skip_serializing_if = "LlmTask::is_generate")]
+    pub task: LlmTask,
+}
+
+/// What a language model serves.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LlmTask {
+    /// Chat and text completions (`/v1/chat/completions`, `/v1/completions`).
+    #[default]
+    Generate,
+    /// Embeddings (`/v1/embeddings`): input tokens only, nothing generated.
+    Embed,
+}
+
+impl LlmTask {
+    pub fn is_generate(&self) -> bool {
+        *self == LlmTask::Generate
+    }
 }
 
 fn default_max_tokens() -> u32 {

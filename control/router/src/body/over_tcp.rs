@@ -52,6 +52,7 @@ async fn serving(replica: SocketAddr, overflow: Option<SocketAddr>, limits: Body
         context_tokens: 4096,
         default_max_tokens: 8,
         prefix_affinity_tokens: 0,
+        task: Default::default(),
     });
     reg.put_model(&chat).unwrap();
     if let Some(at) = overflow {

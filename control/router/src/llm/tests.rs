@@ -153,6 +153,7 @@ async fn router(replicas: &[SocketAddr], limit: Option<TenantLimit>) -> (Arc<Rou
         context_tokens: 4096,
         default_max_tokens: 8,
         prefix_affinity_tokens: 64,
+        task: Default::default(),
     });
     reg.put_model(&m).unwrap();
     reg.create_tenant(&Tenant {
@@ -206,6 +207,7 @@ fn language_model(
             context_tokens: 4096,
             default_max_tokens: 8,
             prefix_affinity_tokens: 0,
+            task: Default::default(),
         }),
         ..reg.models["whisper"].clone()
     }
@@ -742,4 +744,78 @@ async fn prefix_affinity_keeps_a_prefix_on_one_replica_up_to_its_load_bound() {
         })
         .collect();
     assert!(favourites.len() >= 3, "{favourites:?}");
+}
+
+/// `/v1/embeddings` serves embedding models (`task = "embed"`): each input's vector comes from
+/// the replica, usage is passed on; a generating model is not one, an embedding model takes
+/// no chat, an input longer than the context is refused before it queues — all in OpenAI's
+/// error object.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embeddings_go_to_embedding_models_only() {
+    let (fleet, mut reg) = super::super::table::test_fixture();
+    let mut embed = language_model(&reg, "embed", None);
+    embed.llm.as_mut().unwrap().context_tokens = 64;
+    embed.llm.as_mut().unwrap().task = LlmTask::Embed;
+    reg.put_model(&embed).unwrap();
+    reg.put_model(&language_model(&reg, "chat", None)).unwrap();
+    tenant_k(&mut reg);
+    let (e, c) = (replica_of("embed", None).await, replica_of("chat", None).await);
+    reg.set_node_replicas("n1", &[ready("r0", "embed", e), ready("r1", "chat", c)]);
+    let (_router, server) = serve_registry(&fleet, &reg).await;
+    let post = |path: &str, body: serde_json::Value| {
+        reqwest::Client::new()
+            .post(format!("http://{}{path}", server.addr))
+            .bearer_auth("k")
+            .json(&body)
+            .send()
+    };
+
+    let r = post(
+        "/v1/embeddings",
+        serde_json::json!({"model": "embed", "input": ["hello", "abcdefgh"]}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status(), 200);
+    let v: serde_json::Value = r.json().await.unwrap();
+    let vector = |i: usize| -> Vec<f32> { serde_json::from_value(v["data"][i]["embedding"].clone()).unwrap() };
+    assert_eq!(vector(0), sim::embedding_of(&serde_json::json!("hello")));
+    assert_eq!(vector(1), sim::embedding_of(&serde_json::json!("abcdefgh")));
+    assert_eq!(v["usage"]["prompt_tokens"], 4, "2 + 2 estimated tokens: {v}");
+
+    let refused = |r: reqwest::Response| async move {
+        assert_eq!(r.status(), 400);
+        let v: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        v["error"]["message"].as_str().unwrap().to_string()
+    };
+    let m = refused(
+        post("/v1/embeddings", serde_json::json!({"model": "chat", "input": "x"}))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert!(m.contains("/v1/chat/completions"), "{m}");
+    let chat = serde_json::json!({"model": "embed", "messages": [{"role": "user", "content": "x"}]});
+    let m = refused(post("/v1/chat/completions", chat).await.unwrap()).await;
+    assert!(m.contains("/v1/embeddings"), "{m}");
+    let long = "x".repeat(4 * 65);
+    let m = refused(
+        post(
+            "/v1/embeddings",
+            serde_json::json!({"model": "embed", "input": ["ok", long]}),
+        )
+        .await
+        .unwrap(),
+    )
+    .await;
+    assert!(m.contains("context of 64 tokens") && m.contains("about 65"), "{m}");
+    let m = refused(
+        post("/v1/embeddings", serde_json::json!({"model": "embed"}))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert!(m.contains("missing field `input`"), "{m}");
+    server.stop().await;
 }
