@@ -40,14 +40,7 @@ pub async fn actors(client: &AdminClient, given: &[String], out: Output, node: O
             }
         }
     }
-    match out {
-        Output::Json => {
-            for d in &docs {
-                outln!("{d}");
-            }
-        }
-        Output::Table => out!("{}", table(&docs)),
-    }
+    crate::output::print_records(out, &docs, || table(&docs));
     Ok(())
 }
 

@@ -61,36 +61,26 @@ pub async fn audit(
     if entries.len() > limit {
         entries.drain(..entries.len() - limit);
     }
-    match out {
-        Output::Json => {
-            for e in &entries {
-                outln!("{e}");
-            }
+    crate::output::print_records(out, &entries, || {
+        let mut t = format!(
+            "{:<24} {:>4} {:<21} {:<18} {:<18} TARGET\n",
+            "AT", "CTRL", "WHO", "CALL", "RESULT"
+        );
+        for e in &entries {
+            let target = e["target"].as_str().unwrap_or("");
+            let target: String = target.chars().take(80).collect();
+            t.push_str(&format!(
+                "{:<24} {:>4} {:<21} {:<18} {:<18} {}{}\n",
+                e["at"].as_str().unwrap_or(""),
+                e["controller"].to_string(),
+                e["who"].as_str().unwrap_or(""),
+                e["call"].as_str().unwrap_or(""),
+                e["result"].as_str().unwrap_or(""),
+                target,
+                e["message"].as_str().map(|m| format!(" — {m}")).unwrap_or_default()
+            ));
         }
-        Output::Table => {
-            outln!(
-                "{:<24} {:>4} {:<21} {:<18} {:<18} TARGET",
-                "AT",
-                "CTRL",
-                "WHO",
-                "CALL",
-                "RESULT"
-            );
-            for e in &entries {
-                let target = e["target"].as_str().unwrap_or("");
-                let target: String = target.chars().take(80).collect();
-                outln!(
-                    "{:<24} {:>4} {:<21} {:<18} {:<18} {}{}",
-                    e["at"].as_str().unwrap_or(""),
-                    e["controller"].to_string(),
-                    e["who"].as_str().unwrap_or(""),
-                    e["call"].as_str().unwrap_or(""),
-                    e["result"].as_str().unwrap_or(""),
-                    target,
-                    e["message"].as_str().map(|m| format!(" — {m}")).unwrap_or_default()
-                );
-            }
-        }
-    }
+        t
+    });
     Ok(())
 }

@@ -42,9 +42,11 @@ pub async fn run(members: &[(u64, String)], wait: Duration) -> anyhow::Result<se
         bail!("give the controllers with --member ID=HOST:PORT (one per controller)");
     }
     let deadline = Instant::now() + wait;
+    let mut progress = crate::progress::Progress::start(&format!("bootstrapping {} controller(s)", members.len()));
     // Every member up, and each the node it is said to be.
     let mut seen = Vec::new();
     for (id, addr) in members {
+        progress.step(format!("waiting for controller {id} at {addr}"));
         let s = loop {
             if let Some(s) = status(addr).await {
                 break s;
@@ -73,7 +75,9 @@ pub async fn run(members: &[(u64, String)], wait: Duration) -> anyhow::Result<se
             .await
             .with_context(|| format!("initializing the cluster on node {}", first.0))?;
         done.push(format!("initialized on node {}", first.0));
+        progress.step(format!("initialized on node {}", first.0));
     }
+    progress.step("waiting for a leader");
     let admin = crate::admin_client(members.iter().map(|m| m.1.clone()).collect()).with_retry_for(wait);
     // The membership as the leader sees it.
     let current = loop {
@@ -101,6 +105,7 @@ pub async fn run(members: &[(u64, String)], wait: Duration) -> anyhow::Result<se
             bail!("node {id} was removed from this cluster and its id is retired; give the controller a new --node-id");
         }
         if role.is_none() {
+            progress.step(format!("adding node {id} as a learner (it catches up first)"));
             let addr = addr.clone();
             admin
                 .call(|mut c| {
@@ -112,6 +117,7 @@ pub async fn run(members: &[(u64, String)], wait: Duration) -> anyhow::Result<se
             done.push(format!("added node {id}"));
         }
         if role.as_deref() != Some("voter") {
+            progress.step(format!("promoting node {id} to voter"));
             admin
                 .call(|mut c| async move { c.promote(PromoteRequest { node_id: *id }).await })
                 .await

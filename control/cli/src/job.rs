@@ -4,8 +4,6 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use tokio::time::Instant;
-
 use anyhow::{anyhow, bail, Context as _};
 use clap::Subcommand;
 use serde_json::{json, Value};
@@ -193,23 +191,18 @@ async fn write_result(api: &Api, id: &str, out: Option<PathBuf>) -> anyhow::Resu
     Ok(())
 }
 
-/// Polls a job until it finishes, printing each change of state on stderr.
+/// Polls a job until it finishes, showing each change of state ([`crate::progress`]).
 async fn follow(api: &Api, id: &str) -> anyhow::Result<Value> {
-    let started = Instant::now();
-    let mut last = String::new();
+    let mut progress = crate::progress::Progress::start(&format!("job {id}: waiting for it to finish"));
     loop {
         let v = api.ok(reqwest::Method::GET, &format!("/v1/jobs/{id}"), None).await?;
         let state = v["state"].as_str().unwrap_or("?").to_string();
         let attempt = v["attempts"].as_u64().unwrap_or(0);
-        let now = format!("{state}/{attempt}");
-        if now != last {
-            let place = v["replica"]
-                .as_str()
-                .map(|r| format!(" on {r} ({}), attempt {attempt}", v["node"].as_str().unwrap_or("?")))
-                .unwrap_or_default();
-            eprintln!("[{:>6.1}s] {state}{place}", started.elapsed().as_secs_f64());
-            last = now;
-        }
+        let place = v["replica"]
+            .as_str()
+            .map(|r| format!(" on {r} ({}), attempt {attempt}", v["node"].as_str().unwrap_or("?")))
+            .unwrap_or_default();
+        progress.step(format!("{state}{place}"));
         if matches!(state.as_str(), "succeeded" | "failed" | "cancelled") {
             return Ok(v);
         }

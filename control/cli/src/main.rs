@@ -22,7 +22,9 @@ mod ledger;
 mod mig;
 mod model;
 mod node;
+mod output;
 mod pool;
+mod progress;
 mod registry;
 mod rollout;
 mod tenant;
@@ -31,7 +33,7 @@ mod token;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand};
 use laneway_client::AdminClient;
 use laneway_core::clock::unix_ms;
 use laneway_core::planner;
@@ -53,7 +55,7 @@ struct Cli {
         global = true
     )]
     addr: Vec<String>,
-    /// Output format.
+    /// Output format: `table` for people, `wide` (every field, as columns), `json`, `yaml`.
     #[arg(short, long, value_enum, default_value_t = Output::Table, global = true)]
     output: Output,
     /// How long to keep retrying while no controller answers or no leader is known, seconds.
@@ -76,11 +78,7 @@ struct Cli {
     command: Cmd,
 }
 
-#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
-enum Output {
-    Table,
-    Json,
-}
+pub(crate) use output::{print, Output};
 
 #[derive(Subcommand)]
 enum Cmd {
@@ -420,7 +418,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             );
         }
         Cmd::Cluster(ClusterCmd::Add { node_id, node_addr }) => {
-            if out == Output::Table {
+            if !out.is_document() {
                 eprintln!("adding node {node_id} at {node_addr} as a learner and waiting for it to catch up…");
             }
             let r = client
@@ -498,17 +496,20 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let mut from = crate::unix_ms().saturating_sub(window.as_millis() as u64);
             loop {
                 let evs = events(&client, from).await?;
+                output::print_records(out, &evs, || {
+                    evs.iter()
+                        .map(|e| {
+                            format!(
+                                "{} {:<16} {:<20} {}\n",
+                                laneway_core::ledger::fmt_unix_ms(e["at_ms"].as_u64().unwrap_or(0)),
+                                e["kind"].as_str().unwrap_or(""),
+                                e["subject"].as_str().unwrap_or(""),
+                                e["message"].as_str().unwrap_or("")
+                            )
+                        })
+                        .collect()
+                });
                 for e in &evs {
-                    match out {
-                        Output::Json => outln!("{e}"),
-                        Output::Table => outln!(
-                            "{} {:<16} {:<20} {}",
-                            laneway_core::ledger::fmt_unix_ms(e["at_ms"].as_u64().unwrap_or(0)),
-                            e["kind"].as_str().unwrap_or(""),
-                            e["subject"].as_str().unwrap_or(""),
-                            e["message"].as_str().unwrap_or("")
-                        ),
-                    }
                     from = from.max(e["at_ms"].as_u64().unwrap_or(0) + 1);
                 }
                 if !follow {
@@ -594,18 +595,10 @@ fn plan(
         }
     };
     let plan = planner::plan(&scenario, scale)?;
-    match out {
-        Output::Json => outln!("{}", serde_json::to_string_pretty(&plan)?),
-        Output::Table => out!("{}", planner::report::render(&plan)),
-    }
+    print(out, serde_json::to_value(&plan)?, || {
+        planner::report::render(&plan).trim_end().to_string()
+    });
     Ok(())
-}
-
-fn print(out: Output, value: serde_json::Value, table: impl FnOnce() -> String) {
-    match out {
-        Output::Json => outln!("{}", serde_json::to_string_pretty(&value).expect("json")),
-        Output::Table => outln!("{}", table()),
-    }
 }
 
 fn print_membership(out: Output, r: &MembershipReply, msg: &str) {
@@ -654,70 +647,61 @@ async fn status(client: &AdminClient, given: &[String], out: Output) -> anyhow::
         rows.push((m.clone(), s));
     }
     let leader = first.leader_id;
-    match out {
-        Output::Json => {
-            let members: Vec<_> = rows
-                .iter()
-                .map(|(m, s)| match s {
-                    Ok(s) => json!({
-                        "node_id": m.node_id, "addr": m.addr, "role": m.role, "reachable": true,
-                        "state": s.state, "term": s.term, "leader_id": s.leader_id,
-                        "last_log_index": s.last_log_index, "committed_index": s.committed_index,
-                        "applied_index": s.applied_index, "snapshot_index": s.snapshot_index,
-                        "purged_index": s.purged_index, "state_hash": s.state_hash,
-                    }),
-                    Err(e) => json!({"node_id": m.node_id, "addr": m.addr, "role": m.role, "reachable": false, "error": e.to_string()}),
-                })
-                .collect();
-            let v = json!({"cluster": first.cluster, "leader_id": leader, "term": first.term,
-                           "retired_node_ids": first.retired_node_ids, "members": members});
-            outln!("{}", serde_json::to_string_pretty(&v)?);
+    let members: Vec<_> = rows
+        .iter()
+        .map(|(m, s)| match s {
+            Ok(s) => json!({
+                "node_id": m.node_id, "addr": m.addr, "role": m.role, "reachable": true,
+                "state": s.state, "term": s.term, "leader_id": s.leader_id,
+                "last_log_index": s.last_log_index, "committed_index": s.committed_index,
+                "applied_index": s.applied_index, "snapshot_index": s.snapshot_index,
+                "purged_index": s.purged_index, "state_hash": s.state_hash,
+            }),
+            Err(e) => json!({"node_id": m.node_id, "addr": m.addr, "role": m.role, "reachable": false, "error": e.to_string()}),
+        })
+        .collect();
+    let v = json!({"cluster": first.cluster, "leader_id": leader, "term": first.term,
+                   "retired_node_ids": first.retired_node_ids, "members": members});
+    print(out, v, || {
+        let mut t = format!(
+            "cluster {:?}  leader {}  term {}\n",
+            first.cluster,
+            if leader == 0 {
+                "none".to_string()
+            } else {
+                leader.to_string()
+            },
+            first.term
+        );
+        t.push_str(&format!(
+            "{:>4}  {:<21} {:<8} {:<12} {:>5} {:>9} {:>9} {:>9} {:>9}  STATE HASH\n",
+            "ID", "ADDR", "ROLE", "STATE", "TERM", "LAST LOG", "COMMITTED", "APPLIED", "SNAPSHOT"
+        ));
+        for (m, s) in &rows {
+            t.push_str(&match s {
+                Ok(s) => format!(
+                    "{:>4}  {:<21} {:<8} {:<12} {:>5} {:>9} {:>9} {:>9} {:>9}  {}\n",
+                    m.node_id,
+                    m.addr,
+                    m.role,
+                    s.state,
+                    s.term,
+                    s.last_log_index,
+                    s.committed_index,
+                    s.applied_index,
+                    s.snapshot_index,
+                    s.state_hash.get(..12).unwrap_or(&s.state_hash)
+                ),
+                Err(e) => format!("{:>4}  {:<21} {:<8} unreachable: {e}\n", m.node_id, m.addr, m.role),
+            });
         }
-        Output::Table => {
-            outln!(
-                "cluster {:?}  leader {}  term {}",
-                first.cluster,
-                if leader == 0 {
-                    "none".to_string()
-                } else {
-                    leader.to_string()
-                },
-                first.term
-            );
-            outln!(
-                "{:>4}  {:<21} {:<8} {:<12} {:>5} {:>9} {:>9} {:>9} {:>9}  STATE HASH",
-                "ID",
-                "ADDR",
-                "ROLE",
-                "STATE",
-                "TERM",
-                "LAST LOG",
-                "COMMITTED",
-                "APPLIED",
-                "SNAPSHOT"
-            );
-            for (m, s) in &rows {
-                match s {
-                    Ok(s) => outln!(
-                        "{:>4}  {:<21} {:<8} {:<12} {:>5} {:>9} {:>9} {:>9} {:>9}  {}",
-                        m.node_id,
-                        m.addr,
-                        m.role,
-                        s.state,
-                        s.term,
-                        s.last_log_index,
-                        s.committed_index,
-                        s.applied_index,
-                        s.snapshot_index,
-                        s.state_hash.get(..12).unwrap_or(&s.state_hash)
-                    ),
-                    Err(e) => outln!("{:>4}  {:<21} {:<8} unreachable: {e}", m.node_id, m.addr, m.role),
-                }
-            }
-            if !first.retired_node_ids.is_empty() {
-                outln!("retired node ids (never reusable): {:?}", first.retired_node_ids);
-            }
+        if !first.retired_node_ids.is_empty() {
+            t.push_str(&format!(
+                "retired node ids (never reusable): {:?}",
+                first.retired_node_ids
+            ));
         }
-    }
+        t.trim_end().to_string()
+    });
     Ok(())
 }

@@ -38,7 +38,30 @@ pub enum MigCmd {
     Apply {
         #[arg(long)]
         version: u64,
+        /// Follow it until every GPU reports the layout it is given (at most this long, e.g.
+        /// `10m`): progress on a terminal, a line per step otherwise.
+        #[arg(long, value_name = "DURATION", num_args = 0..=1, default_missing_value = "15m")]
+        wait: Option<String>,
     },
+}
+
+/// GPUs whose reported MIG devices are not yet the layout they are given, of those given one.
+fn unsettled(nodes: &[laneway_proto::admin::NodeInfo]) -> (usize, usize) {
+    let given: Vec<_> = nodes
+        .iter()
+        .flat_map(|n| &n.gpus)
+        .filter(|g| g.has_mig_layout)
+        .collect();
+    let pending = given
+        .iter()
+        .filter(|g| {
+            let (mut want, mut have) = (g.mig_layout.clone(), g.mig_devices.clone());
+            want.sort();
+            have.sort();
+            want != have
+        })
+        .count();
+    (pending, given.len())
 }
 
 pub async fn mig(client: &AdminClient, out: Output, cmd: MigCmd) -> anyhow::Result<()> {
@@ -92,10 +115,31 @@ pub async fn mig(client: &AdminClient, out: Output, cmd: MigCmd) -> anyhow::Resu
             let plan: serde_json::Value = serde_json::from_str(doc)?;
             print(out, plan.clone(), || plan_text(&plan));
         }
-        MigCmd::Apply { version } => {
+        MigCmd::Apply { version, wait } => {
             let r = client
                 .call(|mut c| async move { c.apply_mig_plan(ApplyMigPlanRequest { version }).await })
                 .await?;
+            if let Some(wait) = wait {
+                let limit = humantime::parse_duration(&wait)
+                    .map_err(|e| anyhow::anyhow!("--wait {wait:?}: {e}; give a duration such as 10m"))?;
+                let deadline = tokio::time::Instant::now() + limit;
+                let mut progress =
+                    crate::progress::Progress::start(&format!("MIG plan {version}: GPUs drain, then re-partition"));
+                loop {
+                    let (pending, given) = unsettled(&list_nodes(client).await?);
+                    if pending == 0 {
+                        progress.step(format!("all {given} GPU(s) with a layout report it"));
+                        break;
+                    }
+                    progress.step(format!("{} of {given} GPU(s) report their layout", given - pending));
+                    if tokio::time::Instant::now() >= deadline {
+                        anyhow::bail!(
+                            "{pending} GPU(s) did not reach their layout within {wait}; `lanectl mig list` shows which, `lanectl events` why"
+                        );
+                    }
+                    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                }
+            }
             print(out, json!({"version": version, "log_index": r.log_index}), || {
                 format!(
                     "MIG plan {version} applied (log index {}): changed GPUs drain, then their agents re-partition them; `lanectl mig list` shows progress",

@@ -80,7 +80,7 @@ pub async fn list_nodes(client: &AdminClient) -> anyhow::Result<Vec<NodeInfo>> {
 }
 
 fn print_nodes(out: Output, nodes: &[NodeInfo], detail: bool) {
-    if out == Output::Json {
+    if out != Output::Table {
         let v: Vec<_> = nodes
             .iter()
             .map(|n| {
@@ -95,7 +95,7 @@ fn print_nodes(out: Output, nodes: &[NodeInfo], detail: bool) {
                 })
             })
             .collect();
-        outln!("{}", serde_json::to_string_pretty(&v).expect("json"));
+        crate::print(out, serde_json::Value::Array(v), String::new);
         return;
     }
     outln!(

@@ -161,6 +161,8 @@ pub async fn rollout(client: &AdminClient, out: Output, cmd: RolloutCmd) -> anyh
 async fn status(client: &AdminClient, out: Output, model: &str, watch: bool) -> anyhow::Result<()> {
     let mut shown = 0;
     let mut last_line = String::new();
+    let mut progress = (watch && out == Output::Table)
+        .then(|| crate::progress::Progress::start(&format!("watching the rollout of {model}")));
     loop {
         let rollouts = list(client, "rollouts").await?;
         let Some(mut value) = rollouts.into_iter().find(|r| r["model"] == model) else {
@@ -182,7 +184,7 @@ async fn status(client: &AdminClient, out: Output, model: &str, watch: bool) -> 
                 )
             })
             .unwrap_or_default();
-        if out == Output::Json {
+        if out != Output::Table {
             if let Some(n) = now {
                 value["now"] = n;
             }
@@ -196,14 +198,21 @@ async fn status(client: &AdminClient, out: Output, model: &str, watch: bool) -> 
             last_line = judgement;
         } else {
             // Watching: only what happened since, and the judgement when it changes.
+            let say = |line: String| match &progress {
+                Some(p) => p.suspend(|| outln!("{line}")),
+                None => outln!("{line}"),
+            };
             for e in r.events.iter().skip(shown) {
-                outln!("{}\n  {}  {}", header(&r), clock(e.at_ms), e.message);
+                say(format!("{}\n  {}  {}", header(&r), clock(e.at_ms), e.message));
             }
             shown = r.events.len();
             if !judgement.is_empty() && judgement != last_line {
-                outln!("{judgement}");
+                say(judgement.clone());
                 last_line = judgement;
             }
+        }
+        if let Some(p) = progress.as_mut() {
+            p.step(format!("{}: {:?}", header(&r), r.state));
         }
         if !watch || !r.state.is_active() {
             return Ok(());

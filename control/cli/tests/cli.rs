@@ -30,6 +30,44 @@ fn plan_reads_the_shipped_scenario_offline_and_prices_every_lane() {
     }
 }
 
+/// `-o yaml` is the same document as `-o json`; `-o wide` is a table of it.
+#[test]
+fn every_output_format_prints_the_same_plan() {
+    let scenario = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/examples/fleet.toml");
+    let run = |format: &str| {
+        let out = lanectl()
+            .arg("plan")
+            .arg(&scenario)
+            .args(["-o", format])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    // Floats compared to 12 significant digits: the two parsers round the last digit apart.
+    fn rounded(v: serde_json::Value) -> serde_json::Value {
+        use serde_json::Value;
+        match v {
+            Value::Number(n) if n.is_f64() => {
+                let f = n.as_f64().unwrap();
+                Value::from(format!("{f:.12e}"))
+            }
+            Value::Array(a) => Value::Array(a.into_iter().map(rounded).collect()),
+            Value::Object(o) => Value::Object(o.into_iter().map(|(k, v)| (k, rounded(v))).collect()),
+            other => other,
+        }
+    }
+    let json: serde_json::Value = serde_json::from_str(&run("json")).unwrap();
+    let yaml: serde_json::Value = serde_yaml_ng::from_str(&run("yaml")).unwrap();
+    assert_eq!(rounded(json), rounded(yaml));
+    let wide = run("wide");
+    assert!(wide.lines().count() > 1, "{wide}");
+    assert!(wide.contains("LANES") || wide.contains("TRAFFIC_SHARE_PCT"), "{wide}");
+    let e = lanectl().args(["-o", "xml", "plan"]).arg(&scenario).output().unwrap();
+    assert!(!e.status.success());
+    assert!(String::from_utf8_lossy(&e.stderr).contains("table, wide, json, yaml"));
+}
+
 #[test]
 fn an_unreachable_controller_names_the_address_and_fails() {
     let out = lanectl()
