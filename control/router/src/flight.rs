@@ -44,6 +44,9 @@ pub struct Flight {
     /// A binary KServe v2 request's JSON part (its length, sent on in
     /// `Inference-Header-Content-Length`).
     pub binary: Option<super::pipeline::BinaryPart>,
+    /// The model version a KServe v2 client pinned (`/versions/{v}/infer`): an overflow
+    /// endpoint is asked for that version too.
+    pub pinned_version: Option<String>,
     /// The tenant's hold on its concurrency ceiling, let go when the request ends.
     tenant_hold: Option<TenantGuard>,
     /// Tokens taken from the tenant's minute: given back when the request is refused.
@@ -111,6 +114,7 @@ impl Flight {
             arrived,
             traceparent: headers.get("traceparent").cloned(),
             binary: None,
+            pinned_version: None,
             tenant_hold: None,
             tokens: 0,
             ended: false,
@@ -261,7 +265,7 @@ impl Flight {
         };
         let uri = match over.path {
             Some(path) => ov.uri_at(path),
-            None => ov.uri(&self.route.public),
+            None => ov.uri(&self.route.public, self.pinned_version.as_deref()),
         };
         let Some((slot, uri, client, authorization)) = ov.take(router.now_ms(Instant::now()), uri) else {
             return Ok(self);

@@ -204,7 +204,7 @@ async fn serve_infer(
     // A fallback of the same kind: a language model's is one too. A pinned version is that
     // version or nothing.
     let same_kind = |r: &ModelRoute| r.llm.is_some() == route.llm.is_some();
-    let route = match version {
+    let route = match &version {
         Some(_) => route,
         None => match healthy_or_fallback(&router, &table, &route, &tenant, &mut meta, same_kind, true) {
             Ok(r) => r,
@@ -249,6 +249,7 @@ async fn serve_infer(
     }
     let mut flight = Flight::new(router, table, tenant, route, meta, &headers, arrived);
     flight.binary = binary;
+    flight.pinned_version = version;
     match serve_flight(flight, &headers, body).await {
         Ok(r) | Err(r) => r,
     }

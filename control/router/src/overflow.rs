@@ -177,11 +177,16 @@ impl Overflow {
         }
     }
 
-    /// Where a request for `model` goes.
-    pub fn uri(&self, model: &str) -> Option<hyper::Uri> {
-        format!("{}/v2/models/{model}/infer", self.spec.url.trim_end_matches('/'))
-            .parse()
-            .ok()
+    /// Where a request for `model` goes: its `version`'s infer path when the client pinned
+    /// one (the endpoint serves that version or refuses, as the router would).
+    pub fn uri(&self, model: &str, version: Option<&str>) -> Option<hyper::Uri> {
+        let base = self.spec.url.trim_end_matches('/');
+        match version {
+            Some(v) => format!("{base}/v2/models/{model}/versions/{v}/infer"),
+            None => format!("{base}/v2/models/{model}/infer"),
+        }
+        .parse()
+        .ok()
     }
 
     /// Where a language model's request to `path` (an OpenAI-compatible path) goes.
@@ -279,7 +284,11 @@ mod tests {
     #[test]
     fn the_cap_holds_and_slots_come_back() {
         let o = overflow(2);
-        assert_eq!(o.uri("m").unwrap().path(), "/api/v2/models/m/infer");
+        assert_eq!(o.uri("m", None).unwrap().path(), "/api/v2/models/m/infer");
+        assert_eq!(
+            o.uri("m", Some("2")).unwrap().path(),
+            "/api/v2/models/m/versions/2/infer"
+        );
         let (a, _b) = (o.try_acquire(0).unwrap(), o.try_acquire(0).unwrap());
         assert!(o.try_acquire(0).is_none(), "at its cap");
         drop(a);
