@@ -203,7 +203,11 @@ pub fn serve(
     router.set_body_limits(settings.body_limits());
     // KServe v2 over gRPC on the same port (HTTP/2), outside the HTTP layers: it answers
     // catching-up and unread bodies in its own terms.
-    let grpc = axum::Router::new().route_service(super::grpc::PATH, super::grpc::service(router.clone()));
+    // A gRPC message is read by tonic, not the body gate: a client whose frames stop coming
+    // is cut off after the body timeout, as an HTTP body is.
+    let grpc =
+        tower_http::timeout::RequestBodyTimeout::new(super::grpc::service(router.clone()), settings.body_timeout);
+    let grpc = axum::Router::new().route_service(super::grpc::PATH, grpc);
     let app = app(router).merge(extra).merge(grpc);
     let permits = Arc::new(Semaphore::new(settings.max_connections));
     let header_timeout = settings.header_read_timeout;

@@ -238,3 +238,53 @@ async fn a_grpc_client_infers_on_the_routers_port() {
     assert_eq!(http.status(), 200);
     server.stop().await;
 }
+
+/// A gRPC message whose frames stop coming holds its stream no longer than the body timeout:
+/// the call ends with an error status, not never.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_that_stops_arriving_is_cut_off() {
+    use futures::StreamExt;
+    use http_body_util::StreamBody;
+    use hyper::body::Frame;
+    let router = router_with(&[]);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let settings = crate::server::RouterSettings {
+        body_timeout: Duration::from_millis(500),
+        ..Default::default()
+    };
+    let server = crate::server::serve(router, axum::Router::new(), listener, &settings).unwrap();
+    let tcp = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    let (mut send, conn) =
+        hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), hyper_util::rt::TokioIo::new(tcp))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    // A message header that promises 1000 bytes, then nothing.
+    let mut head = vec![0u8];
+    head.extend_from_slice(&1000u32.to_be_bytes());
+    let frames = futures::stream::iter([Ok::<_, std::convert::Infallible>(Frame::data(Bytes::from(head)))])
+        .chain(futures::stream::pending());
+    let req = axum::http::Request::post(format!(
+        "http://{}/inference.GRPCInferenceService/ModelInfer",
+        server.addr
+    ))
+    .header("content-type", "application/grpc")
+    .header("te", "trailers")
+    .header("authorization", "Bearer k")
+    .body(StreamBody::new(frames))
+    .unwrap();
+    let answered = tokio::time::timeout(Duration::from_secs(10), async {
+        let resp = send.send_request(req).await.unwrap();
+        let (parts, body) = resp.into_parts();
+        let trailers = body.collect().await.ok().and_then(|c| c.trailers().cloned());
+        let status = parts
+            .headers
+            .get("grpc-status")
+            .or(trailers.as_ref().and_then(|t| t.get("grpc-status")));
+        status.map(|s| s.to_str().unwrap().to_string())
+    })
+    .await
+    .expect("the stalled call ended within the body timeout");
+    assert!(matches!(answered.as_deref(), Some(s) if s != "0"), "{answered:?}");
+    server.stop().await;
+}
