@@ -59,6 +59,24 @@ impl Dev {
         }
     }
 
+    /// Gives the image lane an overflow endpoint where nothing listens (port 9), priced.
+    fn set_image_overflow(&self) {
+        super::harness::lanectl_ok(
+            &self.admin,
+            &[
+                "lane",
+                "set",
+                "image",
+                "--overflow-url",
+                "http://127.0.0.1:9",
+                "--overflow-max",
+                "2",
+                "--overflow-usd-per-request",
+                "0.001",
+            ],
+        );
+    }
+
     /// Sends requests to `models` from a few clients until the returned flag is set.
     fn load(&self, models: &[&'static str]) -> Arc<AtomicBool> {
         let stop = Arc::new(AtomicBool::new(false));
@@ -118,22 +136,9 @@ async fn metrics_parse_as_openmetrics_and_carry_the_lane_series() {
         served += u64::from(r.status() == 200);
     }
     assert!(served > 0);
-    // An overflow endpoint on the image lane (nothing listens there; it is never needed at
-    // this load), so its series are exported too.
-    super::harness::lanectl_ok(
-        &dev.admin,
-        &[
-            "lane",
-            "set",
-            "image",
-            "--overflow-url",
-            "http://127.0.0.1:9",
-            "--overflow-max",
-            "2",
-            "--overflow-usd-per-request",
-            "0.001",
-        ],
-    );
+    // An overflow endpoint on the image lane (it is never needed at this load), so its
+    // series are exported too.
+    dev.set_image_overflow();
     let overflow = "laneway_lane_overflow_usable{class=\"image\",lane=\"bounded\"} 1";
     let mut text = String::new();
     for _ in 0..100 {
@@ -208,20 +213,8 @@ async fn a_real_prometheus_scrapes_every_series_the_dashboard_and_rules_use() {
     };
     let dev = Dev::start();
     let stop = dev.load(&["whisper", "sdxl"]);
-    // An overflow endpoint on the image lane (nothing listens there), so the rule on overflow
-    // has its series.
-    super::harness::lanectl_ok(
-        &dev.admin,
-        &[
-            "lane",
-            "set",
-            "image",
-            "--overflow-url",
-            "http://127.0.0.1:9",
-            "--overflow-max",
-            "2",
-        ],
-    );
+    // An overflow endpoint on the image lane, so the rule on overflow has its series.
+    dev.set_image_overflow();
     let dir = tempfile::tempdir().unwrap();
     let rules = repo_root().join("deploy/prometheus/laneway-rules.yml");
     let config = dir.path().join("prometheus.yml");

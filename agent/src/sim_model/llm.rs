@@ -378,21 +378,26 @@ pub fn embedding_of(input: &Value) -> Vec<f32> {
     v.into_iter().map(|x| x / norm).collect()
 }
 
-/// `POST /v1/embeddings`: each input is one prefill on the engine (it queues and shares the
-/// engine with completions), answered in OpenAI's shape with usage.
-async fn embed(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
-    let req = match CompletionRequest::parse(Endpoint::Embeddings, &body) {
-        Ok(r) => r,
-        Err(e) => return error(StatusCode::BAD_REQUEST, e),
-    };
+/// The request, for this server's model; else the answer a server gives.
+fn parse(s: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<CompletionRequest, Response> {
+    let req = CompletionRequest::parse(endpoint, body).map_err(|e| error(StatusCode::BAD_REQUEST, e))?;
     if req.model != s.cfg.model {
-        return error(
+        return Err(error(
             StatusCode::NOT_FOUND,
             format!(
                 "the model `{}` does not exist; this server serves `{}`",
                 req.model, s.cfg.model
             ),
-        );
+        ));
+    }
+    Ok(req)
+}
+
+/// `POST /v1/embeddings`: each input is one prefill on the engine (it queues and shares the
+/// engine with completions), answered in OpenAI's shape with usage.
+async fn embed(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    if let Err(r) = parse(&s, Endpoint::Embeddings, &body) {
+        return r;
     }
     let v: Value = serde_json::from_slice(&body).unwrap_or_default();
     let inputs: Vec<Value> = match &v["input"] {
@@ -503,19 +508,10 @@ pub fn token_text(i: u32) -> String {
 }
 
 async fn complete(State(s): State<Arc<AppState>>, endpoint: Endpoint, body: Bytes) -> Response {
-    let req = match CompletionRequest::parse(endpoint, &body) {
+    let req = match parse(&s, endpoint, &body) {
         Ok(r) => r,
-        Err(e) => return error(StatusCode::BAD_REQUEST, e),
+        Err(r) => return r,
     };
-    if req.model != s.cfg.model {
-        return error(
-            StatusCode::NOT_FOUND,
-            format!(
-                "the model `{}` does not exist; this server serves `{}`",
-                req.model, s.cfg.model
-            ),
-        );
-    }
     let prompt_tokens = req.input_tokens();
     let max_tokens = req.max_tokens.unwrap_or(s.cfg.default_max_tokens);
     let total = u64::from(prompt_tokens) + u64::from(max_tokens);
