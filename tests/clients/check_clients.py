@@ -142,6 +142,10 @@ def triton_over_grpc():
     check("grpc no key is UNAUTHENTICATED", code == "StatusCode.UNAUTHENTICATED" and "API key" in str(e), e)
     code, e = status(lambda: client.infer("whisper", [tensor], model_version="9", headers=key))
     check("grpc unknown version is NOT_FOUND", code == "StatusCode.NOT_FOUND" and "no version" in str(e), e)
+    prompt = triton_grpc.InferInput("prompt", [1], "BYTES")
+    prompt.set_data_from_numpy(np.array([b"a lighthouse"], dtype=np.object_))
+    code, e = status(lambda: client.infer("wan-video", [prompt], headers=key))
+    check("grpc to a durable model is FAILED_PRECONDITION", code == "StatusCode.FAILED_PRECONDITION" and "/v1/jobs" in str(e), e)
     wrong = triton_grpc.InferInput("audio", [1, 3], "FP32")
     wrong.set_data_from_numpy(np.zeros((1, 3), dtype=np.float32))
     wrong.set_shape([1, 4])  # a client that lies about its shape

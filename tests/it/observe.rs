@@ -262,6 +262,10 @@ async fn a_real_prometheus_scrapes_every_series_the_dashboard_and_rules_use() {
     ] {
         wanted.extend(metric_names(&std::fs::read_to_string(repo_root().join(file)).unwrap()));
     }
+    assert!(
+        wanted.len() >= 10,
+        "the dashboard and rules name laneway_* series: {wanted:?}"
+    );
     let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
     let missing = loop {
         let mut missing = Vec::new();

@@ -43,12 +43,128 @@ use pb::model_metadata_response::TensorMetadata;
 pub const PATH: &str = "/inference.GRPCInferenceService/{*rpc}";
 
 /// The service, with message limits from the router's body limits: a request message as large
-/// as an HTTP body may be, an answer as large as the router reads from a replica.
-pub fn service(router: Arc<Router>) -> GrpcInferenceServiceServer<Inference> {
+/// as an HTTP body may be, an answer as large as the router reads from a replica; behind
+/// [`KeyFirst`].
+pub fn service(router: Arc<Router>) -> KeyFirst<GrpcInferenceServiceServer<Inference>> {
     let limits = router.bodies().limits().clone();
-    GrpcInferenceServiceServer::new(Inference { router })
+    let inner = GrpcInferenceServiceServer::new(Inference { router: router.clone() })
         .max_decoding_message_size(limits.max_body_bytes)
-        .max_encoding_message_size(limits.max_answer_bytes)
+        .max_encoding_message_size(limits.max_answer_bytes);
+    KeyFirst {
+        router,
+        inner,
+        body_timeout: limits.body_timeout,
+    }
+}
+
+/// Checks what can be checked before tonic reads a message: that this router has caught up,
+/// and, for every RPC but the three server-level ones, that the `authorization` metadata holds
+/// a tenant's key — so a client without one costs no decoding, as an HTTP body is not read
+/// before its key is checked. The message must then arrive whole within the body timeout
+/// ([`Deadline`]), as an HTTP body must.
+#[derive(Clone)]
+pub struct KeyFirst<S> {
+    router: Arc<Router>,
+    inner: S,
+    body_timeout: Duration,
+}
+
+/// A request body that must end within a time from when its headers came; after it, an error
+/// (tonic answers the call with a status), however slowly the bytes trickle.
+pub struct Deadline {
+    inner: Body,
+    sleep: std::pin::Pin<Box<tokio::time::Sleep>>,
+    after: Duration,
+}
+
+impl hyper::body::Body for Deadline {
+    type Data = Bytes;
+    type Error = axum::BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
+        use std::future::Future;
+        use std::task::Poll;
+        if let Poll::Ready(frame) = std::pin::Pin::new(&mut self.inner).poll_frame(cx) {
+            return Poll::Ready(frame.map(|f| f.map_err(Into::into)));
+        }
+        if self.sleep.as_mut().poll(cx).is_ready() {
+            let why = format!(
+                "the message did not arrive whole within the router's body timeout ({} ms)",
+                self.after.as_millis()
+            );
+            return Poll::Ready(Some(Err(why.into())));
+        }
+        Poll::Pending
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl<S> tonic::codegen::Service<axum::http::Request<Body>> for KeyFirst<S>
+where
+    S: tonic::codegen::Service<
+        axum::http::Request<Deadline>,
+        Response = axum::http::Response<tonic::body::Body>,
+        Error = std::convert::Infallible,
+    >,
+    S::Future: Send + 'static,
+{
+    type Response = axum::http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = futures::future::Either<std::future::Ready<Result<Self::Response, Self::Error>>, S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: axum::http::Request<Body>) -> Self::Future {
+        let path = req.uri().path();
+        let server_level = ["/ServerLive", "/ServerReady", "/ServerMetadata"]
+            .iter()
+            .any(|rpc| path.ends_with(rpc));
+        let refused = if server_level {
+            None
+        } else if !self.router.is_ready() {
+            Some(Status::unavailable(
+                "this controller is catching up with the cluster (it just started or joined); retry in a moment or through another controller",
+            ))
+        } else {
+            super::pipeline::authenticate(&self.router.table(), req.headers(), &super::answer::Meta::default())
+                .err()
+                .map(|r| {
+                    let said = r.extensions().get::<super::answer::Said>().map(|s| s.0.to_string());
+                    Status::unauthenticated(said.unwrap_or_else(|| "unknown or missing API key".into()))
+                })
+        };
+        match refused {
+            Some(status) => futures::future::Either::Left(std::future::ready(Ok(status.into_http()))),
+            None => {
+                let after = self.body_timeout;
+                let req = req.map(|inner| Deadline {
+                    inner,
+                    sleep: Box::pin(tokio::time::sleep(after)),
+                    after,
+                });
+                futures::future::Either::Right(self.inner.call(req))
+            }
+        }
+    }
+}
+
+/// Most elements a request may send a JSON-only server through this service: each becomes a
+/// JSON value on the way (tens of bytes), so a message within the body limit cannot turn into
+/// many times that.
+fn json_elements_limit(max_body_bytes: usize) -> u64 {
+    (max_body_bytes / 8) as u64
 }
 
 pub struct Inference {
@@ -76,7 +192,8 @@ fn headers_of(metadata: MetadataMap) -> HeaderMap {
         .filter_map(|(k, v)| Some((k?, v)))
         .filter(|(k, _)| {
             let k = k.as_str();
-            !(k.starts_with("grpc-") || k == "content-type" || k == "te")
+            // The binary part's length is the router's to give, from the message it converts.
+            !(k.starts_with("grpc-") || k == "content-type" || k == "te" || k == "inference-header-content-length")
         })
         .collect()
 }
@@ -92,6 +209,8 @@ async fn status_of(resp: Response) -> Status {
         .ok()
         .and_then(|v| v.get("error").and_then(Value::as_str).map(str::to_string))
         .unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
+    // A replica's error page may be large; a status message travels in a header.
+    let message: String = message.chars().take(1024).collect();
     let code = match status {
         _ if shed => Code::ResourceExhausted,
         StatusCode::BAD_REQUEST | StatusCode::UNPROCESSABLE_ENTITY => Code::InvalidArgument,
@@ -237,7 +356,22 @@ fn raw_of(t: &InferInputTensor) -> Result<Vec<u8>, String> {
 /// The v2 HTTP request a `ModelInfer` stands for: its body and, for binary tensors, the JSON
 /// part's length. `binary`: the model's servers take binary tensors (else the tensors go as JSON
 /// `data`, which FP16 and BF16 have no form of).
-fn http_request(msg: &pb::ModelInferRequest, binary: bool) -> Result<(Vec<u8>, Option<usize>), String> {
+fn http_request(
+    msg: &pb::ModelInferRequest,
+    binary: bool,
+    json_elements: u64,
+) -> Result<(Vec<u8>, Option<usize>), String> {
+    if !binary {
+        let mut total = 0u64;
+        for t in &msg.inputs {
+            total = total.saturating_add(kserve::elements(&t.name, &t.shape)?);
+        }
+        if total > json_elements {
+            return Err(format!(
+                "the model's servers take tensors as JSON only, and {total} elements are more than the router converts ({json_elements}); send smaller tensors, or serve the model with a server that takes binary tensors (`binary_tensors = true`)"
+            ));
+        }
+    }
     if !msg.raw_input_contents.is_empty() && msg.raw_input_contents.len() != msg.inputs.len() {
         return Err(format!(
             "raw_input_contents has {} entries for {} inputs; give one per input, in order, or none (typed contents)",
@@ -265,6 +399,7 @@ fn http_request(msg: &pb::ModelInferRequest, binary: bool) -> Result<(Vec<u8>, O
             params.insert("binary_data_size".into(), Value::from(raw.len()));
             tail.extend_from_slice(&raw);
         } else {
+            lossless_as_json(t, &raw)?;
             let data = kserve::decode(&t.datatype, &raw).ok_or_else(|| {
                 format!(
                     "input {}: the model's servers take tensors as JSON only, and {} has no JSON form; declare `binary_tensors = true` for a server that takes binary data",
@@ -307,6 +442,39 @@ fn http_request(msg: &pb::ModelInferRequest, binary: bool) -> Result<(Vec<u8>, O
     let json_len = out.len();
     out.extend_from_slice(&tail);
     Ok((out, binary.then_some(json_len)))
+}
+
+/// Refuses what JSON `data` cannot carry unchanged: BYTES that are not UTF-8 (an image) and
+/// NaN or infinite floats (JSON has no number for them).
+fn lossless_as_json(t: &InferInputTensor, raw: &[u8]) -> Result<(), String> {
+    let why = match t.datatype.as_str() {
+        "FP32" => raw
+            .chunks_exact(4)
+            .any(|c| !f32::from_le_bytes(c.try_into().expect("4 bytes")).is_finite())
+            .then_some("a NaN or infinite value, which JSON has no number for"),
+        "FP64" => raw
+            .chunks_exact(8)
+            .any(|c| !f64::from_le_bytes(c.try_into().expect("8 bytes")).is_finite())
+            .then_some("a NaN or infinite value, which JSON has no number for"),
+        "BYTES" => {
+            let mut rest = raw;
+            let mut bad = false;
+            while let Some((len, tail)) = rest.split_first_chunk::<4>() {
+                let len = (u32::from_le_bytes(*len) as usize).min(tail.len());
+                bad |= std::str::from_utf8(&tail[..len]).is_err();
+                rest = &tail[len..];
+            }
+            bad.then_some("an element that is not UTF-8 text, which JSON strings cannot carry")
+        }
+        _ => None,
+    };
+    match why {
+        Some(why) => Err(format!(
+            "input {}: {why}; the model's servers take tensors as JSON only — serve it with a server that takes binary tensors (`binary_tensors = true`)",
+            t.name
+        )),
+        None => Ok(()),
+    }
 }
 
 /// A v2 HTTP answer (JSON, or JSON and binary outputs) as a `ModelInferResponse`, every
@@ -503,12 +671,25 @@ impl GrpcInferenceService for Inference {
         let (metadata, _, msg) = req.into_parts();
         let mut headers = headers_of(metadata);
         let version = version_of(&msg.model_version);
-        let binary = {
+        let (binary, durable) = {
             let table = self.router.table();
-            let mut entries = table.models.values().filter(|m| m.public == msg.model_name).peekable();
-            entries.peek().is_some() && entries.all(|m| m.binary_tensors)
+            let entries: Vec<_> = table.models.values().filter(|m| m.public == msg.model_name).collect();
+            let durable = entries
+                .iter()
+                .find(|m| m.class.lane == laneway_core::registry::LaneKind::Durable)
+                .map(|m| m.class.name.clone());
+            (!entries.is_empty() && entries.iter().all(|m| m.binary_tensors), durable)
         };
-        let (body, json_len) = http_request(&msg, binary).map_err(Status::invalid_argument)?;
+        if let Some(class) = durable {
+            // A job answers 202 with an id, which ModelInfer has no form for: refused before
+            // anything is queued or billed.
+            return Err(Status::failed_precondition(format!(
+                "model {} is in the durable class {class}: it takes jobs, over HTTP (POST /v1/jobs, or POST /v2/models/{}/infer for a job id); gRPC ModelInfer answers synchronously",
+                msg.model_name, msg.model_name
+            )));
+        }
+        let limit = json_elements_limit(self.router.bodies().limits().max_body_bytes);
+        let (body, json_len) = http_request(&msg, binary, limit).map_err(Status::invalid_argument)?;
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
         if let Some(n) = json_len {

@@ -207,6 +207,13 @@ async fn serve(router: Arc<Router>, endpoint: Endpoint, headers: HeaderMap, body
             )
         }
     };
+    if endpoint == Endpoint::Embeddings && req.stream {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "`stream` is not an embeddings option: an embedding comes back whole".into(),
+            &meta,
+        );
+    }
     let asked = match lookup(&router, &table, &req.model, None, &mut meta) {
         Ok(r) => r,
         Err(r) => return r,

@@ -202,12 +202,10 @@ pub fn serve(
     let addr = listener.local_addr()?;
     router.set_body_limits(settings.body_limits());
     // KServe v2 over gRPC on the same port (HTTP/2), outside the HTTP layers: it answers
-    // catching-up and unread bodies in its own terms.
-    // A gRPC message is read by tonic, not the body gate: a client whose frames stop coming
-    // is cut off after the body timeout, as an HTTP body is.
-    let grpc =
-        tower_http::timeout::RequestBodyTimeout::new(super::grpc::service(router.clone()), settings.body_timeout);
-    let grpc = axum::Router::new().route_service(super::grpc::PATH, grpc);
+    // catching-up and unread bodies in its own terms. A gRPC message is read by tonic, not the
+    // body gate: its key is checked first, and it must arrive whole within the body timeout,
+    // as an HTTP body must (grpc::KeyFirst).
+    let grpc = axum::Router::new().route_service(super::grpc::PATH, super::grpc::service(router.clone()));
     let app = app(router).merge(extra).merge(grpc);
     let permits = Arc::new(Semaphore::new(settings.max_connections));
     let header_timeout = settings.header_read_timeout;
@@ -237,7 +235,7 @@ pub fn serve(
                 continue;
             };
             let _ = stream.set_nodelay(true);
-            let svc = TowerToHyperService::new(app.clone());
+            let app = app.clone();
             let stop = rx.clone();
             let tls = tls.clone();
             tokio::spawn(async move {
@@ -245,7 +243,7 @@ pub fn serve(
                     // A client that opens a connection and says nothing holds a permit no
                     // longer than the header timeout.
                     None => match tokio::time::timeout(header_timeout, speaks_http2(&stream)).await {
-                        Ok(Some(h2)) => serve_connection(TokioIo::new(stream), svc, header_timeout, h2, stop).await,
+                        Ok(Some(h2)) => serve_connection(TokioIo::new(stream), app, header_timeout, h2, stop).await,
                         Ok(None) => {}
                         Err(_) => tracing::debug!(%peer, "router connection sent nothing within the header timeout"),
                     },
@@ -253,7 +251,7 @@ pub fn serve(
                     Some(acceptor) => match tokio::time::timeout(header_timeout, acceptor.accept(stream)).await {
                         Ok(Ok(tls)) => {
                             let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
-                            serve_connection(TokioIo::new(tls), svc, header_timeout, h2, stop).await
+                            serve_connection(TokioIo::new(tls), app, header_timeout, h2, stop).await
                         }
                         Ok(Err(e)) => tracing::debug!(%peer, error = %e, "router TLS handshake failed"),
                         Err(_) => tracing::debug!(%peer, "router TLS handshake timed out"),
@@ -282,6 +280,7 @@ pub const MAX_STREAMS_PER_CONNECTION: u32 = 256;
 async fn speaks_http2(stream: &tokio::net::TcpStream) -> Option<bool> {
     const PREFACE: &[u8] = b"PRI * HTTP/2.0";
     let mut buf = [0u8; PREFACE.len()];
+    let mut wait = Duration::from_millis(1);
     loop {
         let n = stream.peek(&mut buf).await.ok()?;
         if n == 0 {
@@ -290,7 +289,9 @@ async fn speaks_http2(stream: &tokio::net::TcpStream) -> Option<bool> {
         // A prefix of the preface may be all that has come yet: wait for the rest (within the
         // caller's header timeout), else decide.
         if n < buf.len() && PREFACE.starts_with(&buf[..n]) {
-            tokio::time::sleep(Duration::from_millis(1)).await;
+            // Backing off: thousands of clients that send one byte cost no busy polling.
+            tokio::time::sleep(wait).await;
+            wait = (wait * 2).min(Duration::from_millis(100));
             continue;
         }
         return Some(buf[..n] == *PREFACE);
@@ -299,16 +300,16 @@ async fn speaks_http2(stream: &tokio::net::TcpStream) -> Option<bool> {
 
 /// Serves one connection, HTTP/1.1 or (`h2`) HTTP/2, until it closes or the router stops (then
 /// gracefully, for up to 5 s).
-async fn serve_connection<I, S>(io: I, svc: S, header_timeout: Duration, h2: bool, stop: watch::Receiver<bool>)
+async fn serve_connection<I>(io: I, app: axum::Router, header_timeout: Duration, h2: bool, stop: watch::Receiver<bool>)
 where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-    S: hyper::service::HttpService<hyper::body::Incoming> + Send,
-    S::Future: Send + 'static,
-    S::ResBody: Send + 'static,
-    <S::ResBody as hyper::body::Body>::Data: Send,
-    <S::ResBody as hyper::body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     if h2 {
+        // HTTP/2 has no idle timeout of its own: requests are counted, and a connection with
+        // none for the header timeout (from its handshake on) is closed, as HTTP/1.1's
+        // keep-alive is — an idle client, or one that sent only the preface, holds no permit.
+        let activity = Arc::new(Activity::default());
+        let app = app.layer(axum::middleware::from_fn_with_state(activity.clone(), count_requests));
         let conn = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
             .timer(TokioTimer::new())
             .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
@@ -316,8 +317,25 @@ where
             // A client that stops answering pings is gone: its streams and permit are let go.
             .keep_alive_interval(Some(Duration::from_secs(30)))
             .keep_alive_timeout(Duration::from_secs(10))
-            .serve_connection(io, svc);
-        until_stopped(conn, stop, |c| c.graceful_shutdown()).await;
+            .serve_connection(io, TowerToHyperService::new(app));
+        let idle = async {
+            loop {
+                tokio::time::sleep(header_timeout).await;
+                if activity.idle_for(header_timeout) {
+                    return;
+                }
+            }
+        };
+        let mut conn = std::pin::pin!(conn);
+        let mut stop = stop;
+        tokio::select! {
+            _ = conn.as_mut() => return,
+            // Idle: GOAWAY, and nothing in flight to wait for.
+            _ = idle => {}
+            _ = stop.changed() => {}
+        }
+        conn.as_mut().graceful_shutdown();
+        let _ = tokio::time::timeout(Duration::from_secs(5), conn).await;
     } else {
         let conn = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
@@ -326,9 +344,46 @@ where
             // clients sending bodies at once must not cost the router hyper's 400 KB each.
             .max_buf_size(MAX_CONNECTION_BUFFER)
             .keep_alive(true)
-            .serve_connection(io, svc);
+            .serve_connection(io, TowerToHyperService::new(app));
         until_stopped(conn, stop, |c| c.graceful_shutdown()).await;
     }
+}
+
+/// Requests in flight on one HTTP/2 connection, and when the last one ended.
+struct Activity {
+    in_flight: std::sync::atomic::AtomicUsize,
+    last: std::sync::Mutex<Instant>,
+}
+
+impl Default for Activity {
+    fn default() -> Self {
+        Activity {
+            in_flight: Default::default(),
+            last: std::sync::Mutex::new(Instant::now()),
+        }
+    }
+}
+
+impl Activity {
+    /// No request in flight, and none ended within `window`.
+    fn idle_for(&self, window: Duration) -> bool {
+        use std::sync::atomic::Ordering;
+        self.in_flight.load(Ordering::Acquire) == 0
+            && self.last.lock().unwrap_or_else(|e| e.into_inner()).elapsed() >= window
+    }
+}
+
+async fn count_requests(
+    State(activity): State<Arc<Activity>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    use std::sync::atomic::Ordering;
+    activity.in_flight.fetch_add(1, Ordering::AcqRel);
+    let r = next.run(req).await;
+    *activity.last.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+    activity.in_flight.fetch_sub(1, Ordering::AcqRel);
+    r
 }
 
 /// Runs a connection until it ends, or until the router stops: then `graceful` and up to 5 s.

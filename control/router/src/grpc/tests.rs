@@ -33,7 +33,7 @@ fn raw_tensors_become_binary_data_or_json_as_the_model_takes_them() {
         name: "y".into(),
         parameters: Default::default(),
     }];
-    let (body, json_len) = http_request(&msg, true).unwrap();
+    let (body, json_len) = http_request(&msg, true, 1 << 20).unwrap();
     let json_len = json_len.unwrap();
     let v: Value = serde_json::from_slice(&body[..json_len]).unwrap();
     assert_eq!(v["id"], "req-1");
@@ -41,7 +41,7 @@ fn raw_tensors_become_binary_data_or_json_as_the_model_takes_them() {
     assert_eq!(v["outputs"][0]["parameters"]["binary_data"], true);
     assert_eq!(&body[json_len..], &fp32(&[1.5, -2.0])[..]);
 
-    let (body, json_len) = http_request(&msg, false).unwrap();
+    let (body, json_len) = http_request(&msg, false, 1 << 20).unwrap();
     assert!(json_len.is_none());
     let v: Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(v["inputs"][0]["data"], json!([1.5, -2.0]));
@@ -59,16 +59,16 @@ fn typed_contents_are_checked_and_converted() {
         int_contents: vec![1, -2, 3],
         ..Default::default()
     });
-    let (body, _) = http_request(&msg, false).unwrap();
+    let (body, _) = http_request(&msg, false, 1 << 20).unwrap();
     let v: Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(v["inputs"][0]["data"], json!([1, -2, 3]));
 
     // Out of the datatype's range, or fewer elements than the shape.
     msg.inputs[0].contents.as_mut().unwrap().int_contents = vec![1, 300, 3];
-    let e = http_request(&msg, false).unwrap_err();
+    let e = http_request(&msg, false, 1 << 20).unwrap_err();
     assert!(e.contains("300 is out of range for INT8"), "{e}");
     msg.inputs[0].contents.as_mut().unwrap().int_contents = vec![1, 2];
-    let e = http_request(&msg, false).unwrap_err();
+    let e = http_request(&msg, false, 1 << 20).unwrap_err();
     assert!(e.contains("input n") && e.contains("= 3"), "{e}");
 }
 
@@ -76,19 +76,35 @@ fn typed_contents_are_checked_and_converted() {
 fn malformed_requests_say_what_to_send() {
     let mut msg = infer_request("m", fp32(&[1.0, 2.0]));
     msg.raw_input_contents.push(vec![0; 4]);
-    let e = http_request(&msg, true).unwrap_err();
+    let e = http_request(&msg, true, 1 << 20).unwrap_err();
     assert!(e.contains("2 entries for 1 inputs"), "{e}");
 
     let mut msg = infer_request("m", fp32(&[1.0, 2.0]));
     msg.inputs[0].contents = Some(Default::default());
-    assert!(http_request(&msg, true).unwrap_err().contains("send one form"));
+    assert!(http_request(&msg, true, 1 << 20).unwrap_err().contains("send one form"));
 
     // FP16 has no JSON form: a JSON-only server cannot take it.
     let mut msg = infer_request("m", vec![0; 4]);
     msg.inputs[0].datatype = "FP16".into();
-    let e = http_request(&msg, false).unwrap_err();
+    let e = http_request(&msg, false, 1 << 20).unwrap_err();
     assert!(e.contains("binary_tensors = true"), "{e}");
-    assert!(http_request(&msg, true).is_ok());
+    assert!(http_request(&msg, true, 1 << 20).is_ok());
+}
+
+#[test]
+fn what_json_cannot_carry_is_refused_not_altered() {
+    // NaN, non-UTF-8 BYTES, and more elements than the conversion allows.
+    let msg = infer_request("m", fp32(&[1.0, f32::NAN]));
+    let e = http_request(&msg, false, 1 << 20).unwrap_err();
+    assert!(e.contains("NaN or infinite"), "{e}");
+    assert!(http_request(&msg, true, 1 << 20).is_ok(), "binary data carries it");
+    let mut msg = infer_request("m", vec![2, 0, 0, 0, 0xff, 0xfe]);
+    msg.inputs[0] = input("x", "BYTES", vec![1]);
+    let e = http_request(&msg, false, 1 << 20).unwrap_err();
+    assert!(e.contains("not UTF-8"), "{e}");
+    let msg = infer_request("m", fp32(&[1.0, 2.0]));
+    let e = http_request(&msg, false, 1).unwrap_err();
+    assert!(e.contains("2 elements are more than the router converts (1)"), "{e}");
 }
 
 #[test]
@@ -239,8 +255,8 @@ async fn a_grpc_client_infers_on_the_routers_port() {
     server.stop().await;
 }
 
-/// A gRPC message whose frames stop coming holds its stream no longer than the body timeout:
-/// the call ends with an error status, not never.
+/// A gRPC message that trickles in (a byte every 200 ms, never whole) holds its stream no
+/// longer than the body timeout: the call ends with an error status, not never.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_that_stops_arriving_is_cut_off() {
     use futures::StreamExt;
@@ -259,11 +275,15 @@ async fn a_message_that_stops_arriving_is_cut_off() {
             .await
             .unwrap();
     tokio::spawn(conn);
-    // A message header that promises 1000 bytes, then nothing.
+    // A message header that promises 1000 bytes, then a byte at a time.
     let mut head = vec![0u8];
     head.extend_from_slice(&1000u32.to_be_bytes());
+    let trickle = futures::stream::unfold((), |()| async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        Some((Ok(Frame::data(Bytes::from_static(&[0]))), ()))
+    });
     let frames = futures::stream::iter([Ok::<_, std::convert::Infallible>(Frame::data(Bytes::from(head)))])
-        .chain(futures::stream::pending());
+        .chain(Box::pin(trickle));
     let req = axum::http::Request::post(format!(
         "http://{}/inference.GRPCInferenceService/ModelInfer",
         server.addr
@@ -286,5 +306,27 @@ async fn a_message_that_stops_arriving_is_cut_off() {
     .await
     .expect("the stalled call ended within the body timeout");
     assert!(matches!(answered.as_deref(), Some(s) if s != "0"), "{answered:?}");
+    server.stop().await;
+}
+
+/// An HTTP/2 connection with no request for the header timeout is closed, as an idle HTTP/1.1
+/// keep-alive is: a client that only handshakes holds no connection permit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_http2_connection_is_closed() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let settings = crate::server::RouterSettings {
+        header_read_timeout: Duration::from_millis(300),
+        ..Default::default()
+    };
+    let server = crate::server::serve(router_with(&[]), axum::Router::new(), listener, &settings).unwrap();
+    let tcp = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    let (_send, conn) = hyper::client::conn::http2::handshake::<_, _, http_body_util::Empty<Bytes>>(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(5), conn).await;
+    assert!(ended.is_ok(), "the idle connection was still open after 5 s");
     server.stop().await;
 }
