@@ -200,6 +200,7 @@ impl AgentFile {
                     }),
                     start_timeout_ms: r.start_timeout_ms,
                     in_flight: r.in_flight,
+                    ..Default::default()
                 },
             };
             spec.validate().map_err(|e| bad(format!("replica[{i}]"), &spec.id, e))?;

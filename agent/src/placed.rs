@@ -107,19 +107,40 @@ pub struct Placed {
     fetcher_task: Arc<Mutex<Option<tokio::task::JoinHandle<()>>>>,
 }
 
-fn spec(d: &DesiredReplica, weights: Option<String>) -> ReplicaSpec {
+/// The replica spec of a placement; `blobs` are the local paths of its weights, in order.
+fn spec(d: &DesiredReplica, blobs: &[String]) -> ReplicaSpec {
+    let nonempty = |s: &String| (!s.is_empty()).then(|| s.clone());
     ReplicaSpec {
         id: d.id.clone(),
         model: d.model.clone(),
         device: d.device.clone(),
-        weights,
+        weights: blobs.first().cloned(),
         runtime: RuntimeSpec {
             command: d.command.clone(),
             env: d.env.clone().into_iter().collect(),
             health_path: d.health_path.clone(),
-            warmup: None,
-            start_timeout_ms: d.start_timeout_ms,
+            warmup: nonempty(&d.warmup_path).map(|path| crate::supervisor::Warmup {
+                path,
+                body: d.warmup_body.clone(),
+            }),
+            // A controller older than start-up budgets sends none.
+            start_timeout_ms: if d.start_timeout_ms == 0 {
+                60_000
+            } else {
+                d.start_timeout_ms
+            },
+            files: d.files.clone().into_iter().collect(),
+            links: d
+                .weights
+                .iter()
+                .zip(blobs)
+                .filter(|(w, _)| !w.path.is_empty())
+                .map(|(w, blob)| (w.path.clone(), blob.clone()))
+                .collect(),
+            stop_signal: nonempty(&d.stop_signal),
+            stop_grace_ms: (d.stop_grace_s > 0).then(|| u64::from(d.stop_grace_s) * 1000),
             in_flight: (!d.in_flight_metric.is_empty()).then(|| crate::supervisor::InFlightProbe {
+                port: nonempty(&d.in_flight_port),
                 path: d.in_flight_path.clone(),
                 metric: d.in_flight_metric.clone(),
                 waiting: (!d.waiting_metric.is_empty()).then(|| d.waiting_metric.clone()),
@@ -212,7 +233,7 @@ impl Placed {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn start(&self, spec: ReplicaSpec, weights: Vec<Artifact>) {
+    fn start(&self, spec: ReplicaSpec, weights: Vec<Artifact>, placement: crate::supervisor::Placement) {
         let id = spec.id.clone();
         tracing::info!(replica = %id, model = %spec.model, device = %spec.device, "starting a placed replica");
         // Recorded before it starts: a replica running without a record would be reaped by the
@@ -221,7 +242,7 @@ impl Placed {
             spec: spec.clone(),
             weights,
         });
-        if let Err(e) = self.sup.start(spec) {
+        if let Err(e) = self.sup.start_placed(spec, placement) {
             self.store.remove(&id);
             tracing::error!(replica = %id, error = %e, "cannot start a placed replica; fix the model's runtime in the registry (`lanectl model register`)");
             self.lock().refused.insert(id);
@@ -230,7 +251,7 @@ impl Placed {
 
     /// Fetches a placed replica's weights into the cache (pinned), then starts it; on a failed
     /// fetch, tries again after [`FETCH_RETRY`].
-    async fn fetch_and_start(&self, d: &DesiredReplica) {
+    async fn fetch_and_start(&self, d: &DesiredReplica, placed_at: Instant) {
         let mut pins = Vec::new();
         let artifacts: Vec<Artifact> = d
             .weights
@@ -253,14 +274,25 @@ impl Placed {
                 }
             }
         }
-        let path = pins.first().map(|p| p.path.display().to_string());
+        let blobs: Vec<String> = pins.iter().map(|p| p.path.display().to_string()).collect();
+        let placement = crate::supervisor::Placement {
+            at: placed_at,
+            weights_ms: placed_at.elapsed().as_millis() as u64,
+            fetched_bytes: d
+                .weights
+                .iter()
+                .zip(&pins)
+                .filter(|(_, p)| p.fetched)
+                .map(|(w, _)| w.size_bytes)
+                .sum(),
+        };
         {
             let mut st = self.lock();
             st.fetching.remove(&d.id);
             st.retry_at.remove(&d.id);
             st.pins.insert(d.id.clone(), pins);
         }
-        self.start(spec(d, path), artifacts);
+        self.start(spec(d, &blobs), artifacts, placement);
     }
 
     /// Runs exactly the placed replicas (besides `statics`); none is started on a GPU in
@@ -285,7 +317,12 @@ impl Placed {
                 }
             }
             if d.weights.is_empty() {
-                self.start(spec(d, None), Vec::new());
+                let placement = crate::supervisor::Placement {
+                    at: now,
+                    weights_ms: 0,
+                    fetched_bytes: 0,
+                };
+                self.start(spec(d, &[]), Vec::new(), placement);
                 continue;
             }
             self.lock().fetching.insert(d.id.clone());
@@ -293,7 +330,7 @@ impl Placed {
             let d = Arc::new(d.clone());
             self.fetch(format!("Fetch{{{}}}", d.id), move || {
                 let (this, d) = (this.clone(), d.clone());
-                async move { this.fetch_and_start(&d).await }
+                async move { this.fetch_and_start(&d, now).await }
             });
         }
         for s in status {

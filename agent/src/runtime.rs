@@ -726,6 +726,13 @@ fn sup_snapshot(sup: &Supervisor) -> Vec<ReplicaReport> {
                 state: state.to_string(),
                 port: s.port as u32,
                 last_exit,
+                cold_start: s.cold_start.map(|c| laneway_proto::agent::ColdStart {
+                    weights_ms: c.weights_ms,
+                    started_ms: c.started_ms,
+                    healthy_ms: c.healthy_ms,
+                    ready_ms: c.ready_ms,
+                    fetched_bytes: c.fetched_bytes,
+                }),
             }
         })
         .collect()

@@ -101,6 +101,8 @@ pub struct WeightCache {
 pub struct PinnedBlob {
     pub path: PathBuf,
     pub sha256: String,
+    /// Whether this acquire fetched it (it was not in the cache).
+    pub fetched: bool,
     inner: Arc<Inner>,
 }
 
@@ -248,10 +250,12 @@ impl WeightCache {
         validate(artifact)?;
         let sha = artifact.sha256.clone();
         let path = self.blob_path(&sha);
+        let mut fetched = false;
         {
             let _one = self.inner.fetch.lock().await;
             if !self.usable(artifact, &path).await? {
                 self.fetch(artifact, &path).await?;
+                fetched = true;
             }
             self.touch(&sha, artifact.size, &artifact.uri)?;
             *self
@@ -268,6 +272,7 @@ impl WeightCache {
         Ok(PinnedBlob {
             path,
             sha256: sha,
+            fetched,
             inner: self.inner.clone(),
         })
     }

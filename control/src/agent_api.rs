@@ -460,6 +460,26 @@ fn handle(
             lag_ms: crate::jobs::unix_ms().checked_sub(hb.sent_unix_ms),
             cached_blobs: hb.cached_blobs.clone(),
             actors,
+            replicas: hb
+                .replicas
+                .iter()
+                .take(MAX_AGENT_ACTORS)
+                .map(|r| {
+                    let c = r.cold_start.unwrap_or_default();
+                    let cut = |s: &str| s.chars().take(160).collect::<String>();
+                    laneway_proto::admin::ReplicaSeen {
+                        id: cut(&r.id),
+                        model: cut(&r.model),
+                        state: cut(&r.state),
+                        weights_ms: c.weights_ms,
+                        started_ms: c.started_ms,
+                        healthy_ms: c.healthy_ms,
+                        ready_ms: c.ready_ms,
+                        fetched_bytes: c.fetched_bytes,
+                        device: cut(&r.device),
+                    }
+                })
+                .collect(),
             in_flight: hb
                 .replicas
                 .iter()
@@ -750,47 +770,34 @@ pub fn desired_for(sm: &crate::store::StateMachineStore, node_id: &str) -> Vec<l
             .filter_map(|d| {
                 let m = r.models.get(&d.model)?;
                 let max_batch = m.profiles.get(&d.product).map_or(1, |p| p.max_batch).to_string();
+                // The controller's placeholders; the agent fills in the host's own.
+                let fill = |a: &str| {
+                    // The server serves the public name (a later version's entry is
+                    // name@version; its clients still ask for name).
+                    a.replace("{model}", m.public_name())
+                        .replace("{product}", &d.product)
+                        .replace("{max_batch}", &max_batch)
+                };
+                let r = &m.runtime;
+                let probe = r.in_flight.as_ref();
                 Some(laneway_proto::agent::DesiredReplica {
                     id: d.id.clone(),
                     model: d.model.clone(),
                     device: d.gpu.clone(),
-                    command: m
-                        .runtime
-                        .command
-                        .iter()
-                        .map(|a| {
-                            // The server serves the public name (a later version's entry is
-                            // name@version; its clients still ask for name).
-                            a.replace("{model}", m.public_name())
-                                .replace("{product}", &d.product)
-                                .replace("{max_batch}", &max_batch)
-                        })
-                        .collect(),
-                    env: m.runtime.env.clone().into_iter().collect(),
-                    health_path: m.runtime.health_path.clone(),
-                    start_timeout_ms: 60_000,
-                    in_flight_path: m
-                        .runtime
-                        .in_flight
-                        .as_ref()
-                        .map_or_else(String::new, |p| p.path.clone()),
-                    in_flight_metric: m
-                        .runtime
-                        .in_flight
-                        .as_ref()
-                        .map_or_else(String::new, |p| p.metric.clone()),
-                    waiting_metric: m
-                        .runtime
-                        .in_flight
-                        .as_ref()
-                        .and_then(|p| p.waiting.clone())
-                        .unwrap_or_default(),
-                    kv_cache_metric: m
-                        .runtime
-                        .in_flight
-                        .as_ref()
-                        .and_then(|p| p.kv_cache.clone())
-                        .unwrap_or_default(),
+                    command: r.command.iter().map(|a| fill(a)).collect(),
+                    env: r.env.iter().map(|(k, v)| (k.clone(), fill(v))).collect(),
+                    health_path: fill(&r.health_path),
+                    start_timeout_ms: u64::from(r.start_timeout_s()) * 1000,
+                    in_flight_path: probe.map_or_else(String::new, |p| p.path.clone()),
+                    in_flight_metric: probe.map_or_else(String::new, |p| p.metric.clone()),
+                    waiting_metric: probe.and_then(|p| p.waiting.clone()).unwrap_or_default(),
+                    kv_cache_metric: probe.and_then(|p| p.kv_cache.clone()).unwrap_or_default(),
+                    in_flight_port: probe.and_then(|p| p.port.clone()).unwrap_or_default(),
+                    files: r.files.iter().map(|(k, v)| (k.clone(), fill(v))).collect(),
+                    stop_signal: r.stop_signal.clone().unwrap_or_default(),
+                    stop_grace_s: r.stop_grace_s.unwrap_or(0),
+                    warmup_path: r.warmup.as_ref().map_or_else(String::new, |w| fill(&w.path)),
+                    warmup_body: r.warmup.as_ref().map_or_else(String::new, |w| fill(&w.body)),
                     weights: m
                         .weights
                         .iter()
@@ -798,6 +805,7 @@ pub fn desired_for(sm: &crate::store::StateMachineStore, node_id: &str) -> Vec<l
                             uri: a.uri.clone(),
                             sha256: a.sha256.clone(),
                             size_bytes: a.size_bytes,
+                            path: a.path.clone().unwrap_or_default(),
                         })
                         .collect(),
                 })

@@ -130,6 +130,7 @@ fn http_replica() -> StaticReplica {
                 warmup: None,
                 start_timeout_ms: 20_000,
                 in_flight: None,
+                ..Default::default()
             },
         },
     }

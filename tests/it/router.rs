@@ -55,6 +55,7 @@ fn sim_replica(id: &str, model: &str, service_ms: u32, max_batch: u32, gpu: u32,
                 warmup: None,
                 start_timeout_ms: 20_000,
                 in_flight: None,
+                ..Default::default()
             },
         },
     }

@@ -12,7 +12,7 @@
 pub mod process;
 pub use laneway_core::runtime_spec as spec;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -24,7 +24,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use process::{find_orphans, spawn, Orphan, Proc};
-pub use spec::{InFlightProbe, ProbeReading, ReplicaSpec, RuntimeSpec, Warmup};
+pub use spec::{InFlightProbe, Ports, ProbeReading, ReplicaSpec, RuntimeSpec, Warmup};
 
 /// Supervisor settings.
 #[derive(Debug, Clone)]
@@ -105,9 +105,49 @@ pub struct ReplicaStatus {
     pub model: String,
     pub device: String,
     pub port: u16,
+    /// The runtime's other ports (`{port:NAME}`: gRPC, metrics).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub ports: BTreeMap<String, u16>,
     pub pid: Option<i32>,
     #[serde(flatten)]
     pub state: ReplicaState,
+    /// The last start's phases, measured; none before its first start (or when re-adopted).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cold_start: Option<ColdStart>,
+}
+
+impl ReplicaStatus {
+    /// All of its ports.
+    pub fn all_ports(&self) -> Ports {
+        Ports {
+            http: self.port,
+            named: self.ports.clone(),
+        }
+    }
+}
+
+/// A start's phases, each in ms since it began (the placement for a first start, the restart
+/// for a later one); 0: not reached yet.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct ColdStart {
+    /// Weights in the local cache (0 when nothing had to be fetched).
+    pub weights_ms: u64,
+    /// The process started.
+    pub started_ms: u64,
+    /// Its health path answered 2xx.
+    pub healthy_ms: u64,
+    /// Warm-up answered: Ready.
+    pub ready_ms: u64,
+    /// Bytes fetched into the weight cache for this start.
+    pub fetched_bytes: u64,
+}
+
+/// When a placed replica's start began, and what fetching its weights took.
+#[derive(Debug, Clone, Copy)]
+pub struct Placement {
+    pub at: Instant,
+    pub weights_ms: u64,
+    pub fetched_bytes: u64,
 }
 
 /// Why a supervisor call failed.
@@ -181,6 +221,23 @@ fn free_port() -> std::io::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
+/// Fresh ports for a replica's start: the HTTP port and each one its runtime names.
+fn ports_for(spec: &ReplicaSpec) -> std::io::Result<Ports> {
+    let mut ports = Ports {
+        http: free_port()?,
+        named: BTreeMap::new(),
+    };
+    for name in spec.port_names() {
+        let mut port = free_port()?;
+        // Distinct from the others (the OS may hand the same free port out twice).
+        while port == ports.http || ports.named.values().any(|p| *p == port) {
+            port = free_port()?;
+        }
+        ports.named.insert(name, port);
+    }
+    Ok(ports)
+}
+
 impl Supervisor {
     /// Needs a Tokio runtime (it starts the `ReplicaManager` actor).
     pub fn new(cfg: SupervisorConfig) -> Self {
@@ -227,10 +284,21 @@ impl Supervisor {
 
     /// Starts supervising a new replica.
     pub fn start(&self, spec: ReplicaSpec) -> Result<(), SupervisorError> {
-        self.launch(spec, None)
+        self.launch(spec, None, None)
     }
 
-    fn launch(&self, spec: ReplicaSpec, adopted: Option<Orphan>) -> Result<(), SupervisorError> {
+    /// Starts supervising a replica the controllers placed, its cold start measured from
+    /// `placement.at` (weights fetched by then).
+    pub fn start_placed(&self, spec: ReplicaSpec, placement: Placement) -> Result<(), SupervisorError> {
+        self.launch(spec, None, Some(placement))
+    }
+
+    fn launch(
+        &self,
+        spec: ReplicaSpec,
+        adopted: Option<Orphan>,
+        placement: Option<Placement>,
+    ) -> Result<(), SupervisorError> {
         spec.validate().map_err(SupervisorError::InvalidSpec)?;
         let mut map = self.lock();
         if map
@@ -243,9 +311,11 @@ impl Supervisor {
             id: spec.id.clone(),
             model: spec.model.clone(),
             device: spec.device.clone(),
-            port: adopted.as_ref().map_or(0, |o| o.port),
+            port: adopted.as_ref().map_or(0, |o| o.ports.http),
+            ports: adopted.as_ref().map(|o| o.ports.named.clone()).unwrap_or_default(),
             pid: adopted.as_ref().map(|o| o.pid),
             state: ReplicaState::Starting,
+            cold_start: None,
         };
         let in_flight = spec.runtime.in_flight.clone();
         let (status_tx, status) = watch::channel(initial);
@@ -257,7 +327,8 @@ impl Supervisor {
             spec,
             status: status_tx,
             drains: tokio::sync::Mutex::new(drain_rx),
-            adopt: Mutex::new(adopted.map(|o| (o.pid, o.port))),
+            adopt: Mutex::new(adopted.map(|o| (o.pid, o.ports))),
+            placement: Mutex::new(placement),
             changed: self.changed.clone(),
         });
         let (failed, handle_life) = (life.clone(), life.clone());
@@ -292,7 +363,7 @@ impl Supervisor {
         let mut reaping = Vec::new();
         for orphan in find_orphans(&self.cfg.dir) {
             match desired.iter().find(|s| s.id == orphan.replica_id) {
-                Some(spec) => match self.launch(spec.clone(), Some(orphan.clone())) {
+                Some(spec) => match self.launch(spec.clone(), Some(orphan.clone()), None) {
                     Ok(()) => {
                         tracing::info!(replica = %orphan.replica_id, pid = orphan.pid, "re-adopted replica after agent restart");
                         out.adopted.push(orphan.replica_id);
@@ -307,7 +378,7 @@ impl Supervisor {
                     out.reaped.push(orphan.replica_id.clone());
                     reaping.push(async move {
                         let mut p = Proc::Adopted(orphan.pid);
-                        stop(&mut p, grace).await;
+                        stop(&mut p, Signal::SIGTERM, grace).await;
                     });
                 }
             }
@@ -362,7 +433,8 @@ impl Supervisor {
             .filter_map(|(id, h)| {
                 let probe = h.in_flight.clone()?;
                 let s = h.status.borrow();
-                (s.state == ReplicaState::Ready).then(|| (id.clone(), s.port, probe))
+                let port = s.all_ports().for_probe(&probe)?;
+                (s.state == ReplicaState::Ready).then(|| (id.clone(), port, probe))
             })
             .collect()
     }
@@ -422,7 +494,7 @@ impl Supervisor {
                 .send_message(laneway_actors::SupervisorMsg::Remove(actor_name(id)));
             let pid = life.status.borrow().pid;
             if let Some(pid) = pid.filter(|p| process::alive(*p)) {
-                stop(&mut Proc::Adopted(pid), grace).await;
+                stop(&mut Proc::Adopted(pid), life.spec.signal(), life.spec.grace(grace)).await;
             }
             life.update(|s| {
                 s.state = ReplicaState::Stopped;
@@ -438,17 +510,41 @@ fn actor_name(id: &str) -> String {
     format!("Replica{{{id}}}")
 }
 
-/// SIGTERM, then SIGKILL if it is still running after `grace`.
-async fn stop(p: &mut Proc, grace: Duration) {
-    p.signal(Signal::SIGTERM);
+/// How a replica is asked to stop.
+trait StopSpec {
+    /// The runtime's graceful stop signal.
+    fn signal(&self) -> Signal;
+    /// The runtime's own grace, or `default`.
+    fn grace(&self, default: Duration) -> Duration;
+}
+
+impl StopSpec for ReplicaSpec {
+    fn signal(&self) -> Signal {
+        // Checked by `validate` before the replica is started.
+        self.stop_signal().parse().unwrap_or(Signal::SIGTERM)
+    }
+
+    fn grace(&self, default: Duration) -> Duration {
+        self.runtime.stop_grace_ms.map_or(default, Duration::from_millis)
+    }
+}
+
+/// The stop signal, then SIGKILL if it is still running after `grace`.
+async fn stop(p: &mut Proc, signal: Signal, grace: Duration) {
+    p.signal(signal);
     if tokio::time::timeout(grace, p.wait()).await.is_err() {
         p.signal(Signal::SIGKILL);
         p.wait().await;
     }
 }
 
-/// Polls health, then sends the warm-up request.
-async fn wait_ready(http: &reqwest::Client, spec: &ReplicaSpec, port: u16) -> Result<(), String> {
+/// Polls health, then sends the warm-up request; `healthy` is called between the two.
+async fn wait_ready(
+    http: &reqwest::Client,
+    spec: &ReplicaSpec,
+    port: u16,
+    healthy: impl FnOnce(),
+) -> Result<(), String> {
     let base = format!("http://127.0.0.1:{port}");
     let deadline = Instant::now() + spec.start_timeout();
     loop {
@@ -469,6 +565,7 @@ async fn wait_ready(http: &reqwest::Client, spec: &ReplicaSpec, port: u16) -> Re
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    healthy();
     if let Some(w) = &spec.runtime.warmup {
         let r = http
             .post(format!("{base}{}", w.path))
@@ -492,8 +589,10 @@ struct ReplicaLife {
     spec: ReplicaSpec,
     status: watch::Sender<ReplicaStatus>,
     drains: tokio::sync::Mutex<mpsc::Receiver<Drain>>,
-    /// (pid, port) of a running process of this replica to adopt at the next start.
-    adopt: Mutex<Option<(i32, u16)>>,
+    /// (pid, ports) of a running process of this replica to adopt at the next start.
+    adopt: Mutex<Option<(i32, Ports)>>,
+    /// The placement its first start measures its cold start from (taken by that start).
+    placement: Mutex<Option<Placement>>,
     /// Woken when the replica's state changes (the heartbeat carries it at once).
     changed: Arc<Notify>,
 }
@@ -515,12 +614,12 @@ impl ReplicaLife {
     /// The replica's actor failed: it is not ready until a new incarnation has checked it, and
     /// a process still running is adopted, never orphaned.
     fn supervision_failed(&self, error: &str) {
-        let (pid, port) = {
+        let (pid, ports) = {
             let s = self.status.borrow();
-            (s.pid, s.port)
+            (s.pid, s.all_ports())
         };
         if let Some(pid) = pid.filter(|p| process::alive(*p)) {
-            *self.adopt.lock().unwrap_or_else(|p| p.into_inner()) = Some((pid, port));
+            *self.adopt.lock().unwrap_or_else(|p| p.into_inner()) = Some((pid, ports));
         }
         self.update(|s| {
             let restarts = s.state.restarts() + 1;
@@ -572,7 +671,7 @@ impl ractor::Actor for ReplicaActor {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .take()
-            .map(|(pid, port)| (Proc::Adopted(pid), port));
+            .map(|(pid, ports)| (Proc::Adopted(pid), ports));
         let mut drains = life.drains.lock().await;
         run(life, adopted, &mut drains).await;
         // Drained: done (the supervisor does not restart a replica that stopped this way).
@@ -583,13 +682,14 @@ impl ractor::Actor for ReplicaActor {
 
 /// The life of one replica: start (or adopt), health, Ready, and restarts with backoff, until
 /// it is drained.
-async fn run(life: &ReplicaLife, mut adopted: Option<(Proc, u16)>, drains: &mut mpsc::Receiver<Drain>) {
+async fn run(life: &ReplicaLife, mut adopted: Option<(Proc, Ports)>, drains: &mut mpsc::Receiver<Drain>) {
     let (cfg, http, spec, status) = (&life.cfg, &life.http, &life.spec, &life.status);
-    let set = |state: ReplicaState, port: Option<u16>, pid: Option<Option<i32>>| {
+    let set = |state: ReplicaState, ports: Option<&Ports>, pid: Option<Option<i32>>| {
         life.update(|s| {
             s.state = state;
-            if let Some(p) = port {
-                s.port = p;
+            if let Some(p) = ports {
+                s.port = p.http;
+                s.ports = p.named.clone();
             }
             if let Some(p) = pid {
                 s.pid = p;
@@ -601,19 +701,44 @@ async fn run(life: &ReplicaLife, mut adopted: Option<(Proc, u16)>, drains: &mut 
     let mut restarts: u32 = status.borrow().state.restarts();
     loop {
         laneway_actors::failpoint::check("replica");
+        // A first start is measured from its placement; a restart from now.
+        let placement = life.placement.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let began = placement.map_or_else(Instant::now, |p| p.at);
+        let since = move || began.elapsed().as_millis() as u64;
+        let mut cold = placement.map(|p| ColdStart {
+            weights_ms: p.weights_ms,
+            fetched_bytes: p.fetched_bytes,
+            ..ColdStart::default()
+        });
+        let measured = adopted.is_none();
         let started = match adopted.take() {
             Some(a) => Ok(a),
-            None => free_port().and_then(|port| spawn(spec, port, &cfg.dir, &log).map(|p| (p, port))),
+            None => ports_for(spec).and_then(|ports| spawn(spec, &ports, &cfg.dir, &log).map(|p| (p, ports))),
         };
         let last_exit = match started {
             Err(e) => format!("could not start {:?}: {e}", spec.runtime.command[0]),
-            Ok((mut p, port)) => {
-                set(ReplicaState::Starting, Some(port), Some(p.pid()));
+            Ok((mut p, ports)) => {
+                if measured {
+                    let c = cold.get_or_insert_with(ColdStart::default);
+                    c.started_ms = since();
+                    let c = *c;
+                    life.update(|s| s.cold_start = Some(c));
+                }
+                set(ReplicaState::Starting, Some(&ports), Some(p.pid()));
+                let healthy = || {
+                    if measured {
+                        life.update(|s| {
+                            if let Some(c) = s.cold_start.as_mut() {
+                                c.healthy_ms = since();
+                            }
+                        })
+                    }
+                };
                 let outcome = tokio::select! {
-                    r = wait_ready(http, spec, port) => r.map_err(|e| (e, true)),
+                    r = wait_ready(http, spec, ports.http, healthy) => r.map_err(|e| (e, true)),
                     exit = p.wait() => Err((format!("exited while starting: {exit}"), false)),
                     Some(d) = drains.recv() => {
-                        drain(&mut p, d, &set).await;
+                        drain(&mut p, spec, d, &set).await;
                         return;
                     }
                 };
@@ -626,13 +751,26 @@ async fn run(life: &ReplicaLife, mut adopted: Option<(Proc, u16)>, drains: &mut 
                         reason
                     }
                     Ok(()) => {
+                        if measured {
+                            let ready = since();
+                            life.update(|s| {
+                                if let Some(c) = s.cold_start.as_mut() {
+                                    c.ready_ms = ready;
+                                }
+                            });
+                            tracing::info!(
+                                replica = %spec.id, model = %spec.model,
+                                cold_start = ?life.status.borrow().cold_start,
+                                "replica ready"
+                            );
+                        }
                         set(ReplicaState::Ready, None, None);
                         let ready_at = Instant::now();
                         let exit = tokio::select! {
                             exit = p.wait() => exit,
                             () = laneway_actors::failpoint::armed("replica") => unreachable!("armed never returns"),
                             Some(d) = drains.recv() => {
-                                drain(&mut p, d, &set).await;
+                                drain(&mut p, spec, d, &set).await;
                                 return;
                             }
                         };
@@ -667,13 +805,18 @@ async fn run(life: &ReplicaLife, mut adopted: Option<(Proc, u16)>, drains: &mut 
     }
 }
 
-async fn drain(p: &mut Proc, d: Drain, set: &impl Fn(ReplicaState, Option<u16>, Option<Option<i32>>)) {
+async fn drain(
+    p: &mut Proc,
+    spec: &ReplicaSpec,
+    d: Drain,
+    set: &impl Fn(ReplicaState, Option<&Ports>, Option<Option<i32>>),
+) {
     set(ReplicaState::Draining, None, None);
     let deadline = Instant::now() + d.timeout;
     while (d.in_flight)() > 0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    stop(p, d.grace).await;
+    stop(p, spec.signal(), spec.grace(d.grace)).await;
     set(ReplicaState::Stopped, None, Some(None));
     let _ = d.done.send(());
 }

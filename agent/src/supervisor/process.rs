@@ -13,11 +13,13 @@ use std::time::Duration;
 use nix::sys::signal::{kill, killpg, Signal};
 use nix::unistd::Pid;
 
-use super::spec::ReplicaSpec;
+use super::spec::{Ports, ReplicaSpec};
 
 pub const ENV_AGENT_DIR: &str = "LANEWAY_AGENT_DIR";
 pub const ENV_REPLICA_ID: &str = "LANEWAY_REPLICA_ID";
 pub const ENV_REPLICA_PORT: &str = "LANEWAY_REPLICA_PORT";
+/// The replica's named ports, `name=port,…` (a runtime's gRPC or metrics port).
+pub const ENV_REPLICA_PORTS: &str = "LANEWAY_REPLICA_PORTS";
 
 /// A replica process: a child of this agent, or one adopted from a previous incarnation.
 pub enum Proc {
@@ -80,17 +82,62 @@ pub fn alive(pid: i32) -> bool {
     }
 }
 
-/// Spawns a replica pinned to its device, logging to `log`.
-pub fn spawn(spec: &ReplicaSpec, port: u16, agent_dir: &Path, log: &Path) -> std::io::Result<Proc> {
-    let argv = spec.argv(port);
+/// A replica's working directory: `<agent dir>/replicas/<id>/`.
+pub fn workdir(agent_dir: &Path, id: &str) -> std::path::PathBuf {
+    agent_dir.join("replicas").join(id)
+}
+
+/// Writes the runtime's files and links into the replica's working directory (made anew, so
+/// nothing of an earlier start is left in it).
+fn prepare_workdir(spec: &ReplicaSpec, ports: &Ports, dir: &Path) -> std::io::Result<()> {
+    if dir.exists() {
+        std::fs::remove_dir_all(dir)?;
+    }
+    std::fs::create_dir_all(dir)?;
+    let workdir = dir.to_string_lossy();
+    for (rel, contents) in &spec.runtime.files {
+        let path = dir.join(rel);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        std::fs::write(&path, spec.fill(contents, ports, &workdir))?;
+    }
+    for (rel, target) in &spec.runtime.links {
+        let path = dir.join(rel);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        std::os::unix::fs::symlink(target, &path)?;
+    }
+    Ok(())
+}
+
+/// Spawns a replica pinned to its device, in its working directory, logging to `log`.
+pub fn spawn(spec: &ReplicaSpec, ports: &Ports, agent_dir: &Path, log: &Path) -> std::io::Result<Proc> {
+    let dir = workdir(agent_dir, &spec.id);
+    prepare_workdir(spec, ports, &dir).map_err(|e| {
+        std::io::Error::new(
+            e.kind(),
+            format!("preparing its working directory {}: {e}", dir.display()),
+        )
+    })?;
+    let workdir = dir.to_string_lossy();
+    let argv = spec.argv(ports, &workdir);
     let log_file = std::fs::File::options().create(true).append(true).open(log)?;
     let mut cmd = tokio::process::Command::new(&argv[0]);
     cmd.args(&argv[1..])
-        .envs(&spec.runtime.env)
+        .envs(
+            spec.runtime
+                .env
+                .iter()
+                .map(|(k, v)| (k.clone(), spec.fill(v, ports, &workdir))),
+        )
         .env("CUDA_VISIBLE_DEVICES", &spec.device)
         .env(ENV_AGENT_DIR, agent_dir)
         .env(ENV_REPLICA_ID, &spec.id)
-        .env(ENV_REPLICA_PORT, port.to_string())
+        .env(ENV_REPLICA_PORT, ports.http.to_string())
+        .env(ENV_REPLICA_PORTS, ports.named_to_env())
+        .current_dir(&dir)
         // Own process group: stopping a replica stops the workers it forked.
         .process_group(0)
         .stdin(Stdio::null())
@@ -106,7 +153,7 @@ pub fn spawn(spec: &ReplicaSpec, port: u16, agent_dir: &Path, log: &Path) -> std
 pub struct Orphan {
     pub pid: i32,
     pub replica_id: String,
-    pub port: u16,
+    pub ports: Ports,
 }
 
 /// Parent pid of a process, from /proc.
@@ -159,7 +206,13 @@ fn matching_processes(agent_dir: &Path) -> Vec<Orphan> {
             out.push(Orphan {
                 pid,
                 replica_id: id.clone(),
-                port,
+                ports: Ports {
+                    http: port,
+                    named: env
+                        .get(ENV_REPLICA_PORTS)
+                        .map(|p| Ports::named_from_env(p))
+                        .unwrap_or_default(),
+                },
             });
         }
     }

@@ -42,6 +42,7 @@ fn spec(id: &str, extra: &[&str]) -> ReplicaSpec {
             }),
             start_timeout_ms: 10_000,
             in_flight: None,
+            ..Default::default()
         },
     }
 }

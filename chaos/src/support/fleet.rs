@@ -55,6 +55,7 @@ pub async fn play_agent(leader: &str, port: u16, model: &str) -> anyhow::Result<
         last_exit: String::new(),
         waiting: 0,
         kv_cache_usage: -1.0,
+        cold_start: None,
     };
     let agent = fake_node(leader, "bench-node", "l4", gpus, vec![replica]).await?;
     // Routers take an agent's own replicas only from a node an operator vouched for (ADR 0019):

@@ -71,14 +71,8 @@ fn profile_flag(s: &str) -> Result<(String, Profile), String> {
 /// Reads a model file: TOML, or JSON when the name ends in `.json`.
 fn read_model_file(path: &Path) -> anyhow::Result<Model> {
     let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
-    let model = if path.extension().is_some_and(|e| e == "json") {
-        let de = &mut serde_json::Deserializer::from_str(&text);
-        serde_path_to_error::deserialize(de)
-            .map_err(|e| anyhow::anyhow!("{}: field `{}`: {}", path.display(), e.path(), e.inner()))?
-    } else {
-        toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.to_string().trim()))?
-    };
-    Ok(model)
+    let json = path.extension().is_some_and(|e| e == "json");
+    laneway_core::registry::presets::parse_model(&text, json).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
 }
 
 pub async fn model(client: &AdminClient, out: Output, cmd: ModelCmd) -> anyhow::Result<()> {

@@ -92,6 +92,10 @@ fn print_nodes(out: Output, nodes: &[NodeInfo], detail: bool) {
                     "replicas_ready": n.replicas_ready, "replicas_total": n.replicas_total,
                     "gpus": n.gpus.iter().map(|g| json!({"uuid": g.uuid, "product": g.product,
                         "memory_bytes": g.memory_bytes, "mig_capable": g.mig_capable})).collect::<Vec<_>>(),
+                    "replicas": n.replicas.iter().map(|r| json!({"id": r.id, "model": r.model, "state": r.state,
+                        "cold_start": (r.ready_ms > 0 || r.started_ms > 0).then(|| json!({
+                            "weights_ms": r.weights_ms, "started_ms": r.started_ms, "healthy_ms": r.healthy_ms,
+                            "ready_ms": r.ready_ms, "fetched_bytes": r.fetched_bytes}))})).collect::<Vec<_>>(),
                 })
             })
             .collect();
@@ -157,6 +161,38 @@ fn print_nodes(out: Output, nodes: &[NodeInfo], detail: bool) {
                     g.memory_bytes as f64 / (1u64 << 30) as f64,
                     if g.mig_capable { " (MIG)" } else { "" }
                 );
+            }
+            if !n.replicas.is_empty() {
+                // The last start of each replica, phase by phase (ms since it was placed).
+                outln!(
+                    "  {:<28} {:<20} {:<10} {:>9} {:>9} {:>9} {:>9}",
+                    "REPLICA",
+                    "MODEL",
+                    "STATE",
+                    "WEIGHTS",
+                    "STARTED",
+                    "HEALTHY",
+                    "READY"
+                );
+                let ms = |v: u64| {
+                    if v == 0 {
+                        "-".to_string()
+                    } else {
+                        format!("{:.1}s", v as f64 / 1000.0)
+                    }
+                };
+                for r in &n.replicas {
+                    outln!(
+                        "  {:<28} {:<20} {:<10} {:>9} {:>9} {:>9} {:>9}",
+                        r.id,
+                        r.model,
+                        r.state,
+                        ms(r.weights_ms),
+                        ms(r.started_ms),
+                        ms(r.healthy_ms),
+                        ms(r.ready_ms)
+                    );
+                }
             }
         }
     }

@@ -6,7 +6,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 /// How to run a model server (from the model's registry entry).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RuntimeSpec {
     /// Program and arguments; `{port}`, `{weights}`, `{device}` and `{model}` are substituted.
     pub command: Vec<String>,
@@ -21,6 +21,58 @@ pub struct RuntimeSpec {
     /// Where the replica reports its requests in flight, read with every heartbeat.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub in_flight: Option<InFlightProbe>,
+    /// Files written into the working directory before start (relative path → contents, with
+    /// placeholders).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub files: BTreeMap<String, String>,
+    /// Links made in the working directory before start (relative path → local file, e.g. a
+    /// cached weight blob).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub links: BTreeMap<String, String>,
+    /// The graceful stop signal (`SIGTERM` when none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_signal: Option<String>,
+    /// How long after the stop signal before SIGKILL, ms (the agent's drain grace when none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_grace_ms: Option<u64>,
+}
+
+/// The ports one replica was given: the HTTP port the router sends to, and one per
+/// `{port:NAME}` its command, environment or files ask for.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ports {
+    pub http: u16,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub named: BTreeMap<String, u16>,
+}
+
+impl Ports {
+    /// `name=port,…`, as a replica's environment records them (for re-adoption).
+    pub fn named_to_env(&self) -> String {
+        self.named
+            .iter()
+            .map(|(n, p)| format!("{n}={p}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Reads [`Ports::named_to_env`]'s form back; malformed parts are skipped.
+    pub fn named_from_env(text: &str) -> BTreeMap<String, u16> {
+        text.split(',')
+            .filter_map(|kv| {
+                let (k, v) = kv.split_once('=')?;
+                Some((k.to_string(), v.parse().ok()?))
+            })
+            .collect()
+    }
+
+    /// The port a probe reads: its named port, or the HTTP port.
+    pub fn for_probe(&self, probe: &InFlightProbe) -> Option<u16> {
+        match &probe.port {
+            None => Some(self.http),
+            Some(name) => self.named.get(name).copied(),
+        }
+    }
 }
 
 /// A gauge of requests in flight on the replica's Prometheus endpoint: `GET path`, the value
@@ -28,6 +80,9 @@ pub struct RuntimeSpec {
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct InFlightProbe {
+    /// The named port (`{port:NAME}`) the gauges are served on; none: the HTTP port.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<String>,
     pub path: String,
     pub metric: String,
     /// Language models: the gauge of requests waiting inside the engine, e.g.
@@ -54,6 +109,7 @@ impl InFlightProbe {
     /// A probe of requests in flight only.
     pub fn in_flight(path: &str, metric: &str) -> Self {
         InFlightProbe {
+            port: None,
             path: path.into(),
             metric: metric.into(),
             waiting: None,
@@ -110,6 +166,7 @@ pub fn read_gauge(text: &str, metric: &str) -> Option<f64> {
 
 /// A warm-up request: `POST path` with a JSON body.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Warmup {
     pub path: String,
     pub body: String,
@@ -133,18 +190,45 @@ impl ReplicaSpec {
         Duration::from_millis(self.runtime.start_timeout_ms)
     }
 
+    /// The names of the extra ports (`{port:NAME}`) the runtime asks for.
+    pub fn port_names(&self) -> Vec<String> {
+        let r = &self.runtime;
+        let mut names: Vec<String> = Vec::new();
+        for text in r.command.iter().chain(r.env.values()).chain(r.files.values()) {
+            for n in crate::registry::named_ports(text) {
+                if !names.contains(&n) {
+                    names.push(n);
+                }
+            }
+        }
+        names
+    }
+
+    /// `text` with the agent's placeholders filled in.
+    pub fn fill(&self, text: &str, ports: &Ports, workdir: &str) -> String {
+        let mut out = text.to_string();
+        for (name, port) in &ports.named {
+            out = out.replace(&format!("{{port:{name}}}"), &port.to_string());
+        }
+        out.replace("{port}", &ports.http.to_string())
+            .replace("{weights}", self.weights.as_deref().unwrap_or(""))
+            .replace("{device}", &self.device)
+            .replace("{model}", &self.model)
+            .replace("{workdir}", workdir)
+    }
+
     /// The command line with placeholders filled in.
-    pub fn argv(&self, port: u16) -> Vec<String> {
+    pub fn argv(&self, ports: &Ports, workdir: &str) -> Vec<String> {
         self.runtime
             .command
             .iter()
-            .map(|a| {
-                a.replace("{port}", &port.to_string())
-                    .replace("{weights}", self.weights.as_deref().unwrap_or(""))
-                    .replace("{device}", &self.device)
-                    .replace("{model}", &self.model)
-            })
+            .map(|a| self.fill(a, ports, workdir))
             .collect()
+    }
+
+    /// The stop signal's name (`SIGTERM` unless the runtime says otherwise).
+    pub fn stop_signal(&self) -> &str {
+        self.runtime.stop_signal.as_deref().unwrap_or("SIGTERM")
     }
 
     /// Checks the spec before anything is spawned.
@@ -169,6 +253,25 @@ impl ReplicaSpec {
         }
         if self.runtime.start_timeout_ms == 0 {
             return Err(format!("replica {}: runtime.start_timeout_ms must be > 0", self.id));
+        }
+        for path in self.runtime.files.keys().chain(self.runtime.links.keys()) {
+            crate::registry::validate_workdir_path(path).map_err(|e| format!("replica {}: {e}", self.id))?;
+        }
+        if !crate::registry::STOP_SIGNALS.contains(&self.stop_signal()) {
+            return Err(format!(
+                "replica {}: stop signal {:?}: use one of {}",
+                self.id,
+                self.stop_signal(),
+                crate::registry::STOP_SIGNALS.join(", ")
+            ));
+        }
+        if let Some(port) = self.runtime.in_flight.as_ref().and_then(|p| p.port.as_ref()) {
+            if !self.port_names().contains(port) {
+                return Err(format!(
+                    "replica {}: the in-flight probe reads port {port:?}, which the runtime is not given ({{port:{port}}})",
+                    self.id
+                ));
+            }
         }
         Ok(())
     }

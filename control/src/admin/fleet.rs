@@ -234,6 +234,7 @@ pub(super) async fn list_nodes(
                 last_heartbeat_ms_ago: seen.as_ref().map_or(-1, |s| s.at.elapsed().as_millis() as i64),
                 replicas_ready: seen.as_ref().map_or(0, |s| s.replicas_ready),
                 replicas_total: seen.as_ref().map_or(0, |s| s.replicas_total),
+                replicas: seen.as_ref().map(|s| s.replicas.clone()).unwrap_or_default(),
                 suspect_ms_ago: suspects
                     .get(&r.node_id)
                     .filter(|_| n.liveness == crate::fleet::Liveness::Up)

@@ -38,7 +38,7 @@ pub(super) async fn put_model(
 ) -> Result<Response<WriteReply>, Status> {
     admin
         .audited("put_model", super::audit::Caller::of_document(&req), async move {
-            let model: Model = parse_document("model", &req.into_inner().json)?;
+            let model: Model = parse_model(&req.into_inner().json)?;
             Ok(Response::new(admin.write(Command::PutModel(model)).await?))
         })
         .await
@@ -50,7 +50,7 @@ pub(super) async fn deploy_model(
 ) -> Result<Response<WriteReply>, Status> {
     admin
         .audited("deploy_model", super::audit::Caller::of_document(&req), async move {
-            let model: Model = parse_document("model", &req.into_inner().json)?;
+            let model: Model = parse_model(&req.into_inner().json)?;
             Ok(Response::new(admin.write(Command::DeployVersion(model)).await?))
         })
         .await

@@ -26,6 +26,8 @@ pub struct Seen {
     pub cached_blobs: Vec<String>,
     /// The agent's actors, as its heartbeat reported them (`lanectl actors --node`).
     pub actors: Vec<laneway_actors::ActorStatus>,
+    /// Each replica with its state and last measured start (`lanectl node show`).
+    pub replicas: Vec<laneway_proto::admin::ReplicaSeen>,
 }
 
 /// One GPU as its agent last reported it.

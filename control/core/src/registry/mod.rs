@@ -9,6 +9,7 @@
 pub mod access;
 pub mod class;
 pub mod model;
+pub mod presets;
 pub mod replicas;
 pub mod rollout;
 pub mod tenant;

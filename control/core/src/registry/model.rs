@@ -35,6 +35,11 @@ pub struct Artifact {
     pub uri: String,
     pub sha256: String,
     pub size_bytes: u64,
+    /// Where the replica finds it, relative to its working directory (a link to the cached
+    /// blob), e.g. `model.joblib` or `repository/resnet/1/model.onnx`; without it, `{weights}`
+    /// (the first artifact's blob path) is the only way to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
 }
 
 /// How an agent starts a replica of the model (see the agent's replica spec).
@@ -55,10 +60,94 @@ pub struct Runtime {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub in_flight: Option<crate::runtime_spec::InFlightProbe>,
     /// The server takes KServe v2 requests with binary tensors (Triton's binary tensor data
-    /// extension: Triton, MLServer, Laneway's simulator). Without it the router refuses such a
-    /// request with a 400 instead of sending the server bytes it cannot read.
+    /// extension: Triton, Laneway's simulator; not MLServer's REST API). Without it the router
+    /// converts such a request to JSON, or refuses it with a 400 saying why when it cannot.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub binary_tensors: bool,
+    /// The runtime preset (`runtime_presets.toml`) the entry's defaults came from: resolved
+    /// into the fields above when the document is read, kept as a label.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preset: Option<String>,
+    /// Files written into the replica's working directory before it starts (relative path →
+    /// contents, placeholders substituted), e.g. MLServer's `model-settings.json`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub files: BTreeMap<String, String>,
+    /// A request sent once healthy, before the replica is reported Ready (its answer is the
+    /// "warm" phase of the cold start).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warmup: Option<crate::runtime_spec::Warmup>,
+    /// How long start-up (process, health, warm-up) may take before the replica counts as
+    /// crashed; default 60 s. Weight downloads are not in it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_timeout_s: Option<u32>,
+    /// The signal that asks the server to stop gracefully (default SIGTERM).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_signal: Option<String>,
+    /// How long after the stop signal before SIGKILL (default: the agent's drain grace).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_grace_s: Option<u32>,
+}
+
+/// Signals a runtime may be stopped with.
+pub const STOP_SIGNALS: &[&str] = &["SIGTERM", "SIGINT", "SIGQUIT", "SIGHUP", "SIGUSR1", "SIGUSR2"];
+
+/// Default start-up budget, seconds.
+pub const DEFAULT_START_TIMEOUT_S: u32 = 60;
+
+impl Runtime {
+    /// Whether the entry uses what command format 12 added (presets, files, start/stop data).
+    pub fn uses_format_12(&self) -> bool {
+        self.preset.is_some()
+            || !self.files.is_empty()
+            || self.warmup.is_some()
+            || self.start_timeout_s.is_some()
+            || self.stop_signal.is_some()
+            || self.stop_grace_s.is_some()
+            || self.in_flight.as_ref().is_some_and(|p| p.port.is_some())
+    }
+
+    /// The start-up budget.
+    pub fn start_timeout_s(&self) -> u32 {
+        self.start_timeout_s.unwrap_or(DEFAULT_START_TIMEOUT_S)
+    }
+}
+
+/// Checks a path inside a replica's working directory: relative, no `..`, no empty parts.
+pub fn validate_workdir_path(path: &str) -> Result<(), String> {
+    let ok = !path.is_empty()
+        && path.len() <= 255
+        && !path.starts_with('/')
+        && path
+            .split('/')
+            .all(|part| !part.is_empty() && part != "." && part != ".." && !part.contains('\\'))
+        && path.chars().all(|c| !c.is_control());
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "{path:?} must be a relative path inside the replica's working directory (no leading '/', no '..'), e.g. model-settings.json or repository/m/1/model.onnx"
+        ))
+    }
+}
+
+/// The names of the extra ports (`{port:NAME}`) a text asks for.
+pub fn named_ports(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while let Some(i) = rest.find("{port:") {
+        rest = &rest[i + 6..];
+        if let Some(end) = rest.find('}') {
+            let name = &rest[..end];
+            if !name.is_empty()
+                && name.len() <= 32
+                && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+                && !out.iter().any(|n| n == name)
+            {
+                out.push(name.to_string());
+            }
+        }
+    }
+    out
 }
 
 fn default_health() -> String {
@@ -73,6 +162,12 @@ impl Default for Runtime {
             health_path: default_health(),
             in_flight: None,
             binary_tensors: false,
+            preset: None,
+            files: BTreeMap::new(),
+            warmup: None,
+            start_timeout_s: None,
+            stop_signal: None,
+            stop_grace_s: None,
         }
     }
 }
@@ -174,6 +269,63 @@ fn default_version() -> String {
 }
 
 impl Model {
+    fn validate_runtime(&self) -> Result<(), Refused> {
+        let (n, r) = (&self.name, &self.runtime);
+        for (path, contents) in &r.files {
+            validate_workdir_path(path).map_err(|e| format!("model {n}: runtime.files: {e}"))?;
+            if contents.len() > 64 * 1024 {
+                return Err(format!(
+                    "model {n}: runtime.files.{path:?} is {} bytes; files are for settings (64 KiB at most) — ship large files as weight artifacts with a path",
+                    contents.len()
+                )
+                .into());
+            }
+        }
+        if r.files.len() > 32 {
+            return Err(format!("model {n}: runtime.files has {} files; 32 at most", r.files.len()).into());
+        }
+        if let Some(sig) = &r.stop_signal {
+            if !STOP_SIGNALS.contains(&sig.as_str()) {
+                return Err(format!(
+                    "model {n}: runtime.stop_signal {sig:?}: use one of {}",
+                    STOP_SIGNALS.join(", ")
+                )
+                .into());
+            }
+        }
+        if r.start_timeout_s.is_some_and(|s| s == 0 || s > 24 * 3600) {
+            return Err(format!("model {n}: runtime.start_timeout_s: give 1 to 86400 seconds").into());
+        }
+        if r.stop_grace_s.is_some_and(|s| s > 3600) {
+            return Err(format!("model {n}: runtime.stop_grace_s: give 0 to 3600 seconds").into());
+        }
+        if let Some(w) = &r.warmup {
+            if !w.path.starts_with('/') {
+                return Err(format!("model {n}: runtime.warmup.path {:?} must start with '/'", w.path).into());
+            }
+        }
+        let mut ports = Vec::new();
+        for text in r.command.iter().chain(r.env.values()).chain(r.files.values()) {
+            for p in named_ports(text) {
+                if !ports.contains(&p) {
+                    ports.push(p);
+                }
+            }
+        }
+        if let Some(port) = r.in_flight.as_ref().and_then(|p| p.port.as_ref()) {
+            if !ports.contains(port) {
+                return Err(format!(
+                    "model {n}: runtime.in_flight.port {port:?} is not a port the runtime is given; use {{port:{port}}} in its command or env, or leave port out to read the HTTP port"
+                )
+                .into());
+            }
+        }
+        if ports.len() > 8 {
+            return Err(format!("model {n}: runtime asks for {} named ports; 8 at most", ports.len()).into());
+        }
+        Ok(())
+    }
+
     pub fn validate(&self) -> Result<(), Refused> {
         validate_name("model", &self.name)?;
         validate_name("class", &self.class)?;
@@ -204,7 +356,11 @@ impl Model {
             if a.uri.is_empty() {
                 return Err(format!("model {n}: a weight artifact has an empty uri").into());
             }
+            if let Some(p) = &a.path {
+                validate_workdir_path(p).map_err(|e| format!("model {n}: weights {:?}: path {e}", a.uri))?;
+            }
         }
+        self.validate_runtime()?;
         if !self.runtime.health_path.starts_with('/') {
             return Err(format!(
                 "model {n}: runtime.health_path {:?} must be an HTTP path starting with '/', e.g. /v2/health/ready",
