@@ -213,6 +213,91 @@ pub fn decode(datatype: &str, bytes: &[u8]) -> Option<Vec<Value>> {
     }
 }
 
+/// Why raw tensor bytes have no lossless JSON form (`None`: they do): NaN or infinite floats
+/// (JSON has no number for them), BYTES elements that are not UTF-8 (an image).
+pub fn json_loss(datatype: &str, raw: &[u8]) -> Option<&'static str> {
+    match datatype {
+        "FP32" => raw
+            .chunks_exact(4)
+            .any(|c| !f32::from_le_bytes(c.try_into().expect("4 bytes")).is_finite())
+            .then_some("a NaN or infinite value, which JSON has no number for"),
+        "FP64" => raw
+            .chunks_exact(8)
+            .any(|c| !f64::from_le_bytes(c.try_into().expect("8 bytes")).is_finite())
+            .then_some("a NaN or infinite value, which JSON has no number for"),
+        "BYTES" => {
+            let mut rest = raw;
+            let mut bad = false;
+            while let Some((len, tail)) = rest.split_first_chunk::<4>() {
+                let len = (u32::from_le_bytes(*len) as usize).min(tail.len());
+                bad |= std::str::from_utf8(&tail[..len]).is_err();
+                rest = &tail[len..];
+            }
+            bad.then_some("an element that is not UTF-8 text, which JSON strings cannot carry")
+        }
+        _ => None,
+    }
+}
+
+/// A request in the binary tensor data extension (`body`, its JSON part `json_len` bytes,
+/// already checked) as the same request in plain JSON, for a server that reads only JSON
+/// (MLServer's REST API, ADR 0027): each binary input's bytes become its `data`, and outputs
+/// are asked for as JSON (a client that asked for binary outputs reads JSON ones as well).
+/// Refused, saying why, for more than `max_elements` elements (each grows into a JSON value)
+/// or a value JSON cannot carry unchanged.
+pub fn binary_request_as_json(body: &[u8], json_len: usize, max_elements: u64) -> Result<Vec<u8>, String> {
+    let (json, mut rest) = split_binary(body, json_len)?;
+    let mut doc: Value = serde_json::from_slice(json).map_err(|e| format!("invalid inference request: {e}"))?;
+    let mut total = 0u64;
+    for input in doc["inputs"].as_array_mut().into_iter().flatten() {
+        let name = input["name"].as_str().unwrap_or("?").to_string();
+        let datatype = input["datatype"].as_str().unwrap_or("").to_string();
+        let shape: Vec<i64> = input["shape"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_i64)
+            .collect();
+        let Some(size) = input
+            .pointer_mut("/parameters")
+            .and_then(Value::as_object_mut)
+            .and_then(|p| p.remove("binary_data_size"))
+        else {
+            continue;
+        };
+        total = total.saturating_add(elements(&name, &shape)?);
+        if total > max_elements {
+            return Err(format!(
+                "its inputs have more than {max_elements} elements, more than the router converts to JSON; send smaller tensors"
+            ));
+        }
+        let size = size
+            .as_u64()
+            .and_then(|s| usize::try_from(s).ok())
+            .filter(|s| *s <= rest.len())
+            .ok_or_else(|| format!("input {name}: binary_data_size runs past the body"))?;
+        let (raw, tail) = rest.split_at(size);
+        rest = tail;
+        if let Some(why) = json_loss(&datatype, raw) {
+            return Err(format!("input {name} has {why}"));
+        }
+        let data = decode(&datatype, raw).ok_or_else(|| format!("input {name}: {datatype} has no JSON form"))?;
+        input["data"] = Value::Array(data);
+        if input["parameters"].as_object().is_some_and(|p| p.is_empty()) {
+            input.as_object_mut().map(|o| o.remove("parameters"));
+        }
+    }
+    for output in doc["outputs"].as_array_mut().into_iter().flatten() {
+        if let Some(p) = output.pointer_mut("/parameters").and_then(Value::as_object_mut) {
+            p.remove("binary_data");
+        }
+    }
+    if let Some(p) = doc.pointer_mut("/parameters").and_then(Value::as_object_mut) {
+        p.remove("binary_data_output");
+    }
+    serde_json::to_vec(&doc).map_err(|e| e.to_string())
+}
+
 /// The inverse of [`decode`]: a tensor's JSON `data` (flat, or nested row-major as the v2
 /// JSON form allows) as its raw little-endian bytes (BYTES: each element a 4-byte length and
 /// its bytes), for a protocol that carries raw contents (the v2 gRPC `raw_output_contents`).

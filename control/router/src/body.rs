@@ -359,6 +359,13 @@ impl Drop for Tracked {
     }
 }
 
+/// Most elements a request may send a server that reads only JSON (the router converts binary
+/// tensors for it, on either protocol): each becomes a JSON value on the way (tens of bytes),
+/// so a request within the body limit cannot turn into many times that.
+pub(crate) fn json_elements_limit(max_body_bytes: usize) -> u64 {
+    (max_body_bytes / 8) as u64
+}
+
 #[cfg(test)]
 mod tests;
 

@@ -576,8 +576,13 @@ impl Flight {
                 ),
             );
         }
-        // A language model's own usage (set by its protocol) says more than the header.
-        self.record.gpu_ms = self.record.gpu_ms.or(f.gpu_ms);
+        // A language model's own usage (set by its protocol) says more than the header; a
+        // server that says neither is metered by its time on the request.
+        self.record.gpu_ms = self
+            .record
+            .gpu_ms
+            .or(f.gpu_ms)
+            .or_else(|| Some(guard.slot.shared_gpu_ms(self.record.service_ms)));
         let mut r = (f.status, f.body).into_response();
         if let Some(ct) = f.content_type {
             r.headers_mut().insert(axum::http::header::CONTENT_TYPE, ct);

@@ -160,13 +160,6 @@ where
     }
 }
 
-/// Most elements a request may send a JSON-only server through this service: each becomes a
-/// JSON value on the way (tens of bytes), so a message within the body limit cannot turn into
-/// many times that.
-fn json_elements_limit(max_body_bytes: usize) -> u64 {
-    (max_body_bytes / 8) as u64
-}
-
 pub struct Inference {
     router: Arc<Router>,
 }
@@ -447,28 +440,7 @@ fn http_request(
 /// Refuses what JSON `data` cannot carry unchanged: BYTES that are not UTF-8 (an image) and
 /// NaN or infinite floats (JSON has no number for them).
 fn lossless_as_json(t: &InferInputTensor, raw: &[u8]) -> Result<(), String> {
-    let why = match t.datatype.as_str() {
-        "FP32" => raw
-            .chunks_exact(4)
-            .any(|c| !f32::from_le_bytes(c.try_into().expect("4 bytes")).is_finite())
-            .then_some("a NaN or infinite value, which JSON has no number for"),
-        "FP64" => raw
-            .chunks_exact(8)
-            .any(|c| !f64::from_le_bytes(c.try_into().expect("8 bytes")).is_finite())
-            .then_some("a NaN or infinite value, which JSON has no number for"),
-        "BYTES" => {
-            let mut rest = raw;
-            let mut bad = false;
-            while let Some((len, tail)) = rest.split_first_chunk::<4>() {
-                let len = (u32::from_le_bytes(*len) as usize).min(tail.len());
-                bad |= std::str::from_utf8(&tail[..len]).is_err();
-                rest = &tail[len..];
-            }
-            bad.then_some("an element that is not UTF-8 text, which JSON strings cannot carry")
-        }
-        _ => None,
-    };
-    match why {
+    match kserve::json_loss(&t.datatype, raw) {
         Some(why) => Err(format!(
             "input {}: {why}; the model's servers take tensors as JSON only — serve it with a server that takes binary tensors (`binary_tensors = true`)",
             t.name
@@ -688,7 +660,7 @@ impl GrpcInferenceService for Inference {
                 msg.model_name, msg.model_name
             )));
         }
-        let limit = json_elements_limit(self.router.bodies().limits().max_body_bytes);
+        let limit = super::body::json_elements_limit(self.router.bodies().limits().max_body_bytes);
         let (body, json_len) = http_request(&msg, binary, limit).map_err(Status::invalid_argument)?;
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));

@@ -224,27 +224,37 @@ async fn serve_infer(
         Ok(b) => b,
         Err(msg) => return error(StatusCode::BAD_REQUEST, msg, &meta),
     };
-    if binary.is_some() && !route.binary_tensors {
-        return error(
-            StatusCode::BAD_REQUEST,
-            format!(
-                "model {}'s server does not take binary tensors (its model file has no `binary_tensors = true` under [runtime]); send the tensors as JSON `data` (tritonclient: binary_data=False), or declare the extension if the server speaks it",
-                route.public
-            ),
-            &meta,
-        );
-    }
-    if route.class.lane == laneway_core::registry::LaneKind::Durable {
-        if binary.is_some() {
-            return error(
-                StatusCode::BAD_REQUEST,
-                format!(
-                    "model {} is in the durable class {}: a job's input is JSON; send the tensors as JSON `data` (tritonclient: binary_data=False)",
-                    route.public, route.class.name
-                ),
-                &meta,
-            );
+    let durable = route.class.lane == laneway_core::registry::LaneKind::Durable;
+    // A server that reads only JSON (and a job's input, which is JSON) gets the same request
+    // in JSON: tritonclient's default binary tensors work against any server.
+    let (body, binary) = match binary {
+        Some(part) if durable || !route.binary_tensors => {
+            let limit = super::body::json_elements_limit(router.bodies().limits().max_body_bytes);
+            match laneway_core::kserve::binary_request_as_json(&body, part.len, limit) {
+                Ok(json) => (Bytes::from(json), None),
+                Err(why) => {
+                    let takes = if durable {
+                        format!(
+                            "model {} is in the durable class {}, whose jobs take JSON",
+                            route.public, route.class.name
+                        )
+                    } else {
+                        format!(
+                            "model {}'s server takes tensors as JSON only (no `binary_tensors = true` under [runtime])",
+                            route.public
+                        )
+                    };
+                    return error(
+                        StatusCode::BAD_REQUEST,
+                        format!("{takes}, and the router cannot convert this request: {why}; send the tensors as JSON `data` (tritonclient: binary_data=False)"),
+                        &meta,
+                    );
+                }
+            }
         }
+        b => (body, b),
+    };
+    if durable {
         return super::jobs::submit_infer(&router, &tenant, &route, body, &headers, &meta).await;
     }
     let mut flight = Flight::new(router, table, tenant, route, meta, &headers, arrived);

@@ -593,6 +593,11 @@ impl Relay {
                 lane.counters.failed += 1;
             }
         }
+        // The replica that streamed it: its tokens and time are usage (the ledger counts
+        // tokens only for requests a replica worked on).
+        if let Some(g) = &self.guard {
+            flight.served_by(g, self.started);
+        }
         let rec = &mut flight.record;
         rec.status = status.as_u16();
         rec.service_ms = self.started.elapsed().as_secs_f64() * 1000.0;
@@ -601,6 +606,9 @@ impl Relay {
             rec.input_tokens = u.prompt_tokens;
             rec.output_tokens = u.completion_tokens;
             rec.gpu_ms = u.laneway_gpu_ms;
+        }
+        if rec.gpu_ms.is_none() {
+            rec.gpu_ms = self.guard.as_ref().map(|g| g.slot.shared_gpu_ms(rec.service_ms));
         }
         drop(self.guard.take());
         flight.close();

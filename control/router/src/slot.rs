@@ -229,6 +229,15 @@ fn growing(streak: u32) -> Duration {
 }
 
 impl ReplicaSlot {
+    /// GPU time to meter for a request that held this replica for `service_ms`, when the
+    /// server does not say (every real model server; Laneway's simulator sends
+    /// `x-laneway-gpu-ms`): its time shared with the requests this router had on the replica
+    /// when it answered (ADR 0027). Requests other routers had on it at the same time are not
+    /// seen, so a replica several routers share is metered high, never at zero.
+    pub fn shared_gpu_ms(&self, service_ms: f64) -> f64 {
+        service_ms / f64::from(self.in_flight.load(Ordering::Relaxed).max(1))
+    }
+
     /// Takes one of the replica's slots if it has one free.
     pub fn try_acquire(&self) -> bool {
         self.in_flight

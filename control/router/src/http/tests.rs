@@ -959,7 +959,7 @@ fn degrading_merges_parameters() {
 
 /// A binary v2 request reaches a replica that declares the extension byte for byte, with its
 /// header, and the replica's binary answer comes back with its own; a model that does not
-/// declare it gets a 400 saying what to send; a pinned version is that version or a 404.
+/// declare it gets the request as JSON; a pinned version is that version or a 404.
 #[tokio::test(flavor = "current_thread")]
 async fn binary_tensors_pass_through_unchanged_to_replicas_that_declare_them() {
     type Seen = Arc<std::sync::Mutex<Vec<(Option<String>, Bytes)>>>;
@@ -1004,19 +1004,32 @@ async fn binary_tensors_pass_through_unchanged_to_replicas_that_declare_them() {
             .unwrap()
     };
 
-    // A server that only reads JSON is never sent bytes it cannot read.
+    // A server that only reads JSON is never sent bytes it cannot read: it gets the same
+    // request as JSON, and a value JSON cannot carry is refused saying what to send.
     let (fleet, mut reg) = fixture_with_tenant();
     reg.set_node_replicas("n1", &[ready("r1", "whisper", addr)]);
     let server = serve_on_free_port(router_from(&fleet, &reg)).await;
     let url = format!("http://{}/v2/models/whisper/infer", server.addr);
     let r = send(url.clone(), body.clone(), headers.clone()).await;
+    assert_eq!(r.status(), 200);
+    let (len, forwarded) = seen.lock().unwrap().pop().unwrap();
+    assert_eq!(len, None, "no binary part to a JSON-only server");
+    let v: serde_json::Value = serde_json::from_slice(&forwarded).unwrap();
+    assert_eq!(v["inputs"][0]["data"], serde_json::json!([1.5, -2.0]), "{v}");
+    assert!(v["inputs"][0].get("parameters").is_none(), "{v}");
+    let nan = [f32::NAN, 1.0]
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect::<Vec<u8>>();
+    let (nan_body, nan_headers) = binary_request(&[("audio", "FP32", vec![1, 2], nan)]);
+    let r = send(url.clone(), nan_body, nan_headers).await;
     assert_eq!(r.status(), 400);
     let text = r.text().await.unwrap();
     assert!(
-        text.contains("binary_tensors = true") && text.contains("binary_data=False"),
+        text.contains("JSON only") && text.contains("NaN") && text.contains("binary_data=False"),
         "{text}"
     );
-    assert!(seen.lock().unwrap().is_empty());
+    assert!(seen.lock().unwrap().is_empty(), "the refused one never reached it");
 
     // Declared: passed through as it came, and the answer as the replica gave it.
     let whisper = reg.models.get_mut("whisper").unwrap();
