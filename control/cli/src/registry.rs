@@ -58,10 +58,29 @@ pub async fn cluster_inputs(client: &AdminClient) -> anyhow::Result<laneway_core
         }
         _ => None,
     };
+    // The longest replica start the agents measured, per GPU product (the GPU its device
+    // names, else — a MIG slice — the node's one product).
+    let mut measured_cold_start_s: BTreeMap<String, f64> = BTreeMap::new();
+    for n in crate::node::list_nodes(client).await? {
+        let products: std::collections::BTreeSet<&str> = n.gpus.iter().map(|g| g.product.as_str()).collect();
+        for r in n.replicas.iter().filter(|r| r.ready_ms > 0) {
+            let product = n
+                .gpus
+                .iter()
+                .find(|g| g.uuid == r.device)
+                .map(|g| g.product.as_str())
+                .or_else(|| (products.len() == 1).then(|| *products.first().unwrap()));
+            if let Some(p) = product {
+                let e = measured_cold_start_s.entry(p.to_string()).or_default();
+                *e = e.max(r.ready_ms as f64 / 1000.0);
+            }
+        }
+    }
     Ok(laneway_core::planner::cluster::ClusterInputs {
         classes,
         models,
         observed,
+        measured_cold_start_s,
     })
 }
 

@@ -100,6 +100,7 @@ fn fast_loop(
             .collect()
     });
     let engine = engine_load(ctx);
+    let cold_starts = cold_starts(ctx);
     let suspect = ctx.heartbeats.suspect_nodes();
     let mut targets = HashMap::new();
     for m in registry.models.values().filter(|m| m.class == class_name) {
@@ -153,6 +154,7 @@ fn fast_loop(
             slots_per_replica: placed.iter().sum::<u32>() / placed.len() as u32,
             target: f64::from(class.utilisation_target_pct) / 100.0,
             floor: class.warm_floor as usize,
+            cold_start: cold_starts.get(&m.name).copied(),
         };
         let d = scale.decide(&m.name, &inputs, now);
         // Said once per change (the loop ticks faster than a placement may take to land).
@@ -168,6 +170,20 @@ fn fast_loop(
         targets.insert(m.name.clone(), d.desired);
     }
     targets
+}
+
+/// Per model, from the heartbeats: the longest start (placement to Ready) its replicas
+/// reported, as the agents measured it.
+fn cold_starts(ctx: &Context) -> HashMap<String, Duration> {
+    let mut out: HashMap<String, Duration> = HashMap::new();
+    for (_, seen) in ctx.heartbeats.all() {
+        for r in seen.replicas.iter().filter(|r| r.ready_ms > 0) {
+            let d = Duration::from_millis(r.ready_ms);
+            let e = out.entry(r.model.clone()).or_default();
+            *e = (*e).max(d);
+        }
+    }
+    out
 }
 
 /// Per model, from the heartbeats: requests waiting in the replicas' engines, and their mean

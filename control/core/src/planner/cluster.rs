@@ -35,6 +35,9 @@ pub struct ClusterInputs {
     pub classes: Vec<Class>,
     pub models: Vec<Model>,
     pub observed: Option<Observed>,
+    /// GPU product → the longest replica start (placement to Ready) the agents measured on
+    /// it, seconds.
+    pub measured_cold_start_s: BTreeMap<String, f64>,
 }
 
 fn invalid(field: &str, value: impl std::fmt::Display, expected: &str) -> ScenarioError {
@@ -154,6 +157,30 @@ pub fn scenario_with_cluster(text: &str, cluster: &ClusterInputs) -> Result<(Sce
     doc.insert("lanes".into(), Value::Table(lanes));
     doc.insert("models".into(), Value::Table(models));
 
+    // A product's cold start is a new card's boot, image and weights (the file's); a replica
+    // the agents measured starting slower than that says the file is optimistic.
+    let mut products = table(&doc, "products");
+    for (product, measured) in &cluster.measured_cold_start_s {
+        let Some(Value::Table(p)) = products.get_mut(product) else {
+            continue;
+        };
+        let file = p
+            .get("cold_start_s")
+            .and_then(|v| v.as_float().or(v.as_integer().map(|i| i as f64)));
+        match file {
+            Some(f) if f >= *measured => notes.push(format!(
+                "cold start on {product}: the file's {f:.0} s (a replica was measured starting in {measured:.1} s)"
+            )),
+            _ => {
+                p.insert("cold_start_s".into(), Value::from(*measured));
+                notes.push(format!(
+                    "cold start on {product}: {measured:.1} s as measured (a replica's placement to Ready), longer than the file's"
+                ));
+            }
+        }
+    }
+    doc.insert("products".into(), Value::Table(products));
+
     match &cluster.observed {
         Some(o) if o.total() >= MIN_OBSERVED_REQUESTS && o.window_s > 0.0 => {
             let total = o.total() as f64;
@@ -236,7 +263,25 @@ mod tests {
             ],
             models: vec![model("whisper-large", "speech", "L4"), model("sdxl", "image", "L40S")],
             observed: None,
+            measured_cold_start_s: BTreeMap::new(),
         }
+    }
+
+    /// A replica measured starting slower than the file's cold start replaces it; a faster one
+    /// leaves the file's (a new card also boots).
+    #[test]
+    fn a_measured_cold_start_longer_than_the_files_is_planned_with() {
+        let mut c = inputs();
+        c.observed = Some(Observed {
+            requests_by_class: [("speech".to_string(), 300), ("image".to_string(), 100)].into(),
+            window_s: 10.0,
+        });
+        c.measured_cold_start_s = [("L4".to_string(), 240.0), ("L40S".to_string(), 7.5)].into();
+        let (s, notes) = scenario_with_cluster(FILE, &c).unwrap();
+        let cold = |p: &str| s.products[p].cold_start_s;
+        assert_eq!(cold("L4"), 240.0);
+        assert_eq!(cold("L40S"), 90.0, "the file's, longer than the measured replica start");
+        assert!(notes.iter().any(|n| n.contains("L4: 240.0 s as measured")), "{notes:?}");
     }
 
     #[test]

@@ -70,6 +70,17 @@ pub struct Inputs {
     pub target: f64,
     pub floor: usize,
     pub signal: Signal,
+    /// The longest start of one of its replicas as the agents measured it (placement to
+    /// Ready), when one is known: a replica is not given back sooner than it takes to get one
+    /// back, so the stable window is at least this long.
+    pub cold_start: Option<Duration>,
+}
+
+impl Inputs {
+    /// How long load must stay low before a replica is removed.
+    pub fn stable_window(&self) -> Duration {
+        self.cold_start.map_or(STABLE_WINDOW, |c| c.max(STABLE_WINDOW))
+    }
 }
 
 /// Why a decision came out as it did (for `lanectl lane show` and the log).
@@ -205,14 +216,20 @@ impl ScaleState {
         }
         if need < i.current {
             let since = *self.low_since.entry(model.to_string()).or_insert(now);
-            if now.saturating_duration_since(since) >= STABLE_WINDOW {
+            let window = i.stable_window();
+            if now.saturating_duration_since(since) >= window {
                 // One step, then a new window: a decline is followed, not jumped to.
                 self.low_since.insert(model.to_string(), now);
                 return Decision {
                     desired: i.current - 1,
                     reason: format!(
-                        "down: load has needed {need} replicas or fewer for {} s (have {}; now {why})",
-                        STABLE_WINDOW.as_secs(),
+                        "down: load has needed {need} replicas or fewer for {} s{} (have {}; now {why})",
+                        window.as_secs(),
+                        if window > STABLE_WINDOW {
+                            ", as long as a replica of it takes to start"
+                        } else {
+                            ""
+                        },
                         i.current
                     ),
                 };
@@ -247,7 +264,44 @@ mod tests {
             target: 0.5,
             floor: 2,
             signal: Signal::InFlight,
+            cold_start: None,
         }
+    }
+
+    /// A model whose replicas take longer to start than the stable window keeps a replica it
+    /// does not need for as long as one takes to start; a fast one for the window.
+    #[test]
+    fn a_slow_starting_model_is_scaled_down_no_sooner_than_it_starts() {
+        let t0 = Instant::now();
+        let slow = Inputs {
+            cold_start: Some(Duration::from_secs(120)),
+            ..inputs(0, 5)
+        };
+        let mut s = ScaleState::default();
+        assert_eq!(s.decide("m", &slow, t0).desired, 5);
+        assert_eq!(
+            s.decide("m", &slow, t0 + STABLE_WINDOW).desired,
+            5,
+            "30 s is not enough"
+        );
+        let d = s.decide("m", &slow, t0 + Duration::from_secs(120));
+        assert_eq!(d.desired, 4);
+        assert!(
+            d.reason.contains("120 s") && d.reason.contains("takes to start"),
+            "{}",
+            d.reason
+        );
+        let fast = Inputs {
+            cold_start: Some(Duration::from_secs(3)),
+            ..inputs(0, 5)
+        };
+        let mut s = ScaleState::default();
+        s.decide("m", &fast, t0);
+        assert_eq!(
+            s.decide("m", &fast, t0 + STABLE_WINDOW).desired,
+            4,
+            "never shorter than the window"
+        );
     }
 
     /// Language-model signals: a TTFT breach adds replicas in proportion, engine-side waiting
