@@ -14,6 +14,8 @@ use laneway_agent::runtime::Agent;
 use crate::config::{ControllerConfig, RaftSettings};
 use crate::server::{self, Controller, StartError};
 
+pub mod real;
+
 /// Flags of `laneway-control dev`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct DevArgs {
@@ -30,6 +32,11 @@ pub struct DevArgs {
     /// whose simulated provider boots `laneway-agent` processes).
     #[arg(long)]
     pub provision: Option<PathBuf>,
+    /// Also serve a real model server beside the simulated ones: a scikit-learn model on
+    /// MLServer (`deploy/examples/models/mlserver-iris.toml`; needs `mlserver` on PATH, see
+    /// tests/runtimes/requirements.txt).
+    #[arg(long)]
+    pub real_runtimes: bool,
 }
 
 /// A running dev controller, its simulated agents, and the temp dir it owns.
@@ -45,6 +52,8 @@ pub struct DevController {
     pub api_key: String,
     /// Model files of later whisper versions to try a rollout with (replicas running only).
     pub rollout_examples: Vec<PathBuf>,
+    /// With `--real-runtimes`: the models real model servers serve, and what was skipped.
+    pub real_runtimes: Option<real::Served>,
     _temp: Option<tempfile::TempDir>,
 }
 
@@ -443,7 +452,12 @@ async fn set_mig_layouts(controller: &Controller) -> Result<(), DevError> {
 
 /// Waits (up to 30 s) until the router can route `model`.
 pub async fn wait_routable(controller: &Controller, model: &str) -> bool {
-    tokio::time::timeout(Duration::from_secs(30), async {
+    wait_routable_for(controller, model, Duration::from_secs(30)).await
+}
+
+/// [`wait_routable`] with its own bound (a real model server starts slower than the simulator).
+pub async fn wait_routable_for(controller: &Controller, model: &str, bound: Duration) -> bool {
+    tokio::time::timeout(bound, async {
         loop {
             if controller
                 .router
@@ -542,6 +556,11 @@ pub async fn start(args: DevArgs) -> Result<DevController, DevError> {
     let mut registry: DevRegistry =
         toml::from_str(DEV_REGISTRY).map_err(|e| DevError::Other(format!("dev registry: {e}")))?;
     let replicas_running = with_sim_runtime(&mut registry);
+    let real = args.real_runtimes.then(|| real::prepare(&data_dir)).transpose()?;
+    if let Some(real) = &real {
+        registry.class.extend(real.classes.iter().cloned());
+        registry.model.extend(real.models.iter().cloned());
+    }
     let rollout_examples = if replicas_running {
         write_rollout_examples(&registry, &data_dir.join("examples"))?
     } else {
@@ -557,8 +576,16 @@ pub async fn start(args: DevArgs) -> Result<DevController, DevError> {
             }
         }
     }
+    let real_runtimes = real.map(|r| r.served);
+    for m in real_runtimes.iter().flat_map(|s| s.models.iter().map(|m| &m.name)) {
+        // Its start-up budget: MLServer takes seconds, not milliseconds, to load a model.
+        if !wait_routable_for(&controller, m, Duration::from_secs(120)).await {
+            tracing::warn!(model = %m, "no routable replica of a real runtime after 120 s; its log is under the agent's replicas/ directory");
+        }
+    }
     Ok(DevController {
         rollout_examples,
+        real_runtimes,
         router_addr: controller.router_addr,
         controller,
         data_dir,

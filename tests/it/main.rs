@@ -14,4 +14,5 @@ mod plan_cli;
 mod provision;
 mod rollout;
 mod router;
+mod runtimes;
 mod security;

@@ -29,11 +29,17 @@ impl Dev {
     }
 
     fn start_with(env: &[(&str, &str)]) -> Dev {
+        Dev::start_with_args(env, &[])
+    }
+
+    /// `laneway-control dev` with more flags (`--real-runtimes`) and environment.
+    pub(super) fn start_with_args(env: &[(&str, &str)], args: &[&str]) -> Dev {
         let dir = tempfile::tempdir().unwrap();
         let (grpc, http) = (free_port(), free_port());
         let mut child = Command::new(env!("CARGO_BIN_EXE_laneway-control"))
             .envs(env.iter().copied())
             .args(["dev", "--listen", &format!("127.0.0.1:{grpc}")])
+            .args(args)
             .args(["--router-listen", &format!("127.0.0.1:{http}")])
             .args(["--data-dir", dir.path().to_str().unwrap()])
             .stdout(Stdio::piped())
@@ -57,6 +63,16 @@ impl Dev {
             key: key.expect("dev mode printed the dev tenant's key"),
             _dir: dir,
         }
+    }
+
+    /// Its admin gRPC address (for lanectl).
+    pub(super) fn admin(&self) -> &str {
+        &self.admin
+    }
+
+    /// Its data dir.
+    pub(super) fn data_dir(&self) -> &std::path::Path {
+        self._dir.path()
     }
 
     /// Gives the image lane an overflow endpoint where nothing listens (port 9), priced.

@@ -129,6 +129,14 @@ fn main() -> ExitCode {
                 }
                 println!("  classes:           speech (sync), image (bounded), video (durable)");
                 println!("  models:            whisper (speech), sdxl (image), wan-video (video)");
+                if let Some(real) = &dev.real_runtimes {
+                    for m in &real.models {
+                        println!("  real runtime:      {} on {} ({})", m.name, m.runtime, m.file.display());
+                    }
+                    for s in &real.skipped {
+                        println!("  not served:        {s}");
+                    }
+                }
                 println!("  tenant dev key:    {}", dev.api_key);
                 if !dev.replicas_running {
                     println!("  (laneway-sim-model was not found next to this binary: no replicas run; `cargo build` builds it)");
