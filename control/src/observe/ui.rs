@@ -44,7 +44,7 @@ h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:24px 0 8px;border-bott
 .normal{background:#e3f4e8;color:#17692f}.degraded,.short{background:#fdecc8;color:#8a5200}.down{background:#fbe0e0;color:#9b1c1c}
 table{border-collapse:collapse;background:#fff;font-size:13px}td,th{border:1px solid #e1e4e8;padding:3px 8px;text-align:right}
 th{background:#f0f2f5}td.l,th.l{text-align:left}.bar{display:inline-block;height:9px;background:#6b8afd;vertical-align:middle}
-.bar.cost{background:#f08c3a}.nodes{display:flex;flex-wrap:wrap;gap:12px}.node{background:#fff;border:1px solid #d9dde3;border-radius:6px;padding:8px 10px}
+.bar.cost{background:#f08c3a}table.cold{font-size:11px;margin-top:4px}table.cold td,table.cold th{padding:1px 6px}.nodes{display:flex;flex-wrap:wrap;gap:12px}.node{background:#fff;border:1px solid #d9dde3;border-radius:6px;padding:8px 10px}
 .node h4{margin:0 0 4px;font-size:13px}.muted{color:#8a93a1}
 "#;
 
@@ -138,6 +138,7 @@ pub fn render(ctx: &Context) -> String {
             let gs = seen.get(id).and_then(|s| s.gpus.iter().find(|x| x.uuid == g.uuid));
             gpu_svg(&mut h, &g.uuid, &g.product, gs, on_node);
         }
+        cold_starts(&mut h, seen.get(id).map_or(&[][..], |s| s.replicas.as_slice()));
         h.push_str("</div>");
     }
     if nodes.is_empty() {
@@ -439,6 +440,30 @@ fn ledger_section(h: &mut String, r: &LedgerReport, by_model: &LedgerReport) {
     h.push_str("</table>");
 }
 
+/// Each replica's last measured start on a node, phase by phase (ADR 0027): seconds from its
+/// placement to weights in cache, process started, healthy, and ready.
+fn cold_starts(h: &mut String, replicas: &[laneway_proto::admin::ReplicaSeen]) {
+    let measured: Vec<_> = replicas.iter().filter(|r| r.ready_ms > 0).collect();
+    if measured.is_empty() {
+        return;
+    }
+    h.push_str("<table class=\"cold\"><tr><th>cold start</th><th>weights</th><th>started</th><th>healthy</th><th>ready</th></tr>");
+    let s = |ms: u64| format!("{:.1} s", ms as f64 / 1000.0);
+    for r in measured {
+        let _ = write!(
+            h,
+            "<tr data-cold-start=\"{id}\"><td>{m}</td><td>{w}</td><td>{st}</td><td>{he}</td><td>{re}</td></tr>",
+            id = esc(&r.id),
+            m = esc(&r.model),
+            w = s(r.weights_ms),
+            st = s(r.started_ms),
+            he = s(r.healthy_ms),
+            re = s(r.ready_ms),
+        );
+    }
+    h.push_str("</table>");
+}
+
 /// One GPU as a bar of its seven compute slices: a MIG device per segment (its profile's
 /// slices wide), or one segment for a whole card; filled by utilisation, replicas named.
 fn gpu_svg(
@@ -583,6 +608,31 @@ mod tests {
         assert!(h.contains("1g.10gb: whisper"), "{h}");
         // 3 + 3 + 1 of 7 slices: the widths add up to the bar.
         assert!(h.contains("width=\"120.0\"") && h.contains("width=\"40.0\""), "{h}");
+    }
+
+    #[test]
+    fn a_nodes_replicas_show_their_measured_cold_starts() {
+        let seen = |id: &str, model: &str, ready_ms: u64| laneway_proto::admin::ReplicaSeen {
+            id: id.into(),
+            model: model.into(),
+            state: "ready".into(),
+            weights_ms: 1200,
+            started_ms: 1250,
+            healthy_ms: ready_ms.saturating_sub(50),
+            ready_ms,
+            ..Default::default()
+        };
+        let mut h = String::new();
+        cold_starts(&mut h, &[seen("r1", "iris<b>", 3000), seen("r2", "adopted", 0)]);
+        assert!(
+            h.contains("data-cold-start=\"r1\"") && h.contains("iris&lt;b&gt;"),
+            "{h}"
+        );
+        assert!(h.contains("<td>1.2 s</td>") && h.contains("<td>3.0 s</td>"), "{h}");
+        assert!(!h.contains("adopted"), "a replica not measured is left out: {h}");
+        let mut none = String::new();
+        cold_starts(&mut none, &[]);
+        assert!(none.is_empty());
     }
 
     #[test]
