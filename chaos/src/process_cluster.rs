@@ -62,7 +62,34 @@ pub struct Options {
     pub env: Vec<(String, String)>,
 }
 
+/// A free address for a controller, which the harness restarts on the same port: taken below
+/// the kernel's ephemeral range, which `bind(…:0)` and outgoing connections draw from, so no
+/// replica or client socket can take it while the controller is down (a restart then failed
+/// with "address in use", seen in CI). Successive calls walk the range from a per-process
+/// start, so two controllers of one run are not handed the same port.
 fn free_addr() -> anyhow::Result<String> {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const FLOOR: u32 = 10_000;
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let ephemeral_low: u32 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768);
+    let span = ephemeral_low.saturating_sub(FLOOR);
+    if span > 0 {
+        let _ = NEXT.compare_exchange(
+            u32::MAX,
+            std::process::id().wrapping_mul(7_919) % span,
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
+        for _ in 0..span.min(4_096) {
+            let port = FLOOR + NEXT.fetch_add(1, Ordering::Relaxed) % span;
+            if let Ok(l) = TcpListener::bind(("127.0.0.1", port as u16)) {
+                return Ok(l.local_addr()?.to_string());
+            }
+        }
+    }
     let l = TcpListener::bind("127.0.0.1:0")?;
     Ok(l.local_addr()?.to_string())
 }
