@@ -139,6 +139,30 @@ struct Seq {
     tx: mpsc::UnboundedSender<Event>,
 }
 
+/// Hands a new sequence to the engine; its events come on the receiver.
+fn submit(
+    s: &AppState,
+    prompt_tokens: u32,
+    blocks: Vec<u64>,
+    max_tokens: u32,
+) -> Result<mpsc::UnboundedReceiver<Event>, Response> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let seq = Seq {
+        prompt_tokens,
+        blocks,
+        max_tokens,
+        generated: 0,
+        cached_tokens: 0,
+        prefilled: false,
+        gpu_ms: 0.0,
+        tx,
+    };
+    s.submit
+        .send(seq)
+        .map_err(|_| error(StatusCode::SERVICE_UNAVAILABLE, "the simulated engine stopped".into()))?;
+    Ok(rx)
+}
+
 impl Seq {
     fn reserve(&self) -> u64 {
         u64::from(self.prompt_tokens) + u64::from(self.max_tokens)
@@ -416,21 +440,10 @@ async fn embed(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
     }
     let mut done = Vec::new();
     for (input, &prompt_tokens) in inputs.iter().zip(&tokens) {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let seq = Seq {
-            prompt_tokens,
-            blocks: block_hashes(input.as_str().unwrap_or_default()),
-            max_tokens: 0,
-            generated: 0,
-            cached_tokens: 0,
-            prefilled: false,
-            gpu_ms: 0.0,
-            tx,
-        };
-        if s.submit.send(seq).is_err() {
-            return error(StatusCode::SERVICE_UNAVAILABLE, "the simulated engine stopped".into());
+        match submit(&s, prompt_tokens, block_hashes(input.as_str().unwrap_or_default()), 0) {
+            Ok(rx) => done.push(rx),
+            Err(r) => return r,
         }
-        done.push(rx);
     }
     let (mut prompt_tokens, mut gpu_ms) = (0u32, 0.0f64);
     for rx in &mut done {
@@ -524,20 +537,10 @@ async fn complete(State(s): State<Arc<AppState>>, endpoint: Endpoint, body: Byte
             ),
         );
     }
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    let seq = Seq {
-        prompt_tokens,
-        blocks: block_hashes(&req.prompt),
-        max_tokens,
-        generated: 0,
-        cached_tokens: 0,
-        prefilled: false,
-        gpu_ms: 0.0,
-        tx,
+    let mut rx = match submit(&s, prompt_tokens, block_hashes(&req.prompt), max_tokens) {
+        Ok(rx) => rx,
+        Err(r) => return r,
     };
-    if s.submit.send(seq).is_err() {
-        return error(StatusCode::SERVICE_UNAVAILABLE, "the simulated engine stopped".into());
-    }
     let id = format!("cmpl-{}", s.next_id.fetch_add(1, Ordering::Relaxed));
     let (model, created, object) = (s.cfg.model.clone(), s.created, endpoint.chunk_object());
     let usage_json = |u: &Usage| {

@@ -193,15 +193,7 @@ impl ReplicaSpec {
     /// The names of the extra ports (`{port:NAME}`) the runtime asks for.
     pub fn port_names(&self) -> Vec<String> {
         let r = &self.runtime;
-        let mut names: Vec<String> = Vec::new();
-        for text in r.command.iter().chain(r.env.values()).chain(r.files.values()) {
-            for n in crate::registry::named_ports(text) {
-                if !names.contains(&n) {
-                    names.push(n);
-                }
-            }
-        }
-        names
+        crate::registry::runtime_port_names(&r.command, &r.env, &r.files)
     }
 
     /// `text` with the agent's placeholders filled in.

@@ -43,10 +43,10 @@ pub(super) fn parse_document<T: serde::de::DeserializeOwned>(what: &str, json: &
 /// A model document, its runtime preset resolved into explicit fields (ADR 0027) before it is
 /// read, so the replicated entry never depends on this binary's preset table.
 pub(super) fn parse_model(json: &str) -> Result<crate::registry::Model, AdminError> {
-    let mut doc: serde_json::Value =
+    let doc: serde_json::Value =
         serde_json::from_str(json).map_err(|e| AdminError::InvalidArgument(format!("model document: {e}")))?;
-    crate::registry::presets::resolve_preset(&mut doc).map_err(AdminError::InvalidArgument)?;
-    parse_document("model", &doc.to_string())
+    crate::registry::presets::model_from_document(doc)
+        .map_err(|e| AdminError::InvalidArgument(format!("model document: {e}")))
 }
 
 /// A new secret token (`prefix` and 256 random bits), its sha256 (all that is stored) and the

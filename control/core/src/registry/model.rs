@@ -130,6 +130,24 @@ pub fn validate_workdir_path(path: &str) -> Result<(), String> {
     }
 }
 
+/// The names of the extra ports (`{port:NAME}`) a runtime's command, environment and files
+/// ask for, each once, in order of first use.
+pub fn runtime_port_names(
+    command: &[String],
+    env: &BTreeMap<String, String>,
+    files: &BTreeMap<String, String>,
+) -> Vec<String> {
+    let mut names: Vec<String> = Vec::new();
+    for text in command.iter().chain(env.values()).chain(files.values()) {
+        for n in named_ports(text) {
+            if !names.contains(&n) {
+                names.push(n);
+            }
+        }
+    }
+    names
+}
+
 /// The names of the extra ports (`{port:NAME}`) a text asks for.
 pub fn named_ports(text: &str) -> Vec<String> {
     let mut out = Vec::new();
@@ -304,14 +322,7 @@ impl Model {
                 return Err(format!("model {n}: runtime.warmup.path {:?} must start with '/'", w.path).into());
             }
         }
-        let mut ports = Vec::new();
-        for text in r.command.iter().chain(r.env.values()).chain(r.files.values()) {
-            for p in named_ports(text) {
-                if !ports.contains(&p) {
-                    ports.push(p);
-                }
-            }
-        }
+        let ports = runtime_port_names(&r.command, &r.env, &r.files);
         if let Some(port) = r.in_flight.as_ref().and_then(|p| p.port.as_ref()) {
             if !ports.contains(port) {
                 return Err(format!(

@@ -89,11 +89,17 @@ pub fn resolve_preset(doc: &mut Value) -> Result<(), String> {
 /// Reads a model document (TOML, or JSON when `json`), resolving its runtime preset. Errors
 /// name the file's field that was wrong.
 pub fn parse_model(text: &str, json: bool) -> Result<Model, String> {
-    let mut doc: Value = if json {
+    let doc: Value = if json {
         serde_json::from_str(text).map_err(|e| e.to_string())?
     } else {
         toml::from_str(text).map_err(|e| e.to_string().trim().to_string())?
     };
+    model_from_document(doc)
+}
+
+/// A model document already parsed (JSON or TOML), its runtime preset resolved; errors name
+/// the field that was wrong.
+pub fn model_from_document(mut doc: Value) -> Result<Model, String> {
     resolve_preset(&mut doc)?;
     serde_path_to_error::deserialize(doc).map_err(|e| {
         let path = e.path().to_string();
