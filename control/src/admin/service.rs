@@ -272,6 +272,10 @@ impl AdminGrpc {
     /// A follower asks the leader for the index, then waits for its own state machine, so
     /// reads are served by every member rather than all by the leader.
     pub(super) async fn linearizable_barrier(&self) -> Result<(), AdminError> {
+        // A planted bug for the chaos harness (testing builds): serve "linearizable" reads from
+        // this controller's state as it is, without the read index. The linearizability
+        // checker must catch it (chaos/scenarios/planted/stale-reads.toml).
+        fail::fail_point!("admin::stale_read", |_| Ok(()));
         let m = self.metrics();
         let Some(leader_id) = m.current_leader else {
             return Err(AdminError::NoLeader { node_id: self.node_id });

@@ -58,6 +58,13 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if std::env::var_os(laneway_store::power_loss::ENV).is_some() && !laneway_store::power_loss::armed() {
+        eprintln!(
+            "laneway-control: {} is set, but power-loss simulation needs a testing build (`cargo build --features laneway-control/testing`) and the value 1; unset it",
+            laneway_store::power_loss::ENV
+        );
+        return ExitCode::from(2);
+    }
     // Validate configuration before starting the runtime, binding ports or opening files.
     let run_cfg = match &cli.command {
         Cmd::Run(args) => match args.resolve() {
@@ -77,6 +84,12 @@ fn main() -> ExitCode {
         }
     };
     rt.block_on(async move {
+        if laneway_store::power_loss::armed() {
+            if let Err(e) = cut_power_on_sigusr1() {
+                eprintln!("laneway-control: {e}");
+                return ExitCode::from(1);
+            }
+        }
         match cli.command {
             Cmd::Run(_) => {
                 let cfg = run_cfg.expect("resolved above");
@@ -218,4 +231,22 @@ async fn stop_requested() {
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
     }
+}
+
+/// Testing builds with the power-loss disk armed: SIGUSR1 is a power cut (every write not yet
+/// synced is lost and the process exits at once; see `laneway_store::power_loss`). Installed
+/// before anything opens, so a cut during start-up is a cut too, not SIGUSR1's default death.
+fn cut_power_on_sigusr1() -> Result<(), String> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut usr1 = signal(SignalKind::user_defined1()).map_err(|e| format!("cannot listen for SIGUSR1: {e}"))?;
+    eprintln!(
+        "laneway-control: TESTING BUILD, power-loss disk armed: SIGUSR1 drops every unsynced write and exits {}",
+        laneway_store::power_loss::EXIT_CODE
+    );
+    tokio::spawn(async move {
+        if usr1.recv().await.is_some() {
+            laneway_store::power_loss::cut();
+        }
+    });
+    Ok(())
 }

@@ -14,6 +14,7 @@ pub mod error;
 pub mod header;
 pub mod log_db;
 pub mod log_store;
+pub mod power_loss;
 pub mod raft_types;
 pub mod signals;
 pub mod snapshot_file;

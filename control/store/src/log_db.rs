@@ -83,7 +83,7 @@ pub struct LogDb {
 impl LogDb {
     /// Opens or creates the log database at `path`.
     pub fn open(path: &Path, identity: &Identity) -> Result<Self, StoreError> {
-        let db = Database::create(path).map_err(|e| match e {
+        let db = crate::power_loss::open_database(path).map_err(|e| match e {
             redb::DatabaseError::DatabaseAlreadyOpen => StoreError::InUse {
                 path: path.to_path_buf(),
             },
@@ -307,6 +307,7 @@ fn encode<T: Serialize>(value: &T) -> Vec<u8> {
 /// Runs until every `LogDb` handle is dropped: batches queued operations into one transaction.
 fn writer_loop(db: Database, rx: mpsc::Receiver<Op>) {
     let mut broken: Option<String> = None;
+    let mut planted = PlantedLazySync::default();
     while let Ok(first) = rx.recv() {
         let mut batch = vec![first];
         while batch.len() < MAX_BATCH {
@@ -315,9 +316,10 @@ fn writer_loop(db: Database, rx: mpsc::Receiver<Op>) {
                 Err(_) => break,
             }
         }
+        let durability = planted.durability(&batch);
         let result = match &broken {
             Some(msg) => Err(msg.clone()),
-            None => commit_batch(&db, &mut batch).map_err(|e| e.to_string()),
+            None => commit_batch(&db, &mut batch, durability).map_err(|e| e.to_string()),
         };
         if let Err(msg) = &result {
             if broken.is_none() {
@@ -337,8 +339,40 @@ fn writer_loop(db: Database, rx: mpsc::Receiver<Op>) {
     }
 }
 
-fn commit_batch(db: &Database, batch: &mut [Op]) -> Result<(), redb::Error> {
-    let txn = db.begin_write()?;
+/// A planted bug for the chaos harness (testing builds, failpoint `log::ack_before_sync`):
+/// appends are acknowledged after a commit without an fsync, and the log is synced only once a
+/// second — "fsync every second", a real configuration of real systems. Votes, truncations and
+/// purges stay synced, so what a power loss takes is exactly acknowledged entries; the
+/// power-loss scenarios must catch it (chaos/scenarios/planted/ack-before-sync.toml).
+#[derive(Default)]
+struct PlantedLazySync {
+    last_sync: Option<tokio::time::Instant>,
+}
+
+impl PlantedLazySync {
+    fn durability(&mut self, batch: &[Op]) -> redb::Durability {
+        let lazy = planted_bug_active();
+        let only_appends = batch
+            .iter()
+            .all(|op| matches!(op, Op::Append { .. } | Op::PutMeta { key: KEY_COMMITTED, .. }));
+        let now = tokio::time::Instant::now();
+        if lazy && only_appends && self.last_sync.is_some_and(|t| now.duration_since(t).as_secs() < 1) {
+            return redb::Durability::None;
+        }
+        self.last_sync = Some(now);
+        redb::Durability::Immediate
+    }
+}
+
+/// Whether the failpoint `log::ack_before_sync` is on (never, outside a testing build).
+fn planted_bug_active() -> bool {
+    fail::fail_point!("log::ack_before_sync", |_| true);
+    false
+}
+
+fn commit_batch(db: &Database, batch: &mut [Op], durability: redb::Durability) -> Result<(), redb::Error> {
+    let mut txn = db.begin_write()?;
+    txn.set_durability(durability)?;
     {
         let mut log = txn.open_table(LOG)?;
         let mut meta = txn.open_table(META)?;

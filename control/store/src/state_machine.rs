@@ -234,7 +234,8 @@ impl StateMachineStore {
             what: what.to_string(),
             message: e.to_string(),
         };
-        let db = Database::create(&path).map_err(|e| StoreError::db(format!("opening {}", path.display()), e))?;
+        let db = crate::power_loss::open_database(&path)
+            .map_err(|e| StoreError::db(format!("opening {}", path.display()), e))?;
         let txn = db.begin_write().map_err(|e| StoreError::db("opening write txn", e))?;
         {
             let _ = txn
