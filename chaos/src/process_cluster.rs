@@ -190,7 +190,7 @@ impl ProcessCluster {
             .args(["--router-listen", m.router_addr.as_deref().unwrap_or("off")])
             .args(&self.options.args)
             .envs(self.options.env.iter().map(|(k, v)| (k, v)))
-            .env("LANEWAY_LOG", "warn")
+            .env("LANEWAY_LOG", crate::support::log_filter())
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -205,6 +205,73 @@ impl ProcessCluster {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+
+    /// Whether member `i` has exited (then it is forgotten, as [`Self::reap`] does).
+    pub fn exited(&mut self, i: usize) -> bool {
+        let m = &mut self.members[i];
+        match m.child.as_mut().map(|c| c.try_wait()) {
+            Some(Ok(Some(_))) | Some(Err(_)) => {
+                m.child = None;
+                true
+            }
+            Some(Ok(None)) => false,
+            None => true,
+        }
+    }
+
+    /// The last `bytes` of member `i`'s log.
+    pub fn log_end(&self, i: usize, bytes: usize) -> String {
+        let text = std::fs::read(&self.members[i].log).unwrap_or_default();
+        String::from_utf8_lossy(&text[text.len().saturating_sub(bytes)..]).into_owned()
+    }
+
+    /// Keeps the data dirs and logs after the cluster is dropped (for a post-mortem); says where.
+    pub fn keep(&mut self) {
+        self.root.disable_cleanup(true);
+        eprintln!("keeping {}", self.root.path().display());
+    }
+
+    /// Cuts the power of the members `which` at the same instant: SIGUSR1 to each (a testing
+    /// build with the power-loss disk armed drops every write it never synced and exits with
+    /// `power_loss::EXIT_CODE`), then waits for each to be gone. An error says which member
+    /// did not act on it, and why (most likely a build without failpoints).
+    pub async fn power_loss(&mut self, which: &[usize]) -> anyhow::Result<()> {
+        use laneway_control::store::power_loss::EXIT_CODE;
+        for &i in which {
+            if let Some(pid) = self.pid(i) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid as i32),
+                    nix::sys::signal::Signal::SIGUSR1,
+                );
+            }
+        }
+        for &i in which {
+            let Some(mut child) = self.members[i].child.take() else {
+                continue;
+            };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let status = loop {
+                match child.try_wait()? {
+                    Some(status) => break Some(status),
+                    None if Instant::now() >= deadline => break None,
+                    None => tokio::time::sleep(Duration::from_millis(10)).await,
+                }
+            };
+            let (id, log) = (self.members[i].id, self.members[i].log.display());
+            match status {
+                Some(s) if s.code() == Some(EXIT_CODE) => {}
+                Some(s) => bail!(
+                    "controller {id} did not cut its power on SIGUSR1 (it ended {s}); run controllers built with `--features laneway-control/testing` (see {log})"
+                ),
+                None => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    bail!("controller {id} did not act on SIGUSR1 within 10 s; killed (see {log})")
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Freezes member `i` (SIGSTOP): a zombie leader, still holding its sockets.

@@ -31,6 +31,34 @@ pub(crate) trait Backend {
     fn resume_controller(&mut self, i: usize) -> anyhow::Result<()>;
     /// Wipes member `i` and adds it back under a new id; the new id.
     async fn replace_controller(&mut self, i: usize) -> anyhow::Result<u64>;
+    /// Cuts the power of members `which` at the same instant: what their disks never synced
+    /// is lost; they stay down until restarted.
+    async fn power_loss(&mut self, which: &[usize]) -> anyhow::Result<()> {
+        let _ = which;
+        anyhow::bail!("the {} backend cannot cut a controller's power", self.name())
+    }
+    /// Applies `netem` (tc netem arguments) to every controller's network.
+    fn degrade_network(&mut self, netem: &str) -> anyhow::Result<()> {
+        let _ = netem;
+        anyhow::bail!(
+            "the {} backend cannot degrade the network; use the docker backend",
+            self.name()
+        )
+    }
+    /// Takes every netem away again.
+    fn restore_network(&mut self) -> anyhow::Result<()> {
+        Ok(())
+    }
+    /// Whether member `i`'s process has exited on its own (it is then down until restarted).
+    fn controller_exited(&mut self, i: usize) -> bool {
+        let _ = i;
+        false
+    }
+    /// The end of member `i`'s log, to check what it said before it stopped.
+    fn controller_log_end(&self, i: usize) -> String {
+        let _ = i;
+        String::new()
+    }
     /// Cuts member `i` off the others (`one_way`: it still sends, but receives nothing).
     fn partition(&mut self, i: usize, one_way: bool) -> anyhow::Result<()>;
     fn unpartition(&mut self, i: usize) -> anyhow::Result<()>;
@@ -59,6 +87,8 @@ pub(crate) trait Backend {
     fn sim_model(&self) -> (String, &'static str);
     /// Where to look after a failure.
     fn logs(&self) -> String;
+    /// Keeps the logs and data after the run (a failed run's, for a post-mortem).
+    fn keep_logs(&mut self) {}
 
     /// Index of the member that says it leads, among the reachable ones.
     async fn leader(&self) -> Option<usize> {

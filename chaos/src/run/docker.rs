@@ -54,6 +54,8 @@ pub struct DockerBackend {
     cut: std::collections::BTreeMap<usize, bool>,
     hung: BTreeSet<i32>,
     failpoints: bool,
+    /// Controllers whose interfaces carry a netem qdisc.
+    degraded: BTreeSet<usize>,
 }
 
 fn run(cmd: &mut Command) -> anyhow::Result<String> {
@@ -125,6 +127,7 @@ impl DockerBackend {
             cut: Default::default(),
             hung: BTreeSet::new(),
             failpoints: !s.faults.failpoints.trim().is_empty(),
+            degraded: BTreeSet::new(),
         };
         // A run that died before tearing down leaves its project behind: start clean.
         anyhow::ensure!(
@@ -229,6 +232,27 @@ impl DockerBackend {
         iptables(&[&[if add { "-A" } else { "-D" }][..], &rule[..]].concat())
     }
 
+    /// Runs `tc ARGS` for every interface but `lo` in controller `i`'s network namespace
+    /// (`{dev}` in `args` is the interface).
+    fn tc_each_interface(&self, i: usize, args: &str) -> anyhow::Result<()> {
+        let pid = self.pid(&controller(i))?.to_string();
+        let links = run(Command::new("nsenter").args(["-t", &pid, "-n", "ip", "-o", "link", "show"]))
+            .context("netem needs root, nsenter and iproute2 (ip, tc) on the Docker host")?;
+        for dev in links
+            .lines()
+            .filter_map(|l| l.split(": ").nth(1))
+            .map(|d| d.split('@').next().unwrap_or(d))
+            .filter(|d| *d != "lo")
+        {
+            let args = args.replace("{dev}", dev);
+            run(Command::new("nsenter")
+                .args(["-t", &pid, "-n", "tc"])
+                .args(args.split_whitespace()))
+            .context("netem needs root, nsenter and iproute2 (ip, tc) on the Docker host")?;
+        }
+        Ok(())
+    }
+
     fn start_svc(&mut self, svc: &str) -> anyhow::Result<()> {
         docker(&["start", self.id(svc)])?;
         self.killed.remove(svc);
@@ -253,8 +277,9 @@ impl Backend for DockerBackend {
     }
 
     fn supports(&self, kind: FaultKind) -> bool {
-        // A new node id needs a new service in the compose file.
-        kind != FaultKind::WipeFollower
+        // A new node id needs a new service in the compose file; the images' controllers have
+        // no power-loss disk armed.
+        kind != FaultKind::WipeFollower && !kind.needs_testing_disk()
     }
 
     fn admin_tls(&self) -> anyhow::Result<Option<tonic::transport::ClientTlsConfig>> {
@@ -310,6 +335,26 @@ impl Backend for DockerBackend {
 
     async fn replace_controller(&mut self, _i: usize) -> anyhow::Result<u64> {
         bail!("wipe_follower needs a new node id, which the compose file's fixed services do not have; use the process backend")
+    }
+
+    fn degrade_network(&mut self, netem: &str) -> anyhow::Result<()> {
+        for i in 0..CONTROLLERS {
+            if self.running(&controller(i)) {
+                self.tc_each_interface(i, &format!("qdisc replace dev {{dev}} root netem {netem}"))?;
+                self.degraded.insert(i);
+            }
+        }
+        Ok(())
+    }
+
+    fn restore_network(&mut self) -> anyhow::Result<()> {
+        for i in std::mem::take(&mut self.degraded) {
+            // A controller restarted meanwhile has a fresh namespace without the qdisc.
+            if self.running(&controller(i)) {
+                let _ = self.tc_each_interface(i, "qdisc del dev {dev} root");
+            }
+        }
+        Ok(())
     }
 
     fn partition(&mut self, i: usize, one_way: bool) -> anyhow::Result<()> {
@@ -399,6 +444,7 @@ impl Backend for DockerBackend {
     /// Paused containers resumed, cuts healed, killed containers started; with failpoints,
     /// the controllers are recreated without them, one at a time.
     async fn heal(&mut self) -> anyhow::Result<()> {
+        self.restore_network()?;
         for svc in std::mem::take(&mut self.paused) {
             docker(&["unpause", self.id(&svc)])?;
         }

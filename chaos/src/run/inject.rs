@@ -173,9 +173,54 @@ fn sleep_ms(rng: &mut StdRng, lo: u64, hi: u64) -> Duration {
     Duration::from_millis(rng.random_range(lo..=hi))
 }
 
-/// Applies one fault of `kind`, waits out its effect and heals it.
+/// Waits up to `bound` for a member to lead, before a fault that needs one. Returns the
+/// leader's index, and a `no_leader` record when none was seen for longer than a second: an
+/// outage, measured from when the harness looked (after `after`, the previous fault), ended or
+/// not (`recovery_error`). Controllers that crash meanwhile are restarted.
+pub async fn await_leader<B: Backend>(
+    b: &mut B,
+    t0: Instant,
+    bound: Duration,
+    after: Option<&FaultRecord>,
+) -> (Option<usize>, Option<FaultRecord>) {
+    let started = Instant::now();
+    let at_ms = t0.elapsed().as_millis() as u64;
+    let mut crashed = Vec::new();
+    let leader = loop {
+        if let Ok(ids) = b.restart_crashed() {
+            crashed.extend(ids);
+        }
+        if let Some(l) = b.leader().await {
+            break Some(l);
+        }
+        if started.elapsed() >= bound {
+            break None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let waited = started.elapsed();
+    if leader.is_some() && waited < Duration::from_secs(1) {
+        return (leader, None);
+    }
+    let after = after.map_or_else(
+        || "the start".to_string(),
+        |f| format!("{} of {} at {} ms", f.kind.as_str(), f.target, f.at_ms),
+    );
+    let mut rec = FaultRecord::new(at_ms, FaultKind::NoLeader, format!("no leader after {after}"));
+    rec.lasted_ms = waited.as_millis() as u64;
+    rec.crashed_meanwhile = crashed;
+    if leader.is_none() {
+        rec.recovery_error = Some(format!("no member led for {} s", bound.as_secs()));
+    }
+    (leader, Some(rec))
+}
+
+/// Applies one fault of `kind`, waits out its effect and heals it. `leader` is the index of
+/// the member leading now (see [`await_leader`]).
+#[allow(clippy::too_many_arguments)]
 pub async fn inject<B: Backend>(
     kind: FaultKind,
+    leader: Option<usize>,
     b: &mut B,
     rng: &mut StdRng,
     t0: Instant,
@@ -188,7 +233,6 @@ pub async fn inject<B: Backend>(
     let mut rec = FaultRecord::new(t0.elapsed().as_millis() as u64, kind, String::new());
     let mut crashed = Vec::new();
     let members = b.controller_addrs().len();
-    let leader = b.leader().await;
     match kind {
         FaultKind::KillLeader
         | FaultKind::KillFollower
@@ -196,12 +240,19 @@ pub async fn inject<B: Backend>(
         | FaultKind::WipeFollower
         | FaultKind::PartitionLeader
         | FaultKind::PartitionFollower
-        | FaultKind::PartitionLeaderOneWay => {
+        | FaultKind::PartitionLeaderOneWay
+        | FaultKind::PowerLossOne
+        | FaultKind::SlowFsyncLeader
+        | FaultKind::DiskFull => {
             let Some(leader) = leader else {
                 anyhow::bail!("no leader to aim {} at", kind.as_str());
             };
             let victim = match kind {
                 FaultKind::KillFollower | FaultKind::WipeFollower | FaultKind::PartitionFollower => {
+                    (leader + 1 + rng.random_range(0..members - 1)) % members
+                }
+                // The leader half the time (its unsynced tail is the newest), else a follower.
+                FaultKind::PowerLossOne | FaultKind::DiskFull if rng.random_bool(0.5) => {
                     (leader + 1 + rng.random_range(0..members - 1)) % members
                 }
                 _ => leader,
@@ -224,6 +275,71 @@ pub async fn inject<B: Backend>(
                     rec.failover_ms = new_leader(b, Some(id), Duration::from_secs(15), &mut crashed).await;
                     tokio::time::sleep(sleep_ms(rng, 500, 2000)).await;
                     b.resume_controller(victim)?;
+                }
+                FaultKind::PowerLossOne => {
+                    if leader_hit {
+                        rec.target.push_str(" (leader)");
+                    }
+                    b.power_loss(&[victim]).await?;
+                    if leader_hit {
+                        rec.failover_ms = new_leader(b, Some(id), Duration::from_secs(15), &mut crashed).await;
+                    }
+                    tokio::time::sleep(sleep_ms(rng, 300, 1500)).await;
+                    b.restart_controller(victim)?;
+                }
+                FaultKind::SlowFsyncLeader => {
+                    let ms = rng.random_range(100..=2000u64);
+                    let addr = b.controller_addrs()[victim].clone();
+                    rec.target = format!("controller {id} (leader), every fsync {ms} ms");
+                    set_failpoint(&addr, "disk::sync", &format!("sleep({ms})"))
+                        .await
+                        .map_err(anyhow::Error::msg)?;
+                    tokio::time::sleep(sleep_ms(rng, 3000, 6000)).await;
+                    // A stalled leader may have been deposed meanwhile: that is the fault's
+                    // point, and its failpoint goes off all the same.
+                    let _ = set_failpoint(&addr, "disk::sync", "off").await;
+                    if status_of(&addr).await.is_none_or(|s| s.state != "leader") {
+                        rec.target.push_str("; leadership moved");
+                        rec.failover_ms = new_leader(b, Some(id), Duration::from_secs(15), &mut crashed).await;
+                    }
+                }
+                FaultKind::DiskFull => {
+                    if leader_hit {
+                        rec.target.push_str(" (leader)");
+                    }
+                    let addr = b.controller_addrs()[victim].clone();
+                    set_failpoint(&addr, "disk::full", "return")
+                        .await
+                        .map_err(anyhow::Error::msg)?;
+                    // Its next write fails: it must stop, saying why, for the service manager.
+                    let waited = Instant::now();
+                    let stopped = loop {
+                        if b.controller_exited(victim) {
+                            break true;
+                        }
+                        if waited.elapsed() > Duration::from_secs(15) {
+                            break false;
+                        }
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    };
+                    if !stopped {
+                        let _ = set_failpoint(&addr, "disk::full", "off").await;
+                        rec.recovery_error = Some(format!(
+                            "controller {id} kept running for 15 s on a full disk instead of stopping"
+                        ));
+                    } else if !b.controller_log_end(victim).contains("No space left on device") {
+                        rec.recovery_error = Some(format!(
+                            "controller {id} stopped on a full disk without saying so in its log (no \"No space left on device\")"
+                        ));
+                    }
+                    if leader_hit {
+                        rec.failover_ms = new_leader(b, Some(id), Duration::from_secs(15), &mut crashed).await;
+                    }
+                    // Space is back (a log rotated, a volume grown); the service manager restarts it.
+                    tokio::time::sleep(sleep_ms(rng, 500, 2000)).await;
+                    if stopped {
+                        b.restart_controller(victim)?;
+                    }
                 }
                 FaultKind::WipeFollower => {
                     let new_id = b.replace_controller(victim).await?;
@@ -250,6 +366,25 @@ pub async fn inject<B: Backend>(
                 b.restart_controller(i)?;
             }
             rec.failover_ms = new_leader(b, None, Duration::from_secs(30), &mut crashed).await;
+        }
+        FaultKind::PowerLossAll => {
+            rec.target = "every controller".into();
+            let all: Vec<usize> = (0..members).collect();
+            b.power_loss(&all).await?;
+            tokio::time::sleep(sleep_ms(rng, 500, 2000)).await;
+            for i in all {
+                b.restart_controller(i)?;
+            }
+            rec.failover_ms = new_leader(b, None, Duration::from_secs(30), &mut crashed).await;
+        }
+        FaultKind::DegradedNetwork => {
+            let delay = rng.random_range(20..=150u64);
+            let loss = rng.random_range(1..=5u64);
+            let netem = format!("delay {delay}ms {}ms loss {loss}%", delay / 2);
+            rec.target = format!("every controller: {netem}");
+            b.degrade_network(&netem)?;
+            tokio::time::sleep(sleep_ms(rng, 5000, 10000)).await;
+            b.restore_network()?;
         }
         FaultKind::KillAgent => {
             // The host running durable jobs when there is one: the dangerous case.
@@ -312,7 +447,7 @@ pub async fn inject<B: Backend>(
                 Err(e) => rec.recovery_error = Some(e),
             }
         }
-        FaultKind::Crashed => anyhow::bail!("`crashed` is observed, not injected"),
+        FaultKind::Crashed | FaultKind::NoLeader => anyhow::bail!("`{}` is observed, not injected", kind.as_str()),
     }
     rec.lasted_ms = started.elapsed().as_millis() as u64;
     rec.crashed_meanwhile = crashed;
@@ -366,29 +501,9 @@ async fn actor_panic(addr: &str, kind: &str, actor: &str, bound: Duration) -> Re
         .await
         .ok_or_else(|| format!("controller at {addr} did not list its actors"))?
         .0;
-    let client = crate::support::admin::admin_client(vec![addr.to_string()]).with_call_timeout(Duration::from_secs(2));
     let name = format!("actor::{kind}");
-    let set = |actions: &'static str| {
-        let (client, name) = (&client, &name);
-        async move {
-            client
-                .call(|mut c| {
-                    let name = name.clone();
-                    async move {
-                        c.set_failpoint(laneway_proto::admin::SetFailpointRequest {
-                            name,
-                            actions: actions.to_string(),
-                        })
-                        .await
-                    }
-                })
-                .await
-        }
-    };
     let term = status_of(addr).await.map(|s| s.term);
-    set("1*return")
-        .await
-        .map_err(|e| format!("setting {name} on {addr}: {e} (controllers need a testing build)"))?;
+    set_failpoint(addr, &name, "1*return").await?;
     let started = Instant::now();
     let outcome = loop {
         match restarts_of(addr, actor).await {
@@ -408,8 +523,24 @@ async fn actor_panic(addr: &str, kind: &str, actor: &str, bound: Duration) -> Re
             _ => tokio::time::sleep(Duration::from_millis(50)).await,
         }
     };
-    let _ = set("off").await;
+    let _ = set_failpoint(addr, &name, "off").await;
     outcome
+}
+
+/// Sets failpoint `name` to `actions` on the controller at `addr` (a testing build's).
+async fn set_failpoint(addr: &str, name: &str, actions: &str) -> Result<(), String> {
+    let client = crate::support::admin::admin_client(vec![addr.to_string()]).with_call_timeout(Duration::from_secs(2));
+    client
+        .call(|mut c| {
+            let (name, actions) = (name.to_string(), actions.to_string());
+            async move {
+                c.set_failpoint(laneway_proto::admin::SetFailpointRequest { name, actions })
+                    .await
+            }
+        })
+        .await
+        .map(|_| ())
+        .map_err(|e| format!("setting {name} on {addr}: {e} (controllers need a testing build)"))
 }
 
 /// Restarts counted on every actor board of the cluster: each controller's, and each agent's

@@ -92,6 +92,9 @@ impl ProcessBackend {
         if !s.faults.failpoints.trim().is_empty() {
             env.push(("FAILPOINTS".to_string(), s.faults.failpoints.clone()));
         }
+        if s.faults.kinds.iter().any(|k| k.needs_testing_disk()) {
+            env.push((laneway_control::store::power_loss::ENV.to_string(), "1".to_string()));
+        }
         let options = Options {
             routers: true,
             args: vec!["--results-store".into(), results.display().to_string()],
@@ -157,8 +160,8 @@ impl Backend for ProcessBackend {
     }
 
     fn supports(&self, kind: FaultKind) -> bool {
-        // No network namespace per process: partitions need the docker backend.
-        !kind.is_partition()
+        // No network namespace per process: partitions and netem need the docker backend.
+        !kind.is_partition() && kind != FaultKind::DegradedNetwork
     }
 
     fn controller_addrs(&self) -> Vec<String> {
@@ -206,6 +209,18 @@ impl Backend for ProcessBackend {
         self.cluster.replace(i).await
     }
 
+    async fn power_loss(&mut self, which: &[usize]) -> anyhow::Result<()> {
+        self.cluster.power_loss(which).await
+    }
+
+    fn controller_exited(&mut self, i: usize) -> bool {
+        self.cluster.exited(i)
+    }
+
+    fn controller_log_end(&self, i: usize) -> String {
+        self.cluster.log_end(i, 16 * 1024)
+    }
+
     fn partition(&mut self, _i: usize, _one_way: bool) -> anyhow::Result<()> {
         bail!("the process backend cannot partition a controller; run the scenario with --backend docker")
     }
@@ -233,7 +248,7 @@ impl Backend for ProcessBackend {
         let child = cmd
             .args(["run", "--config"])
             .arg(&h.config)
-            .env("LANEWAY_LOG", "warn")
+            .env("LANEWAY_LOG", crate::support::log_filter())
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -340,6 +355,12 @@ impl Backend for ProcessBackend {
 
     fn logs(&self) -> String {
         self.cluster.root().display().to_string()
+    }
+
+    fn keep_logs(&mut self) {
+        if std::env::var_os("LANEWAY_CHAOS_KEEP").is_none() {
+            self.cluster.keep();
+        }
     }
 }
 

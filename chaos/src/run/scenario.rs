@@ -36,6 +36,10 @@ pub struct Scenario {
     /// reports a violation, and fails if any other checker does.
     #[serde(default)]
     pub expect_violations: Vec<String>,
+    /// Checkers a planted bug may trip as well, as a consequence of what the expected ones
+    /// catch (a lost log tail also makes the members' states differ): tolerated, not required.
+    #[serde(default)]
+    pub allow_violations: Vec<String>,
     #[serde(skip)]
     pub path: PathBuf,
 }
@@ -84,6 +88,14 @@ pub struct Traffic {
     /// Admin writes (settings) per second, each checked for survival afterwards.
     #[serde(default = "default_admin_rate")]
     pub admin_writes_per_s: f64,
+    /// Writes and linearizable reads of a few shared settings per second, from a few clients,
+    /// whose history is checked for linearizability.
+    #[serde(default = "default_register_rate")]
+    pub register_ops_per_s: f64,
+}
+
+fn default_register_rate() -> f64 {
+    8.0
 }
 
 fn default_tenants() -> u32 {
@@ -169,10 +181,31 @@ pub enum FaultKind {
     PartitionFollower,
     /// The leader still sends but receives nothing from the other members (docker backend).
     PartitionLeaderOneWay,
+    /// Power lost on one controller (the leader or a follower, drawn): every write its disk
+    /// accepted but never synced is gone, and it restarts with only what was synced. Needs
+    /// controllers built with failpoints (`--features laneway-control/testing`).
+    PowerLossOne,
+    /// Power lost on every controller at the same instant, then all restarted.
+    PowerLossAll,
+    /// The leader's disk syncs slowly (every fsync takes 100 ms–2 s, drawn) for a few
+    /// seconds: writes slow down or leadership moves; nothing acknowledged may be lost.
+    SlowFsyncLeader,
+    /// A controller's disk is full (the leader half the time, else a follower): its writes fail
+    /// with ENOSPC, it stops with an error that says so, and the service manager restarts it
+    /// once space is back (the harness, a moment later).
+    DiskFull,
+    /// Every controller's network degraded for 5–10 s (docker backend, `tc netem` in each
+    /// container's namespace): 20–150 ms delay with jitter of half that, 1–5% loss — between
+    /// controllers, agents and clients alike.
+    DegradedNetwork,
     /// Not a scenario's choice: a controller that exited on its own (a failpoint's panic),
     /// restarted by the harness as a service manager would.
     #[serde(skip_deserializing)]
     Crashed,
+    /// Not a scenario's choice: a time with no leader anywhere, measured before a fault that
+    /// needs one (how long, and after which fault).
+    #[serde(skip_deserializing)]
+    NoLeader,
 }
 
 impl FaultKind {
@@ -190,7 +223,13 @@ impl FaultKind {
             FaultKind::PartitionLeader => "partition_leader",
             FaultKind::PartitionFollower => "partition_follower",
             FaultKind::PartitionLeaderOneWay => "partition_leader_one_way",
+            FaultKind::PowerLossOne => "power_loss_one",
+            FaultKind::PowerLossAll => "power_loss_all",
+            FaultKind::SlowFsyncLeader => "slow_fsync_leader",
+            FaultKind::DiskFull => "disk_full",
+            FaultKind::DegradedNetwork => "degraded_network",
             FaultKind::Crashed => "crashed",
+            FaultKind::NoLeader => "no_leader",
         }
     }
 
@@ -200,6 +239,39 @@ impl FaultKind {
             self,
             FaultKind::PartitionLeader | FaultKind::PartitionFollower | FaultKind::PartitionLeaderOneWay
         )
+    }
+
+    /// Disk faults: the controllers run on the testing build's power-loss disk, which cuts,
+    /// stalls and fills on the harness's say.
+    pub fn needs_testing_disk(self) -> bool {
+        matches!(
+            self,
+            FaultKind::PowerLossOne | FaultKind::PowerLossAll | FaultKind::SlowFsyncLeader | FaultKind::DiskFull
+        )
+    }
+
+    /// Faults aimed at the leader or chosen relative to it: they wait for one first.
+    pub fn needs_leader(self) -> bool {
+        matches!(
+            self,
+            FaultKind::KillLeader
+                | FaultKind::KillFollower
+                | FaultKind::PauseLeader
+                | FaultKind::WipeFollower
+                | FaultKind::PartitionLeader
+                | FaultKind::PartitionFollower
+                | FaultKind::PartitionLeaderOneWay
+                | FaultKind::PowerLossOne
+                | FaultKind::SlowFsyncLeader
+                | FaultKind::DiskFull
+                | FaultKind::ActorPanic
+        )
+    }
+
+    /// Records whose `recovery_error` the raft checker judges (not the replicas checker): a
+    /// time without a leader, a controller that did not stop on a full disk.
+    pub fn judged_by_raft(self) -> bool {
+        matches!(self, FaultKind::NoLeader | FaultKind::DiskFull)
     }
 
     /// Faults on hosts and replicas (the sync lane's threshold is judged while they last).
@@ -297,13 +369,21 @@ impl Scenario {
         if self.faults.kinds.contains(&FaultKind::KillAgent) && hosts < 2 {
             bail!("`kill_agent` needs at least 2 hosts: the killed host's replicas need somewhere to go");
         }
-        for v in &self.expect_violations {
-            if !super::checkers::NAMES.contains(&v.as_str()) {
-                bail!(
-                    "`expect_violations` names {v:?}, not a checker; checkers are {}",
-                    super::checkers::NAMES.join(", ")
-                );
+        for (key, names) in [
+            ("expect_violations", &self.expect_violations),
+            ("allow_violations", &self.allow_violations),
+        ] {
+            for v in names {
+                if !super::checkers::NAMES.contains(&v.as_str()) {
+                    bail!(
+                        "`{key}` names {v:?}, not a checker; checkers are {}",
+                        super::checkers::NAMES.join(", ")
+                    );
+                }
             }
+        }
+        if !self.allow_violations.is_empty() && self.expect_violations.is_empty() {
+            bail!("`allow_violations` is for a planted bug; give the checkers it must trip in `expect_violations`");
         }
         Ok(())
     }

@@ -3,6 +3,7 @@
 
 pub mod admin_writes;
 pub mod jobs;
+pub mod linearizable;
 pub mod raft;
 pub mod replicas;
 pub mod sync_lane;
@@ -15,7 +16,7 @@ use serde_json::Value;
 use crate::support::http::HttpClient;
 
 /// Every checker's name, as reports and `expect_violations` spell them.
-pub const NAMES: [&str; 5] = ["jobs", "raft", "admin_writes", "sync_lane", "replicas"];
+pub const NAMES: [&str; 6] = ["jobs", "raft", "admin_writes", "linearizable", "sync_lane", "replicas"];
 
 /// What one checker found.
 #[derive(Debug, Clone, Serialize)]

@@ -1,6 +1,7 @@
 //! Raft: at most one leader per term, all through the run (a monitor asks every controller
 //! every 100 ms who it is); after healing, every controller's state hash is identical at the
-//! same applied index, and the cluster accepts a write.
+//! same applied index, and the cluster accepts a write. A time without any leader that the
+//! harness measured (`no_leader`) and that outlasted the recovery bound is a violation.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,6 +13,8 @@ use serde_json::json;
 use tokio::time::Instant;
 
 use super::Verdict;
+use crate::run::inject::FaultRecord;
+use crate::run::scenario::FaultKind;
 use crate::support::admin::{hashed_status_of, status_of};
 
 /// Watches who claims leadership in which term.
@@ -57,8 +60,23 @@ impl Monitor {
 }
 
 /// Judges the claims, then compares the healed members' state and writes once.
-pub async fn check(polls: u64, claims: &BTreeMap<u64, BTreeSet<u64>>, addrs: &[String]) -> Verdict {
+pub async fn check(
+    polls: u64,
+    claims: &BTreeMap<u64, BTreeSet<u64>>,
+    addrs: &[String],
+    faults: &[FaultRecord],
+) -> Verdict {
     let mut v = Verdict::new("raft", json!(null));
+    // Times without a leader that the harness measured before a fault: each is in the report;
+    // one that did not end within the recovery bound is an availability failure. A controller
+    // on a full disk must stop and say why.
+    let outages: Vec<&FaultRecord> = faults.iter().filter(|f| f.kind == FaultKind::NoLeader).collect();
+    for f in faults.iter().filter(|f| f.kind.judged_by_raft()) {
+        if let Some(e) = &f.recovery_error {
+            v.violations
+                .push(format!("{}: {} ({e}), from {} ms", f.kind.as_str(), f.target, f.at_ms));
+        }
+    }
     for (term, leaders) in claims {
         if leaders.len() > 1 {
             v.violations
@@ -113,6 +131,8 @@ pub async fn check(polls: u64, claims: &BTreeMap<u64, BTreeSet<u64>>, addrs: &[S
         "members_agree": matches!(compared, Some((_, 1))),
         "compared_at_index": compared.map(|c| c.0),
         "write_after_healing_ms": wrote.ok().map(|_| start.elapsed().as_millis() as u64),
+        "no_leader_outages": outages.len(),
+        "longest_no_leader_ms": outages.iter().map(|o| o.lasted_ms).max(),
     });
     v
 }

@@ -10,7 +10,7 @@ use crate::run::inject::FaultRecord;
 pub fn check(faults: &[FaultRecord], restored: &Result<u64, String>, bound_s: u64) -> Verdict {
     let measured: Vec<&FaultRecord> = faults
         .iter()
-        .filter(|f| f.recovery_ms.is_some() || f.recovery_error.is_some())
+        .filter(|f| !f.kind.judged_by_raft() && (f.recovery_ms.is_some() || f.recovery_error.is_some()))
         .collect();
     let worst = measured.iter().filter_map(|f| f.recovery_ms).max();
     let mut v = Verdict::new(
