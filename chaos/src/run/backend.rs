@@ -37,9 +37,11 @@ pub(crate) trait Backend {
         let _ = which;
         anyhow::bail!("the {} backend cannot cut a controller's power", self.name())
     }
-    /// Applies `netem` (tc netem arguments) to every controller's network.
-    fn degrade_network(&mut self, netem: &str) -> anyhow::Result<()> {
-        let _ = netem;
+    /// Degrades every controller's network: `delay_ms` (with half that as jitter) and
+    /// `loss_pct` loss. Returns what was applied, which can be less than asked when the kernel
+    /// lacks netem (then loss only).
+    fn degrade_network(&mut self, delay_ms: u64, loss_pct: u64) -> anyhow::Result<String> {
+        let _ = (delay_ms, loss_pct);
         anyhow::bail!(
             "the {} backend cannot degrade the network; use the docker backend",
             self.name()

@@ -54,8 +54,9 @@ pub struct DockerBackend {
     cut: std::collections::BTreeMap<usize, bool>,
     hung: BTreeSet<i32>,
     failpoints: bool,
-    /// Controllers whose interfaces carry a netem qdisc.
-    degraded: BTreeSet<usize>,
+    /// Controllers whose network is degraded, and how: `None` by a netem qdisc on every
+    /// interface, `Some(rule)` by an iptables rule (loss only, on kernels without netem).
+    degraded: std::collections::BTreeMap<usize, Option<Vec<String>>>,
 }
 
 fn run(cmd: &mut Command) -> anyhow::Result<String> {
@@ -127,7 +128,7 @@ impl DockerBackend {
             cut: Default::default(),
             hung: BTreeSet::new(),
             failpoints: !s.faults.failpoints.trim().is_empty(),
-            degraded: BTreeSet::new(),
+            degraded: Default::default(),
         };
         // A run that died before tearing down leaves its project behind: start clean.
         anyhow::ensure!(
@@ -221,15 +222,19 @@ impl DockerBackend {
     /// here too left a request sent at the start of the cut waiting on TCP's retransmission
     /// backoff past its timeout, and the checker took that for a hung router.)
     fn one_way_rule(&self, i: usize, add: bool) -> anyhow::Result<()> {
-        let pid = self.pid(&controller(i))?.to_string();
         let members = format!("{SUBNET}.2-{SUBNET}.254");
-        let iptables = |args: &[&str]| {
-            run(Command::new("nsenter").args(["-t", &pid, "-n", "iptables"]).args(args))
-                .map(|_| ())
-                .context("a one-way cut needs root, nsenter and iptables (with the iprange match) on the Docker host")
-        };
-        let rule = ["INPUT", "-m", "iprange", "--src-range", &members, "-j", "DROP"];
-        iptables(&[&[if add { "-A" } else { "-D" }][..], &rule[..]].concat())
+        let rule = ["INPUT", "-m", "iprange", "--src-range", &members, "-j", "DROP"].map(String::from);
+        self.iptables(i, if add { "-A" } else { "-D" }, &rule)
+    }
+
+    /// `iptables OP RULE…` in controller `i`'s network namespace.
+    fn iptables(&self, i: usize, op: &str, rule: &[String]) -> anyhow::Result<()> {
+        let pid = self.pid(&controller(i))?.to_string();
+        run(Command::new("nsenter")
+            .args(["-t", &pid, "-n", "iptables", op])
+            .args(rule))
+        .map(|_| ())
+        .context("needs root, nsenter and iptables (with the iprange and statistic matches) on the Docker host")
     }
 
     /// Runs `tc ARGS` for every interface but `lo` in controller `i`'s network namespace
@@ -337,21 +342,58 @@ impl Backend for DockerBackend {
         bail!("wipe_follower needs a new node id, which the compose file's fixed services do not have; use the process backend")
     }
 
-    fn degrade_network(&mut self, netem: &str) -> anyhow::Result<()> {
+    fn degrade_network(&mut self, delay_ms: u64, loss_pct: u64) -> anyhow::Result<String> {
+        let netem = format!("delay {delay_ms}ms {}ms loss {loss_pct}%", delay_ms / 2);
+        let mut applied = format!("netem {netem}");
         for i in 0..CONTROLLERS {
-            if self.running(&controller(i)) {
-                self.tc_each_interface(i, &format!("qdisc replace dev {{dev}} root netem {netem}"))?;
-                self.degraded.insert(i);
+            if !self.running(&controller(i)) {
+                continue;
+            }
+            match self.tc_each_interface(i, &format!("qdisc replace dev {{dev}} root netem {netem}")) {
+                Ok(()) => {
+                    self.degraded.insert(i, None);
+                }
+                Err(e) if format!("{e:#}").contains("qdisc kind is unknown") => {
+                    // This kernel has no sch_netem: drop that share of what the member receives
+                    // from the cluster instead (no delay).
+                    let p = format!("{:.4}", loss_pct as f64 / 100.0);
+                    let members = format!("{SUBNET}.2-{SUBNET}.254");
+                    let rule: Vec<String> = [
+                        "INPUT",
+                        "-m",
+                        "iprange",
+                        "--src-range",
+                        &members,
+                        "-m",
+                        "statistic",
+                        "--mode",
+                        "random",
+                        "--probability",
+                        &p,
+                        "-j",
+                        "DROP",
+                    ]
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect();
+                    self.iptables(i, "-A", &rule)?;
+                    self.degraded.insert(i, Some(rule));
+                    applied = format!("{loss_pct}% loss by iptables (this kernel has no netem: no delay)");
+                }
+                Err(e) => return Err(e),
             }
         }
-        Ok(())
+        Ok(applied)
     }
 
     fn restore_network(&mut self) -> anyhow::Result<()> {
-        for i in std::mem::take(&mut self.degraded) {
-            // A controller restarted meanwhile has a fresh namespace without the qdisc.
+        for (i, how) in std::mem::take(&mut self.degraded) {
+            // A controller restarted meanwhile has a fresh namespace without either.
             if self.running(&controller(i)) {
-                let _ = self.tc_each_interface(i, "qdisc del dev {dev} root");
+                let _ = match how {
+                    None => self.tc_each_interface(i, "qdisc del dev {dev} root"),
+                    Some(rule) => self.iptables(i, "-D", &rule),
+                };
             }
         }
         Ok(())

@@ -380,9 +380,7 @@ pub async fn inject<B: Backend>(
         FaultKind::DegradedNetwork => {
             let delay = rng.random_range(20..=150u64);
             let loss = rng.random_range(1..=5u64);
-            let netem = format!("delay {delay}ms {}ms loss {loss}%", delay / 2);
-            rec.target = format!("every controller: {netem}");
-            b.degrade_network(&netem)?;
+            rec.target = format!("every controller: {}", b.degrade_network(delay, loss)?);
             tokio::time::sleep(sleep_ms(rng, 5000, 10000)).await;
             b.restore_network()?;
         }
