@@ -198,11 +198,12 @@ pub fn plan_observed(
 }
 
 /// A model short of its target (its warm floor, or the fast loop's count) after placement: how
-/// many, and its class's rank.
+/// many, how many of those are below its warm floor, and its class's rank.
 struct Short {
     model: String,
     rank: u32,
     missing: usize,
+    floor_missing: usize,
 }
 
 /// The victims (node, replica id) whose card (`before` says which) a new replica of a model in
@@ -237,27 +238,36 @@ fn took_their_cards(
 /// Whether `a` misses less than `b` where it matters most: at the most protected rank where
 /// their shortfalls differ, `a` misses fewer replicas (a preempted replica leaves its own lane
 /// short, which must not count against what it made room for).
+/// Warm floors count first: a plan that leaves fewer floors short misses less, whatever it
+/// does to scale-ups above floors.
 fn misses_less(a: &[Short], b: &[Short]) -> bool {
-    let by_rank = |s: &[Short]| {
+    let by_rank = |s: &[Short], of: fn(&Short) -> usize| {
         let mut m: BTreeMap<u32, usize> = BTreeMap::new();
         for x in s {
-            *m.entry(x.rank).or_default() += x.missing;
+            *m.entry(x.rank).or_default() += of(x);
         }
         m
     };
-    let (a, b) = (by_rank(a), by_rank(b));
-    let ranks: std::collections::BTreeSet<u32> = a.keys().chain(b.keys()).copied().collect();
-    ranks
-        .into_iter()
-        .map(|r| (a.get(&r).copied().unwrap_or(0), b.get(&r).copied().unwrap_or(0)))
-        .find(|(x, y)| x != y)
-        .is_some_and(|(x, y)| x < y)
+    let first_difference = |a: BTreeMap<u32, usize>, b: BTreeMap<u32, usize>| {
+        let ranks: std::collections::BTreeSet<u32> = a.keys().chain(b.keys()).copied().collect();
+        ranks
+            .into_iter()
+            .map(|r| (a.get(&r).copied().unwrap_or(0), b.get(&r).copied().unwrap_or(0)))
+            .find(|(x, y)| x != y)
+    };
+    let floors = first_difference(by_rank(a, |x| x.floor_missing), by_rank(b, |x| x.floor_missing));
+    match floors {
+        Some((x, y)) => x < y,
+        None => first_difference(by_rank(a, |x| x.missing), by_rank(b, |x| x.missing)).is_some_and(|(x, y)| x < y),
+    }
 }
 
 /// Replicas (node, replica id) to stop so that what `short` misses fits: each on a card of a
 /// product the short model lists, on a schedulable node whose taints it tolerates, of a model
-/// of a less protected class (a higher rank) that is above its own floor; the least protected
-/// first, spot before on-demand before reserved.
+/// above its own floor — for a scale-up, only of a less protected class (a higher rank); for
+/// a warm floor, of any other model (a floor is a promise, a scale-up above a floor is not);
+/// the least protected first, spot before on-demand before reserved. No floor replica is ever
+/// a victim.
 fn preemptions(
     fleet: &Fleet,
     registry: &Registry,
@@ -276,7 +286,8 @@ fn preemptions(
             continue;
         };
         let tolerations = lane_tolerations(registry, m);
-        for _ in 0..s.missing {
+        for k in 0..s.missing {
+            let for_floor = k < s.floor_missing;
             let candidate = desired
                 .iter()
                 .filter_map(|(node, rs)| fleet.nodes.get(node).map(|n| (node, n, rs)))
@@ -290,7 +301,7 @@ fn preemptions(
                     m.profiles.contains_key(&r.product)
                         && !victims.iter().any(|(vn, id)| vn == *node && *id == r.id)
                         && class_of(&r.model).is_some_and(|c| {
-                            c.protection_rank > s.rank
+                            (c.protection_rank > s.rank || (for_floor && r.model != s.model))
                                 && count.get(r.model.as_str()).copied().unwrap_or(0) > c.warm_floor as usize
                         })
                 })
@@ -505,77 +516,99 @@ fn place(
     let rank = |m: &Model| registry.classes.get(&m.class).map_or(u32::MAX, |c| c.protection_rank);
     let mut by_protection: Vec<&Model> = registry.models.values().collect();
     by_protection.sort_by_key(|m| (rank(m), m.name.as_str()));
-    for &m in &by_protection {
-        let missing = target(m).saturating_sub(count.get(&m.name).copied().unwrap_or(0));
-        if missing == 0 {
-            continue;
-        }
-        let products = products_by_size(registry, m, &card_mb);
-        if products.is_empty() {
-            let listed: Vec<&str> = m.profiles.keys().map(String::as_str).collect();
-            unplaced.push(Unplaced {
-                model: m.name.clone(),
-                reason: format!(
-                    "no schedulable node has a GPU product the model lists ({})",
-                    listed.join(", ")
-                ),
-                missing,
-            });
-            continue;
-        }
-        let durable = registry
-            .classes
-            .get(&m.class)
-            .is_some_and(|c| c.lane == crate::registry::LaneKind::Durable);
-        let floor = registry.classes.get(&m.class).map_or(0, |c| c.warm_floor as usize);
-        let have_now = count.get(&m.name).copied().unwrap_or(0);
-        for have in have_now..have_now + missing {
-            // The warm floor on reserved cards first; the working range on on-demand, or, for
-            // a durable lane, on spot.
-            let prefer_tier = Some(if have < floor {
-                Tier::Reserved
-            } else if durable {
-                Tier::Spot
-            } else {
-                Tier::OnDemand
-            });
-            // A free MIG slice of a profile the model lists, before a whole card.
-            if let Some((node, slice, product)) = free_slice(fleet, registry, m, slices, &desired) {
-                desired.entry(node).or_default().push(DesiredReplica {
-                    id: new_id(&m.name),
-                    model: m.name.clone(),
-                    gpu: slice,
-                    product,
-                });
+    let floor_of = |m: &Model| registry.classes.get(&m.class).map_or(0, |c| c.warm_floor as usize);
+    // Every warm floor first (most protected first), then the demand above the floors: a
+    // scale-up never takes the room a floor needs.
+    let mut gave_up: HashSet<String> = HashSet::new();
+    for floors_only in [true, false] {
+        for &m in &by_protection {
+            if gave_up.contains(&m.name) {
                 continue;
             }
-            let req = Request {
-                model: m.name.clone(),
-                products: products.clone(),
-                tolerations: lane_tolerations(registry, m),
-                prefer_tier,
+            let goal = if floors_only {
+                target(m).min(floor_of(m))
+            } else {
+                target(m)
             };
-            match index.place(&req) {
-                Ok(p) => desired.entry(p.node.clone()).or_default().push(DesiredReplica {
-                    id: new_id(&m.name),
+            let missing = goal.saturating_sub(count.get(&m.name).copied().unwrap_or(0));
+            if missing == 0 {
+                continue;
+            }
+            // What it misses of its whole target, when it gives up here.
+            let short_of_target = target(m).saturating_sub(count.get(&m.name).copied().unwrap_or(0));
+            let products = products_by_size(registry, m, &card_mb);
+            if products.is_empty() {
+                let listed: Vec<&str> = m.profiles.keys().map(String::as_str).collect();
+                unplaced.push(Unplaced {
                     model: m.name.clone(),
-                    gpu: p.gpu,
-                    product: p.product,
-                }),
-                Err(u) => {
-                    // Its floor, and the demand above it: a more protected lane that is short
-                    // takes the cards of less protected lanes' replicas above their floors
-                    // (the overload policy: protect sync, degrade bounded, shed durable).
-                    short.push(Short {
+                    reason: format!(
+                        "no schedulable node has a GPU product the model lists ({})",
+                        listed.join(", ")
+                    ),
+                    missing: short_of_target,
+                });
+                gave_up.insert(m.name.clone());
+                continue;
+            }
+            let durable = registry
+                .classes
+                .get(&m.class)
+                .is_some_and(|c| c.lane == crate::registry::LaneKind::Durable);
+            let floor = floor_of(m);
+            let have_now = count.get(&m.name).copied().unwrap_or(0);
+            for have in have_now..have_now + missing {
+                // The warm floor on reserved cards first; the working range on on-demand, or, for
+                // a durable lane, on spot.
+                let prefer_tier = Some(if have < floor {
+                    Tier::Reserved
+                } else if durable {
+                    Tier::Spot
+                } else {
+                    Tier::OnDemand
+                });
+                // A free MIG slice of a profile the model lists, before a whole card.
+                if let Some((node, slice, product)) = free_slice(fleet, registry, m, slices, &desired) {
+                    desired.entry(node).or_default().push(DesiredReplica {
+                        id: new_id(&m.name),
                         model: m.name.clone(),
-                        rank: rank(m),
-                        missing: have_now + missing - have,
+                        gpu: slice,
+                        product,
                     });
-                    unplaced.push(Unplaced {
-                        missing: have_now + missing - have,
-                        ..u
-                    });
-                    break;
+                    *count.entry(m.name.clone()).or_default() += 1;
+                    continue;
+                }
+                let req = Request {
+                    model: m.name.clone(),
+                    products: products.clone(),
+                    tolerations: lane_tolerations(registry, m),
+                    prefer_tier,
+                };
+                match index.place(&req) {
+                    Ok(p) => {
+                        desired.entry(p.node.clone()).or_default().push(DesiredReplica {
+                            id: new_id(&m.name),
+                            model: m.name.clone(),
+                            gpu: p.gpu,
+                            product: p.product,
+                        });
+                        *count.entry(m.name.clone()).or_default() += 1;
+                    }
+                    Err(u) => {
+                        // Its floor, and the demand above it: a short floor takes the cards of
+                        // replicas above their floors; a short scale-up, only those of less
+                        // protected lanes (the overload policy: protect sync, degrade bounded,
+                        // shed durable — above the floors every lane was promised).
+                        let missing = short_of_target - (have - have_now);
+                        short.push(Short {
+                            model: m.name.clone(),
+                            rank: rank(m),
+                            missing,
+                            floor_missing: floor.saturating_sub(have),
+                        });
+                        unplaced.push(Unplaced { missing, ..u });
+                        gave_up.insert(m.name.clone());
+                        break;
+                    }
                 }
             }
         }

@@ -536,7 +536,40 @@ fn a_replica_whose_card_no_short_model_takes_is_not_stopped() {
 }
 
 #[test]
-fn a_floor_never_preempts_another_floor_or_a_more_protected_lane() {
+fn a_floor_takes_the_card_of_any_lanes_scale_up_and_is_never_taken_back() {
+    // Whole cards: one replica a card. The sync lane scaled up onto both cards.
+    let f = fleet(&[("a", "L4", 2)]);
+    let mut r = registry(1);
+    r.classes.get_mut("speech").unwrap().time_slicing = false;
+    durable(&mut r, 0);
+    r.classes.get_mut("video").unwrap().time_slicing = false;
+    let targets: HashMap<String, usize> = [("whisper".to_string(), 2)].into();
+    let p = plan(&f, &r, &targets, &mut ids());
+    apply(&mut r, &p);
+    assert_eq!((on(&r, "a", "whisper"), on(&r, "a", "wan")), (2, 0));
+    // The durable lane is promised one warm replica (the soak's case: a host with the durable
+    // replica died on a full fleet, and the queue waited for good). Its floor takes the card
+    // of the sync replica above the sync floor.
+    r.classes.get_mut("video").unwrap().warm_floor = 1;
+    let p = plan(&f, &r, &targets, &mut ids());
+    apply(&mut r, &p);
+    assert_eq!(
+        (on(&r, "a", "whisper"), on(&r, "a", "wan")),
+        (1, 1),
+        "{:?}",
+        r.placement.desired
+    );
+    assert!(
+        p.unplaced.iter().any(|u| u.model == "whisper"),
+        "the sync scale-up's shortfall is reported"
+    );
+    // The sync lane's demand never takes a floor's card back.
+    let p = plan(&f, &r, &targets, &mut ids());
+    assert!(p.commands.is_empty(), "{:?}", p.commands);
+}
+
+#[test]
+fn a_floor_never_preempts_another_floor() {
     let f = fleet(&[("a", "L4", 1)]);
     let mut r = registry(0);
     durable(&mut r, 2);
