@@ -540,6 +540,25 @@ impl Backend for DockerBackend {
             self.project
         )
     }
+
+    /// The containers go with the run: their logs are written to a file that stays.
+    fn keep_logs(&mut self) {
+        let kept = self
+            .compose(&["logs", "--no-color", "--timestamps"], "")
+            .and_then(|text| {
+                let dir = tempfile::Builder::new()
+                    .prefix("laneway-chaos-docker-")
+                    .tempdir()?
+                    .keep();
+                let path = dir.join("compose.log");
+                std::fs::write(&path, text)?;
+                Ok(path)
+            });
+        match kept {
+            Ok(path) => eprintln!("keeping the containers' logs in {}", path.display()),
+            Err(e) => eprintln!("could not keep the containers' logs: {e:#}"),
+        }
+    }
 }
 
 impl Drop for DockerBackend {
