@@ -31,8 +31,11 @@ pub enum Access {
     Operate,
     /// Membership, upgrades and the cluster itself: admins.
     Administer,
-    /// Calls controllers make to each other (Raft, load reports, job writes): controllers.
+    /// Calls controllers make to each other (Raft): controllers.
     Internal,
+    /// What a router needs of the cluster (its routing state, job writes and reads, load and
+    /// usage reports): controllers and router-only processes.
+    Route,
     /// An agent's registration and heartbeats: agents.
     Agent,
     /// A new host's join: no certificate yet (the handler checks its one-time token), over TLS.
@@ -42,10 +45,14 @@ pub enum Access {
 impl Access {
     pub fn allows(self, kind: Kind) -> bool {
         match self {
-            Access::Read => matches!(kind, Kind::Viewer | Kind::Operator | Kind::Admin | Kind::Controller),
+            Access::Read => matches!(
+                kind,
+                Kind::Viewer | Kind::Operator | Kind::Admin | Kind::Controller | Kind::Router
+            ),
             Access::Operate => matches!(kind, Kind::Operator | Kind::Admin),
             Access::Administer => kind == Kind::Admin,
             Access::Internal => kind == Kind::Controller,
+            Access::Route => matches!(kind, Kind::Controller | Kind::Router),
             Access::Agent => kind == Kind::Agent,
             Access::Token => true,
         }
@@ -57,6 +64,7 @@ impl Access {
             Access::Operate => "the operator or admin role",
             Access::Administer => "the admin role",
             Access::Internal => "a controller certificate",
+            Access::Route => "a controller or router certificate",
             Access::Agent => "an agent certificate",
             Access::Token => "a join token",
         }
@@ -323,7 +331,7 @@ pub fn admin_methods(method: &str) -> Option<Access> {
         | "ApplyMigPlan" | "SetPoolTaints" | "DeployModel" | "StartRollout" | "UpdateRollout" => Operate,
         "Init" | "AddLearner" | "Promote" | "Remove" | "FinalizeUpgrade" | "CreateJoinToken" | "CreateAdminToken"
         | "RevokeToken" | "RevokeCertificate" | "SetFailpoint" => Administer,
-        "ReportLoad" | "JobWrites" | "RecordUsage" => Internal,
+        "ReportLoad" | "JobWrites" | "RecordUsage" | "WatchRouting" | "ReadJobs" => Route,
         _ => return None,
     })
 }

@@ -538,7 +538,7 @@ fn resolve_tls(
     }
 }
 
-fn resolve_router(
+pub(crate) fn resolve_router(
     flag: Option<String>,
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,

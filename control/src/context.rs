@@ -37,6 +37,8 @@ pub struct Context {
     pub issuer: Option<Arc<laneway_pki::Ca>>,
     /// Every actor of this controller (`/metrics`, `/ui`, `lanectl actors`).
     pub actors: laneway_actors::ActorBoard,
+    /// Router-only processes following this controller's routing state.
+    pub routers: Arc<crate::router_board::RouterBoard>,
 }
 
 impl Context {

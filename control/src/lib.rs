@@ -31,7 +31,10 @@ pub mod observe;
 pub mod proposer;
 pub mod provision;
 
+pub mod router_board;
+pub mod router_feed;
 pub mod router_host;
+pub mod router_only;
 pub mod scheduler;
 pub mod server;
 pub mod telemetry;

@@ -168,10 +168,10 @@ impl Drop for DataPlane {
 
 /// Opens the data dir, starts Raft and serves the Raft and admin gRPC services.
 /// Pending connections the router's socket queues.
-const ROUTER_BACKLOG: u32 = 1024;
+pub(crate) const ROUTER_BACKLOG: u32 = 1024;
 
 /// Binds a TCP socket to `addr` without listening on it yet (see the router's in [`start`]).
-fn reserve(addr: SocketAddr) -> std::io::Result<tokio::net::TcpSocket> {
+pub(crate) fn reserve(addr: SocketAddr) -> std::io::Result<tokio::net::TcpSocket> {
     let socket = if addr.is_ipv4() {
         tokio::net::TcpSocket::new_v4()?
     } else {
@@ -262,6 +262,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         tls: cfg.tls.clone(),
         issuer: cfg.issuer.clone(),
         actors: laneway_actors::ActorBoard::new(),
+        routers: Arc::default(),
     };
     let router = ctx.router.clone();
     router.enable_jobs(jobs, Arc::new(crate::router_host::Results(results)));

@@ -14,5 +14,6 @@ mod plan_cli;
 mod provision;
 mod rollout;
 mod router;
+mod routers;
 mod runtimes;
 mod security;

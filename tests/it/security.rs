@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use laneway_pki::{Ca, Kind};
 use laneway_proto::admin::admin_service_client::AdminServiceClient;
+use laneway_proto::admin::WatchRoutingRequest;
 use laneway_proto::admin::{
     AddLearnerRequest, CreateAdminTokenRequest, CreateJoinTokenRequest, PromoteRequest, PutSettingRequest,
     RevokeCertificateRequest, RevokeTokenRequest, StatusRequest,
@@ -37,6 +38,7 @@ pub(crate) fn make_certs(dir: &Path) {
         (Kind::Operator, "ops", DAY),
         (Kind::Agent, "gpu-a", DAY),
         (Kind::Agent, "gpu-old", Duration::ZERO),
+        (Kind::Router, "1", DAY),
     ] {
         let c = ca.issue(kind, name, &[], valid_for).unwrap();
         std::fs::write(dir.join(format!("{kind}-{name}.pem")), c.cert_pem).unwrap();
@@ -180,6 +182,86 @@ async fn an_mtls_cluster_refuses_every_call_a_certificate_does_not_allow() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+
+    // A router-only process's certificate: it follows the routing state under its own number,
+    // reads, and reports its own load, but writes nothing else, and an agent's does none of it.
+    let router = AdminServiceClient::new(
+        channel(&n1.addr, &certs, "router-1", laneway_pki::ANY_CONTROLLER)
+            .await
+            .unwrap(),
+    );
+    let mut line = router
+        .clone()
+        .watch_routing(WatchRoutingRequest {
+            router: 1,
+            router_addr: "10.0.0.9:8080".into(),
+        })
+        .await
+        .expect("a router watches the routing state")
+        .into_inner();
+    let first = line.message().await.unwrap().unwrap();
+    assert!(first.has_state && !first.registry_json.is_empty());
+    let registry: serde_json::Value = serde_json::from_slice(&first.registry_json).unwrap();
+    assert!(
+        registry.get("join_tokens").is_none(),
+        "join tokens stay on the controllers"
+    );
+    let e = router
+        .clone()
+        .watch_routing(WatchRoutingRequest {
+            router: 2,
+            router_addr: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    let e = router
+        .clone()
+        .put_setting(PutSettingRequest {
+            key: "a".into(),
+            value: "router".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    let e = router
+        .clone()
+        .report_load(laneway_proto::admin::LoadReport {
+            controller_id: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.code(),
+        Code::PermissionDenied,
+        "a router speaking for controller 1: {e:?}"
+    );
+    router
+        .clone()
+        .report_load(laneway_proto::admin::LoadReport {
+            controller_id: laneway_core::identity::ROUTER_REPORTER_BASE + 1,
+            ..Default::default()
+        })
+        .await
+        .expect("a router reports its own load");
+    let e = AdminServiceClient::new(
+        channel(&n1.addr, &certs, "agent-gpu-a", laneway_pki::ANY_CONTROLLER)
+            .await
+            .unwrap(),
+    )
+    .watch_routing(WatchRoutingRequest {
+        router: 1,
+        router_addr: String::new(),
+    })
+    .await
+    .unwrap_err();
+    assert_eq!(
+        e.code(),
+        Code::PermissionDenied,
+        "an agent does not follow the routing state: {e:?}"
+    );
+    drop(line);
 
     // An expired certificate does not get through the handshake. (It ends the second it was
     // made, and certificate times have one-second resolution: wait until that second is over.)

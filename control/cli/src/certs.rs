@@ -28,8 +28,9 @@ pub enum CertsCmd {
         /// The CA's directory (ca.pem and ca.key).
         #[arg(long)]
         dir: PathBuf,
-        /// controller (NAME = its node id), agent (NAME = its node id), or a person's or
-        /// script's role: viewer, operator, admin.
+        /// controller (NAME = its node id), agent (NAME = its node id), router (a router-only
+        /// process; NAME = its router number), or a person's or script's role: viewer,
+        /// operator, admin.
         #[arg(long)]
         kind: String,
         #[arg(long)]

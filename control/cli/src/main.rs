@@ -660,8 +660,41 @@ async fn status(client: &AdminClient, given: &[String], out: Output) -> anyhow::
             Err(e) => json!({"node_id": m.node_id, "addr": m.addr, "role": m.role, "reachable": false, "error": e.to_string()}),
         })
         .collect();
+    // Router-only processes: each is fed by one controller, and its load is on the leader.
+    let mut routers: std::collections::BTreeMap<u32, (u64, laneway_proto::admin::RouterInfo)> = Default::default();
+    let mut loads: std::collections::BTreeMap<u32, (u32, u32)> = Default::default();
+    for (m, s) in &rows {
+        let Ok(s) = s else { continue };
+        for r in &s.routers {
+            if s.node_id == leader {
+                loads.insert(r.router, (r.in_flight, r.waiting));
+            }
+            let newer = routers.get(&r.router).is_none_or(|(_, old)| {
+                (r.connected, std::cmp::Reverse(r.last_sent_ms_ago))
+                    > (old.connected, std::cmp::Reverse(old.last_sent_ms_ago))
+            });
+            if newer {
+                routers.insert(r.router, (m.node_id, r.clone()));
+            }
+        }
+    }
+    let router_rows: Vec<_> = routers
+        .values()
+        .map(|(fed_by, r)| {
+            let (in_flight, waiting) = loads.get(&r.router).copied().unwrap_or((r.in_flight, r.waiting));
+            (*fed_by, r.clone(), in_flight, waiting)
+        })
+        .collect();
+    let routers_json: Vec<_> = router_rows
+        .iter()
+        .map(|(fed_by, r, in_flight, waiting)| {
+            json!({"router": r.router, "addr": r.router_addr, "fed_by": fed_by, "connected": r.connected,
+                   "sent_index": r.sent_index, "lag_entries": r.lag_entries, "last_sent_ms_ago": r.last_sent_ms_ago,
+                   "in_flight": in_flight, "waiting": waiting})
+        })
+        .collect();
     let v = json!({"cluster": first.cluster, "leader_id": leader, "term": first.term,
-                   "retired_node_ids": first.retired_node_ids, "members": members});
+                   "retired_node_ids": first.retired_node_ids, "members": members, "routers": routers_json});
     print(out, v, || {
         let mut t = format!(
             "cluster {:?}  leader {}  term {}\n",
@@ -694,6 +727,26 @@ async fn status(client: &AdminClient, given: &[String], out: Output) -> anyhow::
                 ),
                 Err(e) => format!("{:>4}  {:<21} {:<8} unreachable: {e}\n", m.node_id, m.addr, m.role),
             });
+        }
+        if !router_rows.is_empty() {
+            t.push_str(&format!(
+                "router-only processes\n{:>6}  {:<21} {:>7} {:<9} {:>9} {:>5} {:>9} {:>9} {:>7}\n",
+                "ROUTER", "ADDR", "FED BY", "LINE", "SENT", "LAG", "HEARD", "IN FLIGHT", "WAITING"
+            ));
+            for (fed_by, r, in_flight, waiting) in &router_rows {
+                t.push_str(&format!(
+                    "{:>6}  {:<21} {:>7} {:<9} {:>9} {:>5} {:>7}ms {:>9} {:>7}\n",
+                    r.router,
+                    r.router_addr,
+                    fed_by,
+                    if r.connected { "open" } else { "closed" },
+                    r.sent_index,
+                    r.lag_entries,
+                    r.last_sent_ms_ago,
+                    in_flight,
+                    waiting
+                ));
+            }
         }
         if !first.retired_node_ids.is_empty() {
             t.push_str(&format!(

@@ -23,10 +23,20 @@ pub enum Kind {
     Operator,
     /// Everything, including cluster membership and credentials.
     Admin,
+    /// A router-only `laneway-control router` process; its name is its router number. It reads
+    /// the routing state, writes durable jobs and reports its usage and load — nothing else.
+    Router,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 5] = [Kind::Controller, Kind::Agent, Kind::Viewer, Kind::Operator, Kind::Admin];
+    pub const ALL: [Kind; 6] = [
+        Kind::Controller,
+        Kind::Agent,
+        Kind::Viewer,
+        Kind::Operator,
+        Kind::Admin,
+        Kind::Router,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -35,6 +45,7 @@ impl Kind {
             Kind::Viewer => "viewer",
             Kind::Operator => "operator",
             Kind::Admin => "admin",
+            Kind::Router => "router",
         }
     }
 
@@ -55,11 +66,15 @@ impl FromStr for Kind {
     fn from_str(s: &str) -> Result<Self, IdentityError> {
         Kind::ALL.into_iter().find(|k| k.as_str() == s).ok_or_else(|| {
             IdentityError(format!(
-                "unknown kind {s:?}; use controller, agent, viewer, operator or admin"
+                "unknown kind {s:?}; use controller, agent, router, viewer, operator or admin"
             ))
         })
     }
 }
+
+/// Router-only processes report load and usage under ids from here up (router number `n`
+/// reports as `ROUTER_REPORTER_BASE + n`), apart from controllers' node ids, which stay below.
+pub const ROUTER_REPORTER_BASE: u64 = 1 << 32;
 
 /// Who holds a certificate.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -88,6 +103,12 @@ impl PeerIdentity {
                 "a controller's name is its node id (a number), not {name:?}"
             )));
         }
+        if kind == Kind::Router && !name.parse::<u32>().is_ok_and(|n| n > 0) {
+            return Err(IdentityError(format!(
+                "a router's name is its router number (1 to {}), not {name:?}",
+                u32::MAX
+            )));
+        }
         Ok(PeerIdentity {
             cluster: cluster.to_string(),
             kind,
@@ -111,6 +132,18 @@ impl PeerIdentity {
     }
 
     /// The controller's Raft node id, when this is a controller.
+    /// The router-only process's number, when this is one.
+    pub fn router_number(&self) -> Option<u32> {
+        (self.kind == Kind::Router).then(|| self.name.parse().ok()).flatten()
+    }
+
+    /// The id a controller or router-only process reports its load and usage under: a
+    /// controller's node id, or [`ROUTER_REPORTER_BASE`] plus a router's number.
+    pub fn reporter_id(&self) -> Option<u64> {
+        self.controller_id()
+            .or_else(|| self.router_number().map(|n| ROUTER_REPORTER_BASE + u64::from(n)))
+    }
+
     pub fn controller_id(&self) -> Option<u64> {
         (self.kind == Kind::Controller)
             .then(|| self.name.parse().ok())

@@ -20,6 +20,36 @@ pub trait RoutingState: Send + Sync + 'static {
     fn visit_jobs(&self, f: &mut dyn FnMut(&Jobs, &Fleet, &Registry));
     /// One job as applied.
     fn job(&self, id: &str) -> Option<Job>;
+
+    /// Queued, assigned and running jobs of `model`.
+    fn job_counts(&self, model: &str) -> JobCounts {
+        let mut counts = JobCounts::default();
+        self.visit_jobs(&mut |jobs, _, _| {
+            counts.queued = jobs.queued(model);
+            for j in jobs.placed().filter(|j| j.model == model) {
+                match j.state {
+                    laneway_core::jobs::JobState::Running => counts.running += 1,
+                    _ => counts.assigned += 1,
+                }
+            }
+        });
+        counts
+    }
+
+    /// How long since the state last heard from the cluster, when it is cut off from it
+    /// (`None`: connected, or the state is this process's own). A router-only process keeps
+    /// routing from what it last heard (static stability) and says so in every answer.
+    fn cut_off_for(&self) -> Option<std::time::Duration> {
+        None
+    }
+}
+
+/// One model's durable jobs by state.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct JobCounts {
+    pub queued: usize,
+    pub assigned: usize,
+    pub running: usize,
 }
 
 impl dyn RoutingState {
@@ -43,6 +73,23 @@ pub trait JobSink: Send + Sync + 'static {
     fn caught_up(&self) -> BoxFuture<'_, bool>;
     /// Waits (briefly) until this process has applied what the leader had committed.
     fn catch_up(&self) -> BoxFuture<'_, ()>;
+
+    /// A tenant's job read from the cluster, for a process that holds no jobs of its own
+    /// (`None`: this process reads its own applied state, [`RoutingState::job`]).
+    fn fetch_job<'a>(&'a self, _tenant: &'a str, _id: &'a str) -> Option<BoxFuture<'a, Result<Option<Job>, String>>> {
+        None
+    }
+
+    /// A tenant's newest jobs (in `state`, when given) read from the cluster; `None` as for
+    /// [`JobSink::fetch_job`].
+    fn fetch_jobs<'a>(
+        &'a self,
+        _tenant: &'a str,
+        _state: Option<laneway_core::jobs::JobState>,
+        _limit: usize,
+    ) -> Option<BoxFuture<'a, Result<Vec<Job>, String>>> {
+        None
+    }
 }
 
 /// Where durable jobs' results are read.

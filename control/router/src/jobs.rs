@@ -99,7 +99,7 @@ impl Router {
     /// How long the queued jobs of `route`'s model take to drain at the ready replicas'
     /// throughput: queued jobs × service time ÷ job slots (`None` with no ready replica).
     pub fn durable_drain(&self, route: &ModelRoute) -> (usize, Option<Duration>) {
-        let queued = self.sm.with_jobs(|jobs, _, _| jobs.queued(&route.name));
+        let queued = self.sm.job_counts(&route.name).queued;
         let per_s = route.capacity_per_s();
         let drain = (per_s > 0.0).then(|| Duration::from_secs_f64(queued as f64 / per_s));
         (queued, drain)
@@ -119,14 +119,9 @@ impl Router {
                 (_, None) if q > 0 => None,
                 (a, _) => a,
             };
-            self.sm.with_jobs(|jobs, _, _| {
-                for j in jobs.placed().filter(|j| j.model == route.name) {
-                    match j.state {
-                        JobState::Running => running += 1,
-                        _ => assigned += 1,
-                    }
-                }
-            });
+            let counts = self.sm.job_counts(&route.name);
+            running += counts.running;
+            assigned += counts.assigned;
         }
         json!({ "queued": queued, "assigned": assigned, "running": running,
                 "drain_s": drain_s.map(|d| (d * 10.0).round() / 10.0) })
@@ -458,22 +453,42 @@ pub(super) async fn post_job(State(router): State<Arc<Router>>, headers: HeaderM
 /// the leader first: the job may have been acknowledged a moment ago through another router.
 async fn owned_job(router: &Router, tenant: &TenantRoute, id: &str, meta: &Meta) -> Result<Job, Response> {
     let mine = |j: &Job| j.tenant == tenant.name;
+    if let Some(read) = router.jobs.get().and_then(|g| g.fetch_job(&tenant.name, id)) {
+        // A router-only process: the cluster holds the jobs.
+        let found = read.await.map_err(|why| {
+            with_retry_after(
+                error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("the job cannot be read now: {why}; retry after the Retry-After"),
+                    meta,
+                ),
+                Duration::from_secs(1),
+            )
+        })?;
+        return found.filter(mine).ok_or_else(|| not_found(tenant, id, meta));
+    }
     if let Some(job) = router.sm.job(id).filter(mine) {
         return Ok(job);
     }
     if let Some(gateway) = router.jobs.get() {
         gateway.catch_up().await;
     }
-    router.sm.job(id).filter(mine).ok_or_else(|| {
-        error(
-            StatusCode::NOT_FOUND,
-            format!(
-                "no job {id} for tenant {} (finished jobs are kept for the retention period)",
-                tenant.name
-            ),
-            meta,
-        )
-    })
+    router
+        .sm
+        .job(id)
+        .filter(mine)
+        .ok_or_else(|| not_found(tenant, id, meta))
+}
+
+fn not_found(tenant: &TenantRoute, id: &str, meta: &Meta) -> Response {
+    error(
+        StatusCode::NOT_FOUND,
+        format!(
+            "no job {id} for tenant {} (finished jobs are kept for the retention period)",
+            tenant.name
+        ),
+        meta,
+    )
 }
 
 fn tenant_of(router: &Router, headers: &HeaderMap, meta: &Meta) -> Result<Arc<TenantRoute>, Response> {
@@ -526,6 +541,22 @@ pub(super) async fn list_jobs(
         }
     };
     let limit = q.limit.unwrap_or(100).min(LIST_LIMIT);
+    if let Some(read) = router.jobs.get().and_then(|g| g.fetch_jobs(&tenant.name, state, limit)) {
+        return match read.await {
+            Ok(jobs) => {
+                let jobs: Vec<Value> = jobs.iter().filter(|j| j.tenant == tenant.name).map(view).collect();
+                json_response(StatusCode::OK, json!({ "jobs": jobs }), &meta)
+            }
+            Err(why) => with_retry_after(
+                error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("the jobs cannot be read now: {why}; retry after the Retry-After"),
+                    &meta,
+                ),
+                Duration::from_secs(1),
+            ),
+        };
+    }
     let jobs: Vec<Value> = router.sm.with_jobs(|jobs, _, _| {
         // The tenant's own jobs only (an index, newest first): never a scan of every tenant's.
         jobs.of_tenant(&tenant.name)

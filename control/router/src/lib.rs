@@ -315,6 +315,11 @@ impl Router {
         self.built.load(Ordering::Acquire) && self.caught_up.load(Ordering::Acquire)
     }
 
+    /// How long since a router-only process last heard the cluster, while it is cut off.
+    pub fn cut_off_for(&self) -> Option<Duration> {
+        self.sm.cut_off_for()
+    }
+
     /// Rebuilds the routing table from the applied state.
     pub fn rebuild(&self) {
         let (fleet, registry) = self.sm.routing_inputs();

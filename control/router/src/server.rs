@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{HeaderValue, StatusCode};
 use axum::response::Response;
 use axum::routing::{get, post};
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -139,6 +139,10 @@ pub fn app(router: Arc<Router>) -> axum::Router {
         .with_state(router)
 }
 
+/// Response header of a router-only process cut off from every controller: seconds since it
+/// last heard the cluster. It routes from the state it last heard meanwhile (ADR 0029).
+pub const CUT_OFF_HEADER: &str = "x-laneway-cut-off-s";
+
 /// A restarted or newly added controller answers nothing from its state until it has caught
 /// up with the leader: an older state would deny API keys, models and jobs that the cluster
 /// already has. Health probes pass through (`/v2/health/ready` says 503 meanwhile).
@@ -148,7 +152,14 @@ async fn until_caught_up(
     next: axum::middleware::Next,
 ) -> Response {
     if router.is_ready() || req.uri().path().starts_with("/v2/health/") {
-        return next.run(req).await;
+        let mut answer = next.run(req).await;
+        if let Some(cut_off) = router.cut_off_for() {
+            // Static stability: still routing, from what it last heard; says so.
+            if let Ok(v) = HeaderValue::from_str(&cut_off.as_secs().to_string()) {
+                answer.headers_mut().insert(CUT_OFF_HEADER, v);
+            }
+        }
+        return answer;
     }
     with_retry_after(
         error(

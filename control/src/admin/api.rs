@@ -19,6 +19,7 @@ use laneway_proto::admin::{
     ListRegistryRequest, LoadReport, LoadReportReply, NameRequest, PutDocumentRequest, SetPriceRequest,
     SetTenantLimitRequest, TenantKeyReply, UsageReportRequest,
 };
+use laneway_proto::admin::{ReadJobsRequest, RoutingUpdate, WatchRoutingRequest};
 use tonic::{Request, Response, Status};
 
 #[tonic::async_trait]
@@ -130,6 +131,21 @@ impl AdminService for AdminGrpc {
 
     async fn set_failpoint(&self, req: Request<SetFailpointRequest>) -> Result<Response<SetFailpointReply>, Status> {
         super::observe::set_failpoint(self, req).await
+    }
+
+    type WatchRoutingStream = tokio_stream::wrappers::ReceiverStream<Result<RoutingUpdate, Status>>;
+
+    async fn watch_routing(
+        &self,
+        req: Request<WatchRoutingRequest>,
+    ) -> Result<Response<Self::WatchRoutingStream>, Status> {
+        crate::router_feed::watch(&self.ctx, req).await.map(Response::new)
+    }
+
+    async fn read_jobs(&self, req: Request<ReadJobsRequest>) -> Result<Response<DocumentsReply>, Status> {
+        let applied_index = self.sm.applied_index();
+        let json = crate::router_feed::read_jobs(&self.ctx, req).await?;
+        Ok(Response::new(DocumentsReply { json, applied_index }))
     }
 
     async fn record_usage(&self, req: Request<UsageReportRequest>) -> Result<Response<WriteReply>, Status> {

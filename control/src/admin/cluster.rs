@@ -97,6 +97,7 @@ pub(super) async fn status(admin: &AdminGrpc, req: Request<StatusRequest>) -> Re
         initialized,
         retired_node_ids: admin.sm.retired_node_ids(),
         command_format: crate::command::COMMAND_FORMAT,
+        routers: admin.ctx.routers.list(applied.map_or(0, |l| l.index), &admin.load),
     }))
 }
 

@@ -18,13 +18,15 @@ pub(super) async fn report_load(
     req: Request<LoadReport>,
 ) -> Result<Response<LoadReportReply>, Status> {
     admin.leader_only()?;
-    // The reporting controller is the one its certificate names, whatever the message says.
-    let certified = crate::auth::caller(&req).and_then(|id| id.controller_id());
+    // The reporting controller (or router) is the one its certificate names, whatever the
+    // message says.
+    let certified = crate::auth::caller(&req).map(|id| (id.to_string(), id.reporter_id()));
     let r = req.into_inner();
-    if let Some(cid) = certified.filter(|c| *c != r.controller_id) {
+    if let Some((who, reporter)) = certified.filter(|(_, c)| *c != Some(r.controller_id)) {
         return Err(Status::permission_denied(format!(
-            "this load report speaks for controller {} but came with the certificate of controller {cid}; a controller reports only its own load",
-            r.controller_id
+            "this load report speaks for reporter {} but came with the certificate of {who} (reporter {}); a controller or router reports only its own load",
+            r.controller_id,
+            reporter.map_or("none".into(), |c| c.to_string())
         )));
     }
     let load = r
@@ -108,7 +110,17 @@ pub(super) async fn record_usage(
     req: Request<UsageReportRequest>,
 ) -> Result<Response<WriteReply>, Status> {
     admin.leader_only()?;
+    let certified = crate::auth::caller(&req).map(|id| (id.to_string(), id.reporter_id()));
     let mut report: crate::ledger::UsageReport = parse_document("usage report", &req.into_inner().json)?;
+    // Reports are deduplicated by reporter and sequence: one speaking for another router
+    // could make the ledger skip that router's real usage.
+    if let Some((who, reporter)) = certified.filter(|(_, c)| *c != Some(report.reporter)) {
+        return Err(Status::permission_denied(format!(
+            "this usage report speaks for reporter {} but came with the certificate of {who} (reporter {}); a controller or router reports only its own usage",
+            report.reporter,
+            reporter.map_or("none".into(), |c| c.to_string())
+        )));
+    }
     // Usage is filed by the leader's clock, as its own router's is: one clock drives the
     // ledger's buckets, whatever the reporting controller's says.
     report.at_ms = crate::jobs::unix_ms();

@@ -105,6 +105,8 @@ pub struct AdminGrpc {
     pub(super) audit: Option<Arc<super::audit::AuditLog>>,
     /// This controller's actors (`lanectl actors`).
     pub(super) actors: laneway_actors::ActorBoard,
+    /// The whole context, for the router-only lines (`router_feed`).
+    pub(super) ctx: Context,
 }
 
 impl AdminGrpc {
@@ -131,6 +133,7 @@ impl AdminGrpc {
     }
 
     pub fn new(ctx: Context) -> Self {
+        let whole = ctx.clone();
         let Context {
             raft,
             node_id,
@@ -148,8 +151,10 @@ impl AdminGrpc {
             tls,
             issuer: _,
             actors,
+            routers: _,
         } = ctx;
         AdminGrpc {
+            ctx: whole,
             router,
             load,
             jobs,

@@ -39,6 +39,9 @@ enum Cmd {
     Run(Box<RunArgs>),
     /// Run the embedded default: a single-node cluster in a temp dir, for trying Laneway out.
     Dev(DevArgs),
+    /// Run a router-only process: routes tenants' requests from the cluster's routing state,
+    /// without a Raft vote or storage of its own (ADR 0029). Run many behind a load balancer.
+    Router(Box<laneway_control::router_only::RouterArgs>),
 }
 
 fn main() -> ExitCode {
@@ -74,7 +77,17 @@ fn main() -> ExitCode {
                 return ExitCode::from(2);
             }
         },
-        Cmd::Dev(_) => None,
+        Cmd::Dev(_) | Cmd::Router(_) => None,
+    };
+    let router_cfg = match &cli.command {
+        Cmd::Router(args) => match args.resolve() {
+            Ok(c) => Some(c),
+            Err(e) => {
+                eprintln!("laneway-control router: {e}");
+                return ExitCode::from(2);
+            }
+        },
+        _ => None,
     };
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
@@ -117,6 +130,20 @@ fn main() -> ExitCode {
                         ExitCode::SUCCESS
                     }
                 }
+            }
+            Cmd::Router(_) => {
+                let cfg = router_cfg.expect("resolved above");
+                let router = match laneway_control::router_only::start(cfg).await {
+                    Ok(r) => r,
+                    Err(e) => {
+                        eprintln!("laneway-control router: {e}");
+                        return ExitCode::from(1);
+                    }
+                };
+                println!("laneway-control router: serving on {}", router.addr);
+                stop_requested().await;
+                router.shutdown().await;
+                ExitCode::SUCCESS
             }
             Cmd::Dev(args) => {
                 let dev = match dev::start(args).await {

@@ -54,7 +54,7 @@ impl Gate {
 
 /// The admin token a request presents: `Bearer <token>`, or basic authentication with the
 /// token as its password (any user name).
-fn presented_token(headers: &axum::http::HeaderMap) -> Option<String> {
+pub(crate) fn presented_token(headers: &axum::http::HeaderMap) -> Option<String> {
     use base64::Engine as _;
     let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
     if let Some(token) = value.strip_prefix("Bearer ") {

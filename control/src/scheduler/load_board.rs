@@ -31,6 +31,15 @@ impl LoadBoard {
             .insert(controller, (now, load));
     }
 
+    /// Requests in flight and waiting through one reporter, summed over models, if its last
+    /// report is fresh.
+    pub fn of(&self, reporter: NodeId, now: Instant) -> Option<(u32, u32)> {
+        let reports = self.reports.lock().unwrap_or_else(|p| p.into_inner());
+        let (at, load) = reports.get(&reporter)?;
+        (now.saturating_duration_since(*at) <= REPORT_TTL)
+            .then(|| load.values().fold((0, 0), |(f, w), l| (f + l.in_flight, w + l.waiting)))
+    }
+
     /// Load per model summed over the routers that reported within [`REPORT_TTL`].
     pub fn total(&self, now: Instant) -> HashMap<String, ModelLoad> {
         let mut out: HashMap<String, ModelLoad> = HashMap::new();
