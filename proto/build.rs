@@ -7,6 +7,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("cargo:rerun-if-changed={f}");
     }
     let fds = protox::compile(files, ["proto"])?;
-    tonic_prost_build::configure().compile_fds(fds)?;
+    tonic_prost_build::configure()
+        // The routing state is encoded once and sent on every router's line: shared, not copied.
+        .bytes(".laneway.admin.v1.RoutingUpdate")
+        .compile_fds(fds)?;
     Ok(())
 }

@@ -124,6 +124,31 @@ pub async fn run(args: HeartbeatArgs) -> anyhow::Result<()> {
         json!({"bench": "node_registration", "nodes": max, "per_sec": (max as f64 / started.elapsed().as_secs_f64()).round()})
     );
 
+    // What a router-only process receives from a fleet this size (ADR 0029, docs/scale.md):
+    // the full routing state's bytes, and how long the leader takes to send it.
+    {
+        cluster.wait_converged(Duration::from_secs(30)).await?;
+        let li = cluster.leader().await.context("no leader")?;
+        let ch = channels(&cluster.members[li].addr, 1).await?.remove(0);
+        let t0 = Instant::now();
+        let mut line = laneway_proto::admin::admin_service_client::AdminServiceClient::new(ch)
+            .max_decoding_message_size(1 << 30)
+            .watch_routing(laneway_proto::admin::WatchRoutingRequest {
+                router: 1,
+                router_addr: "heartbeat-bench".into(),
+            })
+            .await?
+            .into_inner();
+        let first = line.message().await?.context("the routing line closed at once")?;
+        println!(
+            "{}",
+            json!({"bench": "routing_state", "nodes": max, "gpus_per_node": GPUS_PER_NODE,
+                   "fleet_bytes": first.fleet_json.len(), "registry_bytes": first.registry_json.len(),
+                   "bytes_per_node": first.fleet_json.len() / max.max(1),
+                   "first_update_ms": (t0.elapsed().as_secs_f64() * 1e4).round() / 10.0})
+        );
+    }
+
     let mut best = 0;
     for &n in &args.agents {
         // Looked up per step: an election in an earlier step must not send this one to a

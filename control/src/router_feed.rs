@@ -70,8 +70,8 @@ fn full(ctx: &Context) -> Result<Arc<RoutingUpdate>, Status> {
         applied_index,
         controller_id: ctx.node_id,
         has_state: true,
-        fleet_json: fleet_json.map_err(encode)?,
-        registry_json: registry_json.map_err(encode)?,
+        fleet_json: fleet_json.map_err(encode)?.into(),
+        registry_json: registry_json.map_err(encode)?.into(),
         jobs,
         ..RoutingUpdate::default()
     });

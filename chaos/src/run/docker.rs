@@ -81,6 +81,12 @@ fn controller(i: usize) -> String {
 
 impl DockerBackend {
     pub async fn start(s: &Scenario, spec: ComposeSpec, seed: u64) -> anyhow::Result<DockerBackend> {
+        if s.router_only > 0 {
+            bail!(
+                "router_only = {} runs on the process backend only (deploy/compose.routers.yaml is not driven by the harness yet)",
+                s.router_only
+            );
+        }
         if s.controllers != CONTROLLERS {
             bail!(
                 "the docker backend runs deploy/compose.yaml's {CONTROLLERS} controllers; the scenario asks for {}",

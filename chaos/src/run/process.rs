@@ -70,6 +70,8 @@ pub struct ProcessBackend {
     agent_failpoints: String,
     /// GPU product of each host, in order.
     products: Vec<String>,
+    /// Router-only processes: their router address and process.
+    router_only: Vec<(String, Child)>,
 }
 
 fn signal(pid: i32, s: Signal) {
@@ -111,7 +113,11 @@ impl ProcessBackend {
             failpoints: !s.faults.failpoints.trim().is_empty(),
             agent_failpoints: s.faults.agent_failpoints.clone(),
             products: s.hosts.iter().map(|h| h.product.clone()).collect(),
+            router_only: Vec::new(),
         };
+        for k in 1..=s.router_only {
+            backend.add_router_only(k as u32)?;
+        }
         let mut n = 0;
         for spec in &s.hosts {
             for _ in 0..spec.count {
@@ -121,6 +127,23 @@ impl ProcessBackend {
             }
         }
         Ok(backend)
+    }
+
+    /// Starts router-only process `k`, following every controller.
+    fn add_router_only(&mut self, k: u32) -> anyhow::Result<()> {
+        let addr = format!("127.0.0.1:{}", crate::support::http::free_port()?);
+        let log = std::fs::File::create(self.cluster.root().join(format!("router-{k}.log")))?;
+        let child = Command::new(&self.bins.control)
+            .args(["router", "--router-id", &k.to_string(), "--controllers"])
+            .arg(self.controller_addrs().join(","))
+            .args(["--listen", &addr, "--insecure-dev", "--results-store"])
+            .arg(&self.results)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {} router", self.bins.control.display()))?;
+        self.router_only.push((addr, child));
+        Ok(())
     }
 
     fn add_host(&mut self, id: &str, product: &str, gpus: u32) -> anyhow::Result<()> {
@@ -173,6 +196,7 @@ impl Backend for ProcessBackend {
             .members
             .iter()
             .filter_map(|m| m.router_addr.clone())
+            .chain(self.router_only.iter().map(|(a, _)| a.clone()))
             .collect()
     }
 
@@ -394,6 +418,10 @@ impl Drop for ProcessBackend {
         }
         for i in 0..self.hosts.len() {
             let _ = self.kill_host(i);
+        }
+        for (_, mut c) in std::mem::take(&mut self.router_only) {
+            let _ = c.kill();
+            let _ = c.wait();
         }
         let _ = std::fs::remove_dir_all(&self.results);
     }

@@ -25,6 +25,10 @@ pub struct Scenario {
     /// Controllers (voters): 3 or 5.
     #[serde(default = "default_controllers")]
     pub controllers: usize,
+    /// Router-only processes (`laneway-control router`, ADR 0029) following the cluster; the
+    /// traffic goes through them as well as the controllers' routers (process backend).
+    #[serde(default)]
+    pub router_only: usize,
     /// Simulated GPU hosts, each a `laneway-agent` process whose replicas are real
     /// `laneway-sim-model` processes.
     pub hosts: Vec<HostSpec>,
