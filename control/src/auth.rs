@@ -45,10 +45,9 @@ pub enum Access {
 impl Access {
     pub fn allows(self, kind: Kind) -> bool {
         match self {
-            Access::Read => matches!(
-                kind,
-                Kind::Viewer | Kind::Operator | Kind::Admin | Kind::Controller | Kind::Router
-            ),
+            // Not routers: a router needs its routing state and job calls (Route), not the
+            // registry's listings, the audit log or the ledger.
+            Access::Read => matches!(kind, Kind::Viewer | Kind::Operator | Kind::Admin | Kind::Controller),
             Access::Operate => matches!(kind, Kind::Operator | Kind::Admin),
             Access::Administer => kind == Kind::Admin,
             Access::Internal => kind == Kind::Controller,

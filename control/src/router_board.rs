@@ -29,12 +29,28 @@ pub struct RouterBoard {
     next_generation: std::sync::atomic::AtomicU64,
     /// The last full update built, by applied index.
     cache: Mutex<Option<Arc<RoutingUpdate>>>,
+    /// When this controller last confirmed a leader with a quorum for its lines, and one
+    /// confirmation at a time.
+    confirmed_at: Mutex<Option<Instant>>,
+    pub confirming: tokio::sync::Mutex<()>,
 }
 
 impl RouterBoard {
+    /// Records a new line of `router`; an older line of the same router ends at its next turn
+    /// (one line per router number: two processes under one number would overwrite each
+    /// other's load and confuse the ledger's deduplication of their usage).
     pub fn open(&self, router: u32, addr: String) -> u64 {
         let generation = self.next_generation.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.lines.lock().unwrap_or_else(|p| p.into_inner()).insert(
+        let mut lines = self.lines.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(old) = lines.get(&router).filter(|l| l.connected && l.addr != addr) {
+            tracing::warn!(
+                router,
+                old = %old.addr,
+                new = %addr,
+                "two processes claim one router number: the newer line replaces the older; give each router its own number and certificate"
+            );
+        }
+        lines.insert(
             router,
             Line {
                 addr,
@@ -45,6 +61,27 @@ impl RouterBoard {
             },
         );
         generation
+    }
+
+    /// Whether `generation` is still `router`'s line.
+    pub fn is_current(&self, router: u32, generation: u64) -> bool {
+        self.lines
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&router)
+            .is_some_and(|l| l.generation == generation)
+    }
+
+    /// Whether a leader was confirmed with a quorum within `d`.
+    pub fn confirmed_within(&self, d: Duration) -> bool {
+        self.confirmed_at
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some_and(|at| at.elapsed() < d)
+    }
+
+    pub fn confirmed(&self) {
+        *self.confirmed_at.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
     }
 
     pub fn sent(&self, router: u32, generation: u64, index: u64) {
@@ -64,27 +101,20 @@ impl RouterBoard {
         }
     }
 
-    /// The routers fed now or within the last minute, with their lag behind `applied` and
-    /// their load as the leader's board has it.
-    pub fn list(&self, applied: u64, load: &crate::scheduler::load_board::LoadBoard) -> Vec<RouterInfo> {
+    /// The routers fed now or within the last minute, with their lag behind `applied`.
+    pub fn list(&self, applied: u64) -> Vec<RouterInfo> {
         let now = Instant::now();
         let mut lines = self.lines.lock().unwrap_or_else(|p| p.into_inner());
         lines.retain(|_, l| l.connected || now.duration_since(l.sent_at) < FORGET_AFTER);
         let mut out: Vec<RouterInfo> = lines
             .iter()
-            .map(|(router, l)| {
-                let reporter = laneway_core::identity::ROUTER_REPORTER_BASE + u64::from(*router);
-                let (in_flight, waiting) = load.of(reporter, now).unwrap_or_default();
-                RouterInfo {
-                    router: *router,
-                    router_addr: l.addr.clone(),
-                    sent_index: l.sent_index,
-                    lag_entries: applied.saturating_sub(l.sent_index),
-                    last_sent_ms_ago: now.duration_since(l.sent_at).as_millis() as u64,
-                    connected: l.connected,
-                    in_flight,
-                    waiting,
-                }
+            .map(|(router, l)| RouterInfo {
+                router: *router,
+                router_addr: l.addr.clone(),
+                sent_index: l.sent_index,
+                lag_entries: applied.saturating_sub(l.sent_index),
+                last_sent_ms_ago: now.duration_since(l.sent_at).as_millis() as u64,
+                connected: l.connected,
             })
             .collect();
         out.sort_by_key(|r| r.router);

@@ -23,8 +23,9 @@ pub const BEAT_EVERY: Duration = Duration::from_secs(1);
 /// Changes are gathered for this long before one update goes out (a burst of heartbeats' commits
 /// becomes one update).
 pub const COALESCE: Duration = Duration::from_millis(50);
-/// A controller that knows no leader for this long ends its lines: its state may be falling
-/// behind a leader it cannot hear, and the routers should follow one that can.
+/// A controller that cannot confirm a leader with a quorum for this long ends its lines: its
+/// state may be falling behind a leader it cannot hear (or it leads a minority), and the
+/// routers should follow one that can.
 pub const LEADERLESS_LIMIT: Duration = Duration::from_secs(3);
 /// How many jobs one `ReadJobs` answers at most.
 pub const READ_LIMIT: usize = 1000;
@@ -38,7 +39,9 @@ fn full(ctx: &Context) -> Result<Arc<RoutingUpdate>, Status> {
     // Read before the state (never inside `with_jobs`: a second read of the state's lock
     // while a writer waits deadlocks): the state sent is at least as new as its index.
     let applied_index = applied;
-    let (fleet_json, registry_json, jobs) = ctx.sm.with_jobs(|jobs, fleet, registry| {
+    // Copied under the state's read lock, encoded outside it: encoding a large fleet must not
+    // hold up the state machine's applies.
+    let (fleet, registry, jobs) = ctx.sm.with_jobs(|jobs, fleet, registry| {
         // A router needs no join tokens nor the record of who joined: they stay here.
         let mut registry = registry.clone();
         registry.access.join_tokens.clear();
@@ -63,8 +66,9 @@ fn full(ctx: &Context) -> Result<Arc<RoutingUpdate>, Status> {
                 _ => c.assigned += 1,
             }
         }
-        (serde_json::to_vec(fleet), serde_json::to_vec(&registry), counts)
+        (fleet.clone(), registry, counts)
     });
+    let (fleet_json, registry_json) = (serde_json::to_vec(&fleet), serde_json::to_vec(&registry));
     let encode = |e: serde_json::Error| Status::internal(format!("encoding the routing state: {e}"));
     let update = Arc::new(RoutingUpdate {
         applied_index,
@@ -116,17 +120,39 @@ pub async fn watch(
             ctx.node_id
         )));
     }
+    // Subscribed before the first state is read: a change applied in between is sent next,
+    // never missed.
+    let mut changes = (ctx.sm.subscribe_changes(), ctx.sm.subscribe_jobs());
+    changes.0.borrow_and_update();
+    changes.1.borrow_and_update();
     let first = full(ctx)?;
     let (tx, rx) = mpsc::channel(4);
     let generation = ctx.routers.open(router, addr);
     let ctx = ctx.clone();
     tracing::info!(router, "a router-only process follows this controller's routing state");
     tokio::spawn(async move {
-        let why = feed(&ctx, router, generation, first, &tx).await;
+        let why = feed(&ctx, router, generation, first, changes, &tx).await;
         ctx.routers.closed(router, generation);
         tracing::info!(router, %why, "routing line closed");
     });
     Ok(ReceiverStream::new(rx))
+}
+
+/// Whether this controller still follows a leader that a quorum follows, confirmed within the
+/// last second (one confirmation shared by every line): a leader cut off in a minority still
+/// believes it leads, and a follower cut off from it still names it.
+async fn still_current(ctx: &Context) -> bool {
+    let _one_at_a_time = ctx.routers.confirming.lock().await;
+    if ctx.routers.confirmed_within(BEAT_EVERY) {
+        return true;
+    }
+    let ok = tokio::time::timeout(BEAT_EVERY, ctx.jobs.caught_up())
+        .await
+        .unwrap_or(false);
+    if ok {
+        ctx.routers.confirmed();
+    }
+    ok
 }
 
 /// Sends updates on `tx` until the router hangs up or this controller loses the leader.
@@ -135,12 +161,9 @@ async fn feed(
     router: u32,
     generation: u64,
     first: Arc<RoutingUpdate>,
+    (mut changes, mut job_changes): (tokio::sync::watch::Receiver<u64>, tokio::sync::watch::Receiver<u64>),
     tx: &mpsc::Sender<Result<RoutingUpdate, Status>>,
 ) -> String {
-    let mut changes = ctx.sm.subscribe_changes();
-    let mut job_changes = ctx.sm.subscribe_jobs();
-    changes.borrow_and_update();
-    job_changes.borrow_and_update();
     let stamp = |mut u: RoutingUpdate| {
         u.leader_id = ctx.leader().map_or(0, |(id, _)| id);
         u.controllers = member_addrs(&ctx.raft);
@@ -152,7 +175,7 @@ async fn feed(
         return "the router hung up".into();
     }
     ctx.routers.sent(router, generation, sent);
-    let mut leaderless_since: Option<Instant> = None;
+    let mut current_at = Instant::now();
     loop {
         let changed = tokio::select! {
             r = changes.changed() => r.is_ok(),
@@ -160,22 +183,24 @@ async fn feed(
             _ = tokio::time::sleep(BEAT_EVERY) => false,
             _ = tx.closed() => return "the router hung up".into(),
         };
-        if ctx.leader().is_none() {
-            let since = *leaderless_since.get_or_insert_with(Instant::now);
-            if since.elapsed() >= LEADERLESS_LIMIT {
-                let _ = tx
-                    .send(Err(Status::unavailable(format!(
-                        "controller {} has known no leader for {} s; follow another controller",
-                        ctx.node_id,
-                        LEADERLESS_LIMIT.as_secs()
-                    ))))
-                    .await;
-                return "no leader".into();
-            }
-        } else {
-            leaderless_since = None;
+        if !ctx.routers.is_current(router, generation) {
+            return "replaced by a newer line of the same router".into();
         }
-        let update = if changed || ctx.sm.applied_index() != sent {
+        if still_current(ctx).await {
+            current_at = Instant::now();
+        } else if current_at.elapsed() >= LEADERLESS_LIMIT {
+            let _ = tx
+                .send(Err(Status::unavailable(format!(
+                    "controller {} has not been able to confirm a leader with a quorum for {} s (an election, or this controller is cut off); follow another controller",
+                    ctx.node_id,
+                    LEADERLESS_LIMIT.as_secs()
+                ))))
+                .await;
+            return "no confirmed leader".into();
+        }
+        // Only a change of the fleet, the registry or the jobs sends the state again: usage
+        // reports, settings and the like move the applied index but not what routers read.
+        let update = if changed {
             tokio::time::sleep(COALESCE).await;
             changes.borrow_and_update();
             job_changes.borrow_and_update();
@@ -187,8 +212,9 @@ async fn feed(
                 }
             }
         } else {
+            // Nothing a router reads changed: its copy is current as of the index now.
             RoutingUpdate {
-                applied_index: sent,
+                applied_index: ctx.sm.applied_index().max(sent),
                 controller_id: ctx.node_id,
                 ..RoutingUpdate::default()
             }
@@ -222,19 +248,33 @@ pub async fn read_jobs(ctx: &Context, req: Request<ReadJobsRequest>) -> Result<V
         ),
     };
     let mine = |j: &laneway_core::jobs::Job| j.tenant == r.tenant;
-    let encode = |j: &laneway_core::jobs::Job| serde_json::to_string(j).expect("jobs serialize");
+    // What a job's view shows: its inline input (a tenant's prompt) stays here.
+    let encode = |j: &laneway_core::jobs::Job| {
+        let mut j = j.clone();
+        j.input = None;
+        serde_json::to_string(&j).expect("jobs serialize")
+    };
+    let behind = || {
+        Status::unavailable(format!(
+            "controller {} cannot confirm it has applied what the leader committed; try another controller",
+            ctx.node_id
+        ))
+    };
     if !r.id.is_empty() {
-        let found = match ctx.sm.job(&r.id).filter(mine) {
-            Some(j) => Some(j),
-            None => {
-                // Acknowledged a moment ago through another router, perhaps.
-                ctx.jobs.catch_up().await;
-                ctx.sm.job(&r.id).filter(mine)
-            }
-        };
-        return Ok(found.iter().map(encode).collect());
+        if let Some(j) = ctx.sm.job(&r.id).filter(mine) {
+            return Ok(vec![encode(&j)]);
+        }
+        // Acknowledged a moment ago through another router, perhaps: a miss is an answer
+        // only from a controller caught up with the leader.
+        if !ctx.jobs.caught_up().await {
+            return Err(behind());
+        }
+        return Ok(ctx.sm.job(&r.id).filter(mine).iter().map(encode).collect());
     }
-    let limit = (r.limit as usize).clamp(1, READ_LIMIT);
+    if !ctx.jobs.caught_up().await {
+        return Err(behind());
+    }
+    let limit = (r.limit as usize).min(READ_LIMIT);
     Ok(ctx.sm.with_jobs(|jobs, _, _| {
         jobs.of_tenant(&r.tenant)
             .filter(|j| state.is_none_or(|s| j.state == s))

@@ -41,6 +41,9 @@ pub const SILENT_AFTER: Duration = Duration::from_secs(3);
 pub const CLUSTER_PATIENCE: Duration = Duration::from_secs(5);
 /// How often the router reports its load to the leader (its reports expire after 3 s).
 pub const LOAD_EVERY: Duration = Duration::from_millis(500);
+/// Largest answer decoded from a controller: a routing state grows by about 1 KB per GPU node
+/// (docs/scale.md), far past tonic's default 4 MiB on a large fleet.
+pub const MAX_ANSWER_BYTES: usize = 256 << 20;
 
 /// Flags of `laneway-control router`.
 #[derive(Debug, Clone, clap::Args)]
@@ -289,7 +292,7 @@ impl WatchedState {
         self.applied.load(Ordering::Acquire)
     }
 
-    fn known_controllers(&self, configured: &[String]) -> Vec<String> {
+    pub fn known_controllers(&self, configured: &[String]) -> Vec<String> {
         let mut all = configured.to_vec();
         for c in self.controllers.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             if !all.contains(c) {
@@ -366,7 +369,7 @@ impl RoutingState for WatchedState {
 /// Durable jobs written and read through the cluster.
 pub struct ClusterJobs {
     state: Arc<WatchedState>,
-    cluster: AdminClient,
+    cluster: Arc<AdminClient>,
 }
 
 impl ClusterJobs {
@@ -494,13 +497,23 @@ impl laneway_actors::Ticker for RoutingWatch {
             {
                 Ok(stream) => {
                     tracing::info!(controller = %addr, "following the routing state");
-                    self.failures = 0;
                     self.line = Some((addr, stream, Instant::now()));
                     return Duration::ZERO;
                 }
                 Err(e) => {
                     self.failures += 1;
-                    tracing::debug!(controller = %addr, error = %e, "no routing line");
+                    // A refusal (the wrong certificate, a revoked one, another router's number)
+                    // will not pass by itself: the operator has to see it.
+                    if matches!(
+                        e.code(),
+                        Some(
+                            tonic::Code::PermissionDenied | tonic::Code::Unauthenticated | tonic::Code::InvalidArgument
+                        )
+                    ) {
+                        tracing::warn!(controller = %addr, error = %e, "the controller refuses this router's routing line");
+                    } else {
+                        tracing::debug!(controller = %addr, error = %e, "no routing line");
+                    }
                     // Around the list quickly, then at most once a second per controller.
                     let n = all.len() as u32;
                     return if self.failures < n {
@@ -514,13 +527,26 @@ impl laneway_actors::Ticker for RoutingWatch {
         match tokio::time::timeout(Duration::from_secs(1), stream.message()).await {
             Ok(Ok(Some(update))) => {
                 *last = Instant::now();
-                if let Err(e) = self.state.apply(update) {
-                    tracing::warn!(controller = %addr, error = %e, "routing update not taken; trying another controller");
-                    self.line = None;
+                match self.state.apply(update) {
+                    Ok(()) => {
+                        // Back-off starts again only once a line has brought something.
+                        self.failures = 0;
+                        self.cluster.learn(&self.state.known_controllers(&self.configured));
+                    }
+                    Err(e) => {
+                        tracing::warn!(controller = %addr, error = %e, "routing update not taken; trying another controller");
+                        self.failures += 1;
+                        self.line = None;
+                    }
                 }
             }
-            Ok(Ok(None)) | Ok(Err(_)) => {
+            Ok(Ok(None)) => {
                 tracing::info!(controller = %addr, "routing line closed; trying another controller");
+                self.line = None;
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(controller = %addr, error = %e, "routing line broke; trying another controller");
+                self.failures += 1;
                 self.line = None;
             }
             Err(_) if last.elapsed() >= SILENT_AFTER => {
@@ -661,21 +687,22 @@ pub async fn start(cfg: RouterOnlyConfig) -> Result<RouterOnly, RouterOnlyError>
     let socket = crate::server::reserve(listen).map_err(|source| RouterOnlyError::Bind { addr: listen, source })?;
     let results = laneway_agent::results::ResultStore::open(&cfg.results_store)
         .map_err(|e| RouterOnlyError::Results(format!("{}: {e}", cfg.results_store)))?;
+    // One client for every call to the cluster: it learns every member from the routing state,
+    // so a router configured with one controller keeps writing jobs and reporting after that
+    // controller is gone.
     let cluster = Arc::new(
         AdminClient::new(cfg.controllers.clone())
             .with_tls(cfg.tls.as_ref().map(|t| t.client(laneway_pki::ANY_CONTROLLER)))
             .with_retry_for(CLUSTER_PATIENCE)
-            .with_call_timeout(Duration::from_secs(10)),
+            .with_call_timeout(Duration::from_secs(10))
+            .with_max_decoding(MAX_ANSWER_BYTES),
     );
     let state = Arc::new(WatchedState::default());
     let router = crate::router::Router::new(state.clone());
     router.enable_jobs(
         Arc::new(ClusterJobs {
             state: state.clone(),
-            cluster: AdminClient::new(cfg.controllers.clone())
-                .with_tls(cfg.tls.as_ref().map(|t| t.client(laneway_pki::ANY_CONTROLLER)))
-                .with_retry_for(CLUSTER_PATIENCE)
-                .with_call_timeout(CLUSTER_PATIENCE),
+            cluster: cluster.clone(),
         }),
         Arc::new(crate::router_host::Results(results)),
     );

@@ -179,16 +179,23 @@ async fn router_only_processes_route_follow_the_cluster_and_stay_up_without_it()
         .await;
     }
 
-    // `lanectl cluster status` lists both, connected and caught up.
-    let status = lanectl(&addr, &["cluster", "status"]);
-    let listed: Vec<u64> = status["routers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|r| r["connected"] == true)
-        .map(|r| r["router"].as_u64().unwrap())
-        .collect();
-    assert_eq!(listed, vec![1, 2], "cluster status lists the routers: {status}");
+    // `lanectl cluster status` lists both, connected, and reporting their load to the leader's
+    // autoscaler (which sums every router's).
+    wait_for(
+        "cluster status lists both routers with their load",
+        Duration::from_secs(10),
+        || async {
+            let status = lanectl(&addr, &["cluster", "status"]);
+            let listed: Vec<u64> = status["routers"]
+                .as_array()?
+                .iter()
+                .filter(|r| r["connected"] == true && r["load_reported"] == true)
+                .map(|r| r["router"].as_u64().unwrap())
+                .collect();
+            (listed == vec![1, 2]).then_some(())
+        },
+    )
+    .await;
 
     // A job submitted through router 1 is read, and its result fetched, through router 2.
     // (The durable lane sheds honestly for a few seconds after the sync lane refused work, as

@@ -226,6 +226,14 @@ async fn an_mtls_cluster_refuses_every_call_a_certificate_does_not_allow() {
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
     let e = router
         .clone()
+        .list_registry(laneway_proto::admin::ListRegistryRequest {
+            kind: "admin-tokens".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "a router reads no listings: {e:?}");
+    let e = router
+        .clone()
         .report_load(laneway_proto::admin::LoadReport {
             controller_id: 1,
             ..Default::default()

@@ -665,10 +665,10 @@ async fn status(client: &AdminClient, given: &[String], out: Output) -> anyhow::
     let mut loads: std::collections::BTreeMap<u32, (u32, u32)> = Default::default();
     for (m, s) in &rows {
         let Ok(s) = s else { continue };
+        for l in &s.router_loads {
+            loads.insert(l.router, (l.in_flight, l.waiting));
+        }
         for r in &s.routers {
-            if s.node_id == leader {
-                loads.insert(r.router, (r.in_flight, r.waiting));
-            }
             let newer = routers.get(&r.router).is_none_or(|(_, old)| {
                 (r.connected, std::cmp::Reverse(r.last_sent_ms_ago))
                     > (old.connected, std::cmp::Reverse(old.last_sent_ms_ago))
@@ -681,16 +681,17 @@ async fn status(client: &AdminClient, given: &[String], out: Output) -> anyhow::
     let router_rows: Vec<_> = routers
         .values()
         .map(|(fed_by, r)| {
-            let (in_flight, waiting) = loads.get(&r.router).copied().unwrap_or((r.in_flight, r.waiting));
-            (*fed_by, r.clone(), in_flight, waiting)
+            let load = loads.get(&r.router).copied();
+            let (in_flight, waiting) = load.unwrap_or_default();
+            (*fed_by, r.clone(), in_flight, waiting, load.is_some())
         })
         .collect();
     let routers_json: Vec<_> = router_rows
         .iter()
-        .map(|(fed_by, r, in_flight, waiting)| {
+        .map(|(fed_by, r, in_flight, waiting, reported)| {
             json!({"router": r.router, "addr": r.router_addr, "fed_by": fed_by, "connected": r.connected,
                    "sent_index": r.sent_index, "lag_entries": r.lag_entries, "last_sent_ms_ago": r.last_sent_ms_ago,
-                   "in_flight": in_flight, "waiting": waiting})
+                   "in_flight": in_flight, "waiting": waiting, "load_reported": reported})
         })
         .collect();
     let v = json!({"cluster": first.cluster, "leader_id": leader, "term": first.term,
@@ -733,7 +734,12 @@ async fn status(client: &AdminClient, given: &[String], out: Output) -> anyhow::
                 "router-only processes\n{:>6}  {:<21} {:>7} {:<9} {:>9} {:>5} {:>9} {:>9} {:>7}\n",
                 "ROUTER", "ADDR", "FED BY", "LINE", "SENT", "LAG", "HEARD", "IN FLIGHT", "WAITING"
             ));
-            for (fed_by, r, in_flight, waiting) in &router_rows {
+            for (fed_by, r, in_flight, waiting, reported) in &router_rows {
+                let (in_flight, waiting) = if *reported {
+                    (in_flight.to_string(), waiting.to_string())
+                } else {
+                    ("-".to_string(), "-".to_string())
+                };
                 t.push_str(&format!(
                     "{:>6}  {:<21} {:>7} {:<9} {:>9} {:>5} {:>7}ms {:>9} {:>7}\n",
                     r.router,

@@ -55,6 +55,11 @@ pub struct AdminClient {
     tls: Option<ClientTlsConfig>,
     /// An admin bearer token sent with every call (for callers without a certificate).
     bearer: Bearer,
+    /// Controllers learned since (a router-only process learns every member from its
+    /// routing state), tried after `addrs`.
+    learned: Mutex<Vec<String>>,
+    /// Largest answer decoded, bytes (tonic's default 4 MiB when `None`).
+    max_decoding: Option<usize>,
 }
 
 /// Adds `authorization: Bearer …` to every call when a token is set.
@@ -84,6 +89,33 @@ impl AdminClient {
             preferred: Mutex::default(),
             tls: None,
             bearer: Bearer::default(),
+            learned: Mutex::default(),
+            max_decoding: None,
+        }
+    }
+
+    /// Decodes answers up to `bytes` (a routing state or a page of jobs can pass tonic's
+    /// default 4 MiB).
+    pub fn with_max_decoding(mut self, bytes: usize) -> Self {
+        self.max_decoding = Some(bytes);
+        self
+    }
+
+    /// Adds controllers to try after the configured ones (members learned from the cluster).
+    pub fn learn(&self, addrs: &[String]) {
+        let mut learned = self.learned.lock().unwrap_or_else(|p| p.into_inner());
+        for a in addrs {
+            if !self.addrs.contains(a) && !learned.contains(a) {
+                learned.push(a.clone());
+            }
+        }
+    }
+
+    fn client(&self, channel: Channel) -> Admin {
+        let c = AdminServiceClient::with_interceptor(channel, self.bearer.clone());
+        match self.max_decoding {
+            Some(n) => c.max_decoding_message_size(n),
+            None => c,
         }
     }
 
@@ -151,7 +183,7 @@ impl AdminClient {
         F: FnOnce(Admin) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
-        let client = AdminServiceClient::with_interceptor(self.channel(addr)?, self.bearer.clone());
+        let client = self.client(self.channel(addr)?);
         f(client)
             .await
             .map(|r| r.into_inner())
@@ -184,12 +216,13 @@ impl AdminClient {
             order.push(p);
         }
         order.extend(self.addrs.iter().cloned());
+        order.extend(self.learned.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned());
         let mut next = 0usize;
         let mut target = order[0].clone();
         let mut redirects = 0usize;
         let mut last;
         loop {
-            let client = AdminServiceClient::with_interceptor(self.channel(&target)?, self.bearer.clone());
+            let client = self.client(self.channel(&target)?);
             match f(client).await {
                 Ok(r) => {
                     *self.preferred.lock().unwrap_or_else(|p| p.into_inner()) = Some(target);

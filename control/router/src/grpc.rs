@@ -135,7 +135,7 @@ where
             None
         } else if !self.router.is_ready() {
             Some(Status::unavailable(
-                "this controller is catching up with the cluster (it just started or joined); retry in a moment or through another controller",
+                "this router is catching up with the cluster (it just started or joined, or has not yet received the routing state); retry in a moment or through another router",
             ))
         } else {
             super::pipeline::authenticate(&self.router.table(), req.headers(), &super::answer::Meta::default())
@@ -171,7 +171,7 @@ impl Inference {
             return Ok(());
         }
         Err(Status::unavailable(
-            "this controller is catching up with the cluster (it just started or joined); retry in a moment or through another controller",
+            "this router is catching up with the cluster (it just started or joined, or has not yet received the routing state); retry in a moment or through another router",
         ))
     }
 }

@@ -164,7 +164,7 @@ async fn until_caught_up(
     with_retry_after(
         error(
             StatusCode::SERVICE_UNAVAILABLE,
-            "this controller is catching up with the cluster (it just started or joined); retry in a moment or through another controller".into(),
+            "this router is catching up with the cluster (it just started or joined, or has not yet received the routing state); retry in a moment or through another router".into(),
             &Meta {
                 request_id: request_id(req.headers()),
                 ..Meta::default()

@@ -97,7 +97,22 @@ pub(super) async fn status(admin: &AdminGrpc, req: Request<StatusRequest>) -> Re
         initialized,
         retired_node_ids: admin.sm.retired_node_ids(),
         command_format: crate::command::COMMAND_FORMAT,
-        routers: admin.ctx.routers.list(applied.map_or(0, |l| l.index), &admin.load),
+        routers: admin.ctx.routers.list(applied.map_or(0, |l| l.index)),
+        router_loads: if admin.leader_only().is_ok() {
+            let base = laneway_core::identity::ROUTER_REPORTER_BASE;
+            admin
+                .load
+                .fresh_from(base + 1, tokio::time::Instant::now())
+                .into_iter()
+                .map(|(r, in_flight, waiting)| laneway_proto::admin::RouterLoad {
+                    router: (r - base) as u32,
+                    in_flight,
+                    waiting,
+                })
+                .collect()
+        } else {
+            Vec::new()
+        },
     }))
 }
 

@@ -31,13 +31,19 @@ impl LoadBoard {
             .insert(controller, (now, load));
     }
 
-    /// Requests in flight and waiting through one reporter, summed over models, if its last
-    /// report is fresh.
-    pub fn of(&self, reporter: NodeId, now: Instant) -> Option<(u32, u32)> {
+    /// Every reporter from `from` up with a fresh report: (reporter, in flight, waiting).
+    pub fn fresh_from(&self, from: NodeId, now: Instant) -> Vec<(NodeId, u32, u32)> {
         let reports = self.reports.lock().unwrap_or_else(|p| p.into_inner());
-        let (at, load) = reports.get(&reporter)?;
-        (now.saturating_duration_since(*at) <= REPORT_TTL)
-            .then(|| load.values().fold((0, 0), |(f, w), l| (f + l.in_flight, w + l.waiting)))
+        let mut out: Vec<_> = reports
+            .iter()
+            .filter(|(r, (at, _))| **r >= from && now.saturating_duration_since(*at) <= REPORT_TTL)
+            .map(|(r, (_, load))| {
+                let (f, w) = load.values().fold((0, 0), |(f, w), l| (f + l.in_flight, w + l.waiting));
+                (*r, f, w)
+            })
+            .collect();
+        out.sort_unstable();
+        out
     }
 
     /// Load per model summed over the routers that reported within [`REPORT_TTL`].
