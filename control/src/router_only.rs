@@ -195,7 +195,7 @@ impl RouterArgs {
 
 /// The routing state as last heard from the cluster.
 pub struct WatchedState {
-    state: RwLock<(Fleet, Registry, Jobs)>,
+    state: RwLock<(Fleet, Registry)>,
     counts: RwLock<HashMap<String, JobCounts>>,
     changes: watch::Sender<u64>,
     /// When the last update or beat arrived (`None`: never).
@@ -342,7 +342,7 @@ impl RoutingState for WatchedState {
     /// A router-only process holds no jobs: reads go to the cluster (`ClusterJobs`).
     fn visit_jobs(&self, f: &mut dyn FnMut(&Jobs, &Fleet, &Registry)) {
         let s = self.state.read().unwrap_or_else(|p| p.into_inner());
-        f(&s.2, &s.0, &s.1);
+        f(&Jobs::default(), &s.0, &s.1);
     }
 
     fn job(&self, _id: &str) -> Option<Job> {
@@ -579,17 +579,7 @@ impl laneway_actors::Ticker for LoadReporter {
     async fn tick(&mut self) -> Duration {
         let report = laneway_proto::admin::LoadReport {
             controller_id: self.reporter,
-            models: self
-                .router
-                .model_load()
-                .into_iter()
-                .map(|(model, l)| laneway_proto::admin::ModelLoadReport {
-                    model,
-                    in_flight: l.in_flight,
-                    waiting: l.waiting,
-                    ttft_p99_ms: l.ttft_p99_ms.unwrap_or(0.0),
-                })
-                .collect(),
+            models: crate::scheduler::load_reporter::model_reports(self.router.model_load()),
             actor_events: Vec::new(),
         };
         if let Err(e) = self

@@ -20,6 +20,21 @@ pub type ActorEvents = Arc<Mutex<VecDeque<laneway_proto::admin::ActorEvent>>>;
 /// How often each controller reports its router's load to the leader.
 pub const REPORT_EVERY: Duration = Duration::from_millis(500);
 
+/// A router's load per model, as a load report carries it (a controller's router or a
+/// router-only process).
+pub fn model_reports(
+    load: std::collections::HashMap<String, crate::scheduler::autoscale::ModelLoad>,
+) -> Vec<laneway_proto::admin::ModelLoadReport> {
+    load.into_iter()
+        .map(|(model, l)| laneway_proto::admin::ModelLoadReport {
+            model,
+            in_flight: l.in_flight,
+            waiting: l.waiting,
+            ttft_p99_ms: l.ttft_p99_ms.unwrap_or(0.0),
+        })
+        .collect()
+}
+
 pub struct LoadReporter {
     ctx: Context,
     leaders: AdminClient,
@@ -63,15 +78,7 @@ impl laneway_actors::Ticker for LoadReporter {
                 let report = laneway_proto::admin::LoadReport {
                     actor_events: actor_events.clone(),
                     controller_id: ctx.node_id,
-                    models: load
-                        .into_iter()
-                        .map(|(model, l)| laneway_proto::admin::ModelLoadReport {
-                            model,
-                            in_flight: l.in_flight,
-                            waiting: l.waiting,
-                            ttft_p99_ms: l.ttft_p99_ms.unwrap_or(0.0),
-                        })
-                        .collect(),
+                    models: model_reports(load),
                 };
                 let sent = self
                     .leaders
