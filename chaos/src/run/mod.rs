@@ -257,7 +257,7 @@ async fn drive<B: Backend>(s: &Scenario, seed: u64, b: &mut B, rng: &mut StdRng)
         // checkers still judge what the cluster holds.
         eprintln!("{e:#}");
     }
-    let (polls, claims) = monitor.stop().await;
+    let (polls, seen) = monitor.stop().await;
     let actor_restarts = inject::actor_restarts(b).await;
 
     let tenant_keys: HashMap<String, String> = tenants.into_iter().collect();
@@ -272,7 +272,7 @@ async fn drive<B: Backend>(s: &Scenario, seed: u64, b: &mut B, rng: &mut StdRng)
             Duration::from_secs(s.checks.jobs_settle_s),
         )
         .await,
-        checkers::raft::check(polls, &claims, &addrs, &faults).await,
+        checkers::raft::check(polls, &seen, &addrs, &faults).await,
         checkers::admin_writes::check(admin_offered, &admin_acked, &addrs).await,
         checkers::linearizable::check(&register_history),
         checkers::sync_lane::check(&history, &faults, s.checks.sync_success_min),

@@ -1,7 +1,15 @@
-//! Raft: at most one leader per term, all through the run (a monitor asks every controller
-//! every 100 ms who it is); after healing, every controller's state hash is identical at the
-//! same applied index, and the cluster accepts a write. A time without any leader that the
-//! harness measured (`no_leader`) and that outlasted the recovery bound is a violation.
+//! Raft: a monitor asks every controller every 100 ms for its role and term, all through the
+//! run. A controller's term never goes back (its vote is durable, power loss included); after
+//! healing, every controller's state hash is identical at the same applied index, and the
+//! cluster accepts a write. A time without any leader that the harness measured (`no_leader`)
+//! and that outlasted the recovery bound is a violation.
+//!
+//! Several leaders in one term are not a violation: openraft (without its `single-term-leader`
+//! feature, which Laneway does not enable) orders leader ids as `(term, node id)`, so a voter
+//! that granted `(11, 1)` may later grant `(11, 3)`, and the older leader can no longer commit
+//! anything (its appends are refused by every voter of the newer one). The report counts such
+//! terms; what would make them unsafe, two leaders committing different entries at one index,
+//! shows as members holding different states at one applied index.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,9 +25,38 @@ use crate::run::inject::FaultRecord;
 use crate::run::scenario::FaultKind;
 use crate::support::admin::{hashed_status_of, status_of};
 
-/// Watches who claims leadership in which term.
+/// What the monitor saw: leaders claimed per term, and each controller's terms going back.
+#[derive(Debug, Default, Clone)]
+pub struct Seen {
+    /// Term → the node ids that said `leader` in it.
+    pub claims: BTreeMap<u64, BTreeSet<u64>>,
+    /// "controller N: term X, then Y" for every term that went back.
+    pub regressions: Vec<String>,
+    /// Node id → the highest term it reported.
+    highest: BTreeMap<u64, u64>,
+}
+
+impl Seen {
+    fn record(&mut self, node_id: u64, term: u64, leader: bool) {
+        // A member answers before its Raft core has read the vote only with term 0.
+        if term == 0 {
+            return;
+        }
+        if leader {
+            self.claims.entry(term).or_default().insert(node_id);
+        }
+        let highest = self.highest.entry(node_id).or_insert(term);
+        if term < *highest {
+            self.regressions
+                .push(format!("controller {node_id}: term {highest}, then {term}"));
+        }
+        *highest = (*highest).max(term);
+    }
+}
+
+/// Watches who claims leadership in which term, and that no member's term goes back.
 pub struct Monitor {
-    claims: Arc<Mutex<BTreeMap<u64, BTreeSet<u64>>>>,
+    seen: Arc<Mutex<Seen>>,
     stop: Arc<AtomicBool>,
     task: tokio::task::JoinHandle<u64>,
 }
@@ -27,18 +64,19 @@ pub struct Monitor {
 impl Monitor {
     /// Polls the controllers at `addrs` (which may change as members are replaced).
     pub fn start(addrs: Arc<RwLock<Vec<String>>>) -> Monitor {
-        let claims: Arc<Mutex<BTreeMap<u64, BTreeSet<u64>>>> = Arc::default();
+        let seen: Arc<Mutex<Seen>> = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
         let task = {
-            let (claims, stop) = (claims.clone(), stop.clone());
+            let (seen_all, stop) = (seen.clone(), stop.clone());
             tokio::spawn(async move {
                 let mut polls = 0u64;
                 while !stop.load(Ordering::SeqCst) {
                     let list = addrs.read().unwrap().clone();
                     let seen = futures::future::join_all(list.iter().map(|a| status_of(a))).await;
-                    for s in seen.into_iter().flatten() {
-                        if s.state == "leader" {
-                            claims.lock().unwrap().entry(s.term).or_default().insert(s.node_id);
+                    {
+                        let mut all = seen_all.lock().unwrap();
+                        for s in seen.into_iter().flatten() {
+                            all.record(s.node_id, s.term, s.state == "leader");
                         }
                     }
                     polls += 1;
@@ -47,25 +85,20 @@ impl Monitor {
                 polls
             })
         };
-        Monitor { claims, stop, task }
+        Monitor { seen, stop, task }
     }
 
-    /// Stops polling; leaders claimed per term.
-    pub async fn stop(self) -> (u64, BTreeMap<u64, BTreeSet<u64>>) {
+    /// Stops polling; what it saw.
+    pub async fn stop(self) -> (u64, Seen) {
         self.stop.store(true, Ordering::SeqCst);
         let polls = self.task.await.unwrap_or(0);
-        let claims = self.claims.lock().unwrap().clone();
-        (polls, claims)
+        let seen = self.seen.lock().unwrap().clone();
+        (polls, seen)
     }
 }
 
 /// Judges the claims, then compares the healed members' state and writes once.
-pub async fn check(
-    polls: u64,
-    claims: &BTreeMap<u64, BTreeSet<u64>>,
-    addrs: &[String],
-    faults: &[FaultRecord],
-) -> Verdict {
+pub async fn check(polls: u64, seen: &Seen, addrs: &[String], faults: &[FaultRecord]) -> Verdict {
     let mut v = Verdict::new("raft", json!(null));
     // Times without a leader that the harness measured before a fault: each is in the report;
     // one that did not end within the recovery bound is an availability failure. A controller
@@ -77,12 +110,15 @@ pub async fn check(
                 .push(format!("{}: {} ({e}), from {} ms", f.kind.as_str(), f.target, f.at_ms));
         }
     }
-    for (term, leaders) in claims {
-        if leaders.len() > 1 {
-            v.violations
-                .push(format!("term {term} had {} leaders: nodes {leaders:?}", leaders.len()));
-        }
+    for r in &seen.regressions {
+        v.violations.push(format!("a term went back, so a vote was lost: {r}"));
     }
+    let claims = &seen.claims;
+    let shared_terms: Vec<String> = claims
+        .iter()
+        .filter(|(_, leaders)| leaders.len() > 1)
+        .map(|(term, leaders)| format!("term {term}: nodes {leaders:?}"))
+        .collect();
     // The same applied index must mean the same state; wait (30 s at most) for a moment when
     // every member is at the same index.
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -128,6 +164,7 @@ pub async fn check(
         "polls": polls,
         "terms_with_a_leader": claims.len(),
         "max_leaders_in_a_term": claims.values().map(BTreeSet::len).max().unwrap_or(0),
+        "terms_with_several_leaders": shared_terms,
         "members_agree": matches!(compared, Some((_, 1))),
         "compared_at_index": compared.map(|c| c.0),
         "write_after_healing_ms": wrote.ok().map(|_| start.elapsed().as_millis() as u64),
@@ -135,4 +172,23 @@ pub async fn check(
         "longest_no_leader_ms": outages.iter().map(|o| o.lasted_ms).max(),
     });
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn leaders_in_one_term_are_counted_and_a_term_going_back_is_caught() {
+        let mut seen = Seen::default();
+        seen.record(1, 11, true);
+        seen.record(3, 11, true);
+        seen.record(2, 11, false);
+        seen.record(1, 12, false);
+        seen.record(2, 0, false);
+        assert_eq!(seen.claims[&11], BTreeSet::from([1, 3]));
+        assert!(seen.regressions.is_empty(), "{:?}", seen.regressions);
+        seen.record(1, 11, false);
+        assert_eq!(seen.regressions, vec!["controller 1: term 12, then 11".to_string()]);
+    }
 }
