@@ -70,6 +70,18 @@ pub(crate) trait Backend {
     fn host_running(&self, j: usize) -> bool;
     fn kill_host(&mut self, j: usize) -> anyhow::Result<()>;
     fn start_host(&mut self, j: usize) -> anyhow::Result<()>;
+    /// Cuts host `j`'s agent off every controller; the routers still reach its replicas.
+    fn cut_off_host(&mut self, j: usize) -> anyhow::Result<()> {
+        let _ = j;
+        anyhow::bail!(
+            "{} backend: cutting an agent off needs a network of its own",
+            self.name()
+        )
+    }
+    fn reconnect_host(&mut self, j: usize) -> anyhow::Result<()> {
+        let _ = j;
+        Ok(())
+    }
     /// Host pids of host `j`'s replica processes.
     fn replica_pids(&self, j: usize) -> Vec<i32>;
     fn crash_replica(&mut self, pid: i32);

@@ -52,6 +52,8 @@ pub struct DockerBackend {
     paused: BTreeSet<String>,
     /// Cut-off controllers, with whether the cut is one-way.
     cut: std::collections::BTreeMap<usize, bool>,
+    /// Hosts whose agents are cut off from the controllers.
+    cut_hosts: BTreeSet<usize>,
     hung: BTreeSet<i32>,
     failpoints: bool,
     /// Controllers whose network is degraded, and how: `None` by a netem qdisc on every
@@ -132,6 +134,7 @@ impl DockerBackend {
             killed: BTreeSet::new(),
             paused: BTreeSet::new(),
             cut: Default::default(),
+            cut_hosts: Default::default(),
             hung: BTreeSet::new(),
             failpoints: !s.faults.failpoints.trim().is_empty(),
             degraded: Default::default(),
@@ -235,7 +238,47 @@ impl DockerBackend {
 
     /// `iptables OP RULE…` in controller `i`'s network namespace.
     fn iptables(&self, i: usize, op: &str, rule: &[String]) -> anyhow::Result<()> {
-        let pid = self.pid(&controller(i))?.to_string();
+        self.iptables_in(&controller(i), op, rule)
+    }
+
+    /// The rules that cut host `j`'s agent off the controllers' agent port (7000, the
+    /// compose file's `--listen`), both ways; its replicas' ports stay open to the routers.
+    fn agent_cut_rules(&self, j: usize, add: bool) -> anyhow::Result<()> {
+        let controllers = format!("{}-{}", Self::ip(0), Self::ip(CONTROLLERS - 1));
+        let op = if add { "-A" } else { "-D" };
+        let out = [
+            "OUTPUT",
+            "-p",
+            "tcp",
+            "-m",
+            "iprange",
+            "--dst-range",
+            &controllers,
+            "--dport",
+            "7000",
+            "-j",
+            "DROP",
+        ];
+        let inp = [
+            "INPUT",
+            "-p",
+            "tcp",
+            "-m",
+            "iprange",
+            "--src-range",
+            &controllers,
+            "--sport",
+            "7000",
+            "-j",
+            "DROP",
+        ];
+        self.iptables_in(HOSTS[j].0, op, &out.map(String::from))?;
+        self.iptables_in(HOSTS[j].0, op, &inp.map(String::from))
+    }
+
+    /// `iptables OP RULE…` in service `svc`'s network namespace.
+    fn iptables_in(&self, svc: &str, op: &str, rule: &[String]) -> anyhow::Result<()> {
+        let pid = self.pid(svc)?.to_string();
         run(Command::new("nsenter")
             .args(["-t", &pid, "-n", "iptables", op])
             .args(rule))
@@ -447,6 +490,19 @@ impl Backend for DockerBackend {
         self.start_svc(HOSTS[j].0)
     }
 
+    fn cut_off_host(&mut self, j: usize) -> anyhow::Result<()> {
+        self.agent_cut_rules(j, true)?;
+        self.cut_hosts.insert(j);
+        Ok(())
+    }
+
+    fn reconnect_host(&mut self, j: usize) -> anyhow::Result<()> {
+        if self.cut_hosts.remove(&j) {
+            self.agent_cut_rules(j, false)?;
+        }
+        Ok(())
+    }
+
     fn replica_pids(&self, j: usize) -> Vec<i32> {
         if !self.host_running(j) {
             return Vec::new();
@@ -501,6 +557,9 @@ impl Backend for DockerBackend {
         }
         for i in self.cut.keys().copied().collect::<Vec<_>>() {
             self.unpartition(i)?;
+        }
+        for j in self.cut_hosts.clone() {
+            self.reconnect_host(j)?;
         }
         for svc in self.killed.clone() {
             self.start_svc(&svc)?;

@@ -385,17 +385,7 @@ pub async fn inject<B: Backend>(
             b.restore_network()?;
         }
         FaultKind::KillAgent => {
-            // The host running durable jobs when there is one: the dangerous case.
-            let hosts = b.host_ids();
-            let running: Vec<usize> = (0..hosts.len()).filter(|&j| b.host_running(j)).collect();
-            anyhow::ensure!(!running.is_empty(), "no running host to kill");
-            let clip_nodes = crate::support::admin::ready(&admin, Lane::Durable.model()).await;
-            let victim = running
-                .iter()
-                .copied()
-                .find(|&j| clip_nodes.contains(&hosts[j]) && rng.random_bool(0.7))
-                .unwrap_or_else(|| running[rng.random_range(0..running.len())]);
-            let id = hosts[victim].clone();
+            let (victim, id) = host_to_lose(b, &admin, rng).await?;
             rec.target = format!("host {id}");
             b.kill_host(victim)?;
             match floors_ready(b, &admin, Some(&id), bound, &mut crashed).await {
@@ -403,6 +393,48 @@ pub async fn inject<B: Backend>(
                 Err(e) => rec.recovery_error = Some(e),
             }
             b.start_host(victim)?;
+        }
+        FaultKind::CutOffAgent => {
+            let (victim, id) = host_to_lose(b, &admin, rng).await?;
+            let replicas = b.replica_pids(victim);
+            b.cut_off_host(victim)?;
+            // Held past node_dead_after (3 s by default) whatever happens sooner: the node must
+            // be declared down while its replicas keep running.
+            let held = sleep_ms(rng, 5000, 8000);
+            let cut_at = Instant::now();
+            let mut declared_down_ms = None;
+            let floors = floors_ready(b, &admin, Some(&id), bound, &mut crashed).await;
+            while cut_at.elapsed() < held.max(bound.min(Duration::from_secs(15))) {
+                if crate::support::admin::liveness(&admin, &id).await.as_deref() == Some("down") {
+                    declared_down_ms = Some(cut_at.elapsed().as_millis() as u64);
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            if let Some(left) = held.checked_sub(cut_at.elapsed()) {
+                tokio::time::sleep(left).await;
+            }
+            let alive = b.replica_pids(victim);
+            let stopped: Vec<i32> = replicas.iter().copied().filter(|p| !alive.contains(p)).collect();
+            b.reconnect_host(victim)?;
+            rec.target = match declared_down_ms {
+                Some(ms) => format!("host {id} (declared down after {ms} ms)"),
+                None => format!("host {id}"),
+            };
+            rec.recovery_error = match (floors, declared_down_ms) {
+                (Err(e), _) => Some(e),
+                (Ok(_), None) => Some(format!(
+                    "{id} was never declared down while cut off for {} ms",
+                    cut_at.elapsed().as_millis()
+                )),
+                (Ok(_), Some(_)) if !stopped.is_empty() => Some(format!(
+                    "the agent of {id} stopped replica pids {stopped:?} while cut off (static stability)"
+                )),
+                (Ok(ms), Some(_)) => {
+                    rec.recovery_ms = Some(ms);
+                    None
+                }
+            };
         }
         FaultKind::ReplicaCrash | FaultKind::ReplicaHang => {
             let candidates: Vec<i32> = (0..b.host_ids().len()).flat_map(|j| b.replica_pids(j)).collect();
@@ -450,6 +482,21 @@ pub async fn inject<B: Backend>(
     rec.lasted_ms = started.elapsed().as_millis() as u64;
     rec.crashed_meanwhile = crashed;
     Ok(rec)
+}
+
+/// The host a host fault takes: the one running durable jobs when there is one (the
+/// dangerous case), else any running host. Its index and node id.
+async fn host_to_lose<B: Backend>(b: &B, admin: &AdminClient, rng: &mut StdRng) -> anyhow::Result<(usize, String)> {
+    let hosts = b.host_ids();
+    let running: Vec<usize> = (0..hosts.len()).filter(|&j| b.host_running(j)).collect();
+    anyhow::ensure!(!running.is_empty(), "no running host to take");
+    let clip_nodes = crate::support::admin::ready(admin, Lane::Durable.model()).await;
+    let victim = running
+        .iter()
+        .copied()
+        .find(|&j| clip_nodes.contains(&hosts[j]) && rng.random_bool(0.7))
+        .unwrap_or_else(|| running[rng.random_range(0..running.len())]);
+    Ok((victim, hosts[victim].clone()))
 }
 
 /// `actor_panic` faults injected so far by this process (they take the actors in turn).

@@ -183,8 +183,9 @@ impl Backend for ProcessBackend {
     }
 
     fn supports(&self, kind: FaultKind) -> bool {
-        // No network namespace per process: partitions and netem need the docker backend.
-        !kind.is_partition() && kind != FaultKind::DegradedNetwork
+        // No network namespace per process: partitions, netem and cut-off agents need the
+        // docker backend.
+        !kind.is_partition() && !matches!(kind, FaultKind::DegradedNetwork | FaultKind::CutOffAgent)
     }
 
     fn controller_addrs(&self) -> Vec<String> {

@@ -202,6 +202,12 @@ pub enum FaultKind {
     /// container's namespace): 20–150 ms delay with jitter of half that, 1–5% loss — between
     /// controllers, agents and clients alike.
     DegradedNetwork,
+    /// One host's agent cut off from every controller (docker backend: its packets to and from
+    /// the controllers' agent port dropped) for longer than `node_dead_after`, while the
+    /// routers still reach its replicas. The node is declared down and its warm floors placed
+    /// elsewhere; the agent keeps its replicas running (static stability, checked by their
+    /// pids) and its jobs, fenced, run again elsewhere; then the cut heals.
+    CutOffAgent,
     /// Not a scenario's choice: a controller that exited on its own (a failpoint's panic),
     /// restarted by the harness as a service manager would.
     #[serde(skip_deserializing)]
@@ -232,6 +238,7 @@ impl FaultKind {
             FaultKind::SlowFsyncLeader => "slow_fsync_leader",
             FaultKind::DiskFull => "disk_full",
             FaultKind::DegradedNetwork => "degraded_network",
+            FaultKind::CutOffAgent => "cut_off_agent",
             FaultKind::Crashed => "crashed",
             FaultKind::NoLeader => "no_leader",
         }
@@ -282,7 +289,7 @@ impl FaultKind {
     pub fn on_agents(self) -> bool {
         matches!(
             self,
-            FaultKind::KillAgent | FaultKind::ReplicaCrash | FaultKind::ReplicaHang
+            FaultKind::KillAgent | FaultKind::ReplicaCrash | FaultKind::ReplicaHang | FaultKind::CutOffAgent
         )
     }
 }
@@ -370,8 +377,13 @@ impl Scenario {
             bail!("`checks.sync_success_min` is a share between 0 and 1");
         }
         let hosts: u32 = self.hosts.iter().map(|h| h.count).sum();
-        if self.faults.kinds.contains(&FaultKind::KillAgent) && hosts < 2 {
-            bail!("`kill_agent` needs at least 2 hosts: the killed host's replicas need somewhere to go");
+        for kind in [FaultKind::KillAgent, FaultKind::CutOffAgent] {
+            if self.faults.kinds.contains(&kind) && hosts < 2 {
+                bail!(
+                    "`{}` needs at least 2 hosts: the lost host's replicas need somewhere to go",
+                    kind.as_str()
+                );
+            }
         }
         for (key, names) in [
             ("expect_violations", &self.expect_violations),

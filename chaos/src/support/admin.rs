@@ -82,6 +82,15 @@ pub async fn ready(admin: &AdminClient, model: &str) -> Vec<String> {
         .collect()
 }
 
+/// A node's committed liveness ("up", "down"), or None when no controller answers.
+pub async fn liveness(admin: &AdminClient, node: &str) -> Option<String> {
+    let reply = admin
+        .call(|mut c| async move { c.list_nodes(laneway_proto::admin::ListNodesRequest {}).await })
+        .await
+        .ok()?;
+    reply.nodes.into_iter().find(|n| n.node_id == node).map(|n| n.liveness)
+}
+
 pub async fn put(admin: &AdminClient, class: bool, doc: Value) -> anyhow::Result<()> {
     let json = doc.to_string();
     admin
