@@ -417,9 +417,13 @@ pub async fn inject<B: Backend>(
             let alive = b.replica_pids(victim);
             let stopped: Vec<i32> = replicas.iter().copied().filter(|p| !alive.contains(p)).collect();
             b.reconnect_host(victim)?;
+            let kept = replicas.len() - stopped.len();
             rec.target = match declared_down_ms {
-                Some(ms) => format!("host {id} (declared down after {ms} ms)"),
-                None => format!("host {id}"),
+                Some(ms) => format!(
+                    "host {id} (declared down after {ms} ms; {kept} of its {} replicas kept running)",
+                    replicas.len()
+                ),
+                None => format!("host {id} ({kept} of its {} replicas kept running)", replicas.len()),
             };
             rec.recovery_error = match (floors, declared_down_ms) {
                 (Err(e), _) => Some(e),

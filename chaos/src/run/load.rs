@@ -132,7 +132,7 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<()> {
         args.factor,
         args.step_s
     );
-    let mut b = ProcessBackend::start(&s, args.bins.resolve()).await?;
+    let mut b = ProcessBackend::start(&s, args.bins.resolve(), s.seed).await?;
     crate::support::admin::use_admin_tls(None);
     let admin = crate::support::admin::admin_client(b.controller_addrs()).with_retry_for(Duration::from_secs(15));
     let tenants = super::register(&admin, &s, &b).await?;

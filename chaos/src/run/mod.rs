@@ -152,7 +152,7 @@ async fn run_one(
     let mut rng = StdRng::seed_from_u64(seed);
     match backend {
         BackendKind::Process => {
-            let mut b = ProcessBackend::start(s, bins.clone()).await?;
+            let mut b = ProcessBackend::start(s, bins.clone(), seed).await?;
             drive_logged(s, seed, &mut b, &mut rng).await
         }
         BackendKind::Docker => {

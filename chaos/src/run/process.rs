@@ -79,7 +79,7 @@ fn signal(pid: i32, s: Signal) {
 }
 
 impl ProcessBackend {
-    pub async fn start(s: &Scenario, bins: Bins) -> anyhow::Result<ProcessBackend> {
+    pub async fn start(s: &Scenario, bins: Bins, seed: u64) -> anyhow::Result<ProcessBackend> {
         for b in [&bins.control, &bins.agent, &bins.sim_model] {
             if !b.exists() {
                 bail!(
@@ -95,7 +95,13 @@ impl ProcessBackend {
             env.push(("FAILPOINTS".to_string(), s.faults.failpoints.clone()));
         }
         if s.faults.kinds.iter().any(|k| k.needs_testing_disk()) {
-            env.push((laneway_control::store::power_loss::ENV.to_string(), "1".to_string()));
+            use laneway_control::store::power_loss;
+            let mode = match s.faults.power_loss {
+                super::scenario::PowerLoss::All => "1",
+                super::scenario::PowerLoss::Torn => "torn",
+            };
+            env.push((power_loss::ENV.to_string(), mode.to_string()));
+            env.push((power_loss::SEED_ENV.to_string(), seed.to_string()));
         }
         let options = Options {
             routers: true,

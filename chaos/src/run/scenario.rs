@@ -148,6 +148,21 @@ pub struct Faults {
     /// inside replica actors; needs a testing build too.
     #[serde(default)]
     pub agent_failpoints: String,
+    /// What a power cut loses of the writes since the last fsync: `all` of them, or `torn`
+    /// (each 512-byte sector kept or lost, drawn; see `laneway_store::power_loss`).
+    #[serde(default)]
+    pub power_loss: PowerLoss,
+}
+
+/// What a power cut loses (the `faults.power_loss` key).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PowerLoss {
+    /// Every write since the last sync: the harshest for a missing fsync.
+    #[default]
+    All,
+    /// Each sector written since the last sync, kept or lost: torn and reordered writes.
+    Torn,
 }
 
 fn default_start() -> f64 {

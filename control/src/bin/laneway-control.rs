@@ -63,7 +63,7 @@ fn main() -> ExitCode {
     };
     if std::env::var_os(laneway_store::power_loss::ENV).is_some() && !laneway_store::power_loss::armed() {
         eprintln!(
-            "laneway-control: {} is set, but power-loss simulation needs a testing build (`cargo build --features laneway-control/testing`) and the value 1; unset it",
+            "laneway-control: {} is set, but power-loss simulation needs a testing build (`cargo build --features laneway-control/testing`) and the value 1 (lose every unsynced write) or torn (lose some sectors of them); unset it",
             laneway_store::power_loss::ENV
         );
         return ExitCode::from(2);

@@ -9,13 +9,22 @@
 //! fsync-and-rename outside redb and are not rolled back: a cut can only lose what redb held
 //! unsynced (the Raft log's and the state machine's pages).
 //!
-//! What a cut leaves is the file as of its last `sync_data`: the bytes every later write
-//! replaced are put back (newest first), and the length goes back to the synced length.
+//! What a cut leaves depends on the mode [`ENV`] arms:
+//! - `1` ([`Loss::All`]): the file as of its last `sync_data`. The bytes every later write
+//!   replaced are put back (newest first), and the length goes back to the synced length.
+//! - `torn` ([`Loss::Torn`]): what a disk may really hold after a cut. Each 512-byte sector
+//!   written since the last sync kept its new bytes or lost them, drawn one by one, so a write
+//!   may be torn across sectors and later writes may have landed while earlier ones did not.
+//!   The file's growth since the sync was kept or lost as a whole, and a kept tail's sectors
+//!   each hold what was written or zeros. A shrink since the sync was kept or lost as a whole.
+//!   `LANEWAY_TESTING_POWER_LOSS_SEED` seeds the draw, mixed with the files' lengths so that each cut
+//!   draws anew; the cut's log line prints the seed it drew with.
 //!
 //! The same disk takes two failpoints, set at run time through `SetFailpoint`:
 //! `disk::sync` (`sleep(MS)`: every fsync takes that long — a slow or dying disk) and
 //! `disk::full` (`return`: every write and every growth fails with ENOSPC).
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::fs::OpenOptions;
 use std::io;
@@ -26,8 +35,34 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use redb::backends::FileBackend;
 use redb::{BackendError, Database, DatabaseError, StorageBackend};
 
-/// The environment variable that arms the power-loss disk in a testing build.
+/// The environment variable that arms the power-loss disk in a testing build: `1` or `torn`.
 pub const ENV: &str = "LANEWAY_TESTING_POWER_LOSS";
+
+/// The seed of a torn cut's draw (any u64; the time when unset).
+pub const SEED_ENV: &str = "LANEWAY_TESTING_POWER_LOSS_SEED";
+
+/// What a cut loses of the writes since the last sync.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Loss {
+    /// Every one of them.
+    All,
+    /// Each 512-byte sector's, drawn (see the module docs).
+    Torn,
+}
+
+impl Loss {
+    /// The mode [`ENV`] names, if it names one.
+    pub fn from_env() -> Option<Loss> {
+        match std::env::var(ENV).ok()?.as_str() {
+            "1" => Some(Loss::All),
+            "torn" => Some(Loss::Torn),
+            _ => None,
+        }
+    }
+}
+
+/// The size torn writes are drawn at: a disk sector.
+const SECTOR: u64 = 512;
 
 /// Exit code of a process whose power was cut (the harness tells it from a plain crash).
 pub const EXIT_CODE: i32 = 86;
@@ -35,7 +70,7 @@ pub const EXIT_CODE: i32 = 86;
 /// Whether databases open on the power-loss disk: a testing build with [`ENV`] set.
 pub fn armed() -> bool {
     static ARMED: OnceLock<bool> = OnceLock::new();
-    *ARMED.get_or_init(|| fail::has_failpoints() && std::env::var(ENV).is_ok_and(|v| v == "1"))
+    *ARMED.get_or_init(|| fail::has_failpoints() && Loss::from_env().is_some())
 }
 
 /// What was written since the last sync: enough to put the synced image back.
@@ -50,6 +85,9 @@ struct Unsynced {
 struct Shared {
     file: FileBackend,
     unsynced: Mutex<Unsynced>,
+    /// Tests: the next `sync_data` fails without syncing, as a cut in the middle of an fsync.
+    #[cfg(test)]
+    fail_next_sync: std::sync::atomic::AtomicBool,
 }
 
 /// A redb backend on a file whose unsynced writes can be lost (see the module docs).
@@ -102,6 +140,85 @@ impl PowerLossFile {
         self.0.file.set_len(u.synced_len)?;
         self.0.file.sync_data()
     }
+
+    /// Leaves what a disk may hold after a cut: each sector written since the sync kept or
+    /// lost, drawn (see the module docs). Returns (sectors lost, sectors kept).
+    fn tear(&self, u: &mut Unsynced, rng: &mut impl rand::Rng) -> io::Result<(usize, usize)> {
+        let len = self.0.file.len()?;
+        let synced = u.synced_len;
+        // How much of the cut reached the disk is itself drawn: some cuts keep nearly every
+        // sector, some nearly none.
+        let keep: f64 = rng.random();
+        let (mut lost, mut kept) = (0, 0);
+        // A shrink since the sync was kept (the file ends at its new length) or lost (what lay
+        // past the new end comes back).
+        let limit = if len >= synced {
+            synced
+        } else if rng.random_bool(keep) {
+            kept += (synced - len).div_ceil(SECTOR) as usize;
+            len
+        } else {
+            self.0.file.set_len(synced)?;
+            synced
+        };
+        // Each written sector below `limit`, as it was at the sync: its bytes now, with every
+        // saved range laid over them, newest first (the oldest save wins).
+        let mut images: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
+        for (offset, old) in &u.undo {
+            let end = (offset + old.len() as u64).min(limit);
+            for sector in offset / SECTOR..end.div_ceil(SECTOR) {
+                if let std::collections::btree_map::Entry::Vacant(e) = images.entry(sector) {
+                    let start = sector * SECTOR;
+                    let mut now = vec![0; (SECTOR.min(limit - start)) as usize];
+                    self.0.file.read(start, &mut now)?;
+                    e.insert(now);
+                }
+            }
+        }
+        for (offset, old) in u.undo.iter().rev() {
+            let end = offset + old.len() as u64;
+            for sector in offset / SECTOR..end.min(limit).div_ceil(SECTOR) {
+                let start = sector * SECTOR;
+                let image = images.get_mut(&sector).expect("every written sector has an image");
+                let from = (*offset).max(start);
+                let to = end.min(start + image.len() as u64);
+                image[(from - start) as usize..(to - start) as usize]
+                    .copy_from_slice(&old[(from - offset) as usize..(to - offset) as usize]);
+            }
+        }
+        for (sector, image) in images {
+            let start = sector * SECTOR;
+            // Past a lost shrink's end, the old bytes come back whatever the draw.
+            if start + image.len() as u64 > len || !rng.random_bool(keep) {
+                self.0.file.write(start, &image)?;
+                lost += 1;
+            } else {
+                kept += 1;
+            }
+        }
+        if len > synced {
+            if !rng.random_bool(keep) {
+                lost += (len - synced).div_ceil(SECTOR) as usize;
+                self.0.file.set_len(synced)?;
+            } else {
+                // The growth stayed; each of its sectors holds what was written, or zeros.
+                let mut at = synced;
+                while at < len {
+                    let end = ((at / SECTOR + 1) * SECTOR).min(len);
+                    if !rng.random_bool(keep) {
+                        self.0.file.write(at, &vec![0; (end - at) as usize])?;
+                        lost += 1;
+                    } else {
+                        kept += 1;
+                    }
+                    at = end;
+                }
+            }
+        }
+        u.undo.clear();
+        self.0.file.sync_data()?;
+        Ok((lost, kept))
+    }
 }
 
 /// Opens (or creates) the database at `path` on the power-loss disk.
@@ -125,6 +242,8 @@ fn open_file(path: &Path) -> Result<PowerLossFile, DatabaseError> {
             synced_len,
             undo: Vec::new(),
         }),
+        #[cfg(test)]
+        fail_next_sync: Default::default(),
     }));
     open_files()
         .lock()
@@ -133,24 +252,56 @@ fn open_file(path: &Path) -> Result<PowerLossFile, DatabaseError> {
     Ok(disk)
 }
 
-/// Cuts the power: every write since each file's last sync is undone, then the process exits
-/// with [`EXIT_CODE`] while still holding every file (nothing can write after the cut).
+/// Cuts the power: what each file's writes since its last sync leave is decided by the armed
+/// [`Loss`] mode, then the process exits with [`EXIT_CODE`] while still holding every file
+/// (nothing can write after the cut).
 pub fn cut() -> ! {
     let files = open_files().lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let mode = Loss::from_env().unwrap_or(Loss::All);
+    let seed = std::env::var(SEED_ENV)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64)
+        });
+    // The files' lengths vary the draw from cut to cut of one process's seed, and a cut of
+    // the same files in the same state draws the same.
+    let seed = files.iter().fold(seed, |s, f| {
+        let len = f.0.file.len().unwrap_or(0);
+        s.rotate_left(17) ^ len ^ f.unsynced().synced_len.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    });
+    let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(seed);
     let mut held = Vec::new();
-    let mut lost = 0usize;
+    let (mut lost, mut kept) = (0usize, 0usize);
     for f in &files {
         let mut u = f.unsynced();
-        lost += u.undo.len();
-        if let Err(e) = f.roll_back(&mut u) {
+        let done = match mode {
+            Loss::All => {
+                lost += u.undo.len();
+                f.roll_back(&mut u)
+            }
+            Loss::Torn => f.tear(&mut u, &mut rng).map(|(l, k)| {
+                lost += l;
+                kept += k;
+            }),
+        };
+        if let Err(e) = done {
             eprintln!("power loss: rolling a database file back failed: {e}");
         }
         held.push(u);
     }
-    eprintln!(
-        "power loss: {} database file(s) rolled back to their last sync ({lost} unsynced write(s) lost); exiting",
-        files.len()
-    );
+    match mode {
+        Loss::All => eprintln!(
+            "power loss: {} database file(s) rolled back to their last sync ({lost} unsynced write(s) lost); exiting",
+            files.len()
+        ),
+        Loss::Torn => eprintln!(
+            "power loss (torn, seed {seed}): {} database file(s) cut; of the sectors written since each sync, {lost} lost and {kept} kept; exiting",
+            files.len()
+        ),
+    }
     std::process::exit(EXIT_CODE)
 }
 
@@ -179,6 +330,10 @@ impl StorageBackend for PowerLossFile {
 
     fn sync_data(&self) -> Result<(), io::Error> {
         fail::fail_point!("disk::sync");
+        #[cfg(test)]
+        if self.0.fail_next_sync.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            return Err(io::Error::other("the power went out during this fsync (test)"));
+        }
         let mut u = self.unsynced();
         self.0.file.sync_data()?;
         u.synced_len = self.0.file.len()?;
@@ -238,6 +393,8 @@ mod tests {
     use redb::{ReadableDatabase, TableDefinition};
 
     const T: TableDefinition<u64, u64> = TableDefinition::new("t");
+    const V: TableDefinition<u64, &[u8]> = TableDefinition::new("v");
+    const BIG: TableDefinition<u64, &[u8]> = TableDefinition::new("big");
 
     /// A write committed without a sync is gone after a roll-back; a synced one stays, and the
     /// file still opens as a database.
@@ -300,5 +457,179 @@ mod tests {
             "a synced commit was lost"
         );
         assert!(t.get(199).unwrap().is_none(), "an unsynced commit survived the cut");
+    }
+
+    /// The tear's bookkeeping: every sector is either what was written or what was synced,
+    /// never anything else, and each outcome is drawn (both happen over a few seeds).
+    #[test]
+    fn a_torn_cut_leaves_each_sector_old_or_new() {
+        use rand::SeedableRng;
+        let (mut saw_old, mut saw_new) = (false, false);
+        for seed in 0..16 {
+            let dir = tempfile::tempdir().unwrap();
+            let disk = open_file(&dir.path().join("disk")).unwrap();
+            disk.write(0, &[1; 4096]).unwrap();
+            disk.sync_data().unwrap();
+            disk.write(100, &[2; 1000]).unwrap(); // sectors 0-2, torn at their edges
+            disk.write(600, &[3; 100]).unwrap(); // over the first write: sector 1
+            disk.write(4000, &[4; 1000]).unwrap(); // grows the file past its synced 4096
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let mut u = disk.unsynced();
+            disk.tear(&mut u, &mut rng).unwrap();
+            drop(u);
+            let len = disk.len().unwrap();
+            assert!(
+                len == 4096 || len == 5000,
+                "length {len} is neither the synced nor the written one"
+            );
+            let mut now = vec![0; len as usize];
+            disk.read(0, &mut now).unwrap();
+            let mut old = vec![1u8; 5000];
+            old[4096..].fill(0); // a lost tail sector holds zeros
+            let mut new = old.clone();
+            new[100..1100].fill(2);
+            new[600..700].fill(3);
+            new[4000..5000].fill(4);
+            old.truncate(len as usize);
+            new.truncate(len as usize);
+            for sector in 0..len.div_ceil(SECTOR) {
+                let r = (sector * SECTOR) as usize..(((sector + 1) * SECTOR).min(len)) as usize;
+                let (is_old, is_new) = (now[r.clone()] == old[r.clone()], now[r.clone()] == new[r.clone()]);
+                assert!(is_old || is_new, "seed {seed}: sector {sector} is neither old nor new");
+                saw_old |= is_old && !is_new;
+                saw_new |= is_new && !is_old;
+            }
+        }
+        assert!(saw_old && saw_new, "the draw never kept (or never lost) a sector");
+    }
+
+    /// redb under torn cuts: the power goes out during the fsync of a durable commit, a drawn
+    /// subset of the sectors written since the last sync survives, and the file must still open
+    /// holding every earlier durable commit, and the cut one whole or not at all. Two hundred
+    /// draws; a failure names its seed.
+    #[test]
+    fn redb_keeps_its_durable_commits_through_torn_cuts() {
+        use rand::{Rng, SeedableRng};
+        const KEYS: u64 = 40;
+        let mut cut_commit_survived = 0;
+        let mut sectors = (0, 0);
+        let mut shrinks_kept = 0;
+        for seed in 0..200u64 {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("db.redb");
+            let disk = open_file(&path).unwrap();
+            let db = Database::builder().create_with_backend(disk.clone()).unwrap();
+            let value = |commit: u64, k: u64| vec![(commit * 31 + k) as u8; 300];
+            let durable = rng.random_range(1..6u64);
+            let drop_big_at = if rng.random_bool(0.5) { durable + 1 } else { 0 };
+            let commit = |n: u64, durable: bool| {
+                let mut txn = db.begin_write()?;
+                if !durable {
+                    txn.set_durability(redb::Durability::None)?;
+                }
+                {
+                    let mut t = txn.open_table(V)?;
+                    // Each commit rewrites the same keys, and a varying few more: pages are
+                    // copied on write, freed, and reused.
+                    for k in 0..KEYS + n % 7 {
+                        t.insert(k, value(n, k).as_slice())?;
+                    }
+                    if n.is_multiple_of(3) {
+                        t.remove(n % KEYS)?;
+                    }
+                }
+                // A large table made by the first commit and dropped by the cut one in half the
+                // draws: redb may then shrink the file, a shrink the cut keeps or loses.
+                if n == 1 {
+                    let mut big = txn.open_table(BIG)?;
+                    for k in 0..400u64 {
+                        big.insert(k, [7u8; 2000].as_slice())?;
+                    }
+                } else if n == drop_big_at {
+                    txn.delete_table(BIG)?;
+                }
+                txn.commit().map_err(redb::Error::from)
+            };
+            for n in 1..=durable {
+                // Some non-durable commits between the durable ones, as the state machine
+                // makes.
+                if rng.random_bool(0.3) {
+                    commit(1000 + n, false).unwrap();
+                }
+                commit(n, true).unwrap();
+            }
+            // The power goes out during the fsync of a durable commit, or between commits
+            // with only non-durable ones since the last durable commit (as the state machine's
+            // are): either way a drawn subset of the sectors written since the sync survives.
+            let len_before_cut = disk.len().unwrap();
+            let in_fsync = rng.random_bool(0.5);
+            let cut = if in_fsync {
+                disk.0.fail_next_sync.store(true, std::sync::atomic::Ordering::SeqCst);
+                assert!(
+                    commit(durable + 1, true).is_err(),
+                    "seed {seed}: the cut fsync did not fail the commit"
+                );
+                durable + 1
+            } else {
+                let last = durable + rng.random_range(1..4u64);
+                for n in durable + 1..=last {
+                    commit(n, false).unwrap();
+                }
+                last
+            };
+            {
+                let mut u = disk.unsynced();
+                let (l, k) = disk.tear(&mut u, &mut rng).unwrap();
+                sectors.0 += l;
+                sectors.1 += k;
+            }
+            if disk.len().unwrap() < len_before_cut {
+                shrinks_kept += 1;
+            }
+            let copy = dir.path().join("after-cut.redb");
+            std::fs::copy(&path, &copy).unwrap();
+            let db =
+                Database::create(&copy).unwrap_or_else(|e| panic!("seed {seed}: the torn file does not open: {e}"));
+            let txn = db.begin_read().unwrap();
+            let t = txn.open_table(V).unwrap();
+            let holds = |n: u64| {
+                (0..KEYS + n % 7).all(|k| {
+                    let got = t.get(k).unwrap().map(|v| v.value().to_vec());
+                    if n.is_multiple_of(3) && k == n % KEYS {
+                        got.is_none()
+                    } else {
+                        got == Some(value(n, k))
+                    }
+                })
+            };
+            let Some(at) = (durable..=cut).rev().find(|&n| holds(n)) else {
+                panic!("seed {seed}: after a torn cut the database holds none of commits {durable}..={cut}");
+            };
+            if at == cut && in_fsync {
+                cut_commit_survived += 1;
+            }
+            // Every page the state it came back to uses must be whole: the large table too,
+            // unless that state had dropped it.
+            if drop_big_at == 0 || at < drop_big_at {
+                let big = txn
+                    .open_table(BIG)
+                    .unwrap_or_else(|e| panic!("seed {seed}: commit {at}'s large table is gone: {e}"));
+                for k in 0..400u64 {
+                    let v = big
+                        .get(k)
+                        .unwrap_or_else(|e| panic!("seed {seed}: reading the large table: {e}"));
+                    assert!(
+                        v.is_some_and(|v| v.value() == [7u8; 2000].as_slice()),
+                        "seed {seed}: commit {at}'s large table lost key {k}"
+                    );
+                }
+            }
+        }
+        eprintln!(
+            "torn cuts: {} sectors lost, {} kept; {shrinks_kept} shrinks kept; the cut commit survived whole in {cut_commit_survived} of 200",
+            sectors.0, sectors.1
+        );
+        assert!(sectors.0 > 0 && sectors.1 > 0, "the cuts tore nothing: {sectors:?}");
     }
 }
