@@ -730,7 +730,9 @@ fn job_reply(ctx: &Context, hb: &Heartbeat) -> (Vec<AssignedJob>, Vec<JobRef>) {
                     timeout_ms: registry
                         .classes
                         .get(&j.class)
-                        .map_or(600_000, |c| c.request_timeout_ms.as_duration().as_millis() as u64),
+                        .map_or(laneway_core::jobs::DEFAULT_ATTEMPT_TIMEOUT_MS, |c| {
+                            c.request_timeout_ms.as_duration().as_millis() as u64
+                        }),
                     result_key: laneway_agent::results::result_key(&j.id, token),
                 })
             })

@@ -481,6 +481,26 @@ pub async fn inject<B: Backend>(
                 Err(e) => rec.recovery_error = Some(e),
             }
         }
+        FaultKind::ClockJump => {
+            let Some(leader) = leader else {
+                anyhow::bail!("no leader to aim clock_jump at");
+            };
+            let victim = if members < 2 || rng.random_bool(0.5) {
+                leader
+            } else {
+                (leader + 1 + rng.random_range(0..members - 1)) % members
+            };
+            let secs = rng.random_range(60..=7200i64) * if rng.random_bool(0.5) { 1 } else { -1 };
+            let addr = b.controller_addrs()[victim].clone();
+            rec.target = format!("controller {} clock {secs:+} s, then back", b.controller_id(victim));
+            let name = laneway_control::admin::CLOCK_OFFSET;
+            set_failpoint(&addr, name, &(secs * 1000).to_string())
+                .await
+                .map_err(|e| anyhow::anyhow!("jumping controller {}'s clock: {e}", b.controller_id(victim)))?;
+            tokio::time::sleep(sleep_ms(rng, 3000, 6000)).await;
+            // Back to the true time (a member restarted meanwhile is there already).
+            let _ = set_failpoint(&addr, name, "off").await;
+        }
         FaultKind::Crashed | FaultKind::NoLeader => anyhow::bail!("`{}` is observed, not injected", kind.as_str()),
     }
     rec.lasted_ms = started.elapsed().as_millis() as u64;

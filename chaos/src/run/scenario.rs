@@ -223,6 +223,11 @@ pub enum FaultKind {
     /// elsewhere; the agent keeps its replicas running (static stability, checked by their
     /// pids) and its jobs, fenced, run again elsewhere; then the cut heals.
     CutOffAgent,
+    /// One controller's wall clock (the leader's half the time) jumps forward or back by a
+    /// minute to two hours, and a few seconds later jumps back to the true time, as an NTP
+    /// step or a bad RTC would; its monotonic clocks (Raft's timers, leases) are untouched.
+    /// Needs controllers built with failpoints.
+    ClockJump,
     /// Not a scenario's choice: a controller that exited on its own (a failpoint's panic),
     /// restarted by the harness as a service manager would.
     #[serde(skip_deserializing)]
@@ -254,6 +259,7 @@ impl FaultKind {
             FaultKind::DiskFull => "disk_full",
             FaultKind::DegradedNetwork => "degraded_network",
             FaultKind::CutOffAgent => "cut_off_agent",
+            FaultKind::ClockJump => "clock_jump",
             FaultKind::Crashed => "crashed",
             FaultKind::NoLeader => "no_leader",
         }
@@ -291,6 +297,7 @@ impl FaultKind {
                 | FaultKind::SlowFsyncLeader
                 | FaultKind::DiskFull
                 | FaultKind::ActorPanic
+                | FaultKind::ClockJump
         )
     }
 

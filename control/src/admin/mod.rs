@@ -7,6 +7,7 @@ mod cluster;
 pub mod error;
 mod fleet;
 mod observe;
+pub use observe::CLOCK_OFFSET;
 pub mod pb_impl;
 mod registry;
 pub mod service;

@@ -82,6 +82,9 @@ pub(super) async fn actors(admin: &AdminGrpc, req: Request<ActorsRequest>) -> Re
     }))
 }
 
+/// The `SetFailpoint` name that jumps the controller's wall clock by its actions' milliseconds.
+pub const CLOCK_OFFSET: &str = "clock::offset_ms";
+
 pub(super) async fn set_failpoint(
     admin: &AdminGrpc,
     req: Request<SetFailpointRequest>,
@@ -92,6 +95,21 @@ pub(super) async fn set_failpoint(
             return Err(Status::failed_precondition(
                 "this controller was built without failpoints (a release build); failpoints are for the chaos harness, on a build with `--features laneway-control/testing`",
             ));
+        }
+        // Not a failpoint of the fail crate: a jump of this controller's wall clock.
+        if r.name == CLOCK_OFFSET {
+            let ms = match r.actions.trim() {
+                "off" | "" => 0,
+                n => n.parse::<i64>().map_err(|e| {
+                    Status::invalid_argument(format!(
+                        "{CLOCK_OFFSET}: {:?} is not a number of milliseconds ({e}); give e.g. `3600000`, `-60000` or `off`",
+                        r.actions
+                    ))
+                })?,
+            };
+            laneway_core::clock::set_offset_ms(ms);
+            tracing::warn!(offset_ms = ms, "wall clock jumped (chaos)");
+            return Ok(Response::new(SetFailpointReply {}));
         }
         fail::cfg(r.name.clone(), &r.actions).map_err(|e| {
             Status::invalid_argument(format!(

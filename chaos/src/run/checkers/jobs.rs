@@ -62,6 +62,7 @@ pub async fn check(
     }
 
     let (mut lost, mut stuck, mut diverged, mut unpublished) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut unbilled = Vec::new();
     let mut states: BTreeMap<String, u64> = BTreeMap::new();
     let mut re_executed = 0u64;
     for (id, tenant) in &acked {
@@ -95,6 +96,14 @@ pub async fn check(
         let objects = std::fs::read_dir(results.join("jobs").join(id)).map_or(0, |d| d.count());
         re_executed += u64::from(objects > 1);
         if state == "succeeded" {
+            // The replica ran it for real, so the tenant is billed for some GPU time, whatever
+            // any controller's wall clock said meanwhile.
+            if v["result"]["gpu_seconds"].as_f64().is_none_or(|s| s <= 0.0) {
+                unbilled.push(format!(
+                    "{id} (assigned at {}, finished at {} by the leader's clock)",
+                    v["assigned_unix_ms"], v["finished_unix_ms"]
+                ));
+            }
             let (status, body) = get(&http, &routers[0], &format!("/v1/jobs/{id}/result"), key).await;
             let want = v["result"]["bytes"].as_u64();
             if status != 200 || want != Some(body.len() as u64) || objects == 0 {
@@ -116,6 +125,7 @@ pub async fn check(
             "diverged": diverged.len(),
             "unpublished": unpublished.len(),
             "re_executed": re_executed,
+            "unbilled": unbilled.len(),
         }),
     );
     for (what, ids) in [
@@ -123,6 +133,7 @@ pub async fn check(
         ("not terminal after the settle time", &stuck),
         ("reported differently by different controllers", &diverged),
         ("succeeded without exactly one readable published result", &unpublished),
+        ("succeeded but billed no GPU time", &unbilled),
     ] {
         if !ids.is_empty() {
             verdict.violations.push(format!(

@@ -689,12 +689,23 @@ impl Jobs {
 /// cannot bill a tenant for more than its hardware could have done.
 pub const MAX_GPUS_PER_ATTEMPT: u64 = 16;
 
+/// How long a job attempt may run when its class sets no `request_timeout_ms`: the agent stops
+/// it then. Also the attempt length GPU time is capped at when the leaders' stamps cannot
+/// measure the attempt (see [`max_gpu_us`]).
+pub const DEFAULT_ATTEMPT_TIMEOUT_MS: u64 = 600_000;
+
 /// The most GPU time (µs) an attempt assigned at `since_ms` and finished at `at_ms` can have used.
+/// Both stamps are wall-clock reads of whichever controller led: a clock stepped back between
+/// them (or forward at the assignment) leaves no measure of the attempt, and a cap of zero
+/// would bill real work as nothing (a clock-jump chaos run found 7 jobs billed 0). Then the
+/// cap is the longest attempt the default timeout allows.
 fn max_gpu_us(since_ms: u64, at_ms: u64) -> u64 {
-    at_ms
-        .saturating_sub(since_ms)
-        .saturating_mul(1000)
-        .saturating_mul(MAX_GPUS_PER_ATTEMPT)
+    let attempt_ms = if at_ms > since_ms {
+        at_ms - since_ms
+    } else {
+        DEFAULT_ATTEMPT_TIMEOUT_MS
+    };
+    attempt_ms.saturating_mul(1000).saturating_mul(MAX_GPUS_PER_ATTEMPT)
 }
 
 /// A media type (`type/subtype`, optional parameters) short and plain enough to send back as

@@ -802,3 +802,32 @@ fn a_result_is_bound_to_its_attempt_and_its_gpu_time_to_the_wall_clock() {
         "2 s of the most GPUs one host has"
     );
 }
+
+/// The leader's clock stepped back between assignment and finish (or forward at the
+/// assignment): the stamps measure nothing, and the reported GPU time is billed, capped at the
+/// longest attempt the default timeout allows, never as zero.
+#[test]
+fn gpu_time_is_billed_when_the_leaders_clock_went_back_during_the_attempt() {
+    let mut j = Jobs::default();
+    j.submit(&sub("a", "t", None, "1"), None, 1).unwrap();
+    j.submit(&sub("b", "t", None, "2"), None, 2).unwrap();
+    j.assign("a", "n1", "r1", 5, 10_000_000).unwrap();
+    j.assign("b", "n1", "r1", 6, 10_000_000).unwrap();
+    let done = |key: &str, gpu_us: u64| {
+        Completion::Succeeded(JobResult {
+            key: key.into(),
+            bytes: 10,
+            gpu_us,
+            content_type: "application/json".into(),
+        })
+    };
+    // An hour back by the clock that stamped the finish.
+    j.finish("a", 5, &done("jobs/a/5", 45_000), 10_000_000 - 3_600_000)
+        .unwrap();
+    assert_eq!(j.get("a").unwrap().result.as_ref().unwrap().gpu_us, 45_000);
+    j.finish("b", 6, &done("jobs/b/6", u64::MAX), 9_000_000).unwrap();
+    assert_eq!(
+        j.get("b").unwrap().result.as_ref().unwrap().gpu_us,
+        DEFAULT_ATTEMPT_TIMEOUT_MS * 1000 * MAX_GPUS_PER_ATTEMPT
+    );
+}
