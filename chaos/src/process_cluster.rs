@@ -336,6 +336,11 @@ impl ProcessCluster {
         self.options.env = env;
     }
 
+    /// The environment members start with.
+    pub fn env(&self) -> &[(String, String)] {
+        &self.options.env
+    }
+
     /// Directory the cluster's data and logs live in.
     pub fn root(&self) -> &Path {
         self.root.path()

@@ -27,6 +27,12 @@ pub(crate) trait Backend {
     fn controller_reachable(&self, i: usize) -> bool;
     fn kill_controller(&mut self, i: usize) -> anyhow::Result<()>;
     fn restart_controller(&mut self, i: usize) -> anyhow::Result<()>;
+    /// Restarts controller `i` on a disk that is still full (every write fails with ENOSPC):
+    /// false when the backend cannot.
+    fn restart_controller_on_full_disk(&mut self, i: usize) -> anyhow::Result<bool> {
+        let _ = i;
+        Ok(false)
+    }
     fn pause_controller(&mut self, i: usize) -> anyhow::Result<()>;
     fn resume_controller(&mut self, i: usize) -> anyhow::Result<()>;
     /// Wipes member `i` and adds it back under a new id; the new id.

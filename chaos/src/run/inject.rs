@@ -312,16 +312,7 @@ pub async fn inject<B: Backend>(
                         .await
                         .map_err(anyhow::Error::msg)?;
                     // Its next write fails: it must stop, saying why, for the service manager.
-                    let waited = Instant::now();
-                    let stopped = loop {
-                        if b.controller_exited(victim) {
-                            break true;
-                        }
-                        if waited.elapsed() > Duration::from_secs(15) {
-                            break false;
-                        }
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                    };
+                    let stopped = stops_within(b, victim, Duration::from_secs(15)).await;
                     if !stopped {
                         let _ = set_failpoint(&addr, "disk::full", "off").await;
                         rec.recovery_error = Some(format!(
@@ -335,8 +326,26 @@ pub async fn inject<B: Backend>(
                     if leader_hit {
                         rec.failover_ms = new_leader(b, Some(id), Duration::from_secs(15), &mut crashed).await;
                     }
-                    // Space is back (a log rotated, a volume grown); the service manager restarts it.
                     tokio::time::sleep(sleep_ms(rng, 500, 2000)).await;
+                    // Half the time the service manager restarts it before space is back: it
+                    // must stop again, saying why, and the next start finds its data whole.
+                    const ENOSPC: &str = "No space left on device";
+                    let said = b.controller_log_end(victim).matches(ENOSPC).count();
+                    if stopped && rng.random_bool(0.5) && b.restart_controller_on_full_disk(victim)? {
+                        rec.target.push_str(", restarted while still full");
+                        if !stops_within(b, victim, Duration::from_secs(15)).await {
+                            b.kill_controller(victim)?;
+                            rec.recovery_error.get_or_insert(format!(
+                                "controller {id} ran for 15 s after a restart on a still-full disk instead of stopping"
+                            ));
+                        } else if b.controller_log_end(victim).matches(ENOSPC).count() <= said {
+                            rec.recovery_error.get_or_insert(format!(
+                                "controller {id} stopped on a still-full disk after a restart without saying so in its log"
+                            ));
+                        }
+                        tokio::time::sleep(sleep_ms(rng, 500, 1500)).await;
+                    }
+                    // Space is back (a log rotated, a volume grown); the service manager restarts it.
                     if stopped {
                         b.restart_controller(victim)?;
                     }
@@ -506,6 +515,20 @@ pub async fn inject<B: Backend>(
     rec.lasted_ms = started.elapsed().as_millis() as u64;
     rec.crashed_meanwhile = crashed;
     Ok(rec)
+}
+
+/// Whether controller `i` exits within `limit`.
+async fn stops_within<B: Backend>(b: &mut B, i: usize, limit: Duration) -> bool {
+    let waited = Instant::now();
+    loop {
+        if b.controller_exited(i) {
+            return true;
+        }
+        if waited.elapsed() > limit {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// The host a host fault takes: the one running durable jobs when there is one (the

@@ -224,6 +224,19 @@ impl Backend for ProcessBackend {
         self.cluster.restart(i)
     }
 
+    fn restart_controller_on_full_disk(&mut self, i: usize) -> anyhow::Result<bool> {
+        let normal = self.cluster.env().to_vec();
+        let mut env = normal.clone();
+        match env.iter_mut().find(|(k, _)| k == "FAILPOINTS") {
+            Some((_, v)) => v.push_str(";disk::full=return"),
+            None => env.push(("FAILPOINTS".into(), "disk::full=return".into())),
+        }
+        self.cluster.set_env(env);
+        let started = self.cluster.restart(i);
+        self.cluster.set_env(normal);
+        started.map(|()| true)
+    }
+
     fn pause_controller(&mut self, i: usize) -> anyhow::Result<()> {
         self.cluster.pause(i);
         self.paused.insert(i);
