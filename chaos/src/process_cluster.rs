@@ -226,6 +226,17 @@ impl ProcessCluster {
         String::from_utf8_lossy(&text[text.len().saturating_sub(bytes)..]).into_owned()
     }
 
+    /// The length of member `i`'s log, bytes.
+    pub fn log_len(&self, i: usize) -> u64 {
+        std::fs::metadata(&self.members[i].log).map_or(0, |m| m.len())
+    }
+
+    /// Member `i`'s log from byte `from` on.
+    pub fn log_from(&self, i: usize, from: u64) -> String {
+        let text = std::fs::read(&self.members[i].log).unwrap_or_default();
+        String::from_utf8_lossy(&text[(from as usize).min(text.len())..]).into_owned()
+    }
+
     /// Keeps the data dirs and logs after the cluster is dropped (for a post-mortem); says where.
     pub fn keep(&mut self) {
         self.root.disable_cleanup(true);

@@ -67,6 +67,16 @@ pub(crate) trait Backend {
         let _ = i;
         String::new()
     }
+    /// The length of controller `i`'s log, and what it holds from byte `from` on (what a
+    /// restart wrote).
+    fn controller_log_len(&self, i: usize) -> u64 {
+        let _ = i;
+        0
+    }
+    fn controller_log_from(&self, i: usize, from: u64) -> String {
+        let _ = (i, from);
+        String::new()
+    }
     /// Cuts member `i` off the others (`one_way`: it still sends, but receives nothing).
     fn partition(&mut self, i: usize, one_way: bool) -> anyhow::Result<()>;
     fn unpartition(&mut self, i: usize) -> anyhow::Result<()>;

@@ -272,8 +272,18 @@ impl DockerBackend {
             "-j",
             "DROP",
         ];
-        self.iptables_in(HOSTS[j].0, op, &out.map(String::from))?;
-        self.iptables_in(HOSTS[j].0, op, &inp.map(String::from))
+        let first = self.iptables_in(HOSTS[j].0, op, &out.map(String::from));
+        if add {
+            first?;
+            return self.iptables_in(HOSTS[j].0, op, &inp.map(String::from));
+        }
+        // Taking them out: both are tried (one may never have gone in); a host container
+        // killed meanwhile took its rules with it.
+        let second = self.iptables_in(HOSTS[j].0, op, &inp.map(String::from));
+        if !self.running(HOSTS[j].0) {
+            return Ok(());
+        }
+        first.and(second)
     }
 
     /// `iptables OP RULE…` in service `svc`'s network namespace.
@@ -491,14 +501,15 @@ impl Backend for DockerBackend {
     }
 
     fn cut_off_host(&mut self, j: usize) -> anyhow::Result<()> {
-        self.agent_cut_rules(j, true)?;
+        // Recorded first: a rule added before a failure is still taken out by the heal.
         self.cut_hosts.insert(j);
-        Ok(())
+        self.agent_cut_rules(j, true)
     }
 
     fn reconnect_host(&mut self, j: usize) -> anyhow::Result<()> {
-        if self.cut_hosts.remove(&j) {
+        if self.cut_hosts.contains(&j) {
             self.agent_cut_rules(j, false)?;
+            self.cut_hosts.remove(&j);
         }
         Ok(())
     }
@@ -559,7 +570,9 @@ impl Backend for DockerBackend {
             self.unpartition(i)?;
         }
         for j in self.cut_hosts.clone() {
-            self.reconnect_host(j)?;
+            if let Err(e) = self.reconnect_host(j) {
+                eprintln!("healing: reconnecting host {}: {e:#}", HOSTS[j].0);
+            }
         }
         for svc in self.killed.clone() {
             self.start_svc(&svc)?;

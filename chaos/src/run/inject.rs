@@ -329,8 +329,7 @@ pub async fn inject<B: Backend>(
                     tokio::time::sleep(sleep_ms(rng, 500, 2000)).await;
                     // Half the time the service manager restarts it before space is back: it
                     // must stop again, saying why, and the next start finds its data whole.
-                    const ENOSPC: &str = "No space left on device";
-                    let said = b.controller_log_end(victim).matches(ENOSPC).count();
+                    let log_len = b.controller_log_len(victim);
                     if stopped && rng.random_bool(0.5) && b.restart_controller_on_full_disk(victim)? {
                         rec.target.push_str(", restarted while still full");
                         if !stops_within(b, victim, Duration::from_secs(15)).await {
@@ -338,7 +337,10 @@ pub async fn inject<B: Backend>(
                             rec.recovery_error.get_or_insert(format!(
                                 "controller {id} ran for 15 s after a restart on a still-full disk instead of stopping"
                             ));
-                        } else if b.controller_log_end(victim).matches(ENOSPC).count() <= said {
+                        } else if !b
+                            .controller_log_from(victim, log_len)
+                            .contains("No space left on device")
+                        {
                             rec.recovery_error.get_or_insert(format!(
                                 "controller {id} stopped on a still-full disk after a restart without saying so in its log"
                             ));
@@ -411,15 +413,21 @@ pub async fn inject<B: Backend>(
             // be declared down while its replicas keep running.
             let held = sleep_ms(rng, 5000, 8000);
             let cut_at = Instant::now();
-            let mut declared_down_ms = None;
-            let floors = floors_ready(b, &admin, Some(&id), bound, &mut crashed).await;
-            while cut_at.elapsed() < held.max(bound.min(Duration::from_secs(15))) {
-                if crate::support::admin::liveness(&admin, &id).await.as_deref() == Some("down") {
-                    declared_down_ms = Some(cut_at.elapsed().as_millis() as u64);
-                    break;
+            // Watched while the floors are awaited, so the time it was declared down is when
+            // it happened, not when the floors were back.
+            let declared_down = async {
+                loop {
+                    if crate::support::admin::liveness(&admin, &id).await.as_deref() == Some("down") {
+                        return Some(cut_at.elapsed().as_millis() as u64);
+                    }
+                    if cut_at.elapsed() >= bound.max(held) {
+                        return None;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
                 }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
+            };
+            let (floors, declared_down_ms) =
+                tokio::join!(floors_ready(b, &admin, Some(&id), bound, &mut crashed), declared_down);
             if let Some(left) = held.checked_sub(cut_at.elapsed()) {
                 tokio::time::sleep(left).await;
             }
@@ -507,8 +515,19 @@ pub async fn inject<B: Backend>(
                 .await
                 .map_err(|e| anyhow::anyhow!("jumping controller {}'s clock: {e}", b.controller_id(victim)))?;
             tokio::time::sleep(sleep_ms(rng, 3000, 6000)).await;
-            // Back to the true time (a member restarted meanwhile is there already).
-            let _ = set_failpoint(&addr, name, "off").await;
+            // Back to the true time, retried for 10 s (a member restarted meanwhile is there
+            // already); a clock left jumped would colour the rest of the run.
+            let back = Instant::now();
+            while let Err(e) = set_failpoint(&addr, name, "off").await {
+                if back.elapsed() > Duration::from_secs(10) {
+                    rec.recovery_error = Some(format!(
+                        "controller {}'s clock could not be set back for 10 s: {e}",
+                        b.controller_id(victim)
+                    ));
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
         }
         FaultKind::Crashed | FaultKind::NoLeader => anyhow::bail!("`{}` is observed, not injected", kind.as_str()),
     }

@@ -265,6 +265,14 @@ impl Backend for ProcessBackend {
         self.cluster.log_end(i, 16 * 1024)
     }
 
+    fn controller_log_len(&self, i: usize) -> u64 {
+        self.cluster.log_len(i)
+    }
+
+    fn controller_log_from(&self, i: usize, from: u64) -> String {
+        self.cluster.log_from(i, from)
+    }
+
     fn partition(&mut self, _i: usize, _one_way: bool) -> anyhow::Result<()> {
         bail!("the process backend cannot partition a controller; run the scenario with --backend docker")
     }

@@ -1,5 +1,6 @@
 //! Raft: a monitor asks every controller every 100 ms for its role and term, all through the
-//! run. A controller's term never goes back (its vote is durable, power loss included); after
+//! run. A controller never comes back under a term it led (a leader's vote is saved, power
+//! loss included); after
 //! healing, every controller's state hash is identical at the same applied index, and the
 //! cluster accepts a write. A time without any leader that the harness measured (`no_leader`)
 //! and that outlasted the recovery bound is a violation.
@@ -30,10 +31,12 @@ use crate::support::admin::{hashed_status_of, status_of};
 pub struct Seen {
     /// Term → the node ids that said `leader` in it.
     pub claims: BTreeMap<u64, BTreeSet<u64>>,
-    /// "controller N: term X, then Y" for every term that went back.
+    /// "controller N: led term X, then term Y", once per node and term.
     pub regressions: Vec<String>,
-    /// Node id → the highest term it reported.
-    highest: BTreeMap<u64, u64>,
+    /// Node id → the highest term it led.
+    led: BTreeMap<u64, u64>,
+    /// (node, term led) already reported as gone back, once each.
+    reported: BTreeSet<(u64, u64)>,
 }
 
 impl Seen {
@@ -44,17 +47,22 @@ impl Seen {
         }
         if leader {
             self.claims.entry(term).or_default().insert(node_id);
+            let led = self.led.entry(node_id).or_insert(term);
+            *led = (*led).max(term);
         }
-        let highest = self.highest.entry(node_id).or_insert(term);
-        if term < *highest {
-            self.regressions
-                .push(format!("controller {node_id}: term {highest}, then {term}"));
+        // Below a term it led: a leader's vote was granted by a quorum and saved, so coming
+        // back under it means a saved vote was lost. (A term it only reported may be a vote
+        // not yet synced when the power went, and lost with nothing granted on it.)
+        if let Some(&led) = self.led.get(&node_id) {
+            if term < led && self.reported.insert((node_id, led)) {
+                self.regressions
+                    .push(format!("controller {node_id}: led term {led}, then term {term}"));
+            }
         }
-        *highest = (*highest).max(term);
     }
 }
 
-/// Watches who claims leadership in which term, and that no member's term goes back.
+/// Watches who claims leadership in which term, and that no member comes back under a term it led.
 pub struct Monitor {
     seen: Arc<Mutex<Seen>>,
     stop: Arc<AtomicBool>,
@@ -184,11 +192,17 @@ mod tests {
         seen.record(1, 11, true);
         seen.record(3, 11, true);
         seen.record(2, 11, false);
-        seen.record(1, 12, false);
+        seen.record(1, 12, true);
         seen.record(2, 0, false);
+        // A term only reported may go back (an unsynced vote lost to a power cut).
+        seen.record(2, 10, false);
         assert_eq!(seen.claims[&11], BTreeSet::from([1, 3]));
         assert!(seen.regressions.is_empty(), "{:?}", seen.regressions);
         seen.record(1, 11, false);
-        assert_eq!(seen.regressions, vec!["controller 1: term 12, then 11".to_string()]);
+        seen.record(1, 11, false);
+        assert_eq!(
+            seen.regressions,
+            vec!["controller 1: led term 12, then term 11".to_string()]
+        );
     }
 }

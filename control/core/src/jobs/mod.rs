@@ -694,14 +694,23 @@ pub const MAX_GPUS_PER_ATTEMPT: u64 = 16;
 /// measure the attempt (see [`max_gpu_us`]).
 pub const DEFAULT_ATTEMPT_TIMEOUT_MS: u64 = 600_000;
 
+/// A finish stamped this much or more before its assignment means a wall clock was stepped
+/// back between the two (or forward at the assignment), not the few milliseconds two
+/// controllers' clocks differ by across a failover.
+pub const CLOCK_STEP_MS: u64 = 1_000;
+
 /// The most GPU time (µs) an attempt assigned at `since_ms` and finished at `at_ms` can have used.
-/// Both stamps are wall-clock reads of whichever controller led: a clock stepped back between
-/// them (or forward at the assignment) leaves no measure of the attempt, and a cap of zero
-/// would bill real work as nothing (a clock-jump chaos run found 7 jobs billed 0). Then the
-/// cap is the longest attempt the default timeout allows.
+/// Both stamps are wall-clock reads of whichever controller led. Within clock skew, a finish
+/// stamped before its assignment measures nothing (0). A clock stepped back between them
+/// leaves no measure of the attempt, and a cap of zero would bill real work as nothing (a
+/// clock-jump chaos run found 7 jobs billed 0): then the cap is the longest attempt the
+/// default timeout allows. An agent cannot step a controller's clock, so it cannot choose that
+/// cap.
 fn max_gpu_us(since_ms: u64, at_ms: u64) -> u64 {
-    let attempt_ms = if at_ms > since_ms {
+    let attempt_ms = if at_ms >= since_ms {
         at_ms - since_ms
+    } else if since_ms - at_ms < CLOCK_STEP_MS {
+        0
     } else {
         DEFAULT_ATTEMPT_TIMEOUT_MS
     };

@@ -830,4 +830,11 @@ fn gpu_time_is_billed_when_the_leaders_clock_went_back_during_the_attempt() {
         j.get("b").unwrap().result.as_ref().unwrap().gpu_us,
         DEFAULT_ATTEMPT_TIMEOUT_MS * 1000 * MAX_GPUS_PER_ATTEMPT
     );
+    // Within clock skew (a failover between two controllers' clocks), nothing is measured and
+    // nothing is billed: an agent cannot turn skew into the long cap.
+    j.submit(&sub("c", "t", None, "3"), None, 3).unwrap();
+    j.assign("c", "n1", "r1", 7, 10_000_000).unwrap();
+    j.finish("c", 7, &done("jobs/c/7", u64::MAX), 10_000_000 - CLOCK_STEP_MS + 1)
+        .unwrap();
+    assert_eq!(j.get("c").unwrap().result.as_ref().unwrap().gpu_us, 0);
 }
