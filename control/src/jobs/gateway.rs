@@ -166,7 +166,7 @@ impl JobGateway {
         let mut tries = 0u32;
         loop {
             tries += 1;
-            let why = match self.try_write(&write, &json).await {
+            let why = match self.try_write(&write, &json, deadline).await {
                 Ok(outcome) => return Ok(outcome),
                 Err(Miss::Final(e)) => return Err(e),
                 Err(Miss::NotSent(why)) => why,
@@ -192,15 +192,29 @@ impl JobGateway {
         }
     }
 
-    /// One try: proposed here when this controller leads, else forwarded to the leader.
-    async fn try_write(&self, write: &JobWrite, json: &str) -> Result<JobOutcome, Miss> {
+    /// One try: proposed here when this controller leads (waiting for the commit until
+    /// `deadline` at most), else forwarded to the leader.
+    async fn try_write(&self, write: &JobWrite, json: &str, deadline: Instant) -> Result<JobOutcome, Miss> {
         let Some((leader, _)) = self.leader() else {
             return Err(Miss::NotSent(
                 "no controller leader is elected right now (an election is in progress)".into(),
             ));
         };
         if leader == self.node_id {
-            return match self.proposer.propose(command_of(write.clone())).await {
+            // A leader whose disk syncs slowly commits late; the client gets an answer that
+            // says so within the gateway's patience, as through a follower, not a hung request
+            // (a chaos run's slow_fsync_leader left one unanswered past 7 s). The proposal stays
+            // in the log and may still commit: the caller resubmits with its key.
+            let left = deadline.saturating_duration_since(Instant::now());
+            let Ok(proposed) = tokio::time::timeout(left, self.proposer.propose(command_of(write.clone()))).await
+            else {
+                return Err(Miss::Final(GatewayError::Unavailable(format!(
+                    "controller {} leads but did not commit the write within {} s (its disk or its followers are slow); it may not have been committed: resubmit with the same Idempotency-Key to be sure of one job",
+                    self.node_id,
+                    WRITE_PATIENCE.as_secs()
+                ))));
+            };
+            return match proposed {
                 Ok((_, resp)) => outcome(resp).map_err(Miss::Final),
                 Err(openraft::error::RaftError::APIError(e)) => Err(Miss::Unsure(format!(
                     "controller {} stopped leading while the write was in flight: {e}",
