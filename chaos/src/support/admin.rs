@@ -9,18 +9,19 @@ use laneway_proto::admin::{ListRegistryRequest, NodeStatus, PutDocumentRequest, 
 use serde_json::Value;
 use tokio::time::Instant;
 
-/// TLS towards the cluster under test, set once per run from its backend.
-static ADMIN_TLS: std::sync::OnceLock<Option<tonic::transport::ClientTlsConfig>> = std::sync::OnceLock::new();
+/// TLS towards the cluster under test, set at the start of each run from its backend.
+static ADMIN_TLS: std::sync::RwLock<Option<tonic::transport::ClientTlsConfig>> = std::sync::RwLock::new(None);
 
-/// Sets how the harness authenticates to the cluster under test (once per process: the first
-/// call wins, and one process runs clusters of one backend).
+/// Sets how the harness authenticates to the cluster under test. Each run sets its own: every
+/// docker run's cluster has a CA of its own, so a setting kept from the first run would leave
+/// every later run of the process unable to reach its cluster.
 pub fn use_admin_tls(tls: Option<tonic::transport::ClientTlsConfig>) {
-    let _ = ADMIN_TLS.set(tls);
+    *ADMIN_TLS.write().unwrap_or_else(|p| p.into_inner()) = tls;
 }
 
 /// An admin client of the cluster under test (over mTLS when its backend runs with it).
 pub fn admin_client(addrs: Vec<String>) -> AdminClient {
-    AdminClient::new(addrs).with_tls(ADMIN_TLS.get().cloned().flatten())
+    AdminClient::new(addrs).with_tls(ADMIN_TLS.read().unwrap_or_else(|p| p.into_inner()).clone())
 }
 
 /// One member's own status, or None if it does not answer within 500 ms.
