@@ -34,8 +34,8 @@ pub struct FaultRecord {
     pub recovery_ms: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub recovery_error: Option<String>,
-    /// The inference router of a frozen controller: requests sent to it meanwhile get no
-    /// answer from anyone (the client's own timeout is all there is).
+    /// The inference router of a frozen or cut-off controller: requests sent to it meanwhile
+    /// get no answer from anyone (the client's own timeout is all there is).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub frozen_router: Option<String>,
     /// Controllers that crashed on their own (failpoints) while this fault lasted, restarted
@@ -358,7 +358,13 @@ pub async fn inject<B: Backend>(
                     *targets.routers.write().unwrap() = b.router_addrs();
                 }
                 _ => {
-                    b.partition(victim, kind == FaultKind::PartitionLeaderOneWay)?;
+                    let one_way = kind == FaultKind::PartitionLeaderOneWay;
+                    // Cut off both ways, its router is out of every client's reach too: what
+                    // was sent to it meanwhile gets no answer from anyone, as at a frozen one.
+                    if !one_way {
+                        rec.frozen_router = b.router_addrs().get(victim).cloned();
+                    }
+                    b.partition(victim, one_way)?;
                     if leader_hit {
                         rec.failover_ms = new_leader(b, Some(id), Duration::from_secs(20), &mut crashed).await;
                     }
