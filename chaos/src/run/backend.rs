@@ -86,6 +86,15 @@ pub(crate) trait Backend {
     fn host_running(&self, j: usize) -> bool;
     fn kill_host(&mut self, j: usize) -> anyhow::Result<()>;
     fn start_host(&mut self, j: usize) -> anyhow::Result<()>;
+    /// Host `j` (stopped) loses its agent's sled databases, as a power cut would take what
+    /// sled never synced, whole; the paths removed.
+    fn drop_host_state(&mut self, j: usize) -> anyhow::Result<Vec<String>> {
+        let _ = j;
+        anyhow::bail!(
+            "{} backend: dropping an agent's local state is not supported",
+            self.name()
+        )
+    }
     /// Cuts host `j`'s agent off every controller; the routers still reach its replicas.
     fn cut_off_host(&mut self, j: usize) -> anyhow::Result<()> {
         let _ = j;

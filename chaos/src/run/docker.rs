@@ -343,7 +343,7 @@ impl Backend for DockerBackend {
     fn supports(&self, kind: FaultKind) -> bool {
         // A new node id needs a new service in the compose file; the images' controllers have
         // no power-loss disk armed.
-        kind != FaultKind::WipeFollower && !kind.needs_testing_disk()
+        kind != FaultKind::WipeFollower && kind != FaultKind::AgentPowerLoss && !kind.needs_testing_disk()
     }
 
     fn admin_tls(&self) -> anyhow::Result<Option<tonic::transport::ClientTlsConfig>> {

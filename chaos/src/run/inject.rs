@@ -411,6 +411,26 @@ pub async fn inject<B: Backend>(
             }
             b.start_host(victim)?;
         }
+        FaultKind::AgentPowerLoss => {
+            let (victim, id) = host_to_lose(b, &admin, rng).await?;
+            b.kill_host(victim)?;
+            let dropped = b.drop_host_state(victim)?;
+            rec.target = format!(
+                "host {id} (lost {})",
+                if dropped.is_empty() {
+                    "nothing".into()
+                } else {
+                    dropped.join(", ")
+                }
+            );
+            // Power back a moment later: the agent starts with only what the controllers tell it.
+            tokio::time::sleep(sleep_ms(rng, 300, 1500)).await;
+            b.start_host(victim)?;
+            match floors_ready(b, &admin, None, bound, &mut crashed).await {
+                Ok(ms) => rec.recovery_ms = Some(ms),
+                Err(e) => rec.recovery_error = Some(e),
+            }
+        }
         FaultKind::CutOffAgent => {
             let (victim, id) = host_to_lose(b, &admin, rng).await?;
             let replicas = b.replica_pids(victim);

@@ -310,6 +310,21 @@ impl Backend for ProcessBackend {
     }
 
     /// `kill -9` host `i`: its replicas first, then its agent.
+    fn drop_host_state(&mut self, i: usize) -> anyhow::Result<Vec<String>> {
+        anyhow::ensure!(self.hosts[i].child.is_none(), "host {} still runs", self.hosts[i].id);
+        let data = self.hosts[i].config.with_file_name("data");
+        let mut dropped = Vec::new();
+        // The agent's sled databases (agent/src/jobs.rs, placed.rs, weight_cache.rs).
+        for db in ["jobs.sled", "placed.sled", "cache/index"] {
+            let path = data.join(db);
+            if path.exists() {
+                std::fs::remove_dir_all(&path).with_context(|| format!("removing {}", path.display()))?;
+                dropped.push(db.to_string());
+            }
+        }
+        Ok(dropped)
+    }
+
     fn kill_host(&mut self, i: usize) -> anyhow::Result<()> {
         if let Some(mut c) = self.hosts[i].child.take() {
             for p in provider::descendants(c.id() as i32) {

@@ -228,6 +228,13 @@ pub enum FaultKind {
     /// step or a bad RTC would; its monotonic clocks (Raft's timers, leases) are untouched.
     /// Needs controllers built with failpoints.
     ClockJump,
+    /// Power lost on one host (the one running durable jobs when there is one): `kill -9` of
+    /// its agent and replicas, and everything its sled databases held is gone (the job outbox,
+    /// the placed-replica records, the weight cache's index). sled's flush is not an fsync and
+    /// it takes no storage backend to cut at the write, so the harness takes the harshest case
+    /// whole. The agent restarts at once and must rebuild from the controllers (ADR 0005): its
+    /// floors ready again, its jobs fenced and run again, none lost. Process backend.
+    AgentPowerLoss,
     /// Not a scenario's choice: a controller that exited on its own (a failpoint's panic),
     /// restarted by the harness as a service manager would.
     #[serde(skip_deserializing)]
@@ -260,6 +267,7 @@ impl FaultKind {
             FaultKind::DegradedNetwork => "degraded_network",
             FaultKind::CutOffAgent => "cut_off_agent",
             FaultKind::ClockJump => "clock_jump",
+            FaultKind::AgentPowerLoss => "agent_power_loss",
             FaultKind::Crashed => "crashed",
             FaultKind::NoLeader => "no_leader",
         }
@@ -311,7 +319,11 @@ impl FaultKind {
     pub fn on_agents(self) -> bool {
         matches!(
             self,
-            FaultKind::KillAgent | FaultKind::ReplicaCrash | FaultKind::ReplicaHang | FaultKind::CutOffAgent
+            FaultKind::KillAgent
+                | FaultKind::ReplicaCrash
+                | FaultKind::ReplicaHang
+                | FaultKind::CutOffAgent
+                | FaultKind::AgentPowerLoss
         )
     }
 }
@@ -399,7 +411,7 @@ impl Scenario {
             bail!("`checks.sync_success_min` is a share between 0 and 1");
         }
         let hosts: u32 = self.hosts.iter().map(|h| h.count).sum();
-        for kind in [FaultKind::KillAgent, FaultKind::CutOffAgent] {
+        for kind in [FaultKind::KillAgent, FaultKind::CutOffAgent, FaultKind::AgentPowerLoss] {
             if self.faults.kinds.contains(&kind) && hosts < 2 {
                 bail!(
                     "`{}` needs at least 2 hosts: the lost host's replicas need somewhere to go",
