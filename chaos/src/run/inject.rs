@@ -249,11 +249,11 @@ pub async fn inject<B: Backend>(
             };
             let victim = match kind {
                 FaultKind::KillFollower | FaultKind::WipeFollower | FaultKind::PartitionFollower => {
-                    (leader + 1 + rng.random_range(0..members - 1)) % members
+                    a_follower(leader, members, rng)
                 }
                 // The leader half the time (its unsynced tail is the newest), else a follower.
                 FaultKind::PowerLossOne | FaultKind::DiskFull if rng.random_bool(0.5) => {
-                    (leader + 1 + rng.random_range(0..members - 1)) % members
+                    a_follower(leader, members, rng)
                 }
                 _ => leader,
             };
@@ -510,11 +510,7 @@ pub async fn inject<B: Backend>(
             let (victim, kinds, turn): (usize, &[(&str, &str)], usize) = if members < 2 || n % 4 != 3 {
                 (leader, &LEADER_ACTORS, n - n / 4)
             } else {
-                (
-                    (leader + 1 + rng.random_range(0..members - 1)) % members,
-                    &EVERY_CONTROLLER_ACTORS,
-                    n / 4,
-                )
+                (a_follower(leader, members, rng), &EVERY_CONTROLLER_ACTORS, n / 4)
             };
             let (kind_name, actor) = kinds[turn % kinds.len()];
             let addr = b.controller_addrs()[victim].clone();
@@ -531,7 +527,7 @@ pub async fn inject<B: Backend>(
             let victim = if members < 2 || rng.random_bool(0.5) {
                 leader
             } else {
-                (leader + 1 + rng.random_range(0..members - 1)) % members
+                a_follower(leader, members, rng)
             };
             let secs = rng.random_range(60..=7200i64) * if rng.random_bool(0.5) { 1 } else { -1 };
             let addr = b.controller_addrs()[victim].clone();
@@ -560,6 +556,11 @@ pub async fn inject<B: Backend>(
     rec.lasted_ms = started.elapsed().as_millis() as u64;
     rec.crashed_meanwhile = crashed;
     Ok(rec)
+}
+
+/// A member other than the leader, drawn (needs at least two members).
+fn a_follower(leader: usize, members: usize, rng: &mut StdRng) -> usize {
+    (leader + 1 + rng.random_range(0..members - 1)) % members
 }
 
 /// Whether controller `i` exits within `limit`.
