@@ -75,6 +75,25 @@ impl JoinLimiter {
     }
 }
 
+/// Ok when this controller leads and a quorum of controllers answered it within its lease.
+/// Otherwise the status that sends the agent elsewhere: to the leader this controller knows of,
+/// or, from a leader out of touch with its quorum (a disk whose fsyncs stall its Raft core, a
+/// network cut), to the next controller, which knows whom the others elected meanwhile.
+fn leading(ctx: &Context) -> Result<(), Status> {
+    if !ctx.is_leader() {
+        return Err(not_leader(ctx));
+    }
+    match ctx.pulse.out_of_touch(Instant::now()) {
+        None => Ok(()),
+        Some(silent) => Err(AdminError::Unavailable(format!(
+            "node {} leads by its own account, but no quorum of controllers has answered it for {} ms (a stalled disk or a cut network): the others may have elected another leader; try the next controller",
+            ctx.node_id,
+            silent.as_millis()
+        ))
+        .into()),
+    }
+}
+
 /// The status that sends an agent to the leader (or tells it none is known yet).
 fn not_leader(ctx: &Context) -> Status {
     match ctx.leader() {
@@ -177,9 +196,9 @@ impl AgentService for AgentGrpc {
     }
 
     async fn register(&self, req: Request<RegisterRequest>) -> Result<Response<RegisterReply>, Status> {
-        if !self.ctx.is_leader() {
-            return Err(not_leader(&self.ctx));
-        }
+        // Not held by a leader out of touch with its quorum: its commit would wait on a stalled
+        // disk or a cut network while the others elect a leader the agent should find.
+        leading(&self.ctx)?;
         let certified = crate::auth::caller(&req).map(|id| id.name.clone());
         let r = req.into_inner();
         if let Some(cert) = certified.filter(|c| *c != r.node_id) {
@@ -228,9 +247,7 @@ impl AgentService for AgentGrpc {
     type HeartbeatsStream = ReceiverStream<Result<DesiredState, Status>>;
 
     async fn heartbeats(&self, req: Request<Streaming<Heartbeat>>) -> Result<Response<Self::HeartbeatsStream>, Status> {
-        if !self.ctx.is_leader() {
-            return Err(not_leader(&self.ctx));
-        }
+        leading(&self.ctx)?;
         // With mTLS, the node the certificate names; every heartbeat must be for it.
         let certified = crate::auth::caller(&req).map(|id| id.name.clone());
         // Checked again at every message: a stream lives as long as its connection, and a
@@ -246,6 +263,8 @@ impl AgentService for AgentGrpc {
             // Whether the agent ended the stream itself (a clean end: it is restarting or
             // shutting down, its replicas keep serving), rather than losing it.
             let mut goodbye = false;
+            // Whether this controller ended the stream because it does not lead.
+            let mut sent_away = false;
             let mut last: Option<Heartbeat> = None;
             // What the last reply told the agent: a change to it (an assignment, a cancel, a
             // replica placed, a drain) goes out when it commits, not on the next heartbeat.
@@ -279,8 +298,13 @@ impl AgentService for AgentGrpc {
                             node_changed = Some(rx);
                         }
                         let reply = handle(&ctx, certified.as_deref(), &mut bound, &hb);
-                        if reply.is_ok() {
-                            resync = sync_replicas(&ctx, &hb);
+                        match &reply {
+                            Ok(_) => resync = sync_replicas(&ctx, &hb),
+                            // This controller sent the agent away because it does not lead
+                            // (or lost touch with its quorum): the node is not lost, so the
+                            // end says nothing of the node's health.
+                            Err(_) if leading(&ctx).is_err() => sent_away = true,
+                            Err(_) => {}
                         }
                         last = Some(hb);
                         reply
@@ -315,25 +339,49 @@ impl AgentService for AgentGrpc {
                 }
             }
             if let Some((node, stream)) = bound {
-                stream_ended(&ctx, &node, stream, goodbye);
+                let end = if sent_away {
+                    StreamEnd::SentAway
+                } else if goodbye {
+                    StreamEnd::Goodbye
+                } else {
+                    StreamEnd::Lost
+                };
+                stream_ended(&ctx, &node, stream, end);
             }
         });
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 }
 
-/// A node's heartbeat stream ended. Lost (the connection broke: the host or its agent died, or
-/// the network between) makes the node suspect at once: its replicas are replaced elsewhere
-/// and it gets no new job, while it stays up (not fenced) until `node_dead_after` of silence.
-/// A clean end (the agent closed its side: a restart re-adopts its replicas) only forgets the
+/// How a heartbeat stream ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StreamEnd {
+    /// The connection broke: the host or its agent died, or the network between.
+    Lost,
+    /// The agent closed its side (a restart re-adopts its replicas).
+    Goodbye,
+    /// This controller sent the agent away: it does not lead, or lost touch with its quorum.
+    SentAway,
+}
+
+/// A node's heartbeat stream ended. Lost makes the node suspect at once: its replicas are
+/// replaced elsewhere and it gets no new job, while it stays up (not fenced) until
+/// `node_dead_after` of silence. A clean end, or one this controller chose, only forgets the
 /// stream; silence still counts.
-fn stream_ended(ctx: &Context, node: &str, stream: u64, goodbye: bool) {
+fn stream_ended(ctx: &Context, node: &str, stream: u64, end: StreamEnd) {
     if !ctx.is_leader() {
         return;
     }
-    if goodbye {
-        tracing::info!(%node, "the agent closed its heartbeat stream");
-        return;
+    match end {
+        StreamEnd::Goodbye => {
+            tracing::info!(%node, "the agent closed its heartbeat stream");
+            return;
+        }
+        StreamEnd::SentAway => {
+            tracing::info!(%node, "sent the agent to look for the leader elsewhere");
+            return;
+        }
+        StreamEnd::Lost => {}
     }
     if ctx.heartbeats.stream_closed(node, stream, Instant::now()) {
         tracing::warn!(%node, "heartbeat stream lost: node is suspect, its replicas are replaced elsewhere until it reconnects");
@@ -440,15 +488,11 @@ fn handle(
                     hb.node_id
                 )));
             }
-            if !ctx.is_leader() {
-                return Err(not_leader(ctx));
-            }
+            leading(ctx)?;
             *bound = Some((hb.node_id.clone(), ctx.heartbeats.stream_opened(&hb.node_id)));
         }
     }
-    if !ctx.is_leader() {
-        return Err(not_leader(ctx));
-    }
+    leading(ctx)?;
     let replicas_ready = hb.replicas.iter().filter(|r| r.state == "ready").count() as u32;
     let actors = agent_actors(ctx, hb);
     ctx.heartbeats.record(

@@ -39,6 +39,8 @@ pub struct Context {
     pub actors: laneway_actors::ActorBoard,
     /// Router-only processes following this controller's routing state.
     pub routers: Arc<crate::router_board::RouterBoard>,
+    /// Whether this controller, while it leads, still hears from a quorum.
+    pub pulse: Arc<crate::leader::RaftPulse>,
 }
 
 impl Context {

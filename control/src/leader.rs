@@ -29,3 +29,122 @@ pub fn current_leader(raft: &Raft) -> Option<(NodeId, String)> {
     let addr = m.membership_config.membership().get_node(&id)?.addr.clone();
     Some((id, addr))
 }
+
+/// Whether this member, while it leads, still hears from a quorum: its Raft core's last report
+/// (openraft reports metrics on every turn of its loop, a heartbeat interval apart at most while
+/// it runs) and how long before that report a quorum last acknowledged it.
+///
+/// A leader can go on believing it leads long after the others have elected another: openraft
+/// 0.9's core waits for each log flush in line, so a disk whose fsyncs take seconds stops its
+/// heartbeats and its loop, and a partitioned leader never hears the new term at all. Its own
+/// metrics still say "leader". Anything that would bind a client to the leader (an agent's
+/// heartbeat stream above all) asks [`RaftPulse::out_of_touch`] too, so that the client goes
+/// looking for the leader the others follow instead of the new leader declaring its node dead.
+pub struct RaftPulse {
+    me: NodeId,
+    /// How long without a quorum's acknowledgement this member stops passing for the leader.
+    lease: std::time::Duration,
+    last: std::sync::Mutex<Option<Report>>,
+}
+
+/// One metrics report, as the pulse saw it arrive.
+#[derive(Clone, Copy)]
+struct Report {
+    at: tokio::time::Instant,
+    leads: Option<u64>,
+    /// `millis_since_quorum_ack` of that report (`None` while no quorum has answered yet).
+    quorum_ack_ms: Option<u64>,
+}
+
+impl RaftPulse {
+    /// A pulse fed by nothing yet: [`Self::observe`] (or [`Self::follow`]) feeds it.
+    pub fn new(me: NodeId, lease: std::time::Duration) -> Self {
+        RaftPulse {
+            me,
+            lease,
+            last: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// Feeds the pulse from `raft`'s metrics until Raft shuts down.
+    pub fn follow(self: &std::sync::Arc<Self>, raft: &Raft) -> tokio::task::JoinHandle<()> {
+        let mut rx = raft.metrics();
+        let pulse = self.clone();
+        tokio::spawn(async move {
+            loop {
+                pulse.observe(&rx.borrow_and_update(), tokio::time::Instant::now());
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+        })
+    }
+
+    /// Records one metrics report received at `at`.
+    pub fn observe(&self, m: &crate::raft_types::RaftMetrics, at: tokio::time::Instant) {
+        self.record(leads(m, self.me), m.millis_since_quorum_ack, at);
+    }
+
+    /// Records a report: the term this member leads, if any, and how long before `at` a quorum
+    /// last acknowledged it.
+    fn record(&self, leads: Option<u64>, quorum_ack_ms: Option<u64>, at: tokio::time::Instant) {
+        let report = Report {
+            at,
+            leads,
+            quorum_ack_ms,
+        };
+        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(report);
+    }
+
+    /// `Some(how long)` when this member leads by its last report but has not had a quorum's
+    /// acknowledgement for longer than the lease (counting the time since that report): its
+    /// followers may have elected another leader by now. `None` when it is in touch, or when it
+    /// does not lead at all (the caller's own leader check answers that).
+    pub fn out_of_touch(&self, now: tokio::time::Instant) -> Option<std::time::Duration> {
+        let r = (*self.last.lock().unwrap_or_else(|p| p.into_inner()))?;
+        r.leads?;
+        let since_report = now.saturating_duration_since(r.at);
+        // A leader no quorum has answered yet counts from its report: a new term's first
+        // heartbeats are on their way.
+        let silent = std::time::Duration::from_millis(r.quorum_ack_ms.unwrap_or(0)) + since_report;
+        (silent > self.lease).then_some(silent)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+    use tokio::time::Instant;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_leader_is_out_of_touch_once_no_quorum_answered_it_for_its_lease() {
+        let pulse = RaftPulse::new(1, Duration::from_millis(350));
+        let t0 = Instant::now();
+        assert_eq!(pulse.out_of_touch(t0), None, "no report yet: the leader check answers");
+
+        // A follower is never "out of touch": it does not pass for the leader at all.
+        pulse.record(None, None, t0);
+        assert_eq!(pulse.out_of_touch(t0 + Duration::from_secs(10)), None);
+
+        // A healthy leader: acknowledged 40 ms before a report 100 ms ago.
+        pulse.record(Some(3), Some(40), t0);
+        assert_eq!(pulse.out_of_touch(t0 + Duration::from_millis(100)), None);
+
+        // Its core stalls (a 2 s fsync): no report comes, and the silence grows past the lease.
+        let at = t0 + Duration::from_millis(400);
+        assert_eq!(pulse.out_of_touch(at), Some(Duration::from_millis(440)));
+
+        // Its core runs again but no quorum answers (the others elected another leader).
+        pulse.record(Some(3), Some(900), at);
+        assert_eq!(pulse.out_of_touch(at), Some(Duration::from_millis(900)));
+
+        // A new term's leader no quorum has answered yet counts from its report.
+        pulse.record(Some(4), None, at);
+        assert_eq!(pulse.out_of_touch(at + Duration::from_millis(300)), None);
+        assert_eq!(
+            pulse.out_of_touch(at + Duration::from_millis(351)),
+            Some(Duration::from_millis(351))
+        );
+    }
+}

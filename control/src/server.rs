@@ -263,7 +263,12 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         issuer: cfg.issuer.clone(),
         actors: laneway_actors::ActorBoard::new(),
         routers: Arc::default(),
+        pulse: Arc::new(crate::leader::RaftPulse::new(
+            cfg.node_id,
+            Duration::from_millis(cfg.raft.election_timeout_max_ms + cfg.raft.heartbeat_ms),
+        )),
     };
+    let pulse_task = ctx.pulse.follow(&raft);
     let router = ctx.router.clone();
     router.enable_jobs(jobs, Arc::new(crate::router_host::Results(results)));
     let data_plane = DataPlane::start("laneway-router").map_err(StartError::Runtime)?;
@@ -383,6 +388,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
             ("proposer", proposer_task),
             ("job gateway forwarder", forward_task),
             ("router table", router_task),
+            ("raft pulse", pulse_task),
         ],
         ctx,
     })

@@ -152,6 +152,7 @@ impl AdminGrpc {
             issuer: _,
             actors,
             routers: _,
+            pulse: _,
         } = ctx;
         AdminGrpc {
             ctx: whole,
