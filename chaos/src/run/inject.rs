@@ -46,7 +46,7 @@ pub struct FaultRecord {
 
 impl FaultRecord {
     /// A fault of `kind` on `target` starting now (`at_ms` since the traffic started).
-    fn new(at_ms: u64, kind: FaultKind, target: String) -> FaultRecord {
+    pub(crate) fn new(at_ms: u64, kind: FaultKind, target: String) -> FaultRecord {
         FaultRecord {
             at_ms,
             kind,

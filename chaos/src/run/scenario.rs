@@ -315,6 +315,13 @@ impl FaultKind {
         matches!(self, FaultKind::NoLeader | FaultKind::DiskFull)
     }
 
+    /// Faults that leave every router running and every replica serving (a controller's slow
+    /// disk, its clock): the sync lane must not notice them, so its threshold is judged while
+    /// they last too. A leader whose fsyncs stall once emptied every route for 10 s this way.
+    pub fn spares_the_data_plane(self) -> bool {
+        matches!(self, FaultKind::SlowFsyncLeader | FaultKind::ClockJump)
+    }
+
     /// Faults on hosts and replicas (the sync lane's threshold is judged while they last).
     pub fn on_agents(self) -> bool {
         matches!(
