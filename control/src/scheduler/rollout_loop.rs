@@ -20,6 +20,7 @@ pub struct RolloutJudge {
     ctx: Context,
     /// The last wait reported per rollout, so the log says a thing once.
     said: HashMap<String, String>,
+    bake: BakeClock,
 }
 
 impl RolloutJudge {
@@ -27,7 +28,41 @@ impl RolloutJudge {
         RolloutJudge {
             ctx,
             said: HashMap::new(),
+            bake: BakeClock::default(),
         }
+    }
+}
+
+/// The time a rollout step is judged at: the wall clock, but never further past the moment this
+/// leader first saw the step than its monotonic clock has run since. A bake is stamped in wall
+/// time (`step_started_ms`, committed, so a new leader goes on from it), and a leader whose
+/// wall clock jumps forward an hour would otherwise end every bake at once and promote a
+/// canary nobody watched. A jump backwards only makes the bake longer.
+#[derive(Default)]
+struct BakeClock {
+    /// (model, step, step_started_ms) → (monotonic, wall ms) when this leader first saw it.
+    first_seen: HashMap<(String, usize, u64), (tokio::time::Instant, u64)>,
+}
+
+impl BakeClock {
+    /// `wall_now` for `r`, held back to what the monotonic clock allows.
+    fn now_for(&mut self, r: &Rollout, wall_now: u64, now: tokio::time::Instant) -> u64 {
+        self.now_for_step((r.model.clone(), r.step, r.step_started_ms), wall_now, now)
+    }
+
+    fn now_for_step(&mut self, key: (String, usize, u64), wall_now: u64, now: tokio::time::Instant) -> u64 {
+        let (at, wall_at) = *self.first_seen.entry(key).or_insert((now, wall_now));
+        let ran = now.saturating_duration_since(at).as_millis() as u64;
+        wall_now.min(wall_at.saturating_add(ran))
+    }
+
+    /// Forgets steps no longer running.
+    fn keep(&mut self, running: &[Rollout]) {
+        self.first_seen.retain(|(model, step, started), _| {
+            running
+                .iter()
+                .any(|r| &r.model == model && r.step == *step && r.step_started_ms == *started)
+        });
     }
 }
 
@@ -39,7 +74,7 @@ impl laneway_actors::Ticker for RolloutJudge {
         if !ctx.is_leader() {
             return TICK;
         }
-        for (model, step, decision) in decide(ctx, crate::jobs::unix_ms()) {
+        for (model, step, decision) in decide(ctx, &mut self.bake, crate::jobs::unix_ms()) {
             let (action, why) = match decision {
                 Verdict::Wait(why) => {
                     if self.said.get(&model) != Some(&why) {
@@ -59,8 +94,9 @@ impl laneway_actors::Ticker for RolloutJudge {
     }
 }
 
-/// The verdict on every running rollout at `now_ms`: model, the step judged, verdict.
-fn decide(ctx: &Context, now_ms: u64) -> Vec<(String, usize, Verdict)> {
+/// The verdict on every running rollout at `now_ms` (held back by `bake`): model, the step
+/// judged, verdict.
+fn decide(ctx: &Context, bake: &mut BakeClock, now_ms: u64) -> Vec<(String, usize, Verdict)> {
     let running: Vec<Rollout> = ctx.sm.with_registry(|reg| {
         reg.rollouts
             .values()
@@ -68,10 +104,12 @@ fn decide(ctx: &Context, now_ms: u64) -> Vec<(String, usize, Verdict)> {
             .cloned()
             .collect()
     });
+    bake.keep(&running);
+    let now = tokio::time::Instant::now();
     running
         .into_iter()
         .map(|r| {
-            let a = assess(&ctx.sm, &r, now_ms);
+            let a = assess(&ctx.sm, &r, bake.now_for(&r, now_ms, now));
             (r.model.clone(), r.step, a.verdict)
         })
         .collect()
@@ -128,5 +166,27 @@ async fn commit(ctx: &Context, model: &str, step: usize, action: RolloutAction, 
             Some(refused) => tracing::info!(%model, %refused, "rollout step not applied"),
         },
         Err(e) => tracing::warn!(%model, error = %e, "rollout step not committed; judging again next tick"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_forward_clock_jump_does_not_end_a_bake_early() {
+        let mut bake = BakeClock::default();
+        let step = || ("chat".to_string(), 1, 1_000_000);
+        let t0 = tokio::time::Instant::now();
+        // First seen 20 s into its bake.
+        assert_eq!(bake.now_for_step(step(), 1_020_000, t0), 1_020_000);
+        // 10 s later the wall clock has jumped an hour ahead: the bake has run 30 s, not 3,630.
+        let t1 = t0 + Duration::from_secs(10);
+        assert_eq!(bake.now_for_step(step(), 4_630_000, t1), 1_030_000);
+        // A jump back only lengthens it.
+        assert_eq!(bake.now_for_step(step(), 1_010_000, t1), 1_010_000);
+        // The next step is a new bake, judged from when it is first seen.
+        let next = ("chat".to_string(), 2, 4_630_000);
+        assert_eq!(bake.now_for_step(next, 4_640_000, t1), 4_640_000);
     }
 }
