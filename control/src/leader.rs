@@ -54,6 +54,8 @@ struct Report {
     leads: Option<u64>,
     /// `millis_since_quorum_ack` of that report (`None` while no quorum has answered yet).
     quorum_ack_ms: Option<u64>,
+    /// When the pulse first saw this member lead the term it leads.
+    leading_since: tokio::time::Instant,
 }
 
 impl RaftPulse {
@@ -88,12 +90,17 @@ impl RaftPulse {
     /// Records a report: the term this member leads, if any, and how long before `at` a quorum
     /// last acknowledged it.
     fn record(&self, leads: Option<u64>, quorum_ack_ms: Option<u64>, at: tokio::time::Instant) {
-        let report = Report {
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        let leading_since = match *last {
+            Some(r) if r.leads.is_some() && r.leads == leads => r.leading_since,
+            _ => at,
+        };
+        *last = Some(Report {
             at,
             leads,
             quorum_ack_ms,
-        };
-        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(report);
+            leading_since,
+        });
     }
 
     /// `Some(how long)` when this member leads by its last report but has not had a quorum's
@@ -103,10 +110,12 @@ impl RaftPulse {
     pub fn out_of_touch(&self, now: tokio::time::Instant) -> Option<std::time::Duration> {
         let r = (*self.last.lock().unwrap_or_else(|p| p.into_inner()))?;
         r.leads?;
-        let since_report = now.saturating_duration_since(r.at);
-        // A leader no quorum has answered yet counts from its report: a new term's first
-        // heartbeats are on their way.
-        let silent = std::time::Duration::from_millis(r.quorum_ack_ms.unwrap_or(0)) + since_report;
+        // A leader no quorum has answered yet counts from when it began to lead: a new term's
+        // first heartbeats are on their way, but a leader cut off at once must not pass forever.
+        let silent = match r.quorum_ack_ms {
+            Some(ms) => std::time::Duration::from_millis(ms) + now.saturating_duration_since(r.at),
+            None => now.saturating_duration_since(r.leading_since),
+        };
         (silent > self.lease).then_some(silent)
     }
 }
@@ -139,9 +148,12 @@ mod tests {
         pulse.record(Some(3), Some(900), at);
         assert_eq!(pulse.out_of_touch(at), Some(Duration::from_millis(900)));
 
-        // A new term's leader no quorum has answered yet counts from its report.
+        // A new term's leader no quorum has answered yet counts from when it began to lead,
+        // however often its core reports.
         pulse.record(Some(4), None, at);
+        pulse.record(Some(4), None, at + Duration::from_millis(300));
         assert_eq!(pulse.out_of_touch(at + Duration::from_millis(300)), None);
+        pulse.record(Some(4), None, at + Duration::from_millis(351));
         assert_eq!(
             pulse.out_of_touch(at + Duration::from_millis(351)),
             Some(Duration::from_millis(351))
