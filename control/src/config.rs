@@ -61,6 +61,8 @@ pub struct FileRouterConfig {
     pub max_answer_bytes: Option<usize>,
     /// Longest line or event of a streamed answer (the stream ends with an error event above). Default 1 MiB.
     pub max_event_bytes: Option<usize>,
+    /// Threads serving the router's connections. Default: one per core.
+    pub threads: Option<usize>,
     /// HTTPS: the router's certificate chain and key (PEM), for the name clients use.
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
@@ -630,8 +632,17 @@ pub(crate) fn resolve_router(
             "at least 1024 and at most router.max_answer_bytes",
         ));
     }
+    let threads = file.threads.unwrap_or(d.threads);
+    if !(1..=1024).contains(&threads) {
+        return Err(bad(
+            "router.threads",
+            threads,
+            "between 1 and 1024 (default: one per core)",
+        ));
+    }
     Ok(crate::router::server::RouterSettings {
         listen,
+        threads,
         max_body_bytes,
         header_read_timeout: std::time::Duration::from_millis(header_ms),
         max_connections,

@@ -69,7 +69,7 @@ impl Router {
             return false;
         };
         let answer = async {
-            let resp = self.client.request(req).await.ok()?;
+            let resp = self.client().request(req).await.ok()?;
             let status = resp.status();
             // Read (so the connection can be reused), but a health answer is small.
             body::read_answer(resp.into_body(), PROBE_ANSWER_BYTES).await.ok()?;

@@ -88,7 +88,7 @@ impl Router {
             started: Instant::now(),
             dropped_unanswered: measure,
         };
-        let r = self.send(&self.client, out, body, timeout).await;
+        let r = self.send(&self.client(), out, body, timeout).await;
         timing.dropped_unanswered = false;
         if r.as_ref().is_ok_and(|f| !fails_replica(f.status)) {
             slot.health.answered();

@@ -214,12 +214,33 @@ impl Drop for TenantGuard {
     }
 }
 
+/// The client the router reaches replicas with: plain HTTP, no Nagle, a 2 s connect timeout,
+/// idle connections kept a minute.
+fn replica_client() -> ReplicaClient {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(Duration::from_secs(2)));
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(60))
+        .pool_max_idle_per_host(1024)
+        .build(connector)
+}
+
+type ReplicaClient = Client<HttpConnector, Full<Bytes>>;
+
+thread_local! {
+    /// Each thread's own pool of replica connections (ADR 0031). A pooled connection is a task
+    /// on the runtime that opened it: shared by every thread, a request served on one thread
+    /// would hand each send and each answer across to the thread that opened the connection,
+    /// two cross-thread wake-ups a request. The router's connection threads each keep theirs.
+    static REPLICA_CLIENT: ReplicaClient = replica_client();
+}
+
 /// The router of one controller.
 pub struct Router {
     sm: Arc<dyn RoutingState>,
     table: RwLock<Arc<Table>>,
     tenants: Mutex<HashMap<(String, String), TenantState>>,
-    client: Client<HttpConnector, Full<Bytes>>,
     records: Mutex<VecDeque<RequestRecord>>,
     /// Usage served and not yet committed to the ledger.
     meter: laneway_core::usage::Meter,
@@ -246,19 +267,16 @@ pub struct Router {
 }
 
 impl Router {
+    /// This thread's client to the replicas (see [`REPLICA_CLIENT`]).
+    pub(crate) fn client(&self) -> ReplicaClient {
+        REPLICA_CLIENT.with(Client::clone)
+    }
+
     pub fn new(sm: Arc<dyn RoutingState>) -> Arc<Self> {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(Duration::from_secs(2)));
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .pool_max_idle_per_host(1024)
-            .build(connector);
         let router = Arc::new(Router {
             sm,
             table: RwLock::new(Arc::new(Table::default())),
             tenants: Mutex::default(),
-            client,
             records: Mutex::new(VecDeque::with_capacity(RECORDS_KEPT)),
             meter: laneway_core::usage::Meter::new(uuid::Uuid::new_v4().simple().to_string()),
             histograms: metrics::LaneHistograms::default(),

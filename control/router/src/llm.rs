@@ -380,7 +380,7 @@ impl Completion {
                             authorization: None,
                             binary: None,
                         };
-                        router.send_head(&router.client, out, body.clone(), left).await
+                        router.send_head(&router.client(), out, body.clone(), left).await
                     }
                     Err(e) => Err(e),
                 };

@@ -4,6 +4,7 @@
 //! The steps after reading are [`super::flight`]'s. The protocol files (`http` for
 //! KServe v2, `llm` for OpenAI, `jobs`) only translate.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -135,10 +136,11 @@ pub fn lookup(
 /// copied.
 #[derive(Deserialize)]
 #[allow(dead_code)]
-struct InferRequest {
-    #[serde(default)]
-    id: Option<String>,
-    inputs: Vec<InferInput>,
+struct InferRequest<'a> {
+    #[serde(default, borrow)]
+    id: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    inputs: Vec<InferInput<'a>>,
     #[serde(default)]
     parameters: Option<serde_json::Map<String, Value>>,
     #[serde(default)]
@@ -146,10 +148,12 @@ struct InferRequest {
 }
 
 #[derive(Deserialize)]
-struct InferInput {
-    name: String,
+struct InferInput<'a> {
+    #[serde(borrow)]
+    name: Cow<'a, str>,
     shape: Vec<i64>,
-    datatype: String,
+    #[serde(borrow)]
+    datatype: Cow<'a, str>,
     #[serde(default)]
     parameters: Option<InputParameters>,
     #[serde(default)]
@@ -229,14 +233,21 @@ pub fn check_body(body: &[u8], headers: &HeaderMap) -> Result<Option<BinaryPart>
         Some(n) => laneway_core::kserve::split_binary(body, n)?,
         None => (body, &[][..]),
     };
-    let de = &mut serde_json::Deserializer::from_slice(json);
-    let req: InferRequest = serde_path_to_error::deserialize(de).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner();
-        if path == "." {
-            format!("invalid inference request: {inner}")
-        } else {
-            format!("invalid inference request at `{path}`: {inner}")
+    // The path of what was wrong is tracked only once something is: tracking it costs every
+    // request (ADR 0031).
+    let req: InferRequest = serde_json::from_slice(json).map_err(|_| {
+        let de = &mut serde_json::Deserializer::from_slice(json);
+        match serde_path_to_error::deserialize::<_, InferRequest>(de) {
+            Err(e) => {
+                let path = e.path().to_string();
+                let inner = e.into_inner();
+                if path == "." {
+                    format!("invalid inference request: {inner}")
+                } else {
+                    format!("invalid inference request at `{path}`: {inner}")
+                }
+            }
+            Ok(_) => "invalid inference request".to_string(),
         }
     })?;
     let mut offset = 0usize;

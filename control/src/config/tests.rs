@@ -254,3 +254,19 @@ fn unknown_file_field_is_refused() {
     .unwrap_err();
     assert!(e.expected.contains("election_timeout"), "{e}");
 }
+
+#[test]
+fn router_threads_default_to_the_cores_and_refuse_zero() {
+    let file = |threads| FileRouterConfig {
+        threads,
+        ..FileRouterConfig::default()
+    };
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    assert_eq!(resolve_router(None, None, None, &file(None)).unwrap().threads, cores);
+    assert_eq!(resolve_router(None, None, None, &file(Some(3))).unwrap().threads, 3);
+    for bad in [0, 5000] {
+        let e = resolve_router(None, None, None, &file(Some(bad))).unwrap_err();
+        assert_eq!(e.field, "router.threads", "{e}");
+        assert!(e.to_string().contains("between 1 and 1024"), "{e}");
+    }
+}

@@ -209,15 +209,15 @@ async fn the_replica_continues_the_clients_trace_through_the_router() {
     let server = serve_on_free_port(router).await;
     let (trace, client_span) = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7");
     let incoming = format!("00-{trace}-{client_span}-01");
-    let send = || {
+    let send = |at: std::net::SocketAddr| {
         reqwest::Client::new()
-            .post(format!("http://{}/v2/models/whisper/infer", server.addr))
+            .post(format!("http://{}/v2/models/whisper/infer", at))
             .bearer_auth("k")
             .header("traceparent", &incoming)
             .body(r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#)
             .send()
     };
-    assert_eq!(send().await.unwrap().status(), 200);
+    assert_eq!(send(server.addr).await.unwrap().status(), 200);
     let sent = seen.lock().unwrap()[0].clone();
     let parts: Vec<&str> = sent.split('-').collect();
     assert_eq!(parts.len(), 4, "{sent}");
@@ -240,8 +240,12 @@ async fn the_replica_continues_the_clients_trace_through_the_router() {
         "the replica's parent is the dispatch"
     );
 
+    // A router started where nothing traces (its connection threads take the subscriber of
+    // where it started).
+    server.stop().await;
     drop(tracing_on);
-    assert_eq!(send().await.unwrap().status(), 200);
+    let server = serve_on_free_port(router_with(&[("live", addr)])).await;
+    assert_eq!(send(server.addr).await.unwrap().status(), 200);
     assert_eq!(
         seen.lock().unwrap()[1],
         incoming,
@@ -1131,4 +1135,59 @@ async fn a_request_whose_client_leaves_is_recorded_as_499() {
         "the slot is free"
     );
     server.stop().await;
+}
+
+/// The router's connections are dealt out to its threads (ADR 0031): requests on several
+/// connections are answered, and a router told to stop finishes the ones in flight on every
+/// thread before its threads end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_router_finishes_the_requests_in_flight_on_each_thread() {
+    let replica = axum::Router::new().route(
+        "/v2/models/whisper/infer",
+        post(|| async {
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            (StatusCode::OK, "{\"outputs\":[]}")
+        }),
+    );
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l, replica).await });
+    let settings = RouterSettings {
+        threads: 3,
+        ..RouterSettings::default()
+    };
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    // Three replicas (one process): room for a request each.
+    let router = router_with(&[("a", addr), ("b", addr), ("c", addr)]);
+    let server = serve(router, axum::Router::new(), listener, &settings).unwrap();
+    let at = server.addr;
+    // One client each: a connection of its own, dealt to a thread of its own.
+    let sends: Vec<_> = (0..3)
+        .map(|_| {
+            tokio::spawn(async move {
+                let r = reqwest::Client::new()
+                    .post(format!("http://{at}/v2/models/whisper/infer"))
+                    .bearer_auth("k")
+                    .body(r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#)
+                    .send()
+                    .await
+                    .unwrap();
+                (r.status(), r.text().await.unwrap())
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    server.stop().await;
+    for s in sends {
+        let (status, body) = s.await.unwrap();
+        assert_eq!(status, StatusCode::OK, "answered though the router stopped: {body}");
+    }
+    assert!(
+        reqwest::Client::new()
+            .get(format!("http://{at}/v2/health/live"))
+            .send()
+            .await
+            .is_err(),
+        "a stopped router takes no new connection"
+    );
 }
