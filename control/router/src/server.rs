@@ -315,8 +315,9 @@ struct ConnectionThreads {
 const STOP_GRACE: Duration = Duration::from_secs(5);
 
 impl ConnectionThreads {
-    /// `threads` threads (at least one). Each ends once `stop` says so (or its sender is gone)
-    /// and every connection has given back its permit, or [`STOP_GRACE`] has passed.
+    /// `threads` threads (at least one). Each ends once `stop` says so and every connection
+    /// has given back its permit, or [`STOP_GRACE`] has passed; at once if `stop`'s sender is
+    /// dropped without saying so.
     fn start(
         threads: usize,
         stop: watch::Receiver<bool>,
@@ -339,9 +340,12 @@ impl ConnectionThreads {
                 .spawn(move || {
                     let _tracing = scoped.then(|| tracing::dispatcher::set_default(&dispatch));
                     rt.block_on(async move {
-                        let _ = stop.wait_for(|s| *s).await;
-                        let all = u32::try_from(max_connections).unwrap_or(u32::MAX);
-                        let _ = tokio::time::timeout(STOP_GRACE, permits.acquire_many(all)).await;
+                        // A router dropped without `stop` (its controller dropped) ends its
+                        // connections at once, as its data plane runtime's tasks end.
+                        if stop.wait_for(|s| *s).await.is_ok() {
+                            let all = u32::try_from(max_connections).unwrap_or(u32::MAX);
+                            let _ = tokio::time::timeout(STOP_GRACE, permits.acquire_many(all)).await;
+                        }
                     });
                 })?;
         }

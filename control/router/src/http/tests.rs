@@ -1191,3 +1191,34 @@ async fn a_stopping_router_finishes_the_requests_in_flight_on_each_thread() {
         "a stopped router takes no new connection"
     );
 }
+
+/// A router dropped without being stopped (its controller dropped) ends at once, as its
+/// runtime's tasks do: a request in flight is cut, not finished (a stop finishes it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_router_ends_its_connections_at_once() {
+    let replica = axum::Router::new().route(
+        "/v2/models/whisper/infer",
+        post(|| async {
+            tokio::time::sleep(Duration::from_millis(800)).await;
+            (StatusCode::OK, "{\"outputs\":[]}")
+        }),
+    );
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l, replica).await });
+    let server = serve_on_free_port(router_with(&[("live", addr)])).await;
+    let at = server.addr;
+    let send = tokio::spawn(async move {
+        reqwest::Client::new()
+            .post(format!("http://{at}/v2/models/whisper/infer"))
+            .bearer_auth("k")
+            .body(r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#)
+            .send()
+            .await
+            .map(|r| r.status())
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    drop(server);
+    let r = send.await.unwrap();
+    assert!(r.is_err(), "the request in flight was cut, not answered: {r:?}");
+}
