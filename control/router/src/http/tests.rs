@@ -1142,16 +1142,7 @@ async fn a_request_whose_client_leaves_is_recorded_as_499() {
 /// thread before its threads end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopping_router_finishes_the_requests_in_flight_on_each_thread() {
-    let replica = axum::Router::new().route(
-        "/v2/models/whisper/infer",
-        post(|| async {
-            tokio::time::sleep(Duration::from_millis(400)).await;
-            (StatusCode::OK, "{\"outputs\":[]}")
-        }),
-    );
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(l, replica).await });
+    let addr = sim_replica(400.0).await;
     let settings = RouterSettings {
         threads: 3,
         ..RouterSettings::default()
@@ -1165,13 +1156,7 @@ async fn a_stopping_router_finishes_the_requests_in_flight_on_each_thread() {
     let sends: Vec<_> = (0..3)
         .map(|_| {
             tokio::spawn(async move {
-                let r = reqwest::Client::new()
-                    .post(format!("http://{at}/v2/models/whisper/infer"))
-                    .bearer_auth("k")
-                    .body(r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#)
-                    .send()
-                    .await
-                    .unwrap();
+                let r = infer_at(at).await;
                 (r.status(), r.text().await.unwrap())
             })
         })
@@ -1196,16 +1181,7 @@ async fn a_stopping_router_finishes_the_requests_in_flight_on_each_thread() {
 /// runtime's tasks do: a request in flight is cut, not finished (a stop finishes it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_router_ends_its_connections_at_once() {
-    let replica = axum::Router::new().route(
-        "/v2/models/whisper/infer",
-        post(|| async {
-            tokio::time::sleep(Duration::from_millis(800)).await;
-            (StatusCode::OK, "{\"outputs\":[]}")
-        }),
-    );
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(l, replica).await });
+    let addr = sim_replica(800.0).await;
     let server = serve_on_free_port(router_with(&[("live", addr)])).await;
     let at = server.addr;
     let send = tokio::spawn(async move {
