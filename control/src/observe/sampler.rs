@@ -35,27 +35,43 @@ pub fn observe(ctx: &Context, now_ms: u64) -> Observed {
 /// Mean utilisation of the GPUs that run each class's replicas, from the heartbeats this
 /// controller has (none unless it leads).
 pub fn lane_gpu_utilisation(ctx: &Context) -> HashMap<String, f64> {
-    let seen = ctx.heartbeats.all();
-    if seen.is_empty() {
+    // (device, class) of every placed replica: only their cards' utilisation is read.
+    let replicas: Vec<(String, String)> = ctx.sm.with_registry(|registry| {
+        registry
+            .placement
+            .replicas
+            .values()
+            .flatten()
+            .filter_map(|r| {
+                registry
+                    .models
+                    .get(&r.model)
+                    .map(|m| (r.device.clone(), m.class.clone()))
+            })
+            .collect()
+    });
+    if replicas.is_empty() {
         return HashMap::new();
     }
+    let wanted: std::collections::HashSet<&str> = replicas.iter().map(|(d, _)| d.as_str()).collect();
     // GPU (or MIG device) UUID → utilisation of its card.
-    let mut util: HashMap<&str, u32> = HashMap::new();
-    for s in seen.values() {
-        for g in &s.gpus {
-            util.insert(&g.uuid, g.utilisation_pct);
-            for m in &g.mig_devices {
-                util.insert(m, g.utilisation_pct);
+    let util: HashMap<&str, u32> = ctx.heartbeats.with_all(|seen| {
+        let mut util = HashMap::new();
+        for g in seen.values().flat_map(|s| &s.gpus) {
+            for device in std::iter::once(&g.uuid).chain(&g.mig_devices) {
+                if let Some(d) = wanted.get(device.as_str()) {
+                    util.insert(*d, g.utilisation_pct);
+                }
             }
         }
-    }
-    let registry = ctx.sm.registry();
+        util
+    });
     let mut sums: HashMap<String, (f64, u32)> = HashMap::new();
-    for r in registry.placement.replicas.values().flatten() {
-        let (Some(model), Some(u)) = (registry.models.get(&r.model), util.get(r.device.as_str())) else {
+    for (device, class) in &replicas {
+        let Some(u) = util.get(device.as_str()) else {
             continue;
         };
-        let e = sums.entry(model.class.clone()).or_default();
+        let e = sums.entry(class.clone()).or_default();
         e.0 += f64::from(*u);
         e.1 += 1;
     }

@@ -176,13 +176,13 @@ fn fast_loop(
 /// reported, as the agents measured it.
 fn cold_starts(ctx: &Context) -> HashMap<String, Duration> {
     let mut out: HashMap<String, Duration> = HashMap::new();
-    for (_, seen) in ctx.heartbeats.all() {
-        for r in seen.replicas.iter().filter(|r| r.ready_ms > 0) {
+    ctx.heartbeats.with_all(|all| {
+        for r in all.values().flat_map(|seen| &seen.replicas).filter(|r| r.ready_ms > 0) {
             let d = Duration::from_millis(r.ready_ms);
             let e = out.entry(r.model.clone()).or_default();
             *e = (*e).max(d);
         }
-    }
+    });
     out
 }
 
@@ -190,8 +190,8 @@ fn cold_starts(ctx: &Context) -> HashMap<String, Duration> {
 /// KV-cache usage (for replicas that report them).
 fn engine_load(ctx: &Context) -> HashMap<String, EngineLoad> {
     let mut sums: HashMap<String, (EngineLoad, f64, u32)> = HashMap::new();
-    for (_, seen) in ctx.heartbeats.all() {
-        for (model, waiting, kv) in &seen.engine {
+    ctx.heartbeats.with_all(|all| {
+        for (model, waiting, kv) in all.values().flat_map(|seen| &seen.engine) {
             let e = sums.entry(model.clone()).or_default();
             e.0.waiting += waiting;
             e.0.without_waiting += u32::from(*waiting == 0);
@@ -200,7 +200,7 @@ fn engine_load(ctx: &Context) -> HashMap<String, EngineLoad> {
                 e.2 += 1;
             }
         }
-    }
+    });
     sums.into_iter()
         .map(|(m, (mut e, kv, n))| {
             e.kv_cache = (n > 0).then(|| kv / f64::from(n));

@@ -36,8 +36,37 @@ pub struct Scheduler {
     ctx: Context,
     term: Arc<Term>,
     last_unplaced: Vec<String>,
-    /// When the last plan ran, for which targets and which suspect nodes.
-    last_plan: Option<(Instant, HashMap<String, usize>, HashSet<String>)>,
+    /// The last plan: when it ran, from what, and whether it settled.
+    last_plan: Option<LastPlan>,
+}
+
+/// What the last placement pass was made from, and whether it settled (changed nothing and
+/// had nothing left to commit). The plan is a pure function of these inputs: while they stay
+/// the same a settled plan would come out the same, so it is not made again. That is what
+/// keeps an idle fleet of 25,000 nodes from being copied and indexed every second.
+struct LastPlan {
+    at: Instant,
+    targets: HashMap<String, usize>,
+    suspect: HashSet<String>,
+    /// The state machine's count of fleet and registry changes.
+    state: u64,
+    /// The heartbeat table's count of changes placement reads (caches, MIG devices).
+    observed: u64,
+    settled: bool,
+}
+
+impl LastPlan {
+    /// Whether a plan is due now: at once when the targets or the suspect nodes changed; on
+    /// the [`TICK`] when the committed state or what heartbeats say changed, or the last plan
+    /// left something to commit; never while a settled plan's inputs stay the same.
+    fn due(last: Option<&LastPlan>, now: Instant, next: &LastPlan) -> bool {
+        let Some(last) = last else { return true };
+        if last.targets != next.targets || last.suspect != next.suspect {
+            return true;
+        }
+        let changed = last.state != next.state || last.observed != next.observed || !last.settled;
+        changed && now.saturating_duration_since(last.at) >= TICK
+    }
 }
 
 impl Scheduler {
@@ -87,14 +116,20 @@ impl Scheduler {
             blue_green_targets(registry, &mut targets);
             targets
         });
-        let due = self.last_plan.as_ref().is_none_or(|(at, before, suspect_before)| {
-            *before != targets || *suspect_before != suspect || now.saturating_duration_since(*at) >= TICK
-        });
-        if !due {
+        // Read before the inputs are: a change landing in between makes the next pass plan
+        // again rather than be missed.
+        let mut next = LastPlan {
+            at: now,
+            targets: targets.clone(),
+            suspect: suspect.clone(),
+            state: ctx.sm.changes(),
+            observed: ctx.heartbeats.placement_inputs(),
+            settled: false,
+        };
+        if !LastPlan::due(self.last_plan.as_ref(), now, &next) {
             return;
         }
         let (fleet, registry) = ctx.sm.routing_inputs();
-        self.last_plan = Some((now, targets.clone(), suspect.clone()));
         let observed = replicas::Observed {
             cached: cached_models(ctx, &registry),
             slices: settled_slices(ctx, &registry),
@@ -117,6 +152,8 @@ impl Scheduler {
         }
         // One log entry per PLACEMENT_BATCH nodes changed: a pass that touches many nodes
         // commits in a few round trips instead of one per node.
+        next.settled = plan.commands.is_empty();
+        self.last_plan = Some(next);
         let mut commands = plan.commands.into_iter().peekable();
         while commands.peek().is_some() {
             let chunk: Vec<Command> = commands.by_ref().take(PLACEMENT_BATCH).collect();
@@ -206,41 +243,41 @@ fn blue_green_targets(registry: &Registry, targets: &mut HashMap<String, usize>)
 /// Per node heard from, its MIG devices on GPUs whose reported layout is the one wanted (no
 /// re-partitioning pending), from the heartbeats.
 fn settled_slices(ctx: &Context, registry: &Registry) -> HashMap<String, Vec<replicas::Slice>> {
-    ctx.heartbeats
-        .all()
-        .into_iter()
-        .map(|(node, seen)| {
-            let slices = seen
-                .gpus
-                .iter()
-                .filter(|g| !g.mig_devices.is_empty())
-                .filter(|g| {
-                    let mut wanted = registry
-                        .placement
-                        .mig
-                        .get(&node)
-                        .and_then(|m| m.get(&g.uuid))
-                        .cloned()
-                        .unwrap_or_default();
-                    let mut reported = g.mig_profiles.clone();
-                    wanted.sort();
-                    reported.sort();
-                    wanted == reported
-                })
-                .flat_map(|g| {
-                    g.mig_devices
-                        .iter()
-                        .zip(&g.mig_profiles)
-                        .map(|(uuid, profile)| replicas::Slice {
-                            parent: g.uuid.clone(),
-                            uuid: uuid.clone(),
-                            profile: profile.clone(),
-                        })
-                })
-                .collect();
-            (node, slices)
-        })
-        .collect()
+    ctx.heartbeats.with_all(|all| {
+        all.iter()
+            .map(|(node, seen)| {
+                let slices = seen
+                    .gpus
+                    .iter()
+                    .filter(|g| !g.mig_devices.is_empty())
+                    .filter(|g| {
+                        let mut wanted = registry
+                            .placement
+                            .mig
+                            .get(node)
+                            .and_then(|m| m.get(&g.uuid))
+                            .cloned()
+                            .unwrap_or_default();
+                        let mut reported = g.mig_profiles.clone();
+                        wanted.sort();
+                        reported.sort();
+                        wanted == reported
+                    })
+                    .flat_map(|g| {
+                        g.mig_devices
+                            .iter()
+                            .zip(&g.mig_profiles)
+                            .map(|(uuid, profile)| replicas::Slice {
+                                parent: g.uuid.clone(),
+                                uuid: uuid.clone(),
+                                profile: profile.clone(),
+                            })
+                    })
+                    .collect();
+                (node.clone(), slices)
+            })
+            .collect()
+    })
 }
 
 /// Per node, the models whose every weight artifact is in its cache (from the heartbeats).
@@ -249,19 +286,19 @@ fn cached_models(ctx: &Context, registry: &Registry) -> HashMap<String, std::col
     if with_weights.is_empty() {
         return HashMap::new();
     }
-    ctx.heartbeats
-        .all()
-        .into_iter()
-        .map(|(node, seen)| {
-            let blobs: std::collections::HashSet<&str> = seen.cached_blobs.iter().map(String::as_str).collect();
-            let models = with_weights
-                .iter()
-                .filter(|m| m.weights.iter().all(|w| blobs.contains(w.sha256.as_str())))
-                .map(|m| m.name.clone())
-                .collect();
-            (node, models)
-        })
-        .collect()
+    ctx.heartbeats.with_all(|all| {
+        all.iter()
+            .map(|(node, seen)| {
+                let blobs: std::collections::HashSet<&str> = seen.cached_blobs.iter().map(String::as_str).collect();
+                let models = with_weights
+                    .iter()
+                    .filter(|m| m.weights.iter().all(|w| blobs.contains(w.sha256.as_str())))
+                    .map(|m| m.name.clone())
+                    .collect();
+                (node.clone(), models)
+            })
+            .collect()
+    })
 }
 
 /// A placement command as a line an operator reads: the node and what it runs now.
@@ -379,5 +416,58 @@ mod tests {
             let got = held_targets(&r, &lanes, &HashSet::new(), now, LANE_STALE_AFTER);
             assert_eq!(got, want, "{what}");
         }
+    }
+
+    #[test]
+    fn a_settled_plan_is_made_again_only_when_what_it_reads_changes() {
+        let t0 = Instant::now();
+        let plan = |at: Instant, state: u64, observed: u64, settled: bool| LastPlan {
+            at,
+            targets: [("whisper".to_string(), 2)].into(),
+            suspect: HashSet::new(),
+            state,
+            observed,
+            settled,
+        };
+        let last = plan(t0, 7, 3, true);
+        let later = t0 + TICK;
+        let soon = t0 + FAST_TICK;
+        assert!(
+            LastPlan::due(None, t0, &plan(t0, 7, 3, false)),
+            "the term's first pass plans"
+        );
+        assert!(
+            !LastPlan::due(Some(&last), later + TICK * 10, &plan(later, 7, 3, false)),
+            "settled, nothing changed: not planned again however long it has been"
+        );
+        assert!(
+            LastPlan::due(Some(&last), later, &plan(later, 8, 3, false)),
+            "a commit changed the fleet or registry"
+        );
+        assert!(
+            !LastPlan::due(Some(&last), soon, &plan(soon, 8, 3, false)),
+            "…on the tick, as before"
+        );
+        assert!(
+            LastPlan::due(Some(&last), later, &plan(later, 7, 4, false)),
+            "a weight cache or MIG layout changed"
+        );
+        let unsettled = plan(t0, 7, 3, false);
+        assert!(
+            LastPlan::due(Some(&unsettled), later, &plan(later, 7, 3, false)),
+            "the last plan had something to commit: planned again on the tick"
+        );
+        let mut moved = plan(soon, 7, 3, false);
+        moved.targets.insert("whisper".into(), 3);
+        assert!(
+            LastPlan::due(Some(&last), soon, &moved),
+            "a lane changed a target: at once"
+        );
+        let mut suspect = plan(soon, 7, 3, false);
+        suspect.suspect.insert("n1".into());
+        assert!(
+            LastPlan::due(Some(&last), soon, &suspect),
+            "a node became suspect: at once"
+        );
     }
 }

@@ -419,6 +419,12 @@ impl StateMachineStore {
         self.changed.subscribe()
     }
 
+    /// How many times the fleet or the registry has changed (the value
+    /// [`Self::subscribe_changes`] carries): while it stays the same, so do they.
+    pub fn changes(&self) -> u64 {
+        *self.changed.borrow()
+    }
+
     /// Changes whenever a job changes.
     pub fn subscribe_jobs(&self) -> tokio::sync::watch::Receiver<u64> {
         self.jobs_changed.subscribe()
