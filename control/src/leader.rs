@@ -2,6 +2,8 @@
 //! other controllers' admin API. Below [`crate::context`], so the router's job gateway can use
 //! it without the whole context.
 
+use std::time::Duration;
+
 use crate::raft_types::{NodeId, Raft};
 
 /// The term this node leads according to `m`, if it leads one: in the leader state, naming
@@ -56,6 +58,22 @@ struct Report {
     quorum_ack_ms: Option<u64>,
     /// When the pulse first saw this member lead the term it leads.
     leading_since: tokio::time::Instant,
+}
+
+/// How long a leader may go without a quorum's acknowledgement before it sends its agents
+/// away ([`RaftPulse::out_of_touch`]): the earliest another leader could be elected
+/// (`election_timeout_max` + one heartbeat), but at least a third of `node_dead_after`.
+///
+/// Under load a quorum's acknowledgements can be late without anyone having stopped hearing
+/// the leader: openraft gives each AppendEntries one heartbeat interval to come back, and on a
+/// busy host a few in a row miss it while the followers still hear every one (measured at
+/// 25,000 agents on two cores: 401 ms without an acknowledgement, no election). Sending 25,000
+/// agents away from a leader that is only slow costs a reconnection storm; keeping them on a
+/// deposed one a little longer costs nothing as long as they still reach the new leader well
+/// before it would declare their nodes dead (`node_dead_after`), which two thirds of it leaves
+/// them (ADR 0030).
+pub fn pulse_lease(election_timeout_max: Duration, heartbeat: Duration, node_dead_after: Duration) -> Duration {
+    (election_timeout_max + heartbeat).max(node_dead_after / 3)
 }
 
 impl RaftPulse {
@@ -123,8 +141,17 @@ impl RaftPulse {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
     use tokio::time::Instant;
+
+    #[test]
+    fn the_lease_leaves_agents_two_thirds_of_node_dead_after_to_move() {
+        let ms = Duration::from_millis;
+        // The defaults: 300 ms election timeout, 100 ms heartbeat, 3 s node_dead_after.
+        assert_eq!(pulse_lease(ms(300), ms(100), ms(3000)), ms(1000));
+        // A short node_dead_after never brings it below the earliest another leader could be.
+        assert_eq!(pulse_lease(ms(300), ms(100), ms(1000)), ms(400));
+        assert_eq!(pulse_lease(ms(1500), ms(500), ms(3000)), ms(2000));
+    }
 
     #[tokio::test(start_paused = true)]
     async fn a_leader_is_out_of_touch_once_no_quorum_answered_it_for_its_lease() {
