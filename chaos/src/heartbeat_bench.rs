@@ -23,6 +23,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::process_cluster::ProcessCluster;
+use crate::support::http::Failures;
 
 /// Flags of `laneway-chaos heartbeats`.
 #[derive(Debug, clap::Args)]
@@ -84,7 +85,7 @@ pub async fn run(args: HeartbeatArgs) -> anyhow::Result<()> {
             let gpus = (0..GPUS_PER_NODE)
                 .map(|g| GpuInfo {
                     product: "H100-80GB".into(),
-                    uuid: format!("GPU-bench-{i}-{g}"),
+                    uuid: gpu_uuid(i, g),
                     memory_bytes: 80 << 30,
                     mig_capable: true,
                 })
@@ -158,27 +159,31 @@ pub async fn run(args: HeartbeatArgs) -> anyhow::Result<()> {
         let leader_addr = cluster.members[li].addr.clone();
         let leader_pid = cluster.pid(li).context("leader pid")?;
         let term = cluster.term().await;
-        let hist = Arc::new(Mutex::new(Histogram::<u64>::new_with_bounds(1, 120_000_000, 3)?));
-        let (sent, acked) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let step = Arc::new(Step {
+            hist: Mutex::new(Histogram::<u64>::new_with_bounds(1, 120_000_000, 3)?),
+            sent: AtomicU64::new(0),
+            acked: AtomicU64::new(0),
+            measuring: std::sync::atomic::AtomicBool::new(false),
+            ended: Mutex::new(Failures::default()),
+        });
         let chans = channels(&leader_addr, n).await?;
-        let measuring = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let mut agents = tokio::task::JoinSet::new();
         for i in 0..n {
             let chan = chans[i / STREAMS_PER_CONNECTION].clone();
-            let (hist, sent, acked, measuring) = (hist.clone(), sent.clone(), acked.clone(), measuring.clone());
-            agents.spawn(agent(chan, node_name(i), hist, sent, acked, measuring));
+            agents.spawn(agent(chan, i, step.clone()));
         }
         tokio::time::sleep(Duration::from_secs(2)).await; // streams open, phases spread
         let cpu0 = crate::support::cpu::cpu_ticks(leader_pid).unwrap_or(0);
-        measuring.store(true, Ordering::SeqCst);
+        step.measuring.store(true, Ordering::SeqCst);
         let t0 = Instant::now();
         tokio::time::sleep(Duration::from_secs(args.duration_secs)).await;
-        measuring.store(false, Ordering::SeqCst);
+        step.measuring.store(false, Ordering::SeqCst);
         let secs = t0.elapsed().as_secs_f64();
         let cpu1 = crate::support::cpu::cpu_ticks(leader_pid).unwrap_or(0);
         agents.abort_all();
-        let h = hist.lock().unwrap().clone();
-        let (s, a) = (sent.load(Ordering::SeqCst), acked.load(Ordering::SeqCst));
+        let h = step.hist.lock().unwrap().clone();
+        let (s, a) = (step.sent.load(Ordering::SeqCst), step.acked.load(Ordering::SeqCst));
+        let ended = std::mem::take(&mut *step.ended.lock().unwrap());
         let p99_ms = h.value_at_quantile(0.99) as f64 / 1000.0;
         let cpu_pct = (cpu1.saturating_sub(cpu0)) as f64 / 100.0 / secs * 100.0; // 100 ticks/s
         let elections = crate::jobs_bench::elections(term, cluster.term().await);
@@ -191,7 +196,7 @@ pub async fn run(args: HeartbeatArgs) -> anyhow::Result<()> {
             json!({"bench": "heartbeats", "agents": n, "sent_per_sec": (s as f64 / secs).round(),
                    "acked_per_sec": (a as f64 / secs).round(), "lag_p50_ms": h.value_at_quantile(0.5) as f64 / 1000.0,
                    "lag_p99_ms": p99_ms, "leader_cpu_pct": cpu_pct.round(), "elections": elections,
-                   "sustained": ok})
+                   "streams_ended": ended.total(), "ended_by": ended.to_json(), "sustained": ok})
         );
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
@@ -204,58 +209,91 @@ pub async fn run(args: HeartbeatArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn agent(
-    chan: Channel,
-    node: String,
-    hist: Arc<Mutex<Histogram<u64>>>,
-    sent: Arc<AtomicU64>,
-    acked: Arc<AtomicU64>,
-    measuring: Arc<std::sync::atomic::AtomicBool>,
-) {
-    let mut client = AgentServiceClient::new(chan);
-    let (tx, rx) = mpsc::channel(2);
-    let Ok(resp) = client.heartbeats(ReceiverStream::new(rx)).await else {
-        return;
-    };
-    let mut replies = resp.into_inner();
-    let phase = Duration::from_millis(rand::rng().random_range(0..1000));
-    tokio::time::sleep(phase).await;
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
-    let mut seq = 0u64;
+/// The UUID of GPU `g` of node `i`, the same at registration and in every heartbeat.
+fn gpu_uuid(i: usize, g: usize) -> String {
+    format!("GPU-bench-{i}-{g}")
+}
+
+/// What one step's agents share: the lag histogram, counts, and why streams ended.
+struct Step {
+    hist: Mutex<Histogram<u64>>,
+    sent: AtomicU64,
+    acked: AtomicU64,
+    measuring: std::sync::atomic::AtomicBool,
+    /// Why a heartbeat stream could not open or ended, counted while measuring: an agent
+    /// that loses its stream opens a new one after a short pause, as a real one does, so a
+    /// refusal shows here instead of as an agent that silently stopped.
+    ended: Mutex<Failures>,
+}
+
+impl Step {
+    fn ended(&self, why: String) {
+        if self.measuring.load(Ordering::Relaxed) {
+            self.ended.lock().unwrap().add(why);
+        }
+    }
+}
+
+async fn agent(chan: Channel, i: usize, step: Arc<Step>) {
+    let node = node_name(i);
     let gpus: Vec<GpuStatus> = (0..GPUS_PER_NODE)
         .map(|g| GpuStatus {
-            uuid: format!("GPU-bench-{node}-{g}"),
+            uuid: gpu_uuid(i, g),
             utilisation_pct: 50,
             memory_used_bytes: 40 << 30,
             healthy: true,
             ..Default::default()
         })
         .collect();
+    let phase = Duration::from_millis(rand::rng().random_range(0..1000));
+    tokio::time::sleep(phase).await;
+    let mut seq = 0u64;
+    loop {
+        let why = heartbeat_stream(&chan, &node, &gpus, &mut seq, &step).await;
+        step.ended(why);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// One heartbeat stream at 1 Hz until it fails; what failed.
+async fn heartbeat_stream(chan: &Channel, node: &str, gpus: &[GpuStatus], seq: &mut u64, step: &Step) -> String {
+    let mut client = AgentServiceClient::new(chan.clone());
+    let (tx, rx) = mpsc::channel(2);
+    let mut replies = match client.heartbeats(ReceiverStream::new(rx)).await {
+        Ok(r) => r.into_inner(),
+        Err(s) => return format!("open: {:?}: {}", s.code(), s.message()),
+    };
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tick.tick().await;
-        seq += 1;
+        *seq += 1;
         let t = Instant::now();
         let hb = Heartbeat {
-            node_id: node.clone(),
-            sequence: seq,
-            gpus: gpus.clone(),
+            node_id: node.to_string(),
+            sequence: *seq,
+            gpus: gpus.to_vec(),
             ..Default::default()
         };
-        let counted = measuring.load(Ordering::Relaxed);
+        let counted = step.measuring.load(Ordering::Relaxed);
         if tx.send(hb).await.is_err() {
-            return;
+            return "the stream's sender closed".into();
         }
         if counted {
-            sent.fetch_add(1, Ordering::Relaxed);
+            step.sent.fetch_add(1, Ordering::Relaxed);
         }
         match replies.message().await {
             Ok(Some(_)) => {
                 if counted {
-                    acked.fetch_add(1, Ordering::Relaxed);
-                    let _ = hist.lock().unwrap().record((t.elapsed().as_micros() as u64).max(1));
+                    step.acked.fetch_add(1, Ordering::Relaxed);
+                    let _ = step
+                        .hist
+                        .lock()
+                        .unwrap()
+                        .record((t.elapsed().as_micros() as u64).max(1));
                 }
             }
-            _ => return,
+            Ok(None) => return "the leader ended the stream".into(),
+            Err(s) => return format!("reply: {:?}: {}", s.code(), s.message()),
         }
     }
 }
