@@ -79,11 +79,22 @@ impl JoinLimiter {
 /// Otherwise the status that sends the agent elsewhere: to the leader this controller knows of,
 /// or, from a leader out of touch with its quorum (a disk whose fsyncs stall its Raft core, a
 /// network cut), to the next controller, which knows whom the others elected meanwhile.
+/// `Register` commits through Raft and is held to the tight lease; a heartbeat stream gets the
+/// longer one ([`crate::leader::pulse_lease`]).
 fn leading(ctx: &Context) -> Result<(), Status> {
+    leading_within(ctx, |now| ctx.pulse.out_of_touch(now))
+}
+
+/// [`leading`] for a heartbeat stream.
+fn leading_stream(ctx: &Context) -> Result<(), Status> {
+    leading_within(ctx, |now| ctx.pulse.out_of_touch_for_streams(now))
+}
+
+fn leading_within(ctx: &Context, out_of_touch: impl Fn(Instant) -> Option<std::time::Duration>) -> Result<(), Status> {
     if !ctx.is_leader() {
         return Err(not_leader(ctx));
     }
-    match ctx.pulse.out_of_touch(Instant::now()) {
+    match out_of_touch(Instant::now()) {
         None => Ok(()),
         Some(silent) => Err(AdminError::Unavailable(format!(
             "node {} leads by its own account, but no quorum of controllers has answered it for {} ms (a stalled disk or a cut network): the others may have elected another leader; try the next controller",
@@ -247,7 +258,7 @@ impl AgentService for AgentGrpc {
     type HeartbeatsStream = ReceiverStream<Result<DesiredState, Status>>;
 
     async fn heartbeats(&self, req: Request<Streaming<Heartbeat>>) -> Result<Response<Self::HeartbeatsStream>, Status> {
-        leading(&self.ctx)?;
+        leading_stream(&self.ctx)?;
         // With mTLS, the node the certificate names; every heartbeat must be for it.
         let certified = crate::auth::caller(&req).map(|id| id.name.clone());
         // Checked again at every message: a stream lives as long as its connection, and a
@@ -303,7 +314,7 @@ impl AgentService for AgentGrpc {
                             // This controller sent the agent away because it does not lead
                             // (or lost touch with its quorum): the node is not lost, so the
                             // end says nothing of the node's health.
-                            Err(_) if leading(&ctx).is_err() => sent_away = true,
+                            Err(_) if leading_stream(&ctx).is_err() => sent_away = true,
                             Err(_) => {}
                         }
                         last = Some(hb);
@@ -488,11 +499,11 @@ fn handle(
                     hb.node_id
                 )));
             }
-            leading(ctx)?;
+            leading_stream(ctx)?;
             *bound = Some((hb.node_id.clone(), ctx.heartbeats.stream_opened(&hb.node_id)));
         }
     }
-    leading(ctx)?;
+    leading_stream(ctx)?;
     let replicas_ready = hb.replicas.iter().filter(|r| r.state == "ready").count() as u32;
     let actors = agent_actors(ctx, hb);
     ctx.heartbeats.record(

@@ -44,8 +44,11 @@ pub fn current_leader(raft: &Raft) -> Option<(NodeId, String)> {
 /// looking for the leader the others follow instead of the new leader declaring its node dead.
 pub struct RaftPulse {
     me: NodeId,
-    /// How long without a quorum's acknowledgement this member stops passing for the leader.
+    /// How long without a quorum's acknowledgement this member stops passing for the leader
+    /// to a call that commits through Raft.
     lease: std::time::Duration,
+    /// The same for an agent's heartbeat stream ([`pulse_lease`]).
+    stream_lease: std::time::Duration,
     last: std::sync::Mutex<Option<Report>>,
 }
 
@@ -60,28 +63,36 @@ struct Report {
     leading_since: tokio::time::Instant,
 }
 
-/// How long a leader may go without a quorum's acknowledgement before it sends its agents
-/// away ([`RaftPulse::out_of_touch`]): the earliest another leader could be elected
-/// (`election_timeout_max` + one heartbeat), but at least a third of `node_dead_after`.
+/// How long a leader may go without a quorum's acknowledgement before it ends its agents'
+/// heartbeat streams ([`RaftPulse::out_of_touch_for_streams`]): the earliest another leader
+/// could be elected (`election_timeout_max` + one heartbeat), but at least a third of
+/// `node_dead_after`, up to [`STREAM_LEASE_CAP`].
 ///
 /// Under load a quorum's acknowledgements can be late without anyone having stopped hearing
 /// the leader: openraft gives each AppendEntries one heartbeat interval to come back, and on a
 /// busy host a few in a row miss it while the followers still hear every one (measured at
-/// 25,000 agents on two cores: 401 ms without an acknowledgement, no election). Sending 25,000
-/// agents away from a leader that is only slow costs a reconnection storm; keeping them on a
-/// deposed one a little longer costs nothing as long as they still reach the new leader well
-/// before it would declare their nodes dead (`node_dead_after`), which two thirds of it leaves
-/// them (ADR 0030).
+/// 25,000 agents on two cores: 401 ms without an acknowledgement, no election). Ending 25,000
+/// streams at a leader that is only slow costs a reconnection storm; keeping them a little
+/// longer on a deposed one costs little as long as the agents still reach the new leader well
+/// before it would declare their nodes dead (`node_dead_after`). Calls that commit through
+/// Raft (`Register`) keep the tight lease: on a stalled leader they would wait on its disk
+/// (ADR 0030).
 pub fn pulse_lease(election_timeout_max: Duration, heartbeat: Duration, node_dead_after: Duration) -> Duration {
-    (election_timeout_max + heartbeat).max(node_dead_after / 3)
+    (election_timeout_max + heartbeat).max((node_dead_after / 3).min(STREAM_LEASE_CAP))
 }
+
+/// The longest a leader keeps its agents' streams without a quorum's acknowledgement when
+/// `node_dead_after` is long: agents on a deposed leader feed the new one nothing (no load,
+/// no caches, no replica reports) meanwhile.
+pub const STREAM_LEASE_CAP: Duration = Duration::from_secs(2);
 
 impl RaftPulse {
     /// A pulse fed by nothing yet: [`Self::observe`] (or [`Self::follow`]) feeds it.
-    pub fn new(me: NodeId, lease: std::time::Duration) -> Self {
+    pub fn new(me: NodeId, lease: std::time::Duration, stream_lease: std::time::Duration) -> Self {
         RaftPulse {
             me,
             lease,
+            stream_lease: stream_lease.max(lease),
             last: std::sync::Mutex::new(None),
         }
     }
@@ -126,6 +137,15 @@ impl RaftPulse {
     /// followers may have elected another leader by now. `None` when it is in touch, or when it
     /// does not lead at all (the caller's own leader check answers that).
     pub fn out_of_touch(&self, now: tokio::time::Instant) -> Option<std::time::Duration> {
+        self.silent_longer_than(now, self.lease)
+    }
+
+    /// [`Self::out_of_touch`] for an agent's heartbeat stream, with the longer stream lease.
+    pub fn out_of_touch_for_streams(&self, now: tokio::time::Instant) -> Option<std::time::Duration> {
+        self.silent_longer_than(now, self.stream_lease)
+    }
+
+    fn silent_longer_than(&self, now: tokio::time::Instant, lease: std::time::Duration) -> Option<std::time::Duration> {
         let r = (*self.last.lock().unwrap_or_else(|p| p.into_inner()))?;
         r.leads?;
         // A leader no quorum has answered yet counts from when it began to lead: a new term's
@@ -134,7 +154,7 @@ impl RaftPulse {
             Some(ms) => std::time::Duration::from_millis(ms) + now.saturating_duration_since(r.at),
             None => now.saturating_duration_since(r.leading_since),
         };
-        (silent > self.lease).then_some(silent)
+        (silent > lease).then_some(silent)
     }
 }
 
@@ -151,11 +171,31 @@ mod tests {
         // A short node_dead_after never brings it below the earliest another leader could be.
         assert_eq!(pulse_lease(ms(300), ms(100), ms(1000)), ms(400));
         assert_eq!(pulse_lease(ms(1500), ms(500), ms(3000)), ms(2000));
+        // A long node_dead_after does not keep agents on a deposed leader for minutes.
+        assert_eq!(pulse_lease(ms(300), ms(100), ms(3_600_000)), STREAM_LEASE_CAP);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn heartbeat_streams_are_kept_longer_than_calls_that_commit() {
+        let pulse = RaftPulse::new(1, Duration::from_millis(400), Duration::from_millis(1000));
+        let t0 = Instant::now();
+        // Acknowledged 500 ms before a report that just arrived: late, maybe only slow.
+        pulse.record(Some(3), Some(500), t0);
+        assert_eq!(
+            pulse.out_of_touch(t0),
+            Some(Duration::from_millis(500)),
+            "Register is refused"
+        );
+        assert_eq!(pulse.out_of_touch_for_streams(t0), None, "the streams stay");
+        assert_eq!(
+            pulse.out_of_touch_for_streams(t0 + Duration::from_millis(600)),
+            Some(Duration::from_millis(1100))
+        );
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_leader_is_out_of_touch_once_no_quorum_answered_it_for_its_lease() {
-        let pulse = RaftPulse::new(1, Duration::from_millis(350));
+        let pulse = RaftPulse::new(1, Duration::from_millis(350), Duration::from_millis(350));
         let t0 = Instant::now();
         assert_eq!(pulse.out_of_touch(t0), None, "no report yet: the leader check answers");
 

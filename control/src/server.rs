@@ -265,6 +265,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         routers: Arc::default(),
         pulse: Arc::new(crate::leader::RaftPulse::new(
             cfg.node_id,
+            Duration::from_millis(cfg.raft.election_timeout_max_ms + cfg.raft.heartbeat_ms),
             crate::leader::pulse_lease(
                 Duration::from_millis(cfg.raft.election_timeout_max_ms),
                 Duration::from_millis(cfg.raft.heartbeat_ms),
