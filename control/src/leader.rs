@@ -64,9 +64,9 @@ struct Report {
 }
 
 /// How long a leader may go without a quorum's acknowledgement before it ends its agents'
-/// heartbeat streams ([`RaftPulse::out_of_touch_for_streams`]): the earliest another leader
-/// could be elected (`election_timeout_max` + one heartbeat), but at least a third of
-/// `node_dead_after`, up to [`STREAM_LEASE_CAP`].
+/// heartbeat streams ([`RaftPulse::out_of_touch_for_streams`]): the `lease` of calls that
+/// commit (the earliest another leader could be elected, `election_timeout_max` + one
+/// heartbeat), but at least a third of `node_dead_after`, up to [`STREAM_LEASE_CAP`].
 ///
 /// Under load a quorum's acknowledgements can be late without anyone having stopped hearing
 /// the leader: openraft gives each AppendEntries one heartbeat interval to come back, and on a
@@ -77,8 +77,8 @@ struct Report {
 /// before it would declare their nodes dead (`node_dead_after`). Calls that commit through
 /// Raft (`Register`) keep the tight lease: on a stalled leader they would wait on its disk
 /// (ADR 0030).
-pub fn pulse_lease(election_timeout_max: Duration, heartbeat: Duration, node_dead_after: Duration) -> Duration {
-    (election_timeout_max + heartbeat).max((node_dead_after / 3).min(STREAM_LEASE_CAP))
+pub fn pulse_lease(lease: Duration, node_dead_after: Duration) -> Duration {
+    lease.max((node_dead_after / 3).min(STREAM_LEASE_CAP))
 }
 
 /// The longest a leader keeps its agents' streams without a quorum's acknowledgement when
@@ -166,13 +166,13 @@ mod tests {
     #[test]
     fn the_lease_leaves_agents_two_thirds_of_node_dead_after_to_move() {
         let ms = Duration::from_millis;
-        // The defaults: 300 ms election timeout, 100 ms heartbeat, 3 s node_dead_after.
-        assert_eq!(pulse_lease(ms(300), ms(100), ms(3000)), ms(1000));
+        // The defaults: 300 ms election timeout + 100 ms heartbeat, 3 s node_dead_after.
+        assert_eq!(pulse_lease(ms(300 + 100), ms(3000)), ms(1000));
         // A short node_dead_after never brings it below the earliest another leader could be.
-        assert_eq!(pulse_lease(ms(300), ms(100), ms(1000)), ms(400));
-        assert_eq!(pulse_lease(ms(1500), ms(500), ms(3000)), ms(2000));
+        assert_eq!(pulse_lease(ms(300 + 100), ms(1000)), ms(400));
+        assert_eq!(pulse_lease(ms(1500 + 500), ms(3000)), ms(2000));
         // A long node_dead_after does not keep agents on a deposed leader for minutes.
-        assert_eq!(pulse_lease(ms(300), ms(100), ms(3_600_000)), STREAM_LEASE_CAP);
+        assert_eq!(pulse_lease(ms(300 + 100), ms(3_600_000)), STREAM_LEASE_CAP);
     }
 
     #[tokio::test(start_paused = true)]

@@ -263,15 +263,11 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         issuer: cfg.issuer.clone(),
         actors: laneway_actors::ActorBoard::new(),
         routers: Arc::default(),
-        pulse: Arc::new(crate::leader::RaftPulse::new(
-            cfg.node_id,
-            Duration::from_millis(cfg.raft.election_timeout_max_ms + cfg.raft.heartbeat_ms),
-            crate::leader::pulse_lease(
-                Duration::from_millis(cfg.raft.election_timeout_max_ms),
-                Duration::from_millis(cfg.raft.heartbeat_ms),
-                cfg.node_dead_after,
-            ),
-        )),
+        pulse: {
+            let lease = Duration::from_millis(cfg.raft.election_timeout_max_ms + cfg.raft.heartbeat_ms);
+            let stream_lease = crate::leader::pulse_lease(lease, cfg.node_dead_after);
+            Arc::new(crate::leader::RaftPulse::new(cfg.node_id, lease, stream_lease))
+        },
     };
     let pulse_task = ctx.pulse.follow(&raft);
     let router = ctx.router.clone();

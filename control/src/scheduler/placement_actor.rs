@@ -116,12 +116,12 @@ impl Scheduler {
             blue_green_targets(registry, &mut targets);
             targets
         });
-        // Read before the inputs are: a change landing in between makes the next pass plan
-        // again rather than be missed.
+        // The counts are read before the fleet, registry and heartbeats are: a change landing
+        // in between makes the next pass plan again rather than be missed.
         let mut next = LastPlan {
             at: now,
-            targets: targets.clone(),
-            suspect: suspect.clone(),
+            targets,
+            suspect,
             state: ctx.sm.changes(),
             observed: ctx.heartbeats.placement_inputs(),
             settled: false,
@@ -133,9 +133,9 @@ impl Scheduler {
         let observed = replicas::Observed {
             cached: cached_models(ctx, &registry),
             slices: settled_slices(ctx, &registry),
-            suspect,
+            suspect: next.suspect.clone(),
         };
-        let plan = replicas::plan_observed(&fleet, &registry, &targets, &observed, &mut new_id);
+        let plan = replicas::plan_observed(&fleet, &registry, &next.targets, &observed, &mut new_id);
         *ctx.unplaced.lock().unwrap_or_else(|p| p.into_inner()) = plan.unplaced.clone();
         let unplaced: Vec<String> = plan
             .unplaced
@@ -150,10 +150,10 @@ impl Scheduler {
             }
             self.last_unplaced = unplaced;
         }
-        // One log entry per PLACEMENT_BATCH nodes changed: a pass that touches many nodes
-        // commits in a few round trips instead of one per node.
         next.settled = plan.commands.is_empty();
         self.last_plan = Some(next);
+        // One log entry per PLACEMENT_BATCH nodes changed: a pass that touches many nodes
+        // commits in a few round trips instead of one per node.
         let mut commands = plan.commands.into_iter().peekable();
         while commands.peek().is_some() {
             let chunk: Vec<Command> = commands.by_ref().take(PLACEMENT_BATCH).collect();
