@@ -1,15 +1,17 @@
-//! The Raft log and vote on redb, with group commit.
+//! The Raft log and vote in an append-only segmented log ([`crate::wal`]), with group commit.
 //!
 //! Every entry that has been appended and not purged is also kept in memory, so that
 //! `append` can make entries readable at once (openraft requires that) while the durable write
 //! happens on a dedicated writer thread. The writer drains everything queued since its last
-//! commit into **one** redb write transaction and commits it with `Durability::Immediate`
-//! (fsync), then fires the callbacks of every append in that batch: one sync covers many entries
-//! and many RPCs. Vote, truncate and purge go through the same queue, so the on-disk order is the
-//! call order, and their callers wait for the sync before they return.
+//! write into **one** write at the end of the newest segment and one `fdatasync`, then fires
+//! the callbacks of every append in that batch: one sync covers many entries and many RPCs.
+//! Vote, truncate and purge go through the same queue, so the on-disk order is the call order,
+//! and their callers wait for the sync before they return.
 //!
 //! Memory: the in-memory copy holds entries between the last purge and the head of the log,
 //! which the snapshot policy bounds (a snapshot every `snapshot_logs` entries, then purge).
+//! Disk: the segments hold the same entries plus at most one segment's worth
+//! ([`crate::wal::SEGMENT_BYTES`]) of older records; a purge deletes the segments it emptied.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -19,24 +21,16 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread;
 
-use redb::{Database, ReadableDatabase, ReadableTable, StorageBackend, TableDefinition};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use super::header::{self, DataHeader, Identity};
 use super::StoreError;
 use crate::raft_types::{Entry, LogId, Vote};
+use crate::wal::{self, FsDir, OpenDirError, Segment, SegmentDir, SEGMENT_BYTES};
 use openraft::RaftLogId;
 
-const LOG: TableDefinition<u64, &[u8]> = TableDefinition::new("log");
-const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
-
-const KEY_HEADER: &str = "header";
-const KEY_VOTE: &str = "vote";
-const KEY_COMMITTED: &str = "committed";
-const KEY_PURGED: &str = "last_purged";
-
-/// Most queued operations folded into one transaction; bounds the latency of the first one.
+/// Most queued operations folded into one write; bounds the latency of the first one.
 const MAX_BATCH: usize = 4096;
 
 /// Called once an append is durable (or failed to become durable).
@@ -49,6 +43,97 @@ struct Cached {
     last_purged: Option<LogId>,
     vote: Option<Vote>,
     committed: Option<LogId>,
+}
+
+/// The single-valued records of the log, by the byte that names them on disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum MetaKey {
+    Header = 1,
+    Vote = 2,
+    Committed = 3,
+    LastPurged = 4,
+}
+
+impl MetaKey {
+    const ALL: [MetaKey; 4] = [MetaKey::Header, MetaKey::Vote, MetaKey::Committed, MetaKey::LastPurged];
+
+    fn from_byte(b: u8) -> Option<MetaKey> {
+        MetaKey::ALL.into_iter().find(|k| *k as u8 == b)
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            MetaKey::Header => "header",
+            MetaKey::Vote => "vote",
+            MetaKey::Committed => "committed",
+            MetaKey::LastPurged => "last_purged",
+        }
+    }
+}
+
+/// Record tags: the first byte of a record's payload.
+const TAG_APPEND: u8 = 1;
+const TAG_TRUNCATE: u8 = 2;
+const TAG_PURGE: u8 = 3;
+const TAG_META: u8 = 4;
+const TAG_CHECKPOINT: u8 = 5;
+
+/// The meta values as last written (encoded), for the checkpoint at the head of each segment.
+#[derive(Default, Clone)]
+pub(crate) struct Meta([Option<Vec<u8>>; 4]);
+
+impl Meta {
+    fn get(&self, key: MetaKey) -> Option<&[u8]> {
+        self.0[key as usize - 1].as_deref()
+    }
+
+    fn set(&mut self, key: MetaKey, value: Vec<u8>) {
+        self.0[key as usize - 1] = Some(value);
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.iter().all(Option::is_none)
+    }
+
+    /// The record that restores these values: a segment's first. One record, so that a crash
+    /// while it is written leaves all of it or none (its check fails and the segment is empty).
+    fn checkpoint(&self, buf: &mut Vec<u8>) {
+        let mut p = vec![TAG_CHECKPOINT];
+        for key in MetaKey::ALL {
+            if let Some(value) = self.get(key) {
+                p.push(key as u8);
+                p.extend_from_slice(&(value.len() as u64).to_le_bytes());
+                p.extend_from_slice(value);
+            }
+        }
+        wal::put_record(buf, &p);
+    }
+
+    /// Reads a checkpoint record's body (after its tag) into these values.
+    fn restore(&mut self, mut body: &[u8]) -> Result<(), String> {
+        while let Some((&k, rest)) = body.split_first() {
+            let key = MetaKey::from_byte(k).ok_or_else(|| format!("unknown meta key {k} in a checkpoint"))?;
+            let (len, rest) = rest
+                .split_first_chunk::<8>()
+                .ok_or_else(|| "a checkpoint ends inside a length".to_string())?;
+            let len = usize::try_from(u64::from_le_bytes(*len)).map_err(|e| e.to_string())?;
+            if rest.len() < len {
+                return Err("a checkpoint ends inside a value".into());
+            }
+            self.set(key, rest[..len].to_vec());
+            body = &rest[len..];
+        }
+        Ok(())
+    }
+}
+
+fn meta_payload(key: MetaKey, value: &[u8]) -> Vec<u8> {
+    let mut p = Vec::with_capacity(2 + value.len());
+    p.push(TAG_META);
+    p.push(key as u8);
+    p.extend_from_slice(value);
+    p
 }
 
 /// One durable operation for the writer thread.
@@ -67,7 +152,7 @@ enum Op {
         done: Durable,
     },
     PutMeta {
-        key: &'static str,
+        key: MetaKey,
         value: Vec<u8>,
         done: Durable,
     },
@@ -81,96 +166,117 @@ pub struct LogDb {
 }
 
 impl LogDb {
-    /// Opens or creates the log database at `path`.
+    /// Opens or creates the log in the directory `path`.
     pub fn open(path: &Path, identity: &Identity) -> Result<Self, StoreError> {
-        let db = crate::power_loss::open_database(path).map_err(|e| match e {
-            redb::DatabaseError::DatabaseAlreadyOpen => StoreError::InUse {
+        let dir = FsDir::open(path).map_err(|e| match e {
+            OpenDirError::InUse => StoreError::InUse {
                 path: path.to_path_buf(),
             },
-            other => StoreError::db(format!("opening {}", path.display()), other),
+            OpenDirError::Io(source) => StoreError::Io {
+                what: format!("opening the Raft log directory {}", path.display()),
+                source,
+            },
         })?;
-        Self::from_database(db, path, identity)
+        Self::open_in(dir, identity, SEGMENT_BYTES)
     }
 
-    /// Opens the log on a custom redb storage backend (used by the power-loss test).
-    pub fn open_with_backend(backend: impl StorageBackend, identity: &Identity) -> Result<Self, StoreError> {
-        let db = Database::builder()
-            .create_with_backend(backend)
-            .map_err(|e| StoreError::db("opening backend", e))?;
-        Self::from_database(db, Path::new("<backend>"), identity)
-    }
-
-    fn from_database(db: Database, path: &Path, identity: &Identity) -> Result<Self, StoreError> {
-        let corrupt = |what: &str, e: serde_json::Error| StoreError::Corrupt {
-            path: path.to_path_buf(),
-            what: what.to_string(),
-            message: e.to_string(),
+    /// Opens the log on any segment directory (the power-loss test's lives in memory), starting
+    /// a new segment when one would pass `segment_bytes` (tests roll over often).
+    pub fn open_in(dir: impl SegmentDir, identity: &Identity, segment_bytes: u64) -> Result<Self, StoreError> {
+        let path = PathBuf::from(dir.describe());
+        let io_err = |what: &str, source: io::Error| StoreError::Io {
+            what: format!("{what} in {}", path.display()),
+            source,
         };
-        // Make sure both tables exist so read transactions can open them.
-        let txn = db.begin_write().map_err(|e| StoreError::db("opening write txn", e))?;
-        let stored_header: Option<DataHeader> = {
-            let _ = txn
-                .open_table(LOG)
-                .map_err(|e| StoreError::db("opening log table", e))?;
-            let meta = txn
-                .open_table(META)
-                .map_err(|e| StoreError::db("opening meta table", e))?;
-            let raw = meta.get(KEY_HEADER).map_err(|e| StoreError::db("reading header", e))?;
-            match raw {
-                Some(v) => Some(serde_json::from_slice(v.value()).map_err(|e| corrupt(KEY_HEADER, e))?),
-                None => None,
+        let recovered = recover(&dir, &path)?;
+        let Recovered {
+            cached,
+            mut meta,
+            mut segments,
+        } = recovered;
+
+        let stored_header: Option<DataHeader> = meta
+            .get(MetaKey::Header)
+            .map(serde_json::from_slice)
+            .transpose()
+            .map_err(|e| StoreError::Corrupt {
+                path: path.clone(),
+                what: "header".into(),
+                message: e.to_string(),
+            })?;
+        let header = header::check(&path, stored_header.clone(), identity)?;
+
+        // The newest segment, cut back to its last whole record (or a first one, with the header).
+        let (current, offset) = match segments.last() {
+            Some(last) => {
+                let segment = dir.open(last.id).map_err(|e| io_err("opening the newest segment", e))?;
+                if segment.len().map_err(|e| io_err("reading a segment's length", e))? != last.end {
+                    segment
+                        .set_len(last.end)
+                        .and_then(|()| segment.sync_data())
+                        .map_err(|e| io_err("cutting a torn write off the newest segment", e))?;
+                    tracing::warn!(
+                        segment = last.id,
+                        kept = last.end,
+                        "the Raft log ended in a torn write (a crash mid-append, never acknowledged); cut it off"
+                    );
+                }
+                (segment, last.end)
+            }
+            None => {
+                let segment = dir.open(1).map_err(|e| io_err("creating the first segment", e))?;
+                segment
+                    .set_len(0)
+                    .map_err(|e| io_err("creating the first segment", e))?;
+                segments.push(SegmentInfo {
+                    id: 1,
+                    end: 0,
+                    max_index: None,
+                });
+                (segment, 0)
             }
         };
-        let header = header::check(path, stored_header.clone(), identity)?;
-        if stored_header.as_ref() != Some(&header) {
-            let mut meta = txn
-                .open_table(META)
-                .map_err(|e| StoreError::db("opening meta table", e))?;
-            let bytes = serde_json::to_vec(&header).expect("header serializes");
-            meta.insert(KEY_HEADER, bytes.as_slice())
-                .map_err(|e| StoreError::db("writing header", e))?;
+        let mut writer = Writer {
+            dir: Box::new(dir),
+            segments,
+            current,
+            offset,
+            meta: meta.clone(),
+            last_purged_index: cached.last_purged.map(|l| l.index),
+            segment_bytes,
+            planted: PlantedLazySync::default(),
+        };
+        if offset == 0 && !meta.is_empty() {
+            // The newest segment is empty: a crash came between its creation and its checkpoint.
+            // Every segment starts with one, or purging the older ones would lose the vote.
+            let mut buf = Vec::new();
+            meta.checkpoint(&mut buf);
+            writer
+                .write(&buf, true)
+                .map_err(|e| io_err("writing a checkpoint into the newest segment", e))?;
         }
-        txn.commit().map_err(|e| StoreError::db("committing header", e))?;
-
-        let mut cached = Cached::default();
-        {
-            let rtxn = db.begin_read().map_err(|e| StoreError::db("opening read txn", e))?;
-            let meta = rtxn
-                .open_table(META)
-                .map_err(|e| StoreError::db("opening meta table", e))?;
-            let get = |key: &str| -> Result<Option<Vec<u8>>, StoreError> {
-                Ok(meta
-                    .get(key)
-                    .map_err(|e| StoreError::db(format!("reading {key}"), e))?
-                    .map(|v| v.value().to_vec()))
-            };
-            fn decode<T: DeserializeOwned>(raw: Option<Vec<u8>>) -> Result<Option<T>, serde_json::Error> {
-                raw.map(|b| serde_json::from_slice(&b)).transpose()
-            }
-            cached.vote = decode(get(KEY_VOTE)?).map_err(|e| corrupt(KEY_VOTE, e))?;
-            cached.committed = decode(get(KEY_COMMITTED)?).map_err(|e| corrupt(KEY_COMMITTED, e))?;
-            cached.last_purged = decode(get(KEY_PURGED)?).map_err(|e| corrupt(KEY_PURGED, e))?;
-            let log = rtxn
-                .open_table(LOG)
-                .map_err(|e| StoreError::db("opening log table", e))?;
-            for row in log.iter().map_err(|e| StoreError::db("scanning log", e))? {
-                let (k, v) = row.map_err(|e| StoreError::db("scanning log", e))?;
-                let entry: Entry =
-                    serde_json::from_slice(v.value()).map_err(|e| corrupt(&format!("log entry {}", k.value()), e))?;
-                cached.entries.insert(k.value(), entry);
-            }
+        if stored_header.as_ref() != Some(&header) {
+            let value = encode(&header);
+            let mut buf = Vec::new();
+            wal::put_record(&mut buf, &meta_payload(MetaKey::Header, &value));
+            writer
+                .write(&buf, true)
+                .and_then(|()| writer.dir.sync())
+                .map_err(|e| io_err("writing the header", e))?;
+            meta.set(MetaKey::Header, value.clone());
+            writer.meta.set(MetaKey::Header, value);
         }
 
         let (tx, rx) = mpsc::channel();
         thread::Builder::new()
             .name("raft-log-writer".into())
-            .spawn(move || writer_loop(db, rx))
+            .spawn(move || writer.run(rx))
             .map_err(|source| StoreError::Io {
                 what: "starting the log writer thread".into(),
                 source,
             })?;
         Ok(LogDb {
-            path: path.to_path_buf(),
+            path,
             cache: Arc::new(Mutex::new(cached)),
             tx: Mutex::new(tx),
         })
@@ -231,7 +337,7 @@ impl LogDb {
         self.cache().vote = Some(*vote);
         let value = encode(vote);
         self.wait(|done| Op::PutMeta {
-            key: KEY_VOTE,
+            key: MetaKey::Vote,
             value,
             done,
         })
@@ -243,13 +349,14 @@ impl LogDb {
     /// openraft awaits this inline on its core loop each time the commit index moves, so waiting
     /// for an fsync here would serialize every commit behind a disk flush. It is queued behind
     /// every earlier append (one FIFO), so it never points past durable entries, and it becomes
-    /// durable with the transaction the writer commits next (its own, when the writer is idle). Losing the newest value in a crash only means a
-    /// restarted node re-applies a little less before hearing the commit index from the leader.
+    /// durable with the write the writer syncs next (its own, when the writer is idle). Losing
+    /// the newest value in a crash only means a restarted node re-applies a little less before
+    /// hearing the commit index from the leader.
     pub fn save_committed(&self, committed: Option<LogId>) -> Result<(), StoreError> {
         self.cache().committed = committed;
         let value = encode(&committed);
         self.send(Op::PutMeta {
-            key: KEY_COMMITTED,
+            key: MetaKey::Committed,
             value,
             done: Box::new(|res| {
                 if let Err(e) = res {
@@ -299,48 +406,386 @@ impl LogDb {
     }
 }
 
+/// Moves a Raft log kept in redb (`raft-log.redb`, before ADR 0032) into a new segment
+/// directory at `target`, record for record: the header, vote, committed and last purged log
+/// ids, and every entry. The new log is written to a temporary directory, synced, then renamed
+/// into place, so a crash at any point leaves either the old log or the whole new one. Returns
+/// how many entries moved. The redb file is left where it is; the caller renames it.
+pub fn migrate_from_redb(legacy: &Path, target: &Path) -> Result<usize, StoreError> {
+    use redb::{ReadableDatabase, ReadableTable, TableDefinition};
+    const LOG: TableDefinition<u64, &[u8]> = TableDefinition::new("log");
+    const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
+
+    let db_err = |what: &str, e: &dyn std::fmt::Display| StoreError::db(format!("{what} in {}", legacy.display()), e);
+    let db = redb::Database::open(legacy).map_err(|e| match e {
+        redb::DatabaseError::DatabaseAlreadyOpen => StoreError::InUse {
+            path: legacy.to_path_buf(),
+        },
+        other => db_err("opening the old Raft log", &other),
+    })?;
+    let rtxn = db.begin_read().map_err(|e| db_err("reading the old Raft log", &e))?;
+    let mut meta = Meta::default();
+    let mut buf = Vec::new();
+    let mut moved = 0;
+    match rtxn.open_table(META) {
+        Ok(table) => {
+            for (key, name) in [
+                (MetaKey::Header, "header"),
+                (MetaKey::Vote, "vote"),
+                (MetaKey::Committed, "committed"),
+                (MetaKey::LastPurged, "last_purged"),
+            ] {
+                if let Some(v) = table.get(name).map_err(|e| db_err("reading the old Raft log", &e))? {
+                    meta.set(key, v.value().to_vec());
+                }
+            }
+        }
+        Err(redb::TableError::TableDoesNotExist(_)) => {}
+        Err(e) => return Err(db_err("reading the old Raft log", &e)),
+    }
+    meta.checkpoint(&mut buf);
+    match rtxn.open_table(LOG) {
+        Ok(table) => {
+            for row in table.iter().map_err(|e| db_err("reading the old Raft log", &e))? {
+                let (k, v) = row.map_err(|e| db_err("reading the old Raft log", &e))?;
+                wal::put_record(&mut buf, &append_payload(k.value(), v.value()));
+                moved += 1;
+            }
+        }
+        Err(redb::TableError::TableDoesNotExist(_)) => {}
+        Err(e) => return Err(db_err("reading the old Raft log", &e)),
+    }
+    drop(rtxn);
+    drop(db);
+
+    let io_err = |what: String| move |source: io::Error| StoreError::Io { what, source };
+    let staging = target.with_extension("migrating");
+    if staging.exists() {
+        std::fs::remove_dir_all(&staging).map_err(io_err(format!(
+            "removing an unfinished migration at {}",
+            staging.display()
+        )))?;
+    }
+    {
+        let dir = FsDir::open(&staging).map_err(|e| match e {
+            OpenDirError::InUse => StoreError::InUse { path: staging.clone() },
+            OpenDirError::Io(source) => StoreError::Io {
+                what: format!("creating {}", staging.display()),
+                source,
+            },
+        })?;
+        let segment = dir
+            .open(1)
+            .map_err(io_err(format!("creating a segment in {}", staging.display())))?;
+        segment
+            .write(0, &buf)
+            .and_then(|()| segment.sync_data())
+            .and_then(|()| dir.sync())
+            .map_err(io_err(format!("writing the Raft log to {}", staging.display())))?;
+    }
+    std::fs::rename(&staging, target)
+        .and_then(|()| wal::sync_dir(target.parent().unwrap_or(Path::new("."))))
+        .map_err(io_err(format!(
+            "renaming {} to {}",
+            staging.display(),
+            target.display()
+        )))?;
+    Ok(moved)
+}
+
+fn append_payload(index: u64, bytes: &[u8]) -> Vec<u8> {
+    let mut p = Vec::with_capacity(9 + bytes.len());
+    p.push(TAG_APPEND);
+    p.extend_from_slice(&index.to_le_bytes());
+    p.extend_from_slice(bytes);
+    p
+}
+
 fn encode<T: Serialize>(value: &T) -> Vec<u8> {
     // Our log types are plain data (no maps with non-string keys), so JSON encoding cannot fail.
     serde_json::to_vec(value).expect("raft log types serialize to JSON")
 }
 
-/// Runs until every `LogDb` handle is dropped: batches queued operations into one transaction.
-fn writer_loop(db: Database, rx: mpsc::Receiver<Op>) {
-    let mut broken: Option<String> = None;
-    let mut planted = PlantedLazySync::default();
-    while let Ok(first) = rx.recv() {
-        let mut batch = vec![first];
-        while batch.len() < MAX_BATCH {
-            match rx.try_recv() {
-                Ok(op) => batch.push(op),
-                Err(_) => break,
-            }
-        }
-        let durability = planted.durability(&batch);
-        let result = match &broken {
-            Some(msg) => Err(msg.clone()),
-            None => commit_batch(&db, &mut batch, durability).map_err(|e| e.to_string()),
+/// What the writer knows of one segment.
+struct SegmentInfo {
+    id: u64,
+    /// Where its last whole record ends.
+    end: u64,
+    /// The highest index appended in it; it can go once that is purged.
+    max_index: Option<u64>,
+}
+
+struct Recovered {
+    cached: Cached,
+    meta: Meta,
+    segments: Vec<SegmentInfo>,
+}
+
+/// Replays every segment in order.
+fn recover(dir: &dyn SegmentDir, path: &Path) -> Result<Recovered, StoreError> {
+    let ids = dir.list().map_err(|source| StoreError::Io {
+        what: format!("listing the Raft log's segments in {}", path.display()),
+        source,
+    })?;
+    let mut entries: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
+    let mut meta = Meta::default();
+    let mut segments = Vec::with_capacity(ids.len());
+    for (n, &id) in ids.iter().enumerate() {
+        let corrupt = |message: String| StoreError::Corrupt {
+            path: path.to_path_buf(),
+            what: format!("segment {id}"),
+            message,
         };
-        if let Err(msg) = &result {
-            if broken.is_none() {
-                tracing::error!(error = %msg, "raft log write failed; refusing further writes");
-                broken = Some(msg.clone());
+        let bytes = dir
+            .open(id)
+            .and_then(|s| wal::read_segment(&s))
+            .map_err(|source| StoreError::Io {
+                what: format!("reading segment {id} of {}", path.display()),
+                source,
+            })?;
+        let (records, end) = wal::records(&bytes);
+        if end < bytes.len() && n + 1 < ids.len() {
+            return Err(corrupt(format!(
+                "a record at byte {end} of {} fails its check, and newer segments follow it, so this is \
+                 not a torn last write; the data dir is damaged: move it aside and let this controller \
+                 rejoin empty (it catches up from the leader)",
+                bytes.len()
+            )));
+        }
+        let mut max_index = None;
+        for payload in records {
+            let short = || corrupt(format!("a record of {} bytes is too short for its kind", payload.len()));
+            let index_at = |at: usize| -> Result<u64, StoreError> {
+                payload
+                    .get(at..at + 8)
+                    .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+                    .ok_or_else(short)
+            };
+            match payload[0] {
+                TAG_APPEND => {
+                    let index = index_at(1)?;
+                    entries.insert(index, payload[9..].to_vec());
+                    max_index = max_index.max(Some(index));
+                }
+                TAG_TRUNCATE => {
+                    entries.split_off(&index_at(1)?);
+                }
+                TAG_PURGE => {
+                    let upto = index_at(1)?;
+                    entries = entries.split_off(&(upto + 1));
+                    meta.set(MetaKey::LastPurged, payload[9..].to_vec());
+                }
+                TAG_CHECKPOINT => meta.restore(&payload[1..]).map_err(corrupt)?,
+                TAG_META => {
+                    let key = payload.get(1).copied().and_then(MetaKey::from_byte);
+                    let key = key.ok_or_else(|| corrupt(format!("unknown meta key {:?}", payload.get(1))))?;
+                    meta.set(key, payload[2..].to_vec());
+                }
+                other => return Err(corrupt(format!("unknown record kind {other}"))),
             }
         }
-        for op in batch {
-            let done = match op {
-                Op::Append { done, .. }
-                | Op::Truncate { done, .. }
-                | Op::Purge { done, .. }
-                | Op::PutMeta { done, .. } => done,
-            };
-            done(result.clone().map_err(io::Error::other));
+        segments.push(SegmentInfo {
+            id,
+            end: end as u64,
+            max_index,
+        });
+    }
+
+    fn decode<T: DeserializeOwned>(meta: &Meta, key: MetaKey, path: &Path) -> Result<Option<T>, StoreError> {
+        meta.get(key)
+            .map(serde_json::from_slice)
+            .transpose()
+            .map_err(|e| StoreError::Corrupt {
+                path: path.to_path_buf(),
+                what: key.name().into(),
+                message: e.to_string(),
+            })
+    }
+    let mut cached = Cached {
+        entries: BTreeMap::new(),
+        vote: decode(&meta, MetaKey::Vote, path)?,
+        committed: decode::<Option<LogId>>(&meta, MetaKey::Committed, path)?.flatten(),
+        last_purged: decode(&meta, MetaKey::LastPurged, path)?,
+    };
+    let purged = cached.last_purged.map(|l| l.index);
+    for (index, bytes) in entries {
+        if purged.is_some_and(|p| index <= p) {
+            continue;
         }
+        let entry: Entry = serde_json::from_slice(&bytes).map_err(|e| StoreError::Corrupt {
+            path: path.to_path_buf(),
+            what: format!("log entry {index}"),
+            message: e.to_string(),
+        })?;
+        cached.entries.insert(index, entry);
+    }
+    Ok(Recovered { cached, meta, segments })
+}
+
+/// The writer thread's state: the newest segment and what a new segment's checkpoint needs.
+struct Writer {
+    dir: Box<dyn SegmentDir>,
+    /// Every segment on disk, oldest first; the last is `current`.
+    segments: Vec<SegmentInfo>,
+    current: Segment,
+    /// Where the next record goes in `current`.
+    offset: u64,
+    meta: Meta,
+    last_purged_index: Option<u64>,
+    segment_bytes: u64,
+    planted: PlantedLazySync,
+}
+
+/// What a batch changes in the writer's state once it is written.
+#[derive(Default)]
+struct Effects {
+    max_index: Option<u64>,
+    meta: Vec<(MetaKey, Vec<u8>)>,
+    purged: Option<u64>,
+}
+
+impl Writer {
+    /// Runs until every `LogDb` handle is dropped: batches queued operations into one write.
+    fn run(mut self, rx: mpsc::Receiver<Op>) {
+        let mut broken: Option<String> = None;
+        while let Ok(first) = rx.recv() {
+            let mut batch = vec![first];
+            while batch.len() < MAX_BATCH {
+                match rx.try_recv() {
+                    Ok(op) => batch.push(op),
+                    Err(_) => break,
+                }
+            }
+            let result = match &broken {
+                Some(msg) => Err(msg.clone()),
+                None => self.commit(&mut batch).map_err(|e| e.to_string()),
+            };
+            if let Err(msg) = &result {
+                if broken.is_none() {
+                    tracing::error!(error = %msg, "raft log write failed; refusing further writes");
+                    broken = Some(msg.clone());
+                }
+            }
+            for op in batch {
+                let done = match op {
+                    Op::Append { done, .. }
+                    | Op::Truncate { done, .. }
+                    | Op::Purge { done, .. }
+                    | Op::PutMeta { done, .. } => done,
+                };
+                done(result.clone().map_err(io::Error::other));
+            }
+        }
+    }
+
+    fn commit(&mut self, batch: &mut [Op]) -> io::Result<()> {
+        let sync = self.planted.sync(batch);
+        let mut buf = Vec::new();
+        let mut effects = Effects::default();
+        let mut payload = Vec::new();
+        for op in batch.iter_mut() {
+            match op {
+                Op::Append { rows, .. } => {
+                    for (index, bytes) in rows.drain(..) {
+                        payload.clear();
+                        payload.push(TAG_APPEND);
+                        payload.extend_from_slice(&index.to_le_bytes());
+                        payload.extend_from_slice(&bytes);
+                        wal::put_record(&mut buf, &payload);
+                        effects.max_index = effects.max_index.max(Some(index));
+                    }
+                }
+                Op::Truncate { since, .. } => {
+                    payload.clear();
+                    payload.push(TAG_TRUNCATE);
+                    payload.extend_from_slice(&since.to_le_bytes());
+                    wal::put_record(&mut buf, &payload);
+                }
+                Op::Purge { upto, last_purged, .. } => {
+                    payload.clear();
+                    payload.push(TAG_PURGE);
+                    payload.extend_from_slice(&upto.to_le_bytes());
+                    payload.extend_from_slice(last_purged);
+                    wal::put_record(&mut buf, &payload);
+                    effects.purged = Some(*upto);
+                    effects.meta.push((MetaKey::LastPurged, std::mem::take(last_purged)));
+                }
+                Op::PutMeta { key, value, .. } => {
+                    wal::put_record(&mut buf, &meta_payload(*key, value));
+                    effects.meta.push((*key, std::mem::take(value)));
+                }
+            }
+        }
+        if self.offset > 0 && self.offset + buf.len() as u64 > self.segment_bytes {
+            self.rotate()?;
+        }
+        self.write(&buf, sync)?;
+
+        let current = self.segments.last_mut().expect("there is always a current segment");
+        current.max_index = current.max_index.max(effects.max_index);
+        for (key, value) in effects.meta {
+            self.meta.set(key, value);
+        }
+        if let Some(upto) = effects.purged {
+            self.last_purged_index = Some(upto);
+            self.delete_purged()?;
+        }
+        Ok(())
+    }
+
+    /// Writes `buf` at the end of the current segment, and syncs it if asked.
+    fn write(&mut self, buf: &[u8], sync: bool) -> io::Result<()> {
+        self.current.write(self.offset, buf)?;
+        if sync {
+            self.current.sync_data()?;
+        }
+        self.offset += buf.len() as u64;
+        self.segments.last_mut().expect("a current segment").end = self.offset;
+        Ok(())
+    }
+
+    /// Starts the next segment with a checkpoint of the meta values, durably.
+    fn rotate(&mut self) -> io::Result<()> {
+        // Every older segment is whole on disk: recovery counts on it.
+        self.current.sync_data()?;
+        let id = self.segments.last().map_or(1, |s| s.id + 1);
+        let segment = self.dir.open(id)?;
+        segment.set_len(0)?;
+        let mut buf = Vec::new();
+        self.meta.checkpoint(&mut buf);
+        segment.write(0, &buf)?;
+        segment.sync_data()?;
+        self.dir.sync()?;
+        self.current = segment;
+        self.offset = buf.len() as u64;
+        self.segments.push(SegmentInfo {
+            id,
+            end: self.offset,
+            max_index: None,
+        });
+        Ok(())
+    }
+
+    /// Deletes the oldest segments whose every entry is purged (never the current one).
+    fn delete_purged(&mut self) -> io::Result<()> {
+        let Some(purged) = self.last_purged_index else {
+            return Ok(());
+        };
+        let mut removed = false;
+        while self.segments.len() > 1 && self.segments[0].max_index.is_none_or(|m| m <= purged) {
+            self.dir.remove(self.segments[0].id)?;
+            self.segments.remove(0);
+            removed = true;
+        }
+        if removed {
+            self.dir.sync()?;
+        }
+        Ok(())
     }
 }
 
 /// A planted bug for the chaos harness (testing builds, failpoint `log::ack_before_sync`):
-/// appends are acknowledged after a commit without an fsync, and the log is synced only once a
+/// appends are acknowledged after a write without an fsync, and the log is synced only once a
 /// second — "fsync every second", a real configuration of real systems. Votes, truncations and
 /// purges stay synced, so what a power loss takes is exactly acknowledged entries; the
 /// power-loss scenarios must catch it (chaos/scenarios/planted/ack-before-sync.toml).
@@ -350,17 +795,25 @@ struct PlantedLazySync {
 }
 
 impl PlantedLazySync {
-    fn durability(&mut self, batch: &[Op]) -> redb::Durability {
+    /// Whether this batch is synced before it is acknowledged: always, but for the planted bug.
+    fn sync(&mut self, batch: &[Op]) -> bool {
         let lazy = planted_bug_active();
-        let only_appends = batch
-            .iter()
-            .all(|op| matches!(op, Op::Append { .. } | Op::PutMeta { key: KEY_COMMITTED, .. }));
+        let only_appends = batch.iter().all(|op| {
+            matches!(
+                op,
+                Op::Append { .. }
+                    | Op::PutMeta {
+                        key: MetaKey::Committed,
+                        ..
+                    }
+            )
+        });
         let now = tokio::time::Instant::now();
         if lazy && only_appends && self.last_sync.is_some_and(|t| now.duration_since(t).as_secs() < 1) {
-            return redb::Durability::None;
+            return false;
         }
         self.last_sync = Some(now);
-        redb::Durability::Immediate
+        true
     }
 }
 
@@ -370,32 +823,138 @@ fn planted_bug_active() -> bool {
     false
 }
 
-fn commit_batch(db: &Database, batch: &mut [Op], durability: redb::Durability) -> Result<(), redb::Error> {
-    let mut txn = db.begin_write()?;
-    txn.set_durability(durability)?;
-    {
-        let mut log = txn.open_table(LOG)?;
-        let mut meta = txn.open_table(META)?;
-        for op in batch.iter_mut() {
-            match op {
-                Op::Append { rows, .. } => {
-                    for (index, bytes) in rows.drain(..) {
-                        log.insert(index, bytes.as_slice())?;
-                    }
-                }
-                Op::Truncate { since, .. } => {
-                    log.retain_in(*since.., |_, _| false)?;
-                }
-                Op::Purge { upto, last_purged, .. } => {
-                    log.retain_in(..=*upto, |_, _| false)?;
-                    meta.insert(KEY_PURGED, last_purged.as_slice())?;
-                }
-                Op::PutMeta { key, value, .. } => {
-                    meta.insert(*key, value.as_slice())?;
-                }
-            }
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::raft_types::TypeConfig;
+    use crate::wal::MemDir;
+    use openraft::testing::blank_ent;
+
+    fn identity() -> Identity {
+        Identity {
+            cluster: "wal".into(),
+            node_id: 1,
         }
     }
-    txn.commit()?;
-    Ok(())
+
+    fn ent(term: u64, index: u64) -> Entry {
+        blank_ent::<TypeConfig>(term, 1, index)
+    }
+
+    async fn append(db: &LogDb, entries: Vec<Entry>) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        db.append(
+            entries,
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        )
+        .unwrap();
+        rx.await.unwrap().unwrap();
+    }
+
+    fn indexes(db: &LogDb) -> Vec<u64> {
+        db.entries(..).iter().map(|e| e.get_log_id().index).collect()
+    }
+
+    #[tokio::test]
+    async fn truncations_purges_and_meta_replay_in_order() {
+        let dir = MemDir::default();
+        {
+            let db = LogDb::open_in(dir.clone(), &identity(), SEGMENT_BYTES).unwrap();
+            append(&db, (1..=10).map(|i| ent(1, i)).collect()).await;
+            db.truncate(6).await.unwrap();
+            append(&db, (6..=8).map(|i| ent(2, i)).collect()).await;
+            db.purge(*ent(1, 3).get_log_id()).await.unwrap();
+            db.save_vote(&Vote::new(2, 1)).await.unwrap();
+            db.save_committed(Some(*ent(2, 7).get_log_id())).unwrap();
+            db.save_vote(&Vote::new(3, 1)).await.unwrap();
+        }
+        let db = LogDb::open_in(dir.after_power_loss(), &identity(), SEGMENT_BYTES).unwrap();
+        assert_eq!(indexes(&db), vec![4, 5, 6, 7, 8]);
+        assert_eq!(db.entries(6..=6)[0].get_log_id().leader_id.term, 2);
+        assert_eq!(db.vote(), Some(Vote::new(3, 1)));
+        assert_eq!(db.committed(), Some(*ent(2, 7).get_log_id()));
+        let (purged, last) = db.log_state();
+        assert_eq!(purged.map(|l| l.index), Some(3));
+        assert_eq!(last.map(|l| l.index), Some(8));
+    }
+
+    #[tokio::test]
+    async fn a_torn_last_write_is_cut_off_and_appends_go_on_after_it() {
+        let dir = MemDir::default();
+        {
+            let db = LogDb::open_in(dir.clone(), &identity(), SEGMENT_BYTES).unwrap();
+            append(&db, (1..=3).map(|i| ent(1, i)).collect()).await;
+        }
+        let whole = dir.segment_len(1).unwrap();
+        // A write the power cut tore: a header promising more bytes than landed.
+        dir.scribble(1, whole, &[200, 0, 0, 0, 1, 2, 3, 4, 9, 9]);
+        {
+            let db = LogDb::open_in(dir.clone(), &identity(), SEGMENT_BYTES).unwrap();
+            assert_eq!(indexes(&db), vec![1, 2, 3]);
+            assert_eq!(dir.segment_len(1), Some(whole), "the torn bytes are cut off");
+            append(&db, vec![ent(1, 4)]).await;
+        }
+        let db = LogDb::open_in(dir.after_power_loss(), &identity(), SEGMENT_BYTES).unwrap();
+        assert_eq!(indexes(&db), vec![1, 2, 3, 4]);
+    }
+
+    #[tokio::test]
+    async fn a_damaged_older_segment_is_refused_with_what_to_do() {
+        let dir = MemDir::default();
+        let seg2 = dir.open(2).unwrap();
+        let mut buf = Vec::new();
+        wal::put_record(&mut buf, &meta_payload(MetaKey::Vote, &encode(&Vote::new(1, 1))));
+        seg2.write(0, &buf).unwrap();
+        let seg1 = dir.open(1).unwrap();
+        seg1.write(0, &buf).unwrap();
+        dir.scribble(1, 12, &[0xff]);
+        let err = LogDb::open_in(dir, &identity(), SEGMENT_BYTES)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(err.contains("segment 1") && err.contains("rejoin empty"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn another_nodes_log_is_refused() {
+        let dir = MemDir::default();
+        drop(LogDb::open_in(dir.clone(), &identity(), SEGMENT_BYTES).unwrap());
+        let other = Identity {
+            cluster: "wal".into(),
+            node_id: 2,
+        };
+        let err = LogDb::open_in(dir, &other, SEGMENT_BYTES).err().expect("refused");
+        assert!(matches!(err, StoreError::WrongIdentity { .. }), "{err}");
+    }
+
+    #[tokio::test]
+    async fn full_segments_roll_over_and_purged_ones_are_deleted() {
+        let dir = MemDir::default();
+        let small = 4 << 10;
+        let db = LogDb::open_in(dir.clone(), &identity(), small).unwrap();
+        // The vote is written once, in the first segment: later ones carry it in their checkpoints.
+        db.save_vote(&Vote::new(5, 1)).await.unwrap();
+        for i in 1..=200 {
+            append(&db, vec![ent(1, i)]).await;
+        }
+        let before = dir.list().unwrap();
+        assert!(before.len() >= 4, "segments: {before:?}");
+        db.purge(*ent(1, 150).get_log_id()).await.unwrap();
+        let after = dir.list().unwrap();
+        assert!(
+            after.len() < before.len(),
+            "purge deleted emptied segments: {before:?} → {after:?}"
+        );
+        assert!(!after.contains(&1), "the vote's own segment is gone: {after:?}");
+        assert_eq!(after.last(), before.last(), "the current segment stays");
+        drop(db);
+
+        // The newest segments alone rebuild everything: the vote from a checkpoint.
+        let db = LogDb::open_in(dir.after_power_loss(), &identity(), small).unwrap();
+        assert_eq!(indexes(&db), (151..=200).collect::<Vec<_>>());
+        assert_eq!(db.vote(), Some(Vote::new(5, 1)));
+        assert_eq!(db.log_state().0.map(|l| l.index), Some(150));
+    }
 }

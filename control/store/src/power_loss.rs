@@ -6,8 +6,9 @@
 //! Armed only in a testing build (`--features laneway-control/testing`, which turns failpoints
 //! on) with `LANEWAY_TESTING_POWER_LOSS=1` in the environment; otherwise databases open on
 //! redb's own file backend and none of this runs. Snapshot files are written with
-//! fsync-and-rename outside redb and are not rolled back: a cut can only lose what redb held
-//! unsynced (the Raft log's and the state machine's pages).
+//! fsync-and-rename outside redb and are not rolled back: a cut can only lose what was written
+//! and not yet synced to the Raft log's segments ([`crate::wal`], written through the same
+//! backend) and the state machine's database pages.
 //!
 //! What a cut leaves depends on the mode [`ENV`] arms:
 //! - `1` ([`Loss::All`]): the file as of its last `sync_data`. The bytes every later write
@@ -86,6 +87,8 @@ struct Unsynced {
 
 struct Shared {
     file: FileBackend,
+    /// The file's (device, inode): one file is one disk, however many times it is opened.
+    id: (u64, u64),
     unsynced: Mutex<Unsynced>,
     /// Tests: the next `sync_data` fails without syncing, as a cut in the middle of an fsync.
     #[cfg(test)]
@@ -238,17 +241,29 @@ pub fn create(path: &Path) -> Result<Database, DatabaseError> {
 }
 
 /// Opens (or creates) the file at `path` as a power-loss disk that [`cut`] will roll back.
+///
+/// A file opened again (the Raft log reads a segment at recovery, then appends to it; a
+/// migrated log is renamed into place) is the disk already open: two records of one file would
+/// each put back their own idea of what was synced, and the staler one would undo synced writes.
 fn open_file(path: &Path) -> Result<PowerLossFile, DatabaseError> {
+    use std::os::unix::fs::MetadataExt;
     let file = OpenOptions::new()
         .read(true)
         .write(true)
         .create(true)
         .truncate(false)
         .open(path)?;
+    let meta = file.metadata()?;
+    let id = (meta.dev(), meta.ino());
+    let mut files = open_files().lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(open) = files.iter().find(|f| f.0.id == id) {
+        return Ok(open.clone());
+    }
     let file = FileBackend::new(file)?;
     let synced_len = file.len()?;
     let disk = PowerLossFile(Arc::new(Shared {
         file,
+        id,
         unsynced: Mutex::new(Unsynced {
             synced_len,
             undo: Vec::new(),
@@ -256,10 +271,7 @@ fn open_file(path: &Path) -> Result<PowerLossFile, DatabaseError> {
         #[cfg(test)]
         fail_next_sync: Default::default(),
     }));
-    open_files()
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .push(disk.clone());
+    files.push(disk.clone());
     Ok(disk)
 }
 
@@ -390,6 +402,21 @@ impl StorageBackend for PowerLossFile {
     }
 }
 
+/// Opens (or creates) a Raft log segment file at `path` ([`crate::wal`]): on the power-loss disk
+/// when [`armed`], else on redb's own file backend.
+pub(crate) fn open_segment(path: &Path) -> io::Result<crate::wal::Segment> {
+    if armed() {
+        return Ok(Arc::new(open_file(path).map_err(io::Error::other)?));
+    }
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)?;
+    Ok(Arc::new(FileBackend::new(file).map_err(io::Error::other)?))
+}
+
 /// Opens (or creates) a database at `path`: on the power-loss disk when [`armed`], else on
 /// redb's own file backend.
 pub(crate) fn open_database(path: &Path) -> Result<Database, DatabaseError> {
@@ -408,6 +435,28 @@ mod tests {
     const T: TableDefinition<u64, u64> = TableDefinition::new("t");
     const V: TableDefinition<u64, &[u8]> = TableDefinition::new("v");
     const BIG: TableDefinition<u64, &[u8]> = TableDefinition::new("big");
+
+    /// The Raft log opens a segment to read it at recovery, then again to append: one disk,
+    /// so a cut never puts back the length the first open saw over writes synced since.
+    #[test]
+    fn a_file_opened_twice_is_one_disk() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("segment");
+        let first = open_file(&path).unwrap();
+        let second = open_file(&path).unwrap();
+        assert!(Arc::ptr_eq(&first.0, &second.0));
+        second.write(0, b"synced").unwrap();
+        second.sync_data().unwrap();
+        second.write(6, b" and not").unwrap();
+        {
+            let mut u = first.unsynced();
+            first.roll_back(&mut u).unwrap();
+        }
+        assert_eq!(second.len().unwrap(), 6);
+        let mut out = [0u8; 6];
+        second.read(0, &mut out).unwrap();
+        assert_eq!(&out, b"synced");
+    }
 
     /// A write committed without a sync is gone after a roll-back; a synced one stays, and the
     /// file still opens as a database.

@@ -1,88 +1,24 @@
-//! Power-loss test: a redb storage backend that throws away every write not yet synced, and
-//! crashes at random points during a stream of appends and votes. Every append whose durability
-//! callback fired must be there after reopening, and the vote must never go back.
+//! Power-loss test: a segment directory whose files throw away every write not yet synced, and
+//! crashes at random points during a stream of appends, votes and purges, with segments small
+//! enough that the log rolls over to new ones and deletes purged ones all the time. Every append
+//! whose durability callback fired must be there after reopening unless a purge took it, the
+//! vote must never go back, and neither must the purge.
 
-use std::fmt;
-use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use laneway_store::log_db::LogDb;
 use laneway_store::raft_types::{Entry, TypeConfig, Vote};
+use laneway_store::wal::MemDir;
 use laneway_store::Identity;
 use openraft::testing::blank_ent;
 use openraft::RaftLogId;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use redb::StorageBackend;
 
-/// What the disk holds: `current` is what the OS page cache shows, `durable` what survives a
-/// power loss (the state as of the last `sync_data`).
-#[derive(Default)]
-struct Images {
-    current: Vec<u8>,
-    durable: Vec<u8>,
-}
-
-#[derive(Clone, Default)]
-struct LossyDisk(Arc<Mutex<Images>>);
-
-impl fmt::Debug for LossyDisk {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("LossyDisk")
-    }
-}
-
-impl LossyDisk {
-    /// The disk as it is after a power loss now: only synced bytes.
-    fn after_power_loss(&self) -> LossyDisk {
-        let durable = self.0.lock().unwrap().durable.clone();
-        LossyDisk(Arc::new(Mutex::new(Images {
-            current: durable.clone(),
-            durable,
-        })))
-    }
-}
-
-impl StorageBackend for LossyDisk {
-    fn len(&self) -> Result<u64, io::Error> {
-        Ok(self.0.lock().unwrap().current.len() as u64)
-    }
-
-    fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), io::Error> {
-        let img = self.0.lock().unwrap();
-        let start = offset as usize;
-        let end = start + out.len();
-        if end > img.current.len() {
-            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "read past end"));
-        }
-        out.copy_from_slice(&img.current[start..end]);
-        Ok(())
-    }
-
-    fn set_len(&self, len: u64) -> Result<(), io::Error> {
-        self.0.lock().unwrap().current.resize(len as usize, 0);
-        Ok(())
-    }
-
-    fn sync_data(&self) -> Result<(), io::Error> {
-        let mut img = self.0.lock().unwrap();
-        img.durable = img.current.clone();
-        Ok(())
-    }
-
-    fn write(&self, offset: u64, data: &[u8]) -> Result<(), io::Error> {
-        let mut img = self.0.lock().unwrap();
-        let start = offset as usize;
-        let end = start + data.len();
-        if end > img.current.len() {
-            img.current.resize(end, 0);
-        }
-        img.current[start..end].copy_from_slice(data);
-        Ok(())
-    }
-}
+/// Small segments: a few dozen entries each, so rolling over and deleting happen every round.
+const SEGMENT_BYTES: u64 = 4 << 10;
 
 fn identity() -> Identity {
     Identity {
@@ -100,7 +36,8 @@ async fn acknowledged_appends_and_votes_survive_power_loss() {
 
 async fn run_seed(seed: u64) {
     let mut rng = StdRng::seed_from_u64(seed);
-    let mut disk = LossyDisk::default();
+    let mut disk = MemDir::default();
+    let mut acked_purge: Option<u64> = None;
     // Indexes whose durability callback fired, across all crashes.
     let acked: Arc<Mutex<Vec<u64>>> = Arc::default();
     let mut acked_vote: Option<Vote> = None;
@@ -110,10 +47,20 @@ async fn run_seed(seed: u64) {
     let incarnation = Arc::new(AtomicU64::new(0));
 
     for round in 0..12 {
-        let db = LogDb::open_with_backend(disk.clone(), &identity()).expect("reopen after power loss");
+        let db = LogDb::open_in(disk.clone(), &identity(), SEGMENT_BYTES).expect("reopen after power loss");
 
         // Check: every acknowledged entry is present, and the vote did not go back.
+        if let Some(p) = acked_purge {
+            let purged = db.log_state().0.map(|l| l.index);
+            assert!(
+                purged >= Some(p),
+                "seed {seed} round {round}: purge went back from {p} to {purged:?}"
+            );
+        }
         for &index in acked.lock().unwrap().iter() {
+            if acked_purge.is_some_and(|p| index <= p) {
+                continue;
+            }
             let got = db.entries(index..=index);
             assert_eq!(
                 got.len(),
@@ -139,6 +86,18 @@ async fn run_seed(seed: u64) {
                     acked_vote = Some(vote);
                 }
                 1 => tokio::time::sleep(Duration::from_micros(rng.random_range(0..2000))).await,
+                2 => {
+                    // Purge part of what is there (openraft purges only what a snapshot covers).
+                    let (first, last) = (db.entries(..).first().map(|e| e.get_log_id().index), db.log_state().1);
+                    if let (Some(first), Some(last)) = (first, last) {
+                        if last.index > first {
+                            let upto = rng.random_range(first..last.index);
+                            let log_id = *db.entries(upto..=upto)[0].get_log_id();
+                            db.purge(log_id).await.expect("purge");
+                            acked_purge = Some(upto);
+                        }
+                    }
+                }
                 _ => {
                     let n = rng.random_range(1..20);
                     let entries: Vec<Entry> = (next..next + n).map(|i| blank_ent::<TypeConfig>(term, 1, i)).collect();
