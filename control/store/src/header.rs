@@ -11,8 +11,13 @@ use serde::{Deserialize, Serialize};
 
 use super::StoreError;
 
-/// Current on-disk format of the Raft log database.
-pub const DATA_FORMAT: u32 = 1;
+/// Current on-disk format of a data dir's Raft log.
+///
+/// - 1: the log in redb (`raft-log.redb`).
+/// - 2: the log in segments (`raft-log/`, ADR 0032). The `raft-log.redb` a move from format 1
+///   leaves behind holds only a format-2 header, so a format-1 build refuses the data dir
+///   instead of starting an empty log beside it.
+pub const DATA_FORMAT: u32 = 2;
 
 /// Which controller a data dir belongs to.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -72,7 +77,8 @@ pub fn check(path: &Path, stored: Option<DataHeader>, identity: &Identity) -> Re
     Ok(header)
 }
 
-/// Upgrades a header by one format step. There are no older formats than 1 yet.
+/// Upgrades a header by one format step. 1 → 2 changes nothing in the header: the records
+/// themselves move (`log_db::migrate_from_redb`).
 fn migrate_one(header: DataHeader) -> DataHeader {
     DataHeader {
         format: header.format + 1,

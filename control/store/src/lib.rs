@@ -9,7 +9,7 @@
 //!   id, header) and the `LOCK` a running controller holds;
 //! - `raft-log.redb.migrated`: the redb log of a data dir that an older Laneway wrote, kept
 //!   after its records moved into `raft-log/` on the first start (delete it once the controller
-//!   runs);
+//!   runs); `raft-log.redb` then holds only a format-2 header, so older builds refuse the dir;
 //! - `state.redb`: the applied application state, last applied log id, last membership and the
 //!   pointer to the current snapshot;
 //! - `snapshots/*.snap`: snapshot files, written to a temp name, fsync'd, then renamed.
@@ -53,40 +53,31 @@ pub fn open(data_dir: &Path, identity: &Identity) -> Result<(LogStore, StateMach
         what: format!("creating data dir {}", data_dir.display()),
         source,
     })?;
-    migrate_legacy_log(data_dir)?;
+    migrate_legacy_log(data_dir, identity)?;
     let log = LogStore::open(&data_dir.join(LOG_DIR), identity)?;
     let sm = StateMachineStore::open(data_dir)?;
     Ok((log, sm))
 }
 
 /// Moves a redb Raft log an older Laneway wrote into the segmented log, once.
-fn migrate_legacy_log(data_dir: &Path) -> Result<(), StoreError> {
+fn migrate_legacy_log(data_dir: &Path, identity: &Identity) -> Result<(), StoreError> {
     let legacy = data_dir.join(LEGACY_LOG_DB_FILE);
     if !legacy.exists() {
         return Ok(());
     }
     let target = data_dir.join(LOG_DIR);
-    if !target.exists() {
-        let moved = log_db::migrate_from_redb(&legacy, &target)?;
+    let kept = data_dir.join(MIGRATED_LOG_DB_FILE);
+    if let log_db::Migrated::Moved(entries) = log_db::migrate_from_redb(&legacy, &target, &kept, identity)? {
         tracing::info!(
-            entries = moved,
-            from = %legacy.display(),
+            entries,
+            from = %kept.display(),
             to = %target.display(),
-            "moved the Raft log out of redb into the segmented log (ADR 0032)"
+            "moved the Raft log out of redb into the segmented log (ADR 0032); the old file is kept \
+             beside it, delete it once this controller runs. {} now only marks the data dir as \
+             format 2, so an older laneway-control refuses it",
+            legacy.display()
         );
     }
-    // The new log is whole and in place (an earlier start may have got this far and no further).
-    let kept = data_dir.join(MIGRATED_LOG_DB_FILE);
-    std::fs::rename(&legacy, &kept)
-        .and_then(|()| wal::sync_dir(data_dir))
-        .map_err(|source| StoreError::Io {
-            what: format!("renaming {} to {}", legacy.display(), kept.display()),
-            source,
-        })?;
-    tracing::info!(
-        file = %kept.display(),
-        "the old redb Raft log is kept beside the new one; delete it once this controller runs"
-    );
     Ok(())
 }
 
@@ -106,7 +97,11 @@ mod tests {
         let txn = db.begin_write().unwrap();
         {
             let mut meta = txn.open_table(META).unwrap();
-            let header = serde_json::to_vec(&header::DataHeader::new(identity)).unwrap();
+            let header = header::DataHeader {
+                format: 1,
+                ..header::DataHeader::new(identity)
+            };
+            let header = serde_json::to_vec(&header).unwrap();
             meta.insert("header", header.as_slice()).unwrap();
             meta.insert("vote", serde_json::to_vec(&vote).unwrap().as_slice())
                 .unwrap();
@@ -133,15 +128,35 @@ mod tests {
         let entries = log.db().entries(..);
         assert_eq!(entries.len(), 25);
         assert_eq!(entries[24].get_log_id().index, 25);
-        assert!(!dir.path().join(LEGACY_LOG_DB_FILE).exists());
         assert!(
             dir.path().join(MIGRATED_LOG_DB_FILE).exists(),
             "the old file is kept aside"
         );
         drop((log, _sm));
 
-        // A start that crashed after the new log was in place but before the rename: the new log
-        // wins, and the old file is only renamed (an old file with other contents is not read).
+        // What is left at the old name is a format-2 header alone: a format-1 build reads it and
+        // refuses (NewerFormat) instead of starting an empty log beside the state.
+        let stub_header = || {
+            use redb::ReadableDatabase;
+            let stub = redb::Database::open(dir.path().join(LEGACY_LOG_DB_FILE)).unwrap();
+            let txn = stub.begin_read().unwrap();
+            let meta = txn.open_table(TableDefinition::<&str, &[u8]>::new("meta")).unwrap();
+            let rows = txn.open_table(TableDefinition::<u64, &[u8]>::new("log")).is_ok();
+            let raw = meta.get("header").unwrap().unwrap();
+            (serde_json::from_slice::<header::DataHeader>(raw.value()).unwrap(), rows)
+        };
+        let (stub, rows) = stub_header();
+        assert_eq!(stub.format, 2);
+        assert!(!rows, "no log rows in the stub");
+
+        // Starting again moves nothing and keeps everything.
+        let (log, _sm) = open(dir.path(), &identity).unwrap();
+        assert_eq!(log.db().entries(..).len(), 25);
+        drop((log, _sm));
+
+        // A start that crashed after the new log was in place but before the old file's rename:
+        // the new log wins, the old file is renamed and the stub written.
+        std::fs::remove_file(dir.path().join(LEGACY_LOG_DB_FILE)).unwrap();
         std::fs::rename(
             dir.path().join(MIGRATED_LOG_DB_FILE),
             dir.path().join(LEGACY_LOG_DB_FILE),
@@ -149,10 +164,11 @@ mod tests {
         .unwrap();
         let (log, _sm) = open(dir.path(), &identity).unwrap();
         assert_eq!(log.db().entries(..).len(), 25);
-        assert!(!dir.path().join(LEGACY_LOG_DB_FILE).exists());
+        assert!(dir.path().join(MIGRATED_LOG_DB_FILE).exists());
+        assert_eq!(stub_header().0.format, 2);
+        drop((log, _sm));
 
         // A controller with another identity is still refused after the move.
-        drop((log, _sm));
         let other = Identity {
             cluster: "upgrade".into(),
             node_id: 4,
@@ -161,6 +177,16 @@ mod tests {
             open(dir.path(), &other),
             Err(StoreError::WrongIdentity { .. })
         ));
+
+        // Another node's old log is refused before anything is moved or renamed.
+        let elsewhere = tempfile::tempdir().unwrap();
+        write_legacy_log(elsewhere.path(), &identity, Vote::new(1, 3), 2);
+        assert!(matches!(
+            open(elsewhere.path(), &other),
+            Err(StoreError::WrongIdentity { .. })
+        ));
+        assert!(!elsewhere.path().join(LOG_DIR).exists());
+        assert!(!elsewhere.path().join(MIGRATED_LOG_DB_FILE).exists());
     }
 
     #[test]

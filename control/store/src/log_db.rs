@@ -204,6 +204,18 @@ impl LogDb {
                 what: "header".into(),
                 message: e.to_string(),
             })?;
+        if stored_header.is_none() && segments.iter().any(|s| s.end > 0) {
+            // Every log's first record is its header and every later segment's first is a
+            // checkpoint carrying it: records without one are not a log this build wrote whole.
+            return Err(StoreError::Corrupt {
+                path: path.clone(),
+                what: "header".into(),
+                message: "the log has records but no header (a damaged first record?); refusing to \
+                          start it as a new member. Replace this controller as for a dead disk \
+                          (docs/operations.md §3)"
+                    .into(),
+            });
+        }
         let header = header::check(&path, stored_header.clone(), identity)?;
 
         // The newest segment, cut back to its last whole record (or a first one, with the header).
@@ -266,6 +278,10 @@ impl LogDb {
             meta.set(MetaKey::Header, value.clone());
             writer.meta.set(MetaKey::Header, value);
         }
+
+        // The newest segment's name may never have been synced (a crash inside a rollover):
+        // records acknowledged from now on go into it, so its entry must be durable first.
+        writer.dir.sync().map_err(|e| io_err("syncing the log directory", e))?;
 
         let (tx, rx) = mpsc::channel();
         thread::Builder::new()
@@ -406,17 +422,40 @@ impl LogDb {
     }
 }
 
-/// Moves a Raft log kept in redb (`raft-log.redb`, before ADR 0032) into a new segment
+/// What [`migrate_from_redb`] found at `raft-log.redb`.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Migrated {
+    /// The file is the stub a move left behind: nothing to do.
+    AlreadyMoved,
+    /// The log moved; this many entries.
+    Moved(usize),
+}
+
+const LEGACY_LOG: redb::TableDefinition<u64, &[u8]> = redb::TableDefinition::new("log");
+const LEGACY_META: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("meta");
+
+/// Moves a Raft log kept in redb (`legacy`, data format 1, before ADR 0032) into a segment
 /// directory at `target`, record for record: the header, vote, committed and last purged log
-/// ids, and every entry. The new log is written to a temporary directory, synced, then renamed
-/// into place, so a crash at any point leaves either the old log or the whole new one. Returns
-/// how many entries moved. The redb file is left where it is; the caller renames it.
-pub fn migrate_from_redb(legacy: &Path, target: &Path) -> Result<usize, StoreError> {
-    use redb::{ReadableDatabase, ReadableTable, TableDefinition};
-    const LOG: TableDefinition<u64, &[u8]> = TableDefinition::new("log");
-    const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
+/// ids, and every entry. The old file's lock is held throughout, so a second process started
+/// on the same data dir is refused rather than racing this one.
+///
+/// Order, so that a crash at any point leaves either the old log or the whole new one:
+/// 1. refuse another node's or cluster's log before touching anything;
+/// 2. write the records to `<target>.migrating/`, sync, rename it to `target`, sync the parent
+///    (skipped when `target` exists: a move that crashed after its rename);
+/// 3. rename `legacy` to `kept` (never over an existing one), then write a fresh `legacy`
+///    holding only a format-2 header, so an older build refuses this data dir
+///    ([`StoreError::NewerFormat`]) instead of starting an empty log beside the state.
+pub fn migrate_from_redb(
+    legacy: &Path,
+    target: &Path,
+    kept: &Path,
+    identity: &Identity,
+) -> Result<Migrated, StoreError> {
+    use redb::{ReadableDatabase, ReadableTable};
 
     let db_err = |what: &str, e: &dyn std::fmt::Display| StoreError::db(format!("{what} in {}", legacy.display()), e);
+    let io_err = |what: String| move |source: io::Error| StoreError::Io { what, source };
     let db = redb::Database::open(legacy).map_err(|e| match e {
         redb::DatabaseError::DatabaseAlreadyOpen => StoreError::InUse {
             path: legacy.to_path_buf(),
@@ -425,17 +464,13 @@ pub fn migrate_from_redb(legacy: &Path, target: &Path) -> Result<usize, StoreErr
     })?;
     let rtxn = db.begin_read().map_err(|e| db_err("reading the old Raft log", &e))?;
     let mut meta = Meta::default();
-    let mut buf = Vec::new();
-    let mut moved = 0;
-    match rtxn.open_table(META) {
+    match rtxn.open_table(LEGACY_META) {
         Ok(table) => {
-            for (key, name) in [
-                (MetaKey::Header, "header"),
-                (MetaKey::Vote, "vote"),
-                (MetaKey::Committed, "committed"),
-                (MetaKey::LastPurged, "last_purged"),
-            ] {
-                if let Some(v) = table.get(name).map_err(|e| db_err("reading the old Raft log", &e))? {
+            for key in MetaKey::ALL {
+                if let Some(v) = table
+                    .get(key.name())
+                    .map_err(|e| db_err("reading the old Raft log", &e))?
+                {
                     meta.set(key, v.value().to_vec());
                 }
             }
@@ -443,54 +478,103 @@ pub fn migrate_from_redb(legacy: &Path, target: &Path) -> Result<usize, StoreErr
         Err(redb::TableError::TableDoesNotExist(_)) => {}
         Err(e) => return Err(db_err("reading the old Raft log", &e)),
     }
-    meta.checkpoint(&mut buf);
-    match rtxn.open_table(LOG) {
-        Ok(table) => {
-            for row in table.iter().map_err(|e| db_err("reading the old Raft log", &e))? {
-                let (k, v) = row.map_err(|e| db_err("reading the old Raft log", &e))?;
-                wal::put_record(&mut buf, &append_payload(k.value(), v.value()));
-                moved += 1;
+    let stored: Option<DataHeader> = meta
+        .get(MetaKey::Header)
+        .map(serde_json::from_slice)
+        .transpose()
+        .map_err(|e| StoreError::Corrupt {
+            path: legacy.to_path_buf(),
+            what: "header".into(),
+            message: e.to_string(),
+        })?;
+    if stored.as_ref().is_some_and(|h| h.format >= 2) {
+        return Ok(Migrated::AlreadyMoved);
+    }
+    header::check(legacy, stored, identity)?;
+
+    let mut moved = 0;
+    if !target.exists() {
+        let mut buf = Vec::new();
+        meta.checkpoint(&mut buf);
+        match rtxn.open_table(LEGACY_LOG) {
+            Ok(table) => {
+                for row in table.iter().map_err(|e| db_err("reading the old Raft log", &e))? {
+                    let (k, v) = row.map_err(|e| db_err("reading the old Raft log", &e))?;
+                    wal::put_record(&mut buf, &append_payload(k.value(), v.value()));
+                    moved += 1;
+                }
             }
+            Err(redb::TableError::TableDoesNotExist(_)) => {}
+            Err(e) => return Err(db_err("reading the old Raft log", &e)),
         }
-        Err(redb::TableError::TableDoesNotExist(_)) => {}
-        Err(e) => return Err(db_err("reading the old Raft log", &e)),
+        let staging = target.with_extension("migrating");
+        if staging.exists() {
+            // An earlier move that crashed before its rename; only a holder of `legacy`'s lock
+            // (this process) writes here.
+            std::fs::remove_dir_all(&staging)
+                .map_err(io_err(format!("removing an unfinished move at {}", staging.display())))?;
+        }
+        {
+            let dir = FsDir::open(&staging).map_err(|e| match e {
+                OpenDirError::InUse => StoreError::InUse { path: staging.clone() },
+                OpenDirError::Io(source) => StoreError::Io {
+                    what: format!("creating {}", staging.display()),
+                    source,
+                },
+            })?;
+            let segment = dir
+                .open(1)
+                .map_err(io_err(format!("creating a segment in {}", staging.display())))?;
+            segment
+                .write(0, &buf)
+                .and_then(|()| segment.sync_data())
+                .and_then(|()| dir.sync())
+                .map_err(io_err(format!("writing the Raft log to {}", staging.display())))?;
+        }
+        std::fs::rename(&staging, target)
+            .and_then(|()| wal::sync_dir(target.parent().unwrap_or(Path::new("."))))
+            .map_err(io_err(format!(
+                "renaming {} to {}",
+                staging.display(),
+                target.display()
+            )))?;
     }
     drop(rtxn);
-    drop(db);
 
-    let io_err = |what: String| move |source: io::Error| StoreError::Io { what, source };
-    let staging = target.with_extension("migrating");
-    if staging.exists() {
-        std::fs::remove_dir_all(&staging).map_err(io_err(format!(
-            "removing an unfinished migration at {}",
-            staging.display()
-        )))?;
+    if kept.exists() {
+        return Err(StoreError::Corrupt {
+            path: legacy.to_path_buf(),
+            what: "the old Raft log".into(),
+            message: format!(
+                "{} and {} both exist, and {} is in use: an old log from two upgrades? Keep a copy of \
+                 both redb files elsewhere, delete {} and start again",
+                legacy.display(),
+                kept.display(),
+                target.display(),
+                kept.display()
+            ),
+        });
     }
+    std::fs::rename(legacy, kept).map_err(io_err(format!("renaming {} to {}", legacy.display(), kept.display())))?;
+    // The stub: a format-2 header alone, durable before the old database (and its lock) goes.
+    let stub = redb::Database::create(legacy).map_err(|e| db_err("creating the format-2 marker", &e))?;
+    let txn = stub
+        .begin_write()
+        .map_err(|e| db_err("writing the format-2 marker", &e))?;
     {
-        let dir = FsDir::open(&staging).map_err(|e| match e {
-            OpenDirError::InUse => StoreError::InUse { path: staging.clone() },
-            OpenDirError::Io(source) => StoreError::Io {
-                what: format!("creating {}", staging.display()),
-                source,
-            },
-        })?;
-        let segment = dir
-            .open(1)
-            .map_err(io_err(format!("creating a segment in {}", staging.display())))?;
-        segment
-            .write(0, &buf)
-            .and_then(|()| segment.sync_data())
-            .and_then(|()| dir.sync())
-            .map_err(io_err(format!("writing the Raft log to {}", staging.display())))?;
+        let mut table = txn
+            .open_table(LEGACY_META)
+            .map_err(|e| db_err("writing the format-2 marker", &e))?;
+        let header = encode(&DataHeader::new(identity));
+        table
+            .insert(MetaKey::Header.name(), header.as_slice())
+            .map_err(|e| db_err("writing the format-2 marker", &e))?;
     }
-    std::fs::rename(&staging, target)
-        .and_then(|()| wal::sync_dir(target.parent().unwrap_or(Path::new("."))))
-        .map_err(io_err(format!(
-            "renaming {} to {}",
-            staging.display(),
-            target.display()
-        )))?;
-    Ok(moved)
+    txn.commit().map_err(|e| db_err("writing the format-2 marker", &e))?;
+    wal::sync_dir(legacy.parent().unwrap_or(Path::new(".")))
+        .map_err(io_err(format!("syncing {}", legacy.display())))?;
+    drop(db);
+    Ok(Migrated::Moved(moved))
 }
 
 fn append_payload(index: u64, bytes: &[u8]) -> Vec<u8> {
@@ -530,6 +614,20 @@ fn recover(dir: &dyn SegmentDir, path: &Path) -> Result<Recovered, StoreError> {
     let mut entries: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
     let mut meta = Meta::default();
     let mut segments = Vec::with_capacity(ids.len());
+    if let Some(gap) = ids.windows(2).find(|w| w[1] != w[0] + 1) {
+        return Err(StoreError::Corrupt {
+            path: path.to_path_buf(),
+            what: "segments".into(),
+            message: format!(
+                "segment {} is missing between {} and {} (segments are only ever deleted oldest \
+                 first); the data dir is damaged. Replace this controller as for a dead disk \
+                 (docs/operations.md §3)",
+                gap[0] + 1,
+                gap[0],
+                gap[1]
+            ),
+        });
+    }
     for (n, &id) in ids.iter().enumerate() {
         let corrupt = |message: String| StoreError::Corrupt {
             path: path.to_path_buf(),
@@ -547,8 +645,9 @@ fn recover(dir: &dyn SegmentDir, path: &Path) -> Result<Recovered, StoreError> {
         if end < bytes.len() && n + 1 < ids.len() {
             return Err(corrupt(format!(
                 "a record at byte {end} of {} fails its check, and newer segments follow it, so this is \
-                 not a torn last write; the data dir is damaged: move it aside and let this controller \
-                 rejoin empty (it catches up from the leader)",
+                 not a torn last write; the data dir is damaged. Replace this controller as for a dead \
+                 disk (docs/operations.md §3): `lanectl cluster remove` its node id, move this data dir \
+                 aside, and add it back under a new node id with an empty one",
                 bytes.len()
             )));
         }
@@ -581,7 +680,12 @@ fn recover(dir: &dyn SegmentDir, path: &Path) -> Result<Recovered, StoreError> {
                     let key = key.ok_or_else(|| corrupt(format!("unknown meta key {:?}", payload.get(1))))?;
                     meta.set(key, payload[2..].to_vec());
                 }
-                other => return Err(corrupt(format!("unknown record kind {other}"))),
+                other => {
+                    return Err(corrupt(format!(
+                        "unknown record kind {other} (written by a newer laneway-control? run that \
+                         version on this data dir)"
+                    )))
+                }
             }
         }
         segments.push(SegmentInfo {
@@ -773,12 +877,22 @@ impl Writer {
         };
         let mut removed = false;
         while self.segments.len() > 1 && self.segments[0].max_index.is_none_or(|m| m <= purged) {
-            self.dir.remove(self.segments[0].id)?;
+            let id = self.segments[0].id;
+            if let Err(e) = self.dir.remove(id) {
+                // What is durable stays durable: a segment left behind costs disk, not safety,
+                // and the next purge tries again.
+                tracing::warn!(segment = id, dir = %self.dir.describe(), error = %e,
+                    "could not delete a purged Raft log segment; the next purge tries again");
+                break;
+            }
             self.segments.remove(0);
             removed = true;
         }
         if removed {
-            self.dir.sync()?;
+            if let Err(e) = self.dir.sync() {
+                tracing::warn!(dir = %self.dir.describe(), error = %e,
+                    "could not sync the Raft log directory after deleting purged segments");
+            }
         }
         Ok(())
     }
@@ -914,7 +1028,7 @@ mod tests {
             .err()
             .expect("refused")
             .to_string();
-        assert!(err.contains("segment 1") && err.contains("rejoin empty"), "{err}");
+        assert!(err.contains("segment 1") && err.contains("operations.md"), "{err}");
     }
 
     #[tokio::test]

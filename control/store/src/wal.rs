@@ -89,7 +89,13 @@ impl From<io::Error> for OpenDirError {
 impl FsDir {
     /// Opens (creating it if needed) the directory at `path` and takes its lock.
     pub fn open(path: &Path) -> Result<FsDir, OpenDirError> {
-        std::fs::create_dir_all(path)?;
+        if !path.exists() {
+            std::fs::create_dir_all(path)?;
+            // The directory's own name must be durable before anything synced inside it counts.
+            if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+                sync_dir(parent)?;
+            }
+        }
         let lock = OpenOptions::new()
             .read(true)
             .write(true)
