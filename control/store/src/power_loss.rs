@@ -7,7 +7,7 @@
 //! on) with `LANEWAY_TESTING_POWER_LOSS=1` in the environment; otherwise databases open on
 //! redb's own file backend and none of this runs. Snapshot files are written with
 //! fsync-and-rename outside redb and are not rolled back: a cut can only lose what was written
-//! and not yet synced to the Raft log's segments ([`crate::wal`], written through the same
+//! and not yet synced to the Raft log's segments (the `wal` module, written through the same
 //! backend) and the state machine's database pages.
 //!
 //! What a cut leaves depends on the mode [`ENV`] arms:
@@ -402,9 +402,9 @@ impl StorageBackend for PowerLossFile {
     }
 }
 
-/// Opens (or creates) a Raft log segment file at `path` ([`crate::wal`]): on the power-loss disk
+/// Opens (or creates) a Raft log segment file at `path` (the `wal` module): on the power-loss disk
 /// when [`armed`], else on redb's own file backend.
-pub(crate) fn open_segment(path: &Path) -> io::Result<crate::wal::Segment> {
+pub(crate) fn open_segment(path: &Path) -> io::Result<Arc<dyn StorageBackend>> {
     if armed() {
         return Ok(Arc::new(open_file(path).map_err(io::Error::other)?));
     }
