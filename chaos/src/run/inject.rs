@@ -291,6 +291,7 @@ pub async fn inject<B: Backend>(
                     let ms = rng.random_range(100..=2000u64);
                     let addr = b.controller_addrs()[victim].clone();
                     rec.target = format!("controller {id} (leader), every fsync {ms} ms");
+                    answering_within(&addr, Duration::from_secs(15)).await;
                     set_failpoint(&addr, "disk::sync", &format!("sleep({ms})"))
                         .await
                         .map_err(anyhow::Error::msg)?;
@@ -308,6 +309,8 @@ pub async fn inject<B: Backend>(
                         rec.target.push_str(" (leader)");
                     }
                     let addr = b.controller_addrs()[victim].clone();
+                    // An earlier fault may have restarted it a moment ago: inject once it answers.
+                    answering_within(&addr, Duration::from_secs(15)).await;
                     set_failpoint(&addr, "disk::full", "return")
                         .await
                         .map_err(anyhow::Error::msg)?;
@@ -561,6 +564,21 @@ pub async fn inject<B: Backend>(
 /// A member other than the leader, drawn (needs at least two members).
 fn a_follower(leader: usize, members: usize, rng: &mut StdRng) -> usize {
     (leader + 1 + rng.random_range(0..members - 1)) % members
+}
+
+/// Waits until the controller at `addr` answers a status call, up to `limit` (a controller the
+/// previous fault restarted may still be opening its data dir). Whether it did.
+async fn answering_within(addr: &str, limit: Duration) -> bool {
+    let waited = Instant::now();
+    loop {
+        if status_of(addr).await.is_some() {
+            return true;
+        }
+        if waited.elapsed() > limit {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Whether controller `i` exits within `limit`.
