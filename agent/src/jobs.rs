@@ -94,7 +94,7 @@ impl JobRunner {
     /// Opens the outbox under `data_dir`.
     pub fn open(data_dir: &Path, store: ResultStore, sup: Arc<Supervisor>) -> Result<Self, String> {
         let path = data_dir.join("jobs.sled");
-        let db = sled::open(&path).map_err(|e| format!("opening the job outbox {}: {e}", path.display()))?;
+        let db = crate::local_db::open(&path).map_err(|e| format!("opening the job outbox {}: {e}", path.display()))?;
         let outbox = db
             .open_tree("outbox")
             .map_err(|e| format!("opening the job outbox {}: {e}", path.display()))?;

@@ -8,6 +8,7 @@ pub mod config;
 pub mod gpu;
 pub mod identity;
 pub mod jobs;
+pub mod local_db;
 pub use laneway_core::llm;
 pub mod logging;
 pub mod metrics;

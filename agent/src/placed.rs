@@ -55,8 +55,8 @@ pub struct PlacedStore {
 impl PlacedStore {
     pub fn open(data_dir: &std::path::Path) -> Result<Self, String> {
         let path = data_dir.join("placed.sled");
-        let db =
-            sled::open(&path).map_err(|e| format!("opening the placed-replica records {}: {e}", path.display()))?;
+        let db = crate::local_db::open(&path)
+            .map_err(|e| format!("opening the placed-replica records {}: {e}", path.display()))?;
         Ok(PlacedStore { db })
     }
 

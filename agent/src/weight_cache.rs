@@ -147,7 +147,7 @@ impl WeightCache {
             let e = e.map_err(io("listing tmp"))?;
             let _ = std::fs::remove_file(e.path());
         }
-        let index = sled::open(dir.join("index")).map_err(|e| CacheError::Index(e.to_string()))?;
+        let index = crate::local_db::open(&dir.join("index")).map_err(|e| CacheError::Index(e.to_string()))?;
         let mut max_clock = 0;
         // Drop entries whose blob is gone.
         for kv in index.iter() {
