@@ -875,23 +875,27 @@ impl Writer {
         let Some(purged) = self.last_purged_index else {
             return Ok(());
         };
-        let mut removed = false;
         while self.segments.len() > 1 && self.segments[0].max_index.is_none_or(|m| m <= purged) {
             let id = self.segments[0].id;
-            if let Err(e) = self.dir.remove(id) {
-                // What is durable stays durable: a segment left behind costs disk, not safety,
-                // and the next purge tries again.
-                tracing::warn!(segment = id, dir = %self.dir.describe(), error = %e,
-                    "could not delete a purged Raft log segment; the next purge tries again");
-                break;
+            // One at a time, each removal synced before the next: a crash can bring back the
+            // oldest segments (harmless: what they hold is purged or superseded), never leave
+            // a gap before a newer one (which recovery refuses as damage).
+            // What is durable stays durable: a segment left behind costs disk, not safety, and
+            // the next purge tries again.
+            match self.dir.remove(id) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::warn!(segment = id, dir = %self.dir.describe(), error = %e,
+                        "could not delete a purged Raft log segment; the next purge tries again");
+                    break;
+                }
             }
             self.segments.remove(0);
-            removed = true;
-        }
-        if removed {
             if let Err(e) = self.dir.sync() {
                 tracing::warn!(dir = %self.dir.describe(), error = %e,
-                    "could not sync the Raft log directory after deleting purged segments");
+                    "could not sync the Raft log directory after deleting a purged segment; the next purge tries again");
+                break;
             }
         }
         Ok(())
