@@ -92,6 +92,18 @@ impl Meta {
         self.0[key as usize - 1] = Some(value);
     }
 
+    /// The stored header, decoded.
+    fn header(&self, path: &Path) -> Result<Option<DataHeader>, StoreError> {
+        self.get(MetaKey::Header)
+            .map(serde_json::from_slice)
+            .transpose()
+            .map_err(|e| StoreError::Corrupt {
+                path: path.to_path_buf(),
+                what: "header".into(),
+                message: e.to_string(),
+            })
+    }
+
     fn is_empty(&self) -> bool {
         self.0.iter().all(Option::is_none)
     }
@@ -168,16 +180,7 @@ pub struct LogDb {
 impl LogDb {
     /// Opens or creates the log in the directory `path`.
     pub fn open(path: &Path, identity: &Identity) -> Result<Self, StoreError> {
-        let dir = FsDir::open(path).map_err(|e| match e {
-            OpenDirError::InUse => StoreError::InUse {
-                path: path.to_path_buf(),
-            },
-            OpenDirError::Io(source) => StoreError::Io {
-                what: format!("opening the Raft log directory {}", path.display()),
-                source,
-            },
-        })?;
-        Self::open_in(dir, identity, SEGMENT_BYTES)
+        Self::open_in(open_dir(path)?, identity, SEGMENT_BYTES)
     }
 
     /// Opens the log on any segment directory (the power-loss test's lives in memory), starting
@@ -195,15 +198,7 @@ impl LogDb {
             mut segments,
         } = recovered;
 
-        let stored_header: Option<DataHeader> = meta
-            .get(MetaKey::Header)
-            .map(serde_json::from_slice)
-            .transpose()
-            .map_err(|e| StoreError::Corrupt {
-                path: path.clone(),
-                what: "header".into(),
-                message: e.to_string(),
-            })?;
+        let stored_header = meta.header(&path)?;
         if stored_header.is_none() && segments.iter().any(|s| s.end > 0) {
             // Every log's first record is its header and every later segment's first is a
             // checkpoint carrying it: records without one are not a log this build wrote whole.
@@ -478,15 +473,7 @@ pub fn migrate_from_redb(
         Err(redb::TableError::TableDoesNotExist(_)) => {}
         Err(e) => return Err(db_err("reading the old Raft log", &e)),
     }
-    let stored: Option<DataHeader> = meta
-        .get(MetaKey::Header)
-        .map(serde_json::from_slice)
-        .transpose()
-        .map_err(|e| StoreError::Corrupt {
-            path: legacy.to_path_buf(),
-            what: "header".into(),
-            message: e.to_string(),
-        })?;
+    let stored = meta.header(legacy)?;
     if stored.as_ref().is_some_and(|h| h.format >= 2) {
         return Ok(Migrated::AlreadyMoved);
     }
@@ -515,13 +502,7 @@ pub fn migrate_from_redb(
                 .map_err(io_err(format!("removing an unfinished move at {}", staging.display())))?;
         }
         {
-            let dir = FsDir::open(&staging).map_err(|e| match e {
-                OpenDirError::InUse => StoreError::InUse { path: staging.clone() },
-                OpenDirError::Io(source) => StoreError::Io {
-                    what: format!("creating {}", staging.display()),
-                    source,
-                },
-            })?;
+            let dir = open_dir(&staging)?;
             let segment = dir
                 .open(1)
                 .map_err(io_err(format!("creating a segment in {}", staging.display())))?;
@@ -575,6 +556,19 @@ pub fn migrate_from_redb(
         .map_err(io_err(format!("syncing {}", legacy.display())))?;
     drop(db);
     Ok(Migrated::Moved(moved))
+}
+
+/// Opens a segment directory, taking its lock.
+fn open_dir(path: &Path) -> Result<FsDir, StoreError> {
+    FsDir::open(path).map_err(|e| match e {
+        OpenDirError::InUse => StoreError::InUse {
+            path: path.to_path_buf(),
+        },
+        OpenDirError::Io(source) => StoreError::Io {
+            what: format!("opening the Raft log directory {}", path.display()),
+            source,
+        },
+    })
 }
 
 fn append_payload(index: u64, bytes: &[u8]) -> Vec<u8> {

@@ -247,12 +247,7 @@ pub fn create(path: &Path) -> Result<Database, DatabaseError> {
 /// each put back their own idea of what was synced, and the staler one would undo synced writes.
 fn open_file(path: &Path) -> Result<PowerLossFile, DatabaseError> {
     use std::os::unix::fs::MetadataExt;
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(path)?;
+    let file = open_rw(path)?;
     let meta = file.metadata()?;
     let id = (meta.dev(), meta.ino());
     let mut files = open_files().lock().unwrap_or_else(|p| p.into_inner());
@@ -402,18 +397,23 @@ impl StorageBackend for PowerLossFile {
     }
 }
 
+/// Opens `path` for reading and writing, creating it empty if it does not exist.
+pub(crate) fn open_rw(path: &Path) -> io::Result<std::fs::File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+}
+
 /// Opens (or creates) a Raft log segment file at `path` (the `wal` module): on the power-loss disk
 /// when [`armed`], else on redb's own file backend.
 pub(crate) fn open_segment(path: &Path) -> io::Result<Arc<dyn StorageBackend>> {
     if armed() {
         return Ok(Arc::new(open_file(path).map_err(io::Error::other)?));
     }
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(path)?;
+    let file = open_rw(path)?;
     Ok(Arc::new(FileBackend::new(file).map_err(io::Error::other)?))
 }
 

@@ -25,7 +25,6 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::fs::OpenOptions;
 use std::io;
 use std::ops::Bound;
 use std::path::{Path, PathBuf};
@@ -96,12 +95,7 @@ impl FsDir {
                 sync_dir(parent)?;
             }
         }
-        let lock = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(path.join("LOCK"))?;
+        let lock = crate::power_loss::open_rw(&path.join("LOCK"))?;
         let lock = FileBackend::new(lock).map_err(|e| OpenDirError::Io(io::Error::other(e)))?;
         match lock.try_lock_range(Bound::Unbounded, Bound::Unbounded) {
             Ok(true) => {}
