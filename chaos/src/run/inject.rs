@@ -291,7 +291,7 @@ pub async fn inject<B: Backend>(
                     let ms = rng.random_range(100..=2000u64);
                     let addr = b.controller_addrs()[victim].clone();
                     rec.target = format!("controller {id} (leader), every fsync {ms} ms");
-                    answering_within(&addr, Duration::from_secs(15)).await;
+                    until_answering(b, victim, Duration::from_secs(15), &mut crashed).await?;
                     set_failpoint(&addr, "disk::sync", &format!("sleep({ms})"))
                         .await
                         .map_err(anyhow::Error::msg)?;
@@ -309,8 +309,7 @@ pub async fn inject<B: Backend>(
                         rec.target.push_str(" (leader)");
                     }
                     let addr = b.controller_addrs()[victim].clone();
-                    // An earlier fault may have restarted it a moment ago: inject once it answers.
-                    answering_within(&addr, Duration::from_secs(15)).await;
+                    until_answering(b, victim, Duration::from_secs(15), &mut crashed).await?;
                     set_failpoint(&addr, "disk::full", "return")
                         .await
                         .map_err(anyhow::Error::msg)?;
@@ -566,16 +565,39 @@ fn a_follower(leader: usize, members: usize, rng: &mut StdRng) -> usize {
     (leader + 1 + rng.random_range(0..members - 1)) % members
 }
 
-/// Waits until the controller at `addr` answers a status call, up to `limit` (a controller the
-/// previous fault restarted may still be opening its data dir). Whether it did.
-async fn answering_within(addr: &str, limit: Duration) -> bool {
+/// Waits up to `limit` until controller `i` answers a status call, before a failpoint is set on
+/// it: the previous fault may have restarted it a moment ago (it may still be opening its data
+/// dir), or it may have exited by itself since the leader was looked up. A member that exited
+/// is restarted, as a service manager would, and noted in `crashed` (the end of its log is
+/// printed); the run goes on, and the checkers judge what the crash left. An error, with the
+/// end of its log, when it still does not answer.
+async fn until_answering<B: Backend>(
+    b: &mut B,
+    i: usize,
+    limit: Duration,
+    crashed: &mut Vec<u64>,
+) -> anyhow::Result<()> {
     let waited = Instant::now();
     loop {
-        if status_of(addr).await.is_some() {
-            return true;
+        crashed.extend(b.restart_crashed()?);
+        let addr = b.controller_addrs()[i].clone();
+        if status_of(&addr).await.is_some() {
+            return Ok(());
         }
         if waited.elapsed() > limit {
-            return false;
+            let log = b.controller_log_end(i);
+            let tail: Vec<&str> = log.lines().rev().take(15).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            anyhow::bail!(
+                "controller {} at {addr} did not answer for {limit:?} (its process {}); the end of its log:\n{}",
+                b.controller_id(i),
+                if b.controller_exited(i) {
+                    "has exited"
+                } else {
+                    "is running"
+                },
+                tail.join("\n")
+            );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
