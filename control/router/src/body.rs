@@ -285,9 +285,19 @@ pub const DRAIN_FOR: Duration = Duration::from_secs(5);
 /// request), and what is left of the body is read and dropped, for at most [`DRAIN_FOR`],
 /// before the connection closes.
 pub async fn close_unless_read(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    closing_unless_read(req, |req| next.run(req)).await
+}
+
+/// [`close_unless_read`] around `serve` (the router's inference route calls it without axum's
+/// middleware, `server::Routes`).
+pub async fn closing_unless_read<F, Fut>(req: axum::extract::Request, serve: F) -> Response
+where
+    F: FnOnce(axum::extract::Request) -> Fut,
+    Fut: std::future::Future<Output = Response>,
+{
     use hyper::body::Body as _;
     if req.body().is_end_stream() {
-        return next.run(req).await;
+        return serve(req).await;
     }
     let read = Arc::new(AtomicBool::new(false));
     let tracked = {
@@ -299,7 +309,7 @@ pub async fn close_unless_read(req: axum::extract::Request, next: axum::middlewa
             })
         })
     };
-    let mut r = next.run(tracked).await;
+    let mut r = serve(tracked).await;
     if !read.load(Ordering::Acquire) {
         r.headers_mut()
             .insert(axum::http::header::CONNECTION, HeaderValue::from_static("close"));

@@ -154,8 +154,17 @@ async fn until_caught_up(
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
+    once_caught_up(&router, req, |req| next.run(req)).await
+}
+
+/// [`until_caught_up`] around `serve` (the inference route calls it without axum's middleware).
+async fn once_caught_up<F, Fut>(router: &Router, req: axum::extract::Request, serve: F) -> Response
+where
+    F: FnOnce(axum::extract::Request) -> Fut,
+    Fut: std::future::Future<Output = Response>,
+{
     if router.is_ready() || req.uri().path().starts_with("/v2/health/") {
-        let mut answer = next.run(req).await;
+        let mut answer = serve(req).await;
         if let Some(cut_off) = router.cut_off_for() {
             // Static stability: still routing, from what it last heard; says so.
             if let Ok(v) = HeaderValue::from_str(&cut_off.as_secs().to_string()) {
@@ -220,7 +229,10 @@ pub fn serve(
     // body gate: its key is checked first, and it must arrive whole within the body timeout,
     // as an HTTP body must (grpc::KeyFirst).
     let grpc = axum::Router::new().route_service(super::grpc::PATH, super::grpc::service(router.clone()));
-    let app = app(router).merge(extra).merge(grpc);
+    let routes = Routes {
+        router: router.clone(),
+        app: app(router).merge(extra).merge(grpc),
+    };
     let permits = Arc::new(Semaphore::new(settings.max_connections));
     let header_timeout = settings.header_read_timeout;
     let tls = settings.tls.as_ref().map(|t| t.acceptor.clone());
@@ -259,7 +271,7 @@ pub fn serve(
                     continue;
                 }
             };
-            let app = app.clone();
+            let routes = routes.clone();
             let stop = rx.clone();
             let tls = tls.clone();
             threads.next().spawn(async move {
@@ -274,7 +286,7 @@ pub fn serve(
                     // A client that opens a connection and says nothing holds a permit no
                     // longer than the header timeout.
                     None => match tokio::time::timeout(header_timeout, speaks_http2(&stream)).await {
-                        Ok(Some(h2)) => serve_connection(TokioIo::new(stream), app, header_timeout, h2, stop).await,
+                        Ok(Some(h2)) => serve_connection(TokioIo::new(stream), routes, header_timeout, h2, stop).await,
                         Ok(None) => {}
                         Err(_) => tracing::debug!(%peer, "router connection sent nothing within the header timeout"),
                     },
@@ -282,7 +294,7 @@ pub fn serve(
                     Some(acceptor) => match tokio::time::timeout(header_timeout, acceptor.accept(stream)).await {
                         Ok(Ok(tls)) => {
                             let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
-                            serve_connection(TokioIo::new(tls), app, header_timeout, h2, stop).await
+                            serve_connection(TokioIo::new(tls), routes, header_timeout, h2, stop).await
                         }
                         Ok(Err(e)) => tracing::debug!(%peer, error = %e, "router TLS handshake failed"),
                         Err(_) => tracing::debug!(%peer, "router TLS handshake timed out"),
@@ -391,11 +403,12 @@ async fn speaks_http2(stream: &tokio::net::TcpStream) -> Option<bool> {
 
 /// Serves one connection, HTTP/1.1 or (`h2`) HTTP/2, until it closes or the router stops (then
 /// gracefully, for up to 5 s).
-async fn serve_connection<I>(io: I, app: axum::Router, header_timeout: Duration, h2: bool, stop: watch::Receiver<bool>)
+async fn serve_connection<I>(io: I, routes: Routes, header_timeout: Duration, h2: bool, stop: watch::Receiver<bool>)
 where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
     if h2 {
+        let app = routes.app;
         // HTTP/2 has no idle timeout of its own: requests are counted, and a connection with
         // none for the header timeout (from its handshake on) is closed, as HTTP/1.1's
         // keep-alive is — an idle client, or one that sent only the preface, holds no permit.
@@ -435,9 +448,54 @@ where
             // clients sending bodies at once must not cost the router hyper's 400 KB each.
             .max_buf_size(MAX_CONNECTION_BUFFER)
             .keep_alive(true)
-            .serve_connection(io, TowerToHyperService::new(app));
+            .serve_connection(io, hyper::service::service_fn(move |req| routes.clone().serve(req)));
         until_stopped(conn, stop, |c| c.graceful_shutdown()).await;
     }
+}
+
+/// What an HTTP/1.1 connection serves. `POST /v2/models/{model}/infer`, the route nearly every
+/// inference request takes, goes straight to its handler through the same two steps the app's
+/// middleware takes (the unread-body close around the caught-up check); every other request
+/// goes to the app. Through axum's router, its two `from_fn` layers and its extractors (which
+/// box, move and copy the handler's large future and clone the request's headers) the route
+/// cost the router several microseconds a request more (`laneway-chaos router`, ADR 0033).
+/// HTTP/2 connections (gRPC clients) are served by the app alone.
+#[derive(Clone)]
+struct Routes {
+    router: Arc<Router>,
+    app: axum::Router,
+}
+
+impl Routes {
+    async fn serve(
+        self,
+        req: axum::http::Request<hyper::body::Incoming>,
+    ) -> Result<Response, std::convert::Infallible> {
+        let Some(model) = inference_model(&req) else {
+            return hyper::service::Service::call(&TowerToHyperService::new(self.app), req).await;
+        };
+        let router = self.router;
+        let req = req.map(axum::body::Body::new);
+        Ok(crate::body::closing_unless_read(req, |req| async move {
+            once_caught_up(&router.clone(), req, |req| {
+                let (parts, body) = req.into_parts();
+                let model = axum::extract::Path(super::http::ModelPath::new(model, None));
+                infer(State(router), model, parts.headers, body)
+            })
+            .await
+        })
+        .await)
+    }
+}
+
+/// The model of a `POST /v2/models/{model}/infer` request, when its name needs no decoding
+/// (a `%` in it, or anything else, goes through the app, which decodes and answers as always).
+fn inference_model<B>(req: &axum::http::Request<B>) -> Option<String> {
+    if req.method() != axum::http::Method::POST {
+        return None;
+    }
+    let model = req.uri().path().strip_prefix("/v2/models/")?.strip_suffix("/infer")?;
+    (!model.is_empty() && !model.contains(['/', '%'])).then(|| model.to_string())
 }
 
 /// Requests in flight on one HTTP/2 connection, and when the last one ended.

@@ -1198,3 +1198,52 @@ async fn a_dropped_router_ends_its_connections_at_once() {
     let r = send.await.unwrap();
     assert!(r.is_err(), "the request in flight was cut, not answered: {r:?}");
 }
+
+/// `POST /v2/models/{model}/infer` skips axum's router and middleware (`server::Routes`), not
+/// their steps: a router that has not caught up answers it 503 with a Retry-After like every
+/// other route, health probes still pass, and once routing, the same request with its model
+/// name percent-encoded (which the fast path leaves to the app) gets the same answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_inference_route_answers_as_the_app_would() {
+    let router = Router::new(Arc::new(crate::host::MemoryState::default()));
+    // As a restarted controller's router is until it has caught up with the leader.
+    router.caught_up.store(false, std::sync::atomic::Ordering::Release);
+    let server = serve_on_free_port(router.clone()).await;
+    let c = reqwest::Client::new();
+    let body = r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#;
+    let post = |path: &str, key: &str| {
+        c.post(format!("http://{}{path}", server.addr))
+            .bearer_auth(key)
+            .body(body)
+            .send()
+    };
+    for path in ["/v2/models/whisper/infer", "/v2/models/whis%70er/infer"] {
+        let r = post(path, "k").await.unwrap();
+        assert_eq!(r.status(), 503, "{path}");
+        assert!(r.headers().contains_key("retry-after"), "{path}");
+        assert!(r.text().await.unwrap().contains("catching up"), "{path}");
+    }
+    let live = c
+        .get(format!("http://{}/v2/health/live", server.addr))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(live.status(), 200);
+
+    let (fleet, mut reg) = crate::table::test_fixture();
+    add_tenant(&mut reg, "t", "k");
+    router.install(crate::table::build(&fleet, &reg, &Default::default()));
+    router.caught_up.store(true, std::sync::atomic::Ordering::Release);
+    for key in ["k", "not-a-key"] {
+        let plain = post("/v2/models/whisper/infer", key).await.unwrap();
+        let encoded = post("/v2/models/whis%70er/infer", key).await.unwrap();
+        assert_eq!(plain.status(), encoded.status(), "key {key}");
+        let said = |t: String| t.replace(|ch: char| ch.is_ascii_hexdigit(), "");
+        let plain = said(plain.text().await.unwrap());
+        assert!(!plain.contains("catching up"), "key {key}: {plain}");
+        assert_eq!(plain, said(encoded.text().await.unwrap()), "key {key}");
+    }
+    let unknown = post("/v2/models/nope/infer", "k").await.unwrap();
+    assert_eq!(unknown.status(), 404);
+    server.stop().await;
+}
