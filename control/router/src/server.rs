@@ -459,7 +459,8 @@ where
 /// goes to the app. Through axum's router, its two `from_fn` layers and its extractors (which
 /// box, move and copy the handler's large future and clone the request's headers) the route
 /// cost the router several microseconds a request more (`laneway-chaos router`, ADR 0033).
-/// HTTP/2 connections (gRPC clients) are served by the app alone.
+/// HTTP/2 connections (gRPC clients, and any client that speaks HTTP/2) are served by the app
+/// alone.
 #[derive(Clone)]
 struct Routes {
     router: Arc<Router>,
@@ -490,7 +491,7 @@ impl Routes {
 
 /// The model of a `POST /v2/models/{model}/infer` request, when its name needs no decoding
 /// (a `%` in it, or anything else, goes through the app, which decodes and answers as always).
-fn inference_model<B>(req: &axum::http::Request<B>) -> Option<String> {
+pub(crate) fn inference_model<B>(req: &axum::http::Request<B>) -> Option<String> {
     if req.method() != axum::http::Method::POST {
         return None;
     }

@@ -1234,16 +1234,51 @@ async fn the_inference_route_answers_as_the_app_would() {
     add_tenant(&mut reg, "t", "k");
     router.install(crate::table::build(&fleet, &reg, &Default::default()));
     router.caught_up.store(true, std::sync::atomic::Ordering::Release);
-    for key in ["k", "not-a-key"] {
-        let plain = post("/v2/models/whisper/infer", key).await.unwrap();
-        let encoded = post("/v2/models/whis%70er/infer", key).await.unwrap();
-        assert_eq!(plain.status(), encoded.status(), "key {key}");
-        let said = |t: String| t.replace(|ch: char| ch.is_ascii_hexdigit(), "");
-        let plain = said(plain.text().await.unwrap());
-        assert!(!plain.contains("catching up"), "key {key}: {plain}");
-        assert_eq!(plain, said(encoded.text().await.unwrap()), "key {key}");
+    // No replica is ready: the lane's canned answer (503); an unknown key: 401; an unknown
+    // model: 404.
+    for (path, key, status) in [("whisper", "k", 503), ("whisper", "not-a-key", 401), ("nope", "k", 404)] {
+        let plain = post(&format!("/v2/models/{path}/infer"), key).await.unwrap();
+        let encoded = post(
+            &format!("/v2/models/%{:02X}{}/infer", path.as_bytes()[0], &path[1..]),
+            key,
+        )
+        .await
+        .unwrap();
+        assert_eq!(plain.status(), status, "{path}, key {key}");
+        assert_eq!(encoded.status(), status, "{path}, key {key}, percent-encoded");
+        let plain = plain.text().await.unwrap();
+        assert!(!plain.contains("catching up"), "{path}, key {key}: {plain}");
+        // The answers differ only in their request ids (hex).
+        let said = |t: &str| t.replace(|ch: char| ch.is_ascii_hexdigit(), "");
+        assert_eq!(said(&plain), said(&encoded.text().await.unwrap()), "{path}, key {key}");
     }
-    let unknown = post("/v2/models/nope/infer", "k").await.unwrap();
-    assert_eq!(unknown.status(), 404);
     server.stop().await;
+}
+
+/// Which requests take the inference route's fast path (`server::Routes`): a plain model name
+/// only; anything the app must decode or answer otherwise goes to the app.
+#[test]
+fn only_plain_inference_posts_take_the_fast_path() {
+    let req = |method: &str, path: &str| {
+        axum::http::Request::builder()
+            .method(method)
+            .uri(path)
+            .body(())
+            .unwrap()
+    };
+    let fast = |method: &str, path: &str| crate::server::inference_model(&req(method, path));
+    assert_eq!(fast("POST", "/v2/models/whisper/infer").as_deref(), Some("whisper"));
+    assert_eq!(fast("POST", "/v2/models/whisper/infer?x=1").as_deref(), Some("whisper"));
+    for (method, path) in [
+        ("GET", "/v2/models/whisper/infer"),
+        ("HEAD", "/v2/models/whisper/infer"),
+        ("POST", "/v2/models/whis%70er/infer"),
+        ("POST", "/v2/models/whisper/infer/"),
+        ("POST", "/v2/models//infer"),
+        ("POST", "/v2/models/whisper/versions/2/infer"),
+        ("POST", "/v2/models/whisper"),
+        ("POST", "/v1/chat/completions"),
+    ] {
+        assert_eq!(fast(method, path), None, "{method} {path}");
+    }
 }
