@@ -586,8 +586,8 @@ async fn until_answering<B: Backend>(
         }
         if waited.elapsed() > limit {
             let log = b.controller_log_end(i);
-            let tail: Vec<&str> = log.lines().rev().take(15).collect();
-            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            let lines: Vec<&str> = log.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(15)..];
             anyhow::bail!(
                 "controller {} at {addr} did not answer for {limit:?} (its process {}); the end of its log:\n{}",
                 b.controller_id(i),
