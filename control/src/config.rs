@@ -109,9 +109,7 @@ pub struct RunArgs {
     /// Upper bound (exclusive) of the election timeout in ms. Default 300.
     #[arg(long, env = "LANEWAY_RAFT_ELECTION_TIMEOUT_MAX_MS")]
     pub election_timeout_max_ms: Option<u64>,
-    /// Take a snapshot after at least this many applied entries since the last one, once the
-    /// commands applied since also add up to half the last snapshot's size (ADR 0034).
-    /// Default 10000.
+    /// Take a snapshot after this many applied entries since the last one. Default 10000.
     #[arg(long, env = "LANEWAY_RAFT_SNAPSHOT_LOGS")]
     pub snapshot_logs: Option<u64>,
     /// A node whose heartbeats stop for this long (ms) is declared down and its jobs requeued.

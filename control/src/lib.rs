@@ -37,5 +37,4 @@ pub mod router_host;
 pub mod router_only;
 pub mod scheduler;
 pub mod server;
-pub mod snapshots;
 pub mod telemetry;

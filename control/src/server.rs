@@ -222,8 +222,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         // of one AppendEntries exceed network::TARGET_APPEND_BYTES, the network answers
         // PayloadTooLarge with a smaller hint and openraft retries with fewer entries.
         max_payload_entries: 64,
-        // Snapshots are started by `snapshots::pace` (entries and bytes, ADR 0034).
-        snapshot_policy: openraft::SnapshotPolicy::Never,
+        snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(cfg.raft.snapshot_logs),
         max_in_snapshot_log_to_keep: cfg.raft.keep_logs,
         ..Default::default()
     }
@@ -271,7 +270,6 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         },
     };
     let pulse_task = ctx.pulse.follow(&raft);
-    let snapshot_task = crate::snapshots::pace(raft.clone(), sm.snapshot_pacing(), cfg.raft.snapshot_logs);
     let router = ctx.router.clone();
     router.enable_jobs(jobs, Arc::new(crate::router_host::Results(results)));
     let data_plane = DataPlane::start("laneway-router").map_err(StartError::Runtime)?;
@@ -392,7 +390,6 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
             ("job gateway forwarder", forward_task),
             ("router table", router_task),
             ("raft pulse", pulse_task),
-            ("snapshot pacer", snapshot_task),
         ],
         ctx,
     })

@@ -511,33 +511,3 @@ async fn a_follower_campaigns_when_the_leaders_line_breaks() {
         "the new leader campaigned on the broken line: {text}"
     );
 }
-
-/// Snapshots start by themselves (openraft's own policy is off, ADR 0034): after the harness's
-/// 500 entries a small state is snapshotted without anyone asking.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_small_state_is_snapshotted_after_snapshot_logs_entries() {
-    let root = tempfile::tempdir().unwrap();
-    let mut node = Node::new(root.path(), 1);
-    node.start();
-    let c = node.client();
-    wait_for("node 1 to answer", Duration::from_secs(10), || async {
-        status(&node).await
-    })
-    .await;
-    c.call_one(&node.addr, |mut c| async move { c.init(InitRequest {}).await })
-        .await
-        .expect("init");
-    let before = wait_for("node 1 to lead", Duration::from_secs(10), || async {
-        status(&node).await.filter(|s| s.applied_index > 0)
-    })
-    .await;
-    assert_eq!(before.snapshot_index, 0, "no snapshot yet: {before:?}");
-    for i in 0..520 {
-        put(&c, &format!("k{i}"), "v").await.expect("put");
-    }
-    let after = wait_for("a snapshot of its own", Duration::from_secs(10), || async {
-        status(&node).await.filter(|s| s.snapshot_index >= 500)
-    })
-    .await;
-    assert!(after.snapshot_index <= after.applied_index, "{after:?}");
-}

@@ -23,7 +23,6 @@ pub mod power_loss;
 pub mod raft_types;
 pub mod signals;
 pub mod snapshot_file;
-pub mod snapshot_pacing;
 pub mod state_machine;
 pub mod wal;
 

@@ -3,8 +3,7 @@
 //!
 //! Durability: `apply` changes the state in memory and the changes reach redb in a **write-behind
 //! flush** at most [`FLUSH_DELAY`] later, one transaction for every apply in between, committed
-//! without an fsync (`Durability::None`; every [`DURABLE_EVERY`]th with one, so redb never holds
-//! much that is unwritten). Both are safe because everything applied is already
+//! without an fsync (`Durability::None`). Both are safe because everything applied is already
 //! durable in the Raft log of a quorum and the committed log id is kept in the log store, so
 //! openraft re-applies whatever a crash (or a stop between two flushes) lost — the same bargain as
 //! etcd's backend, which commits its bbolt batch every 100 ms behind its WAL. Under load this is
@@ -25,7 +24,6 @@ use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinitio
 use serde::{Deserialize, Serialize};
 
 use super::snapshot_file::{self, SnapshotFile, SNAPSHOT_FORMAT};
-use super::snapshot_pacing::SnapshotPacing;
 use super::{StoreError, SNAPSHOT_DIR, STATE_DB_FILE};
 use laneway_core::command::{Command, CommandResponse, COMMAND_FORMAT};
 use laneway_core::fleet::{Fleet, Liveness};
@@ -95,18 +93,7 @@ struct Inner {
     unflushed: Touched,
     /// A flush is scheduled and has not yet taken `unflushed`.
     flush_scheduled: bool,
-    /// Flushes since the last one committed durably ([`DURABLE_EVERY`]).
-    flushes_since_durable: u32,
 }
-
-/// Every this many write-behind flushes, one commits with an fsync. redb keeps the pages of
-/// non-durable commits in its own memory until a durable commit writes them all: with none,
-/// a burst of a few hundred thousand jobs piled up ~285 MB there, and the next snapshot's
-/// pointer (a durable commit) wrote and synced all of it at once, queueing the Raft log's
-/// fsyncs behind it for a second (p99 0.3–1.7 s at 1,000 submissions/s, elections). Under
-/// steady writes this is about one fsync of the state a second, as etcd commits its backend
-/// with an fsync every 100 ms.
-const DURABLE_EVERY: u32 = 20;
 
 /// The state machine handed to openraft. Clones share state: the admin API keeps one to read.
 #[derive(Clone)]
@@ -126,8 +113,6 @@ pub struct StateMachineStore {
     jobs_changed: Arc<tokio::sync::watch::Sender<u64>>,
     /// Per node: what its agent is told may have changed.
     nodes_changed: Arc<crate::signals::NodeSignals>,
-    /// What decides when the next snapshot is due (ADR 0034).
-    pacing: Arc<SnapshotPacing>,
 }
 
 /// Moves format-1 rows (jobs by id) into the `(seq, id)` table.
@@ -299,7 +284,6 @@ impl StateMachineStore {
             snapshot: None,
             unflushed: Touched::default(),
             flush_scheduled: false,
-            flushes_since_durable: 0,
         };
         let tables = StateTables::read(&db, &path)?;
         inner.state = tables.state;
@@ -324,13 +308,7 @@ impl StateMachineStore {
             changed: Arc::new(tokio::sync::watch::channel(0).0),
             jobs_changed: Arc::new(tokio::sync::watch::channel(0).0),
             nodes_changed: Arc::default(),
-            pacing: Arc::default(),
         };
-        if let Some(p) = &store.read().snapshot {
-            // The next snapshot is paced by this one's size (a missing file is reported below).
-            let size = std::fs::metadata(store.snapshot_dir.join(&p.file)).map_or(0, |m| m.len());
-            store.pacing.snapshot_taken(size);
-        }
         store.restore_from_snapshot_if_behind()?;
         Ok(store)
     }
@@ -605,7 +583,6 @@ impl StateMachineStore {
         let name = snapshot_file::file_name(&file.meta);
         snapshot_file::write_atomic(&self.snapshot_dir, &name, bytes)
             .map_err(|e| sm_err("writing snapshot file", e))?;
-        self.pacing.snapshot_taken(bytes.len() as u64);
         Ok(SnapshotPointer {
             meta: file.meta.clone(),
             file: name,
@@ -616,12 +593,6 @@ impl StateMachineStore {
     /// see the module docs). Blocking: run it off the async workers.
     pub fn flush(&self) -> Result<(), redb::Error> {
         flush(&self.inner, &self.db, &self.persist_lock)
-    }
-
-    /// What decides when the next snapshot is due: command bytes applied since the last
-    /// snapshot and that snapshot's size (ADR 0034).
-    pub fn snapshot_pacing(&self) -> Arc<SnapshotPacing> {
-        self.pacing.clone()
     }
 
     fn commit_pointer(&self, pointer: &SnapshotPointer) -> Result<(), redb::Error> {
@@ -638,20 +609,14 @@ impl StateMachineStore {
 /// [`StateMachineStore::flush`], on the parts it needs.
 fn flush(inner: &RwLock<Inner>, db: &Database, persist_lock: &Mutex<()>) -> Result<(), redb::Error> {
     let _persist = persist_lock.lock().unwrap_or_else(|p| p.into_inner());
-    let (durable, touched, last_applied, membership, retired, nodes, registry, jobs, ledger) = {
+    let (touched, last_applied, membership, retired, nodes, registry, jobs, ledger) = {
         let mut inner = inner.write().unwrap_or_else(|p| p.into_inner());
         inner.flush_scheduled = false;
-        inner.flushes_since_durable += 1;
-        let durable = inner.flushes_since_durable >= DURABLE_EVERY;
-        if durable {
-            inner.flushes_since_durable = 0;
-        }
         let touched = std::mem::take(&mut inner.unflushed);
         let dirty_jobs = inner.state.jobs.take_dirty();
         let dirty_ledger = inner.state.ledger.take_dirty();
         let state = &inner.state;
         (
-            durable,
             // What apply left (a refused write changed nothing), not what the command said.
             touched
                 .settings
@@ -691,11 +656,7 @@ fn flush(inner: &RwLock<Inner>, db: &Database, persist_lock: &Mutex<()>) -> Resu
         )
     };
     let mut txn = db.begin_write()?;
-    txn.set_durability(if durable {
-        Durability::Immediate
-    } else {
-        Durability::None
-    })?;
+    txn.set_durability(Durability::None)?;
     {
         let mut settings = txn.open_table(SETTINGS)?;
         for (k, v) in &touched {

@@ -112,7 +112,6 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                             )
                             .into());
                         }
-                        self.pacing.applied(env.command.payload_bytes() as u64);
                         let reply = inner.state.apply(&env.command, entry.log_id.index);
                         record_touched(&env.command, &mut touched);
                         replies.push(reply);
