@@ -56,8 +56,8 @@ const FORWARD_BATCH_BYTES: usize = 1024 * 1024;
 /// The leader's proposer is where writes are folded into entries: a call here only has to get
 /// them to it. With 4, a follower's writes waited a whole round trip (itself a proposer queue
 /// and a commit) before leaving: at 5,000 submissions/s spread over three routers a write
-/// through a follower took 65–75 ms against 6–8 ms through the leader. With 16 the same run's
-/// median went from 55 to 14 ms (`laneway-chaos jobs`, issue #29's note).
+/// through a follower took 65–75 ms against 6–8 ms through the leader. With 16 the median of
+/// that 5,000/s phase went from 55 to 14 ms (`laneway-chaos jobs`, issue #29's note).
 const FORWARD_IN_FLIGHT: usize = 16;
 /// Writes waiting to be forwarded before routers wait for room.
 const FORWARD_QUEUE: usize = 16 * 1024;
