@@ -178,6 +178,7 @@ async fn metrics_parse_as_openmetrics_and_carry_the_lane_series() {
         "laneway_replicas",
         "laneway_raft_term",
         "laneway_raft_applied_index",
+        "laneway_raft_log_write_seconds",
         "laneway_node_heartbeat_age_seconds",
         "laneway_gpu_utilisation_ratio",
         "laneway_gpu_memory_used_bytes",

@@ -110,6 +110,12 @@ fn raft(r: &mut Registry, ctx: &Context) {
             g,
         );
     }
+    r.register_with_unit(
+        "log_write",
+        "Time each batch of this member's Raft log took to write and fsync (appends, votes and answers to the leader wait on it)",
+        Unit::Seconds,
+        ctx.log.db().write_seconds(),
+    );
     let last = m.last_log_index.unwrap_or(0);
     for (id, matched) in m.replication.iter().flatten() {
         let behind = last.saturating_sub(matched.map_or(0, |l| l.index));

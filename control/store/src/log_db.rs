@@ -21,6 +21,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread;
 
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -175,6 +176,18 @@ pub struct LogDb {
     path: PathBuf,
     cache: Arc<Mutex<Cached>>,
     tx: Mutex<mpsc::Sender<Op>>,
+    write_seconds: Histogram,
+}
+
+/// A batch's write and fsync taking longer than this is logged as a warning: every append,
+/// vote and truncation of the member waited behind it, and a follower's answer to the leader's
+/// heartbeat too (etcd warns at the same second for its WAL's fdatasync).
+const SLOW_WRITE: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Buckets of the write-and-fsync histogram: 0.5 ms to about 8 s, doubling (etcd's
+/// `wal_fsync_duration_seconds` uses the same shape).
+fn write_seconds_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.0005, 2.0, 15))
 }
 
 impl LogDb {
@@ -279,9 +292,11 @@ impl LogDb {
         writer.dir.sync().map_err(|e| io_err("syncing the log directory", e))?;
 
         let (tx, rx) = mpsc::channel();
+        let write_seconds = write_seconds_histogram();
+        let timed = write_seconds.clone();
         thread::Builder::new()
             .name("raft-log-writer".into())
-            .spawn(move || writer.run(rx))
+            .spawn(move || writer.run(rx, &timed))
             .map_err(|source| StoreError::Io {
                 what: "starting the log writer thread".into(),
                 source,
@@ -290,7 +305,14 @@ impl LogDb {
             path,
             cache: Arc::new(Mutex::new(cached)),
             tx: Mutex::new(tx),
+            write_seconds,
         })
+    }
+
+    /// Seconds each batch's write and fsync took: the disk latency every append, vote and
+    /// heartbeat answer of this member waits on (`laneway_raft_log_write_seconds`).
+    pub fn write_seconds(&self) -> Histogram {
+        self.write_seconds.clone()
     }
 
     fn cache(&self) -> MutexGuard<'_, Cached> {
@@ -744,7 +766,7 @@ struct Effects {
 
 impl Writer {
     /// Runs until every `LogDb` handle is dropped: batches queued operations into one write.
-    fn run(mut self, rx: mpsc::Receiver<Op>) {
+    fn run(mut self, rx: mpsc::Receiver<Op>, write_seconds: &Histogram) {
         let mut broken: Option<String> = None;
         while let Ok(first) = rx.recv() {
             let mut batch = vec![first];
@@ -756,7 +778,22 @@ impl Writer {
             }
             let result = match &broken {
                 Some(msg) => Err(msg.clone()),
-                None => self.commit(&mut batch).map_err(|e| e.to_string()),
+                None => {
+                    let started = tokio::time::Instant::now();
+                    let result = self.commit(&mut batch).map_err(|e| e.to_string());
+                    let took = started.elapsed();
+                    write_seconds.observe(took.as_secs_f64());
+                    if took >= SLOW_WRITE {
+                        tracing::warn!(
+                            took_ms = took.as_millis() as u64,
+                            ops = batch.len(),
+                            "the Raft log's write and fsync were slow: this member's appends, votes and \
+                             answers to the leader waited on them. Check the disk (iostat) and what \
+                             else writes to it"
+                        );
+                    }
+                    result
+                }
             };
             if let Err(msg) = &result {
                 if broken.is_none() {
