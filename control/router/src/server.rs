@@ -31,7 +31,7 @@ pub struct RouterSettings {
     /// hyper also applies it to idle keep-alive connections, so it is the idle timeout too
     /// (Apache's KeepAliveTimeout default); clients keep their pool idle timeout under it.
     pub header_read_timeout: Duration,
-    /// Open connections at most; more are closed at accept. Default 4096.
+    /// Open connections at most; more wait in the listen backlog until one ends. Default 4096.
     pub max_connections: usize,
     /// HTTPS, when the operator gave the router a certificate; `None`: plain HTTP.
     pub tls: Option<HttpsSettings>,
@@ -233,7 +233,8 @@ pub fn serve(
         router: router.clone(),
         app: app(router).merge(extra).merge(grpc),
     };
-    let permits = Arc::new(Semaphore::new(settings.max_connections));
+    let max_connections = settings.max_connections;
+    let permits = Arc::new(Semaphore::new(max_connections));
     let header_timeout = settings.header_read_timeout;
     let tls = settings.tls.as_ref().map(|t| t.acceptor.clone());
     let (tx, mut rx) = watch::channel(false);
@@ -242,25 +243,41 @@ pub fn serve(
     let task = tokio::spawn(async move {
         let mut refused_logged = Instant::now() - Duration::from_secs(60);
         loop {
+            // At the limit the router stops accepting, as HAProxy's `maxconn` does: new
+            // connections wait in the kernel's listen backlog until one ends (and past it, the
+            // client's SYN is retried), so a burst costs its clients time, not a reset.
+            // Closing them at accept, as the router once did, failed requests outright.
+            let permit = match permits.clone().try_acquire_owned() {
+                Ok(p) => p,
+                Err(_) => {
+                    if refused_logged.elapsed() > Duration::from_secs(10) {
+                        tracing::warn!(
+                            max_connections,
+                            "router at its connection limit; new connections wait in the listen backlog until one ends (raise router.max_connections if this host has the memory)"
+                        );
+                        refused_logged = Instant::now();
+                    }
+                    tokio::select! {
+                        p = permits.clone().acquire_owned() => match p {
+                            Ok(p) => p,
+                            Err(_) => return,
+                        },
+                        _ = rx.changed() => return,
+                    }
+                }
+            };
             let (stream, peer) = tokio::select! {
                 r = listener.accept() => match r {
                     Ok(s) => s,
                     Err(e) => {
                         // EMFILE and friends: back off instead of spinning.
                         tracing::warn!(error = %e, "router accept failed");
+                        drop(permit);
                         tokio::time::sleep(Duration::from_millis(50)).await;
                         continue;
                     }
                 },
                 _ = rx.changed() => return,
-            };
-            let Ok(permit) = permits.clone().try_acquire_owned() else {
-                if refused_logged.elapsed() > Duration::from_secs(10) {
-                    tracing::warn!(%peer, "router at its connection limit; closing new connections");
-                    refused_logged = Instant::now();
-                }
-                drop(stream);
-                continue;
             };
             let _ = stream.set_nodelay(true);
             // Off this runtime's reactor, onto the connection thread's (ADR 0031).

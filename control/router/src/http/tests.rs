@@ -1282,3 +1282,52 @@ fn only_plain_inference_posts_take_the_fast_path() {
         assert_eq!(fast(method, path), None, "{method} {path}");
     }
 }
+
+/// At `max_connections` the router stops accepting: a new connection waits in the listen
+/// backlog and is served once an open one ends, instead of being closed at accept (which
+/// failed clients' requests outright under a burst).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_past_the_limit_waits_and_is_served_when_one_ends() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = sim_replica(1.0).await;
+    let settings = RouterSettings {
+        max_connections: 1,
+        ..RouterSettings::default()
+    };
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let server = serve(router_with(&[("live", addr)]), axum::Router::new(), listener, &settings).unwrap();
+    let body = r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#;
+    let request = format!(
+        "POST /v2/models/whisper/infer HTTP/1.1\r\nhost: router\r\nauthorization: Bearer k\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    // The status line of the answer on `conn`, or what ended it.
+    async fn status_line(conn: &mut tokio::net::TcpStream) -> String {
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !got.windows(2).any(|w| w == b"\r\n") {
+            match conn.read(&mut buf).await {
+                Ok(0) => return "closed".into(),
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) => return format!("error: {e}"),
+            }
+        }
+        String::from_utf8_lossy(&got)
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_string()
+    }
+    let mut first = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    first.write_all(request.as_bytes()).await.unwrap();
+    assert_eq!(status_line(&mut first).await, "HTTP/1.1 200 OK");
+    // The first connection stays open (keep-alive): the second waits, neither closed nor served.
+    let mut second = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    second.write_all(request.as_bytes()).await.unwrap();
+    let waited = tokio::time::timeout(Duration::from_millis(500), status_line(&mut second)).await;
+    assert!(waited.is_err(), "past the limit a connection waits: {waited:?}");
+    drop(first);
+    let answer = tokio::time::timeout(Duration::from_secs(10), status_line(&mut second)).await;
+    assert_eq!(answer.as_deref().ok(), Some("HTTP/1.1 200 OK"));
+    server.stop().await;
+}
