@@ -105,6 +105,10 @@ pub fn client(connections: usize) -> HttpClient {
     c.set_nodelay(true);
     Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(connections)
+        // Under the router's keep-alive idle timeout (its 5 s header timeout, ADR 0006), as a
+        // client should be: hyper's default of 90 s reused connections the router was closing
+        // at that instant between two phases ("connection closed before message completed").
+        .pool_idle_timeout(Duration::from_secs(4))
         .build(c)
 }
 
