@@ -110,10 +110,10 @@ fn raft(r: &mut Registry, ctx: &Context) {
             g,
         );
     }
-    r.register_with_unit(
-        "log_write",
+    // The unit is in the name: strict OpenMetrics parsers refuse a UNIT line on a histogram.
+    r.register(
+        "log_write_seconds",
         "Time each batch of this member's Raft log took to write and fsync (appends, votes and answers to the leader wait on it)",
-        Unit::Seconds,
         ctx.log.db().write_seconds(),
     );
     let last = m.last_log_index.unwrap_or(0);
