@@ -272,7 +272,6 @@ pub fn serve(
                     Err(e) => {
                         // EMFILE and friends: back off instead of spinning.
                         tracing::warn!(error = %e, "router accept failed");
-                        drop(permit);
                         tokio::time::sleep(Duration::from_millis(50)).await;
                         continue;
                     }

@@ -145,8 +145,13 @@ pub(crate) fn router_from(fleet: &laneway_core::fleet::Fleet, reg: &laneway_core
 
 /// Serves `router` on a free port with the default settings.
 pub(crate) async fn serve_on_free_port(router: Arc<Router>) -> RouterServer {
+    serve_on_free_port_with(router, &RouterSettings::default()).await
+}
+
+/// [`serve_on_free_port`] with `settings`.
+async fn serve_on_free_port_with(router: Arc<Router>, settings: &RouterSettings) -> RouterServer {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    serve(router, axum::Router::new(), listener, &RouterSettings::default()).unwrap()
+    serve(router, axum::Router::new(), listener, settings).unwrap()
 }
 
 /// Requests the simulated replica at `addr` has received.
@@ -889,8 +894,7 @@ async fn an_https_overflow_endpoint_is_verified_and_sent_its_key_from_the_enviro
         }),
         ..RouterSettings::default()
     };
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let hosted = serve(hosted_router, axum::Router::new(), listener, &settings).unwrap();
+    let hosted = serve_on_free_port_with(hosted_router, &settings).await;
 
     // Our fleet: one replica with four slots, 400 ms a batch.
     let var = "LANEWAY_OVERFLOW_TEST_KEY";
@@ -1147,10 +1151,9 @@ async fn a_stopping_router_finishes_the_requests_in_flight_on_each_thread() {
         threads: 3,
         ..RouterSettings::default()
     };
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     // Three replicas (one process): room for a request each.
     let router = router_with(&[("a", addr), ("b", addr), ("c", addr)]);
-    let server = serve(router, axum::Router::new(), listener, &settings).unwrap();
+    let server = serve_on_free_port_with(router, &settings).await;
     let at = server.addr;
     // One client each: a connection of its own, dealt to a thread of its own.
     let sends: Vec<_> = (0..3)
@@ -1294,8 +1297,7 @@ async fn a_connection_past_the_limit_waits_and_is_served_when_one_ends() {
         max_connections: 1,
         ..RouterSettings::default()
     };
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let server = serve(router_with(&[("live", addr)]), axum::Router::new(), listener, &settings).unwrap();
+    let server = serve_on_free_port_with(router_with(&[("live", addr)]), &settings).await;
     let body = r#"{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}"#;
     let request = format!(
         "POST /v2/models/whisper/infer HTTP/1.1\r\nhost: router\r\nauthorization: Bearer k\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
