@@ -5,7 +5,7 @@
 //! publishes the counts for the scheduler. Its scaling state (stabilisation windows) lives only
 //! as long as the actor: a new term, or a restart after a failure, starts it afresh.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -59,8 +59,17 @@ impl laneway_actors::Ticker for Lane {
             // Removed: the lane supervisor stops this actor at its next look.
             return FAST_TICK;
         }
-        let targets = fast_loop(&self.ctx, &registry, &self.class, &mut self.scale, &mut self.said, now);
-        self.term.lanes.publish(&self.class, targets.clone(), now);
+        let suspect = self.ctx.heartbeats.suspect_nodes();
+        let targets = fast_loop(
+            &self.ctx,
+            &registry,
+            &self.class,
+            &suspect,
+            &mut self.scale,
+            &mut self.said,
+            now,
+        );
+        self.term.lanes.publish(&self.class, targets.clone(), suspect, now);
         self.last = targets;
         FAST_TICK
     }
@@ -79,6 +88,7 @@ fn fast_loop(
     ctx: &Context,
     registry: &Registry,
     class_name: &str,
+    suspect: &HashSet<String>,
     scale: &mut ScaleState,
     said: &mut HashMap<String, (usize, usize)>,
     now: Instant,
@@ -101,7 +111,6 @@ fn fast_loop(
     });
     let engine = engine_load(ctx);
     let cold_starts = cold_starts(ctx);
-    let suspect = ctx.heartbeats.suspect_nodes();
     let mut targets = HashMap::new();
     for m in registry.models.values().filter(|m| m.class == class_name) {
         let Some(class) = registry.classes.get(&m.class) else {

@@ -206,7 +206,15 @@ pub fn held_targets(
         let decided = lanes
             .get(&m.class)
             .filter(|d| now.saturating_duration_since(d.at) <= stale_after)
-            .and_then(|d| d.targets.get(&m.name).copied());
+            .and_then(|d| {
+                let n = d.targets.get(&m.name).copied()?;
+                // A node that was suspect when the lane decided is back: its replicas count
+                // again here, and not yet in the decision. Trimming to the decision would
+                // stop them for a flap; the lane's next decision says whether there is a
+                // surplus, and removes it after its stable window as any surplus is.
+                let returned = d.suspect.iter().any(|node| !suspect.contains(node));
+                Some(if returned { n.max(placed) } else { n })
+            });
         match decided {
             Some(n) => {
                 targets.insert(m.name.clone(), n);
@@ -386,7 +394,14 @@ mod tests {
         let counts =
             |c: &[(&str, usize)]| -> HashMap<String, usize> { c.iter().map(|(m, n)| (m.to_string(), *n)).collect() };
         let lane = |class: &str, at: Instant, t: &[(&str, usize)]| {
-            (class.to_string(), LaneDecision { at, targets: counts(t) })
+            (
+                class.to_string(),
+                LaneDecision {
+                    at,
+                    targets: counts(t),
+                    suspect: HashSet::new(),
+                },
+            )
         };
         let cases = [
             (
@@ -416,6 +431,52 @@ mod tests {
             let got = held_targets(&r, &lanes, &HashSet::new(), now, LANE_STALE_AFTER);
             assert_eq!(got, want, "{what}");
         }
+    }
+
+    /// n1 runs two whisper replicas and n2 one. The lane decided 2 while n1 was suspect. When
+    /// n1 is heard from again before the lane decides anew, all three are held, not trimmed to
+    /// the old decision; a decision made with no suspect node, or with one that still is, is
+    /// followed.
+    #[test]
+    fn a_suspect_node_heard_from_again_keeps_its_replicas_until_the_lane_decides_anew() {
+        let r = registry();
+        let now = Instant::now();
+        let decided = |suspect: &[&str]| -> HashMap<String, LaneDecision> {
+            [(
+                "speech".to_string(),
+                LaneDecision {
+                    at: now - Duration::from_millis(100),
+                    targets: [("whisper".to_string(), 2)].into(),
+                    suspect: suspect.iter().map(|s| s.to_string()).collect(),
+                },
+            )]
+            .into()
+        };
+        let none = HashSet::new();
+        let n1: HashSet<String> = ["n1".to_string()].into();
+        let whisper = |lanes: &HashMap<String, LaneDecision>, suspect: &HashSet<String>| {
+            held_targets(&r, lanes, suspect, now, LANE_STALE_AFTER)["whisper"]
+        };
+        assert_eq!(
+            whisper(&decided(&["n1"]), &none),
+            3,
+            "n1 is back: its 2 and n2's 1 are held until the lane has seen them"
+        );
+        assert_eq!(
+            whisper(&decided(&["n1"]), &n1),
+            2,
+            "n1 still suspect: the decision is followed (replacements placed)"
+        );
+        assert_eq!(
+            whisper(&decided(&[]), &none),
+            2,
+            "no flap: a lane's scale-down is followed"
+        );
+        assert_eq!(
+            whisper(&decided(&[]), &n1),
+            2,
+            "n1 just became suspect: the decision is followed"
+        );
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! What the leader's actors share for one term only: built with the term's scope, dropped with
 //! it, so nothing of it reaches the next leader.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use tokio::time::Instant;
@@ -41,15 +41,19 @@ pub struct LaneDecision {
     pub at: Instant,
     /// Replicas per model of the class.
     pub targets: HashMap<String, usize>,
+    /// The nodes that were suspect when it decided. A node among them that is heard from again
+    /// is counted by the scheduler before the lane's next decision has seen it: until then
+    /// the decision is too low by that node's replicas, and is not a reason to remove any.
+    pub suspect: HashSet<String>,
 }
 
 impl LaneTargets {
-    /// `class`'s lane decided `targets` at `at`.
-    pub fn publish(&self, class: &str, targets: HashMap<String, usize>, at: Instant) {
+    /// `class`'s lane decided `targets` at `at`, with `suspect` the nodes then suspect.
+    pub fn publish(&self, class: &str, targets: HashMap<String, usize>, suspect: HashSet<String>, at: Instant) {
         self.inner
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(class.to_string(), LaneDecision { at, targets });
+            .insert(class.to_string(), LaneDecision { at, targets, suspect });
     }
 
     /// Every lane's latest decision, by class.

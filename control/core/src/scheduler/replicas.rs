@@ -132,8 +132,9 @@ pub struct Observed {
     /// replicas stay placed (an agent restarting re-adopts them, and they may be serving) but
     /// count for nothing: the missing ones are placed elsewhere at once, without waiting for
     /// the node to be declared down. Nothing new goes on a suspect node. When the node comes
-    /// back the model is over its target and the surplus is trimmed; when it is declared
-    /// down its replicas are dropped, their replacements already started.
+    /// back the model has a surplus, which its lane removes as any surplus (one replica after
+    /// its stable window); when it is declared down its replicas are dropped, their
+    /// replacements already started.
     pub suspect: HashSet<String>,
 }
 
@@ -663,8 +664,8 @@ fn place(
             });
         }
     }
-    // A suspect node keeps what it runs until it comes back (then the surplus is trimmed) or
-    // is declared down (then its replicas go).
+    // A suspect node keeps what it runs until it comes back (then its lane removes the
+    // surplus after its stable window) or is declared down (then its replicas go).
     for (node, replicas) in held {
         desired.entry(node).or_default().extend(replicas);
     }
