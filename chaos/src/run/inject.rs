@@ -237,6 +237,7 @@ pub async fn inject<B: Backend>(
         FaultKind::KillLeader
         | FaultKind::KillFollower
         | FaultKind::PauseLeader
+        | FaultKind::PauseFollower
         | FaultKind::WipeFollower
         | FaultKind::PartitionLeader
         | FaultKind::PartitionFollower
@@ -248,9 +249,10 @@ pub async fn inject<B: Backend>(
                 anyhow::bail!("no leader to aim {} at", kind.as_str());
             };
             let victim = match kind {
-                FaultKind::KillFollower | FaultKind::WipeFollower | FaultKind::PartitionFollower => {
-                    a_follower(leader, members, rng)
-                }
+                FaultKind::KillFollower
+                | FaultKind::PauseFollower
+                | FaultKind::WipeFollower
+                | FaultKind::PartitionFollower => a_follower(leader, members, rng),
                 // The leader half the time (its unsynced tail is the newest), else a follower.
                 FaultKind::PowerLossOne | FaultKind::DiskFull if rng.random_bool(0.5) => {
                     a_follower(leader, members, rng)
@@ -274,6 +276,14 @@ pub async fn inject<B: Backend>(
                     b.pause_controller(victim)?;
                     rec.failover_ms = new_leader(b, Some(id), Duration::from_secs(15), &mut crashed).await;
                     tokio::time::sleep(sleep_ms(rng, 500, 2000)).await;
+                    b.resume_controller(victim)?;
+                }
+                FaultKind::PauseFollower => {
+                    // Under the election timeout's spread or past it: either way the leader
+                    // keeps its majority and the others go on committing.
+                    rec.frozen_router = b.router_addrs().get(victim).cloned();
+                    b.pause_controller(victim)?;
+                    tokio::time::sleep(sleep_ms(rng, 500, 1500)).await;
                     b.resume_controller(victim)?;
                 }
                 FaultKind::PowerLossOne => {

@@ -178,6 +178,10 @@ pub enum FaultKind {
     KillFollower,
     /// SIGSTOP the leader past the election timeout, then SIGCONT: a zombie leader.
     PauseLeader,
+    /// SIGSTOP a follower for half a second to a second and a half, then SIGCONT: calls that
+    /// reached it meanwhile are answered when it wakes, before it has caught up with what the
+    /// others committed while it slept (a read that skips the read index is read stale).
+    PauseFollower,
     /// `kill -9` every controller at once; all restarted with their data.
     KillAllControllers,
     /// `kill -9` a host (its agent and replicas; the one running durable jobs when there is
@@ -251,6 +255,7 @@ impl FaultKind {
             FaultKind::KillLeader => "kill_leader",
             FaultKind::KillFollower => "kill_follower",
             FaultKind::PauseLeader => "pause_leader",
+            FaultKind::PauseFollower => "pause_follower",
             FaultKind::KillAllControllers => "kill_all_controllers",
             FaultKind::KillAgent => "kill_agent",
             FaultKind::ReplicaCrash => "replica_crash",
@@ -297,6 +302,7 @@ impl FaultKind {
             FaultKind::KillLeader
                 | FaultKind::KillFollower
                 | FaultKind::PauseLeader
+                | FaultKind::PauseFollower
                 | FaultKind::WipeFollower
                 | FaultKind::PartitionLeader
                 | FaultKind::PartitionFollower
