@@ -664,6 +664,15 @@ const EVERY_CONTROLLER_ACTORS: [(&str, &str); 3] = [
 /// Restarts of the actors of the controller at `addr` whose name starts with `prefix`, and
 /// whether all of them run; `None` when it did not answer.
 async fn restarts_of(addr: &str, prefix: &str) -> Option<(u64, bool)> {
+    let mine = board_rows(addr, prefix).await?;
+    let restarts = mine.iter().map(|a| a["restarts"].as_u64().unwrap_or(0)).sum();
+    let running = !mine.is_empty() && mine.iter().all(|a| a["state"] == "running");
+    Some((restarts, running))
+}
+
+/// The board rows (state, restarts, last error, tick age) of the actors of the controller at
+/// `addr` whose name starts with `prefix`; `None` when it did not answer.
+async fn board_rows(addr: &str, prefix: &str) -> Option<Vec<serde_json::Value>> {
     let client = crate::support::admin::admin_client(vec![addr.to_string()]).with_call_timeout(Duration::from_secs(2));
     let r = client
         .call(|mut c| async move {
@@ -672,14 +681,13 @@ async fn restarts_of(addr: &str, prefix: &str) -> Option<(u64, bool)> {
         })
         .await
         .ok()?;
-    let actors: Vec<serde_json::Value> = r.json.iter().filter_map(|j| serde_json::from_str(j).ok()).collect();
-    let mine: Vec<&serde_json::Value> = actors
-        .iter()
-        .filter(|a| a["name"].as_str().is_some_and(|n| n.starts_with(prefix)))
-        .collect();
-    let restarts = mine.iter().map(|a| a["restarts"].as_u64().unwrap_or(0)).sum();
-    let running = !mine.is_empty() && mine.iter().all(|a| a["state"] == "running");
-    Some((restarts, running))
+    Some(
+        r.json
+            .iter()
+            .filter_map(|j| serde_json::from_str::<serde_json::Value>(j).ok())
+            .filter(|a| a["name"].as_str().is_some_and(|n| n.starts_with(prefix)))
+            .collect(),
+    )
 }
 
 /// Panics `actor` (failpoint `actor::<kind>`, once) on the controller at `addr`, and waits for
@@ -703,10 +711,16 @@ async fn actor_panic(addr: &str, kind: &str, actor: &str, bound: Duration) -> Re
                 break Ok(started.elapsed().as_millis() as u64)
             }
             _ if started.elapsed() > bound => {
+                // What its board says tells a stuck round (the same restarts, a growing tick
+                // age: the failpoint never ran) from a restart that never came (restarting).
+                let rows = board_rows(addr, actor).await.map_or_else(
+                    || "its controller did not list its actors".to_string(),
+                    |rows| serde_json::Value::Array(rows).to_string(),
+                );
                 break Err(format!(
-                    "{actor} on {addr} was not restarted within {} s of its panic",
+                    "{actor} on {addr} was not restarted within {} s of its panic (restarts before it: {before}; now: {rows})",
                     bound.as_secs()
-                ))
+                ));
             }
             _ => tokio::time::sleep(Duration::from_millis(50)).await,
         }
