@@ -19,12 +19,21 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
         //
         // What was applied and not yet flushed goes to the tables first (a brief write lock,
         // at normal priority), so the snapshot covers everything applied when it was asked for.
+        let began = tokio::time::Instant::now();
         let flushing = store.clone();
         tokio::task::spawn_blocking(move || flushing.flush())
             .await
             .map_err(|e| sm_err("flush before a snapshot", e))?
             .map_err(|e| sm_err("flush before a snapshot", e))?;
+        let flushed = began.elapsed();
         let build = move || -> Result<_, StorageError> {
+            // Each step timed, for the log line below: where a slow snapshot spends its time.
+            let mut steps = SnapshotSteps::default();
+            let mut step = tokio::time::Instant::now();
+            let mut lap = |into: &mut std::time::Duration| {
+                *into = step.elapsed();
+                step = tokio::time::Instant::now();
+            };
             // From the state tables in one read transaction rather than a copy of the state
             // in memory: no lock that applies and the router's reads would wait on, so a
             // snapshot of a long job queue stalls nothing.
@@ -35,6 +44,7 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
                 last_membership,
                 ..
             } = StateTables::read(&store.db, &db_path).map_err(|e| sm_err("reading the state for a snapshot", e))?;
+            lap(&mut steps.read);
             let snapshot_id = match last_applied {
                 Some(l) => format!("{}-{}-{}", l.leader_id.term, l.index, uuid::Uuid::new_v4().simple()),
                 None => format!("empty-{}", uuid::Uuid::new_v4().simple()),
@@ -49,31 +59,66 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
                 state,
             };
             let bytes = file.encode();
+            lap(&mut steps.encode);
             let meta = file.meta.clone();
             let _guard = store.lock_snapshots();
             // An install (or a later build) may have moved the pointer past this snapshot while
             // it was being serialized; never move it back.
             let current = store.read().snapshot.as_ref().and_then(|p| p.meta.last_log_id);
             if current.is_some() && current >= file.meta.last_log_id {
-                return Ok((meta, bytes));
+                return Ok((meta, bytes, None));
             }
             let pointer = store.save_snapshot(&file, &bytes)?;
+            lap(&mut steps.write);
             store
                 .commit_pointer(&pointer)
                 .map_err(|e| sm_err("recording snapshot", e))?;
+            lap(&mut steps.commit);
             store.write().snapshot = Some(pointer.clone());
             snapshot_file::remove_all_but(&store.snapshot_dir, Some(&pointer.file))
                 .map_err(|e| sm_err("removing old snapshots", e))?;
-            Ok((meta, bytes))
+            drop(file);
+            lap(&mut steps.drop);
+            Ok((meta, bytes, Some(steps)))
         };
-        let (meta, data) = crate::background::run("laneway-snapshot", build)
+        let (meta, data, steps) = crate::background::run("laneway-snapshot", build)
             .await
             .map_err(|e| sm_err("snapshot task", e))??;
+        if let Some(s) = steps {
+            let ms = |d: std::time::Duration| d.as_millis() as u64;
+            tracing::info!(
+                index = meta.last_log_id.map_or(0, |l| l.index),
+                bytes = data.len(),
+                total_ms = ms(began.elapsed()),
+                flush_ms = ms(flushed),
+                read_ms = ms(s.read),
+                encode_ms = ms(s.encode),
+                write_ms = ms(s.write),
+                commit_ms = ms(s.commit),
+                drop_ms = ms(s.drop),
+                "snapshot built"
+            );
+        }
         Ok(Snapshot {
             meta,
             snapshot: Box::new(Cursor::new(data)),
         })
     }
+}
+
+/// How long each step of one snapshot build took (on its background thread).
+#[derive(Default)]
+struct SnapshotSteps {
+    /// Reading the state from the tables.
+    read: std::time::Duration,
+    /// Encoding it.
+    encode: std::time::Duration,
+    /// Writing the file and syncing it.
+    write: std::time::Duration,
+    /// Recording the pointer to it (a durable commit).
+    commit: std::time::Duration,
+    /// Removing the older files and dropping the copy of the state.
+    drop: std::time::Duration,
 }
 
 impl RaftStateMachine<TypeConfig> for StateMachineStore {
