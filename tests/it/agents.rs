@@ -15,7 +15,7 @@ use laneway_proto::agent::{GpuInfo, Heartbeat, RegisterRequest};
 use tokio::time::Instant;
 use tonic::Code;
 
-use super::harness::{status, wait_for, Node};
+use super::harness::{status, wait_for, wait_for_explained, Node};
 
 pub async fn form_cluster(nodes: &mut [Node]) -> AdminClient {
     for n in nodes.iter_mut() {
@@ -466,20 +466,14 @@ async fn a_lost_heartbeat_stream_makes_the_node_suspect_and_its_replicas_move_at
     // (Heard from is not yet re-reported: its replica's state is committed with a heartbeat
     // or two more. 20 s: a CI run under the whole suite's load once missed 10 s.)
     let both = |ready: &[String]| ready.iter().any(|n| n == "gpu-a") && ready.iter().any(|n| n == "gpu-b");
-    let limit = Duration::from_secs(20);
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        let ready = ready_nodes(&client, "echo").await;
-        if ready.as_deref().is_some_and(both) {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "gpu-a's replica not routable again beside gpu-b's within {limit:?}: ready on {ready:?}; the leader's placements and scaling:\n{}",
-            placements_logged(&nodes[0])
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let placements = || nodes[0].log_lines(&PLACEMENT_WORDS);
+    wait_for_explained(
+        "gpu-a's replica routable again beside gpu-b's",
+        Duration::from_secs(20),
+        || async { ready_nodes(&client, "echo").await.filter(|r| both(r)) },
+        placements,
+    )
+    .await;
     // …and stays so: the placement passes that follow the return (four a second) do not trim
     // it to the lane's decision from while gpu-a was suspect.
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -487,30 +481,12 @@ async fn a_lost_heartbeat_stream_makes_the_node_suspect_and_its_replicas_move_at
     assert!(
         ready.as_deref().is_some_and(both),
         "a replica was stopped after the flap: ready on {ready:?}; the leader's placements and scaling:\n{}",
-        placements_logged(&nodes[0])
+        placements()
     );
     for ag in [a, b] {
         stop_and_drain(ag).await;
     }
 }
 
-/// The placement, scaling and suspicion lines of `node`'s logs, for a failure's message.
-fn placements_logged(node: &Node) -> String {
-    let mut out = String::new();
-    for entry in std::fs::read_dir(&node.dir).into_iter().flatten().flatten() {
-        let name = entry.file_name().to_string_lossy().to_string();
-        if !name.starts_with("log-") {
-            continue;
-        }
-        let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
-        for line in text.lines().filter(|l| {
-            ["placement", "scaling", "suspect", "heartbeat stream", "node registered"]
-                .iter()
-                .any(|w| l.contains(w))
-        }) {
-            out.push_str(line);
-            out.push('\n');
-        }
-    }
-    out
-}
+/// What the leader logs of placement, scaling and suspicion: shown when a flap test fails.
+const PLACEMENT_WORDS: [&str; 5] = ["placement", "scaling", "suspect", "heartbeat stream", "node registered"];

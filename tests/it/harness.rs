@@ -199,6 +199,22 @@ impl Node {
             .expect("run laneway-control")
     }
 
+    /// The lines of this node's logs (every start's `log-N.txt`) that contain any of `words`.
+    pub fn log_lines(&self, words: &[&str]) -> String {
+        let mut out = String::new();
+        for entry in std::fs::read_dir(&self.dir).into_iter().flatten().flatten() {
+            if !entry.file_name().to_string_lossy().starts_with("log-") {
+                continue;
+            }
+            let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
+            for line in text.lines().filter(|l| words.iter().any(|w| l.contains(w))) {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+        out
+    }
+
     pub fn client(&self) -> AdminClient {
         let tls = self.certs.as_ref().map(|d| client_tls(d, "admin-root"));
         AdminClient::new(vec![self.addr.clone()])
@@ -214,7 +230,16 @@ impl Drop for Node {
 }
 
 /// Polls `f` until it returns `Some`, failing the test with `what` after `limit`.
-pub async fn wait_for<T, F, Fut>(what: &str, limit: Duration, mut f: F) -> T
+pub async fn wait_for<T, F, Fut>(what: &str, limit: Duration, f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    wait_for_explained(what, limit, f, String::new).await
+}
+
+/// [`wait_for`], whose failure also says what `explain` gives then (a node's log lines, say).
+pub async fn wait_for_explained<T, F, Fut>(what: &str, limit: Duration, mut f: F, explain: impl Fn() -> String) -> T
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Option<T>>,
@@ -226,7 +251,8 @@ where
         }
         assert!(
             Instant::now() < deadline,
-            "timed out after {limit:?} waiting for: {what}"
+            "timed out after {limit:?} waiting for: {what}\n{}",
+            explain()
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
