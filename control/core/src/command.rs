@@ -19,10 +19,10 @@ use crate::registry::{Class, DesiredReplica, Model, ReplicaRecord, Tenant, Tenan
 /// Highest command format this binary can apply. Format 2 added the registry commands, format 3
 /// the durable job queue, format 4 spot preemption notices, format 5 the ledger (prices and
 /// usage reports), format 6 language-model lanes (token policies, specs, limits and usage), format 7 the slow
-/// loop's node requests and capacity marks, format 8 join tokens, format 9 model versions and rollouts, format 10 operator-approved static replicas and job input locations, format 11 tensor metadata and binary tensors, format 12 runtime presets, files, named ports and start/stop settings; a command is written with the lowest format that can express it
+/// loop's node requests and capacity marks, format 8 join tokens, format 9 model versions and rollouts, format 10 operator-approved static replicas and job input locations, format 11 tensor metadata and binary tensors, format 12 runtime presets, files, named ports and start/stop settings, format 13 no new command but snapshots of the state's rows (a member below it cannot install one; see `laneway_store::snapshot_file`); a command is written with the lowest format that can express it
 /// ([`Command::format`]), so an older controller keeps applying what it knows and stops only
 /// at the first command it cannot understand.
-pub const COMMAND_FORMAT: u32 = 12;
+pub const COMMAND_FORMAT: u32 = 13;
 
 /// The cluster setting holding the highest command format every member can apply, written at
 /// `cluster init` and raised by `lanectl cluster finalize-upgrade` once every member runs a

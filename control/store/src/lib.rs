@@ -44,6 +44,8 @@ pub const MIGRATED_LOG_DB_FILE: &str = "raft-log.redb.migrated";
 pub const STATE_DB_FILE: &str = "state.redb";
 /// Directory holding snapshot files inside a data dir.
 pub const SNAPSHOT_DIR: &str = "snapshots";
+/// File inside a data dir naming the current snapshot (written atomically and fsync'd).
+pub const SNAPSHOT_POINTER_FILE: &str = "snapshot-pointer.json";
 
 /// Opens (or creates) both stores in `data_dir` for the controller `identity`.
 ///

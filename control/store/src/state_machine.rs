@@ -8,10 +8,14 @@
 //! openraft re-applies whatever a crash (or a stop between two flushes) lost — the same bargain as
 //! etcd's backend, which commits its bbolt batch every 100 ms behind its WAL. Under load this is
 //! one redb transaction per flush instead of one per apply: on the jobs benchmark the per-apply
-//! commits were about a sixth of the cluster's CPU. Snapshot installs and snapshot pointers
-//! commit with an fsync (which also flushes every earlier non-durable commit), and at open the
-//! state machine is restored from the snapshot file if it is older than the snapshot — so a
-//! purge of the log can never leave the state machine behind a hole.
+//! commits were about a sixth of the cluster's CPU. Snapshot installs commit with an fsync.
+//! A snapshot that this member builds is recorded in a small pointer file of its own
+//! ([`SNAPSHOT_POINTER_FILE`], written and fsync'd before the log is purged), not by a durable
+//! redb commit: that commit had to write back every page the non-durable flushes had left
+//! dirty (hundreds of MB after a burst of jobs), and its fsync held up every other fsync on
+//! the disk, the Raft log's included, for about 100 ms (ADR 0032). At open the state machine
+//! is restored from the snapshot file if it is older than the snapshot — so a purge of the log
+//! can never leave the state machine behind a hole.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Cursor;
@@ -23,8 +27,8 @@ use openraft::{AnyError, EntryPayload, OptionalSend, RaftSnapshotBuilder, Storag
 use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
 
-use super::snapshot_file::{self, SnapshotFile, SNAPSHOT_FORMAT};
-use super::{StoreError, SNAPSHOT_DIR, STATE_DB_FILE};
+use super::snapshot_file::{self, Row, RowWriter, SnapshotFile, JSON_FORMAT};
+use super::{StoreError, SNAPSHOT_DIR, SNAPSHOT_POINTER_FILE, STATE_DB_FILE};
 use laneway_core::command::{Command, CommandResponse, COMMAND_FORMAT};
 use laneway_core::fleet::{Fleet, Liveness};
 
@@ -74,7 +78,8 @@ fn retire_removed(
     }
 }
 
-/// Pointer to the current snapshot, stored in the state database.
+/// Pointer to the current snapshot: in [`SNAPSHOT_POINTER_FILE`], and in the state database
+/// (where versions before the pointer file kept it alone).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct SnapshotPointer {
     meta: SnapshotMeta,
@@ -146,81 +151,171 @@ struct StateTables {
 
 impl StateTables {
     fn read(db: &Database, path: &Path) -> Result<Self, StoreError> {
+        let mut tables = StateTables::empty();
+        scan(db, |row| tables.load(row, path))?;
+        Ok(tables)
+    }
+
+    fn empty() -> Self {
+        StateTables {
+            state: AppState::default(),
+            last_applied: None,
+            last_membership: StoredMembership::default(),
+            snapshot: None,
+        }
+    }
+
+    /// Adds one row of the tables (or of a row snapshot) to the state.
+    fn load(&mut self, row: Row<'_>, path: &Path) -> Result<(), StoreError> {
         let corrupt = |what: &str, e: &dyn std::fmt::Display| StoreError::Corrupt {
             path: path.to_path_buf(),
             what: what.to_string(),
             message: e.to_string(),
         };
-        let mut state = AppState::default();
-        let mut last_applied = None;
-        let mut last_membership = StoredMembership::default();
-        let mut snapshot = None;
-        let rtxn = db.begin_read().map_err(|e| StoreError::db("opening read txn", e))?;
-        let settings = rtxn
-            .open_table(SETTINGS)
-            .map_err(|e| StoreError::db("opening settings", e))?;
-        for row in settings.iter().map_err(|e| StoreError::db("scanning settings", e))? {
-            let (k, v) = row.map_err(|e| StoreError::db("scanning settings", e))?;
-            state.settings.insert(k.value().to_string(), v.value().to_string());
-        }
-        let nodes = rtxn.open_table(NODES).map_err(|e| StoreError::db("opening nodes", e))?;
-        for row in nodes.iter().map_err(|e| StoreError::db("scanning nodes", e))? {
-            let (k, v) = row.map_err(|e| StoreError::db("scanning nodes", e))?;
-            let record = serde_json::from_slice(v.value()).map_err(|e| corrupt(&format!("node {}", k.value()), &e))?;
-            state.fleet.nodes.insert(k.value().to_string(), record);
-        }
-        let registry = rtxn
-            .open_table(REGISTRY)
-            .map_err(|e| StoreError::db("opening registry", e))?;
-        for row in registry.iter().map_err(|e| StoreError::db("scanning registry", e))? {
-            let (k, v) = row.map_err(|e| StoreError::db("scanning registry", e))?;
-            state
-                .load_registry_entry(k.value(), v.value())
-                .map_err(|e| corrupt(&format!("registry entry {}", k.value()), &e))?;
-        }
-        let jobs = rtxn.open_table(JOBS).map_err(|e| StoreError::db("opening jobs", e))?;
-        for row in jobs.iter().map_err(|e| StoreError::db("scanning jobs", e))? {
-            let (k, v) = row.map_err(|e| StoreError::db("scanning jobs", e))?;
-            let job = serde_json::from_slice(v.value()).map_err(|e| corrupt(&format!("job {}", k.value().1), &e))?;
-            state.jobs.load(job);
-        }
-        let ledger = rtxn
-            .open_table(LEDGER)
-            .map_err(|e| StoreError::db("opening ledger", e))?;
-        for row in ledger.iter().map_err(|e| StoreError::db("scanning ledger", e))? {
-            let (k, v) = row.map_err(|e| StoreError::db("scanning ledger", e))?;
-            state
+        let state = &mut self.state;
+        match row {
+            Row::Setting(k, v) => {
+                state.settings.insert(k.to_string(), v.to_string());
+            }
+            Row::Node(k, v) => {
+                let record = serde_json::from_slice(v).map_err(|e| corrupt(&format!("node {k}"), &e))?;
+                state.fleet.nodes.insert(k.to_string(), record);
+            }
+            Row::Registry(k, v) => state
+                .load_registry_entry(k, v)
+                .map_err(|e| corrupt(&format!("registry entry {k}"), &e))?,
+            Row::Job(k, v) => {
+                let job = serde_json::from_slice(v).map_err(|e| corrupt(&format!("job {k}"), &e))?;
+                state.jobs.load(job);
+            }
+            Row::Ledger(k, v) => state
                 .ledger
-                .load(k.value(), v.value())
-                .map_err(|e| corrupt(&format!("ledger entry {}", k.value()), &e))?;
+                .load(k, v)
+                .map_err(|e| corrupt(&format!("ledger entry {k}"), &e))?,
+            Row::Meta(KEY_LAST_APPLIED, v) => {
+                self.last_applied = serde_json::from_slice(v).map_err(|e| corrupt(KEY_LAST_APPLIED, &e))?;
+            }
+            Row::Meta(KEY_MEMBERSHIP, v) => {
+                self.last_membership = serde_json::from_slice(v).map_err(|e| corrupt(KEY_MEMBERSHIP, &e))?;
+            }
+            Row::Meta(KEY_RETIRED, v) => {
+                state.retired_node_ids = serde_json::from_slice(v).map_err(|e| corrupt(KEY_RETIRED, &e))?;
+            }
+            Row::Meta(KEY_SNAPSHOT, v) => {
+                self.snapshot = Some(serde_json::from_slice(v).map_err(|e| corrupt(KEY_SNAPSHOT, &e))?);
+            }
+            // The format (checked at open) and keys a newer binary may add.
+            Row::Meta(..) => {}
         }
+        Ok(())
+    }
+}
+
+/// Hands every row of the state tables to `f`, in one read transaction (so they are
+/// consistent, without holding the in-memory state's lock).
+fn scan(db: &Database, f: impl FnMut(Row<'_>) -> Result<(), StoreError>) -> Result<(), StoreError> {
+    let rtxn = db.begin_read().map_err(|e| StoreError::db("opening read txn", e))?;
+    scan_txn(&rtxn, f)
+}
+
+/// [`scan`] in a read transaction of the caller's.
+fn scan_txn(
+    rtxn: &redb::ReadTransaction,
+    mut f: impl FnMut(Row<'_>) -> Result<(), StoreError>,
+) -> Result<(), StoreError> {
+    let settings = rtxn
+        .open_table(SETTINGS)
+        .map_err(|e| StoreError::db("opening settings", e))?;
+    for row in settings.iter().map_err(|e| StoreError::db("scanning settings", e))? {
+        let (k, v) = row.map_err(|e| StoreError::db("scanning settings", e))?;
+        f(Row::Setting(k.value(), v.value()))?;
+    }
+    /// One table of text keys and JSON values.
+    fn bytes_table(
+        rtxn: &redb::ReadTransaction,
+        def: TableDefinition<&str, &[u8]>,
+        what: &str,
+        row: for<'r> fn(&'r str, &'r [u8]) -> Row<'r>,
+        f: &mut dyn FnMut(Row<'_>) -> Result<(), StoreError>,
+    ) -> Result<(), StoreError> {
+        let table = rtxn
+            .open_table(def)
+            .map_err(|e| StoreError::db(format!("opening {what}"), e))?;
+        for r in table
+            .iter()
+            .map_err(|e| StoreError::db(format!("scanning {what}"), e))?
+        {
+            let (k, v) = r.map_err(|e| StoreError::db(format!("scanning {what}"), e))?;
+            f(row(k.value(), v.value()))?;
+        }
+        Ok(())
+    }
+    bytes_table(rtxn, NODES, "nodes", |k, v| Row::Node(k, v), &mut f)?;
+    bytes_table(rtxn, REGISTRY, "registry", |k, v| Row::Registry(k, v), &mut f)?;
+    let jobs = rtxn.open_table(JOBS).map_err(|e| StoreError::db("opening jobs", e))?;
+    for row in jobs.iter().map_err(|e| StoreError::db("scanning jobs", e))? {
+        let (k, v) = row.map_err(|e| StoreError::db("scanning jobs", e))?;
+        f(Row::Job(k.value().1, v.value()))?;
+    }
+    bytes_table(rtxn, LEDGER, "ledger", |k, v| Row::Ledger(k, v), &mut f)?;
+    bytes_table(rtxn, SM_META, "sm_meta", |k, v| Row::Meta(k, v), &mut f)?;
+    Ok(())
+}
+
+/// The meta and state of a [`snapshot_file::ROWS_FORMAT`] snapshot.
+pub(crate) fn state_from_rows(bytes: &[u8]) -> std::io::Result<(SnapshotMeta, AppState)> {
+    let mut tables = StateTables::empty();
+    let at = Path::new("row snapshot");
+    let meta = snapshot_file::read_rows(bytes, |row| {
+        if let Row::Meta(KEY_SNAPSHOT | KEY_FORMAT, _) = row {
+            return Err(std::io::Error::other("row snapshot: holds a database-only key"));
+        }
+        tables.load(row, at).map_err(std::io::Error::other)
+    })?;
+    let mut state = tables.state;
+    state.fleet.rebuild_index();
+    state.jobs.rebuild_index();
+    Ok((meta, state))
+}
+
+/// A [`snapshot_file::ROWS_FORMAT`] snapshot of the state tables as they are now: its meta
+/// (the log id and membership the tables were applied up to) and its bytes. One read
+/// transaction, so no lock that applies wait on; the rows are copied, not decoded.
+fn rows_snapshot(db: &Database) -> Result<(SnapshotMeta, Vec<u8>), StoreError> {
+    let rtxn = db.begin_read().map_err(|e| StoreError::db("opening read txn", e))?;
+    let (last_log_id, last_membership) = {
         let meta = rtxn
             .open_table(SM_META)
             .map_err(|e| StoreError::db("opening sm_meta", e))?;
-        let raw = |key: &str| -> Result<Option<Vec<u8>>, StoreError> {
-            Ok(meta
-                .get(key)
-                .map_err(|e| StoreError::db(format!("reading {key}"), e))?
-                .map(|v| v.value().to_vec()))
-        };
-        if let Some(b) = raw(KEY_LAST_APPLIED)? {
-            last_applied = serde_json::from_slice(&b).map_err(|e| corrupt(KEY_LAST_APPLIED, &e))?;
+        let mut tables = StateTables::empty();
+        for key in [KEY_LAST_APPLIED, KEY_MEMBERSHIP] {
+            if let Some(v) = meta.get(key).map_err(|e| StoreError::db(format!("reading {key}"), e))? {
+                tables.load(Row::Meta(key, v.value()), Path::new(STATE_DB_FILE))?;
+            }
         }
-        if let Some(b) = raw(KEY_MEMBERSHIP)? {
-            last_membership = serde_json::from_slice(&b).map_err(|e| corrupt(KEY_MEMBERSHIP, &e))?;
+        (tables.last_applied, tables.last_membership)
+    };
+    let meta = SnapshotMeta {
+        snapshot_id: new_snapshot_id(last_log_id),
+        last_log_id,
+        last_membership,
+    };
+    let mut writer = RowWriter::new(&meta);
+    scan_txn(&rtxn, |row| {
+        // Database-only keys: a restored member writes its own.
+        if !matches!(row, Row::Meta(KEY_SNAPSHOT | KEY_FORMAT, _)) {
+            writer.row(row);
         }
-        if let Some(b) = raw(KEY_RETIRED)? {
-            state.retired_node_ids = serde_json::from_slice(&b).map_err(|e| corrupt(KEY_RETIRED, &e))?;
-        }
-        if let Some(b) = raw(KEY_SNAPSHOT)? {
-            snapshot = Some(serde_json::from_slice(&b).map_err(|e| corrupt(KEY_SNAPSHOT, &e))?);
-        }
-        Ok(StateTables {
-            state,
-            last_applied,
-            last_membership,
-            snapshot,
-        })
+        Ok(())
+    })?;
+    Ok((meta, writer.finish()))
+}
+
+/// A new snapshot's id: the log id it covers and a random part.
+fn new_snapshot_id(last: Option<LogId>) -> String {
+    match last {
+        Some(l) => format!("{}-{}-{}", l.leader_id.term, l.index, uuid::Uuid::new_v4().simple()),
+        None => format!("empty-{}", uuid::Uuid::new_v4().simple()),
     }
 }
 
@@ -289,7 +384,18 @@ impl StateMachineStore {
         inner.state = tables.state;
         inner.last_applied = tables.last_applied;
         inner.last_membership = tables.last_membership;
-        inner.snapshot = tables.snapshot;
+        // The newer of the two pointers: the file's is written durably at every build, the
+        // database's only durably at an install (and a database from before the file has
+        // only its own).
+        let pointer_path = data_dir.join(SNAPSHOT_POINTER_FILE);
+        inner.snapshot = match (tables.snapshot, read_pointer_file(&pointer_path)?) {
+            (Some(db), Some(file)) => Some(if db.meta.last_log_id > file.meta.last_log_id {
+                db
+            } else {
+                file
+            }),
+            (db, file) => db.or(file),
+        };
         inner.state.fleet.rebuild_index();
         inner.state.jobs.rebuild_index();
         snapshot_file::remove_all_but(&snapshot_dir, inner.snapshot.as_ref().map(|p| p.file.as_str())).map_err(
@@ -564,6 +670,7 @@ impl StateMachineStore {
             m.insert(KEY_SNAPSHOT, json(&pointer).as_slice())?;
         }
         txn.commit()?;
+        self.write_pointer_file(&pointer)?;
         let mut inner = self.write();
         inner.state = state;
         inner.last_applied = meta.last_log_id;
@@ -579,12 +686,12 @@ impl StateMachineStore {
     }
 
     /// Saves a snapshot file and points the state database at it (fsync'd).
-    fn save_snapshot(&self, file: &SnapshotFile, bytes: &[u8]) -> Result<SnapshotPointer, StorageError> {
-        let name = snapshot_file::file_name(&file.meta);
+    fn save_snapshot(&self, meta: &SnapshotMeta, bytes: &[u8]) -> Result<SnapshotPointer, StorageError> {
+        let name = snapshot_file::file_name(meta);
         snapshot_file::write_atomic(&self.snapshot_dir, &name, bytes)
             .map_err(|e| sm_err("writing snapshot file", e))?;
         Ok(SnapshotPointer {
-            meta: file.meta.clone(),
+            meta: meta.clone(),
             file: name,
         })
     }
@@ -595,8 +702,13 @@ impl StateMachineStore {
         flush(&self.inner, &self.db, &self.persist_lock)
     }
 
+    /// Records `pointer` as the current snapshot: durably in the pointer file (before any log
+    /// entry it covers may be purged), and in the state database without an fsync, where a
+    /// clean shutdown makes it durable for a binary that reads only the database's pointer.
     fn commit_pointer(&self, pointer: &SnapshotPointer) -> Result<(), redb::Error> {
-        let txn = self.db.begin_write()?;
+        self.write_pointer_file(pointer)?;
+        let mut txn = self.db.begin_write()?;
+        txn.set_durability(Durability::None)?;
         {
             let mut m = txn.open_table(SM_META)?;
             m.insert(KEY_SNAPSHOT, json(pointer).as_slice())?;
@@ -604,6 +716,33 @@ impl StateMachineStore {
         txn.commit()?;
         Ok(())
     }
+
+    fn write_pointer_file(&self, pointer: &SnapshotPointer) -> Result<(), redb::Error> {
+        let data_dir = self.snapshot_dir.parent().unwrap_or(Path::new("."));
+        snapshot_file::write_atomic(data_dir, SNAPSHOT_POINTER_FILE, &json(pointer))?;
+        Ok(())
+    }
+}
+
+/// The pointer file's snapshot, if the file exists.
+fn read_pointer_file(path: &Path) -> Result<Option<SnapshotPointer>, StoreError> {
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(StoreError::Io {
+                what: format!("reading {}", path.display()),
+                source,
+            })
+        }
+    };
+    serde_json::from_slice(&bytes)
+        .map(Some)
+        .map_err(|e| StoreError::Corrupt {
+            path: path.to_path_buf(),
+            what: "snapshot pointer".into(),
+            message: e.to_string(),
+        })
 }
 
 /// [`StateMachineStore::flush`], on the parts it needs.

@@ -3,7 +3,7 @@
 
 use super::*;
 
-/// Builds snapshots from a copy of the state taken when the builder is created.
+/// Builds snapshots from the state tables as they are when the build starts.
 pub struct SnapshotBuilder {
     store: StateMachineStore,
 }
@@ -11,8 +11,8 @@ pub struct SnapshotBuilder {
 impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
         let store = self.store.clone();
-        // Copying and encoding a large state (a long job queue runs to tens of MB) takes a
-        // second or more of CPU: off the async workers, so requests and applies on them do
+        // Copying a large state (a long job queue runs to tens of MB) takes a good part of a
+        // second of CPU, and decoding and encoding it for a JSON snapshot several: off the async workers, so requests and applies on them do
         // not stall behind it, and at a lower CPU priority, so that on a busy host it takes
         // what the heartbeats, votes and appends leave (three members building at once used to
         // starve them past openraft's RPC deadline and set off elections).
@@ -37,38 +37,48 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             // From the state tables in one read transaction rather than a copy of the state
             // in memory: no lock that applies and the router's reads would wait on, so a
             // snapshot of a long job queue stalls nothing.
-            let db_path = store.snapshot_dir.with_file_name(STATE_DB_FILE);
-            let StateTables {
-                state,
-                last_applied,
-                last_membership,
-                ..
-            } = StateTables::read(&store.db, &db_path).map_err(|e| sm_err("reading the state for a snapshot", e))?;
-            lap(&mut steps.read);
-            let snapshot_id = match last_applied {
-                Some(l) => format!("{}-{}-{}", l.leader_id.term, l.index, uuid::Uuid::new_v4().simple()),
-                None => format!("empty-{}", uuid::Uuid::new_v4().simple()),
+            let rows = {
+                let inner = store.read();
+                let setting = inner.state.settings.get(laneway_core::command::FORMAT_SETTING);
+                laneway_core::command::allowed_format(setting.map(String::as_str)) >= snapshot_file::ROWS_COMMAND_FORMAT
             };
-            let file = SnapshotFile {
-                format: SNAPSHOT_FORMAT,
-                meta: SnapshotMeta {
-                    last_log_id: last_applied,
+            let (meta, bytes) = if rows {
+                // The rows as stored, copied: no decoding nor encoding of the state.
+                let built = rows_snapshot(&store.db).map_err(|e| sm_err("reading the state for a snapshot", e))?;
+                lap(&mut steps.read);
+                built
+            } else {
+                // Some member may not read row snapshots yet: the whole state, as JSON.
+                let db_path = store.snapshot_dir.with_file_name(STATE_DB_FILE);
+                let StateTables {
+                    state,
+                    last_applied,
                     last_membership,
-                    snapshot_id,
-                },
-                state,
+                    ..
+                } = StateTables::read(&store.db, &db_path)
+                    .map_err(|e| sm_err("reading the state for a snapshot", e))?;
+                lap(&mut steps.read);
+                let file = SnapshotFile {
+                    format: JSON_FORMAT,
+                    meta: SnapshotMeta {
+                        snapshot_id: new_snapshot_id(last_applied),
+                        last_log_id: last_applied,
+                        last_membership,
+                    },
+                    state,
+                };
+                let bytes = file.encode();
+                (file.meta, bytes)
             };
-            let bytes = file.encode();
             lap(&mut steps.encode);
-            let meta = file.meta.clone();
             let _guard = store.lock_snapshots();
             // An install (or a later build) may have moved the pointer past this snapshot while
             // it was being serialized; never move it back.
             let current = store.read().snapshot.as_ref().and_then(|p| p.meta.last_log_id);
-            if current.is_some() && current >= file.meta.last_log_id {
+            if current.is_some() && current >= meta.last_log_id {
                 return Ok((meta, bytes, None));
             }
-            let pointer = store.save_snapshot(&file, &bytes)?;
+            let pointer = store.save_snapshot(&meta, &bytes)?;
             lap(&mut steps.write);
             store
                 .commit_pointer(&pointer)
@@ -77,7 +87,6 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             store.write().snapshot = Some(pointer.clone());
             snapshot_file::remove_all_but(&store.snapshot_dir, Some(&pointer.file))
                 .map_err(|e| sm_err("removing old snapshots", e))?;
-            drop(file);
             lap(&mut steps.drop);
             Ok((meta, bytes, Some(steps)))
         };
@@ -109,15 +118,15 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
 /// How long each step of one snapshot build took (on its background thread).
 #[derive(Default)]
 struct SnapshotSteps {
-    /// Reading the state from the tables.
+    /// Reading the state from the tables (for a row snapshot, copying the rows: all of it).
     read: std::time::Duration,
-    /// Encoding it.
+    /// Encoding it (JSON snapshots only).
     encode: std::time::Duration,
     /// Writing the file and syncing it.
     write: std::time::Duration,
-    /// Recording the pointer to it (a durable commit).
+    /// Recording the pointer to it (the pointer file, synced).
     commit: std::time::Duration,
-    /// Removing the older files and dropping the copy of the state.
+    /// Removing the older files.
     drop: std::time::Duration,
 }
 
@@ -231,17 +240,14 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         // Chaos: a snapshot arrived from the leader and is not installed yet.
         fail::fail_point!("sm::install_snapshot");
         let bytes = snapshot.into_inner();
-        let file = SnapshotFile::decode(&bytes).map_err(|e| sm_err("decoding received snapshot", e))?;
-        let file = SnapshotFile {
-            meta: meta.clone(),
-            ..file
-        };
         let store = self.clone();
         let meta = meta.clone();
         tokio::task::spawn_blocking(move || -> Result<(), StorageError> {
+            let file = SnapshotFile::decode(&bytes).map_err(|e| sm_err("decoding received snapshot", e))?;
             let _guard = store.lock_snapshots();
-            let bytes = file.encode();
-            let pointer = store.save_snapshot(&file, &bytes)?;
+            // Kept as received: the leader's format, which this member has just read. The
+            // meta that counts is openraft's (the pointer's), not the file's copy of it.
+            let pointer = store.save_snapshot(&meta, &bytes)?;
             store
                 .replace_state(file.state, &meta, pointer.clone())
                 .map_err(|e| sm_err("installing snapshot", e))?;

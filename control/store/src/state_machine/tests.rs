@@ -73,6 +73,44 @@ async fn the_write_behind_flush_persists_every_applied_change() {
     assert_eq!(sm.job("j2").map(|j| j.seq), Some(4));
 }
 
+/// A built snapshot is recorded durably in the pointer file, not by a durable commit of the
+/// state database: a crash may take the database back to its last durable commit (here, the
+/// one `open` made), and the reopened store restores itself from the snapshot, whose log
+/// entries may already be purged.
+#[tokio::test]
+async fn a_snapshot_survives_a_crash_that_loses_every_non_durable_commit() {
+    let dir = tempfile::tempdir().unwrap();
+    let db_path = dir.path().join(STATE_DB_FILE);
+    let before = dir.path().join("state.redb.before");
+    {
+        let mut sm = StateMachineStore::open(dir.path()).unwrap();
+        // What the disk holds of the database if no later commit is ever synced.
+        std::fs::copy(&db_path, &before).unwrap();
+        sm.apply(vec![
+            entry(1, put("a", "1")),
+            entry(2, Command::SubmitJob(submission("j1"))),
+        ])
+        .await
+        .unwrap();
+        let mut builder = sm.get_snapshot_builder().await;
+        let snapshot = builder.build_snapshot().await.unwrap();
+        assert_eq!(snapshot.meta.last_log_id.map(|l| l.index), Some(2));
+        sm.apply(vec![entry(3, put("a", "2"))]).await.unwrap();
+    }
+    std::fs::rename(&before, &db_path).unwrap();
+    let mut sm = StateMachineStore::open(dir.path()).unwrap();
+    let (applied, _) = sm.applied_state().await.unwrap();
+    assert_eq!(applied.map(|l| l.index), Some(2), "restored from the snapshot");
+    assert_eq!(sm.get_setting("a").0.as_deref(), Some("1"));
+    assert!(sm.job("j1").is_some());
+    let current = sm
+        .get_current_snapshot()
+        .await
+        .unwrap()
+        .expect("the snapshot is still there");
+    assert_eq!(current.meta.last_log_id.map(|l| l.index), Some(2));
+}
+
 /// The cluster's own settings hold in apply whatever the admin API let through: the
 /// command format is never deleted nor lowered (that would refuse revocations and token
 /// commands from then on), and the refused write is not persisted either.
@@ -458,4 +496,91 @@ fn state_hash_depends_only_on_content() {
     assert_eq!(a.state_hash(), b.state_hash());
     b.apply(&put("x", "3"), 1);
     assert_ne!(a.state_hash(), b.state_hash());
+}
+
+/// The golden snapshot (a `dev` cluster's whole state, as JSON), installed and then built
+/// again as a row snapshot: the rows decode to the same state, byte for byte of its hash.
+#[tokio::test]
+async fn a_row_snapshot_holds_the_same_state_as_the_json_one() {
+    let golden = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/snapshot.json");
+    let json = std::fs::read(golden).unwrap();
+    let from_json = SnapshotFile::decode(&json).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut sm = StateMachineStore::open(dir.path()).unwrap();
+    sm.install_snapshot(&from_json.meta, Box::new(Cursor::new(json.clone())))
+        .await
+        .unwrap();
+    let (meta, rows) = rows_snapshot(&sm.db).unwrap();
+    assert!(snapshot_file::is_rows(&rows));
+    assert_eq!(meta.last_log_id, from_json.meta.last_log_id);
+    assert_eq!(meta.last_membership, from_json.meta.last_membership);
+    let from_rows = SnapshotFile::decode(&rows).unwrap();
+    assert_eq!(from_rows.format, snapshot_file::ROWS_FORMAT);
+    assert_eq!(from_rows.state.state_hash(), from_json.state.state_hash());
+    assert!(from_rows.state.jobs.jobs.len() > 1, "the golden state has jobs");
+
+    // Installed on another member, it leaves the same state there, and is kept as received.
+    let other = tempfile::tempdir().unwrap();
+    let mut b = StateMachineStore::open(other.path()).unwrap();
+    b.install_snapshot(&meta, Box::new(Cursor::new(rows.clone())))
+        .await
+        .unwrap();
+    assert_eq!(b.state_hash().0, from_json.state.state_hash());
+    let kept = b.get_current_snapshot().await.unwrap().unwrap();
+    assert_eq!(kept.snapshot.into_inner(), rows);
+    drop(b);
+    let b = StateMachineStore::open(other.path()).unwrap();
+    assert_eq!(b.state_hash().0, from_json.state.state_hash(), "after a restart too");
+}
+
+/// A row snapshot cut short or altered anywhere is refused, never half installed.
+#[tokio::test]
+async fn a_damaged_row_snapshot_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut sm = StateMachineStore::open(dir.path()).unwrap();
+    sm.apply(vec![
+        entry(1, put("a", "1")),
+        entry(2, Command::SubmitJob(submission("j1"))),
+    ])
+    .await
+    .unwrap();
+    sm.flush().unwrap();
+    let (_, rows) = rows_snapshot(&sm.db).unwrap();
+    assert!(SnapshotFile::decode(&rows).is_ok());
+    for cut in [rows.len() - 1, rows.len() - 5, rows.len() / 2, 12] {
+        let err = SnapshotFile::decode(&rows[..cut]).unwrap_err();
+        assert!(err.to_string().contains("row snapshot"), "cut at {cut}: {err}");
+    }
+    for at in [9, rows.len() / 2, rows.len() - 6] {
+        let mut altered = rows.clone();
+        altered[at] ^= 0x20;
+        let err = SnapshotFile::decode(&altered).unwrap_err();
+        assert!(err.to_string().contains("checksum"), "byte {at}: {err}");
+    }
+}
+
+/// A member builds row snapshots only once the cluster's command format says every member
+/// reads them; before that, JSON (a member left on an older binary installs it).
+#[tokio::test]
+async fn row_snapshots_wait_for_the_cluster_command_format() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut sm = StateMachineStore::open(dir.path()).unwrap();
+    let format = |v: u32| put(laneway_core::command::FORMAT_SETTING, &v.to_string());
+    sm.apply(vec![entry(1, format(snapshot_file::ROWS_COMMAND_FORMAT - 1))])
+        .await
+        .unwrap();
+    let built = sm.get_snapshot_builder().await.build_snapshot().await.unwrap();
+    assert!(
+        !snapshot_file::is_rows(built.snapshot.get_ref()),
+        "JSON below the format"
+    );
+    sm.apply(vec![entry(2, format(snapshot_file::ROWS_COMMAND_FORMAT))])
+        .await
+        .unwrap();
+    let built = sm.get_snapshot_builder().await.build_snapshot().await.unwrap();
+    assert!(
+        snapshot_file::is_rows(built.snapshot.get_ref()),
+        "rows from the format on"
+    );
+    assert_eq!(built.meta.last_log_id.map(|l| l.index), Some(2));
 }
