@@ -109,7 +109,7 @@ pub struct RunArgs {
     /// Upper bound (exclusive) of the election timeout in ms. Default 300.
     #[arg(long, env = "LANEWAY_RAFT_ELECTION_TIMEOUT_MAX_MS")]
     pub election_timeout_max_ms: Option<u64>,
-    /// Take a snapshot after this many applied entries since the last one. Default 10000.
+    /// Take a snapshot every this many applied entries (members a third of it apart). Default 10000.
     #[arg(long, env = "LANEWAY_RAFT_SNAPSHOT_LOGS")]
     pub snapshot_logs: Option<u64>,
     /// A node whose heartbeats stop for this long (ms) is declared down and its jobs requeued.
@@ -167,7 +167,8 @@ pub struct RaftSettings {
     /// by accident.
     pub election_timeout_min_ms: u64,
     pub election_timeout_max_ms: u64,
-    /// Snapshot after this many entries since the last snapshot. Default 10000.
+    /// Snapshot every this many applied entries, at points staggered by node id
+    /// (`snapshot_points`). Default 10000.
     pub snapshot_logs: u64,
     /// Entries kept in the log behind a snapshot, for slow followers. Default 1000.
     pub keep_logs: u64,

@@ -37,4 +37,5 @@ pub mod router_host;
 pub mod router_only;
 pub mod scheduler;
 pub mod server;
+pub mod snapshot_points;
 pub mod telemetry;

@@ -222,7 +222,9 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         // of one AppendEntries exceed network::TARGET_APPEND_BYTES, the network answers
         // PayloadTooLarge with a smaller hint and openraft retries with fewer entries.
         max_payload_entries: 64,
-        snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(cfg.raft.snapshot_logs),
+        // Every `snapshot_logs` entries, at points staggered across the members:
+        // `snapshot_points`, started below.
+        snapshot_policy: openraft::SnapshotPolicy::Never,
         max_in_snapshot_log_to_keep: cfg.raft.keep_logs,
         ..Default::default()
     }
@@ -270,6 +272,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         },
     };
     let pulse_task = ctx.pulse.follow(&raft);
+    let snapshot_task = crate::snapshot_points::follow(raft.clone(), cfg.node_id, cfg.raft.snapshot_logs);
     let router = ctx.router.clone();
     router.enable_jobs(jobs, Arc::new(crate::router_host::Results(results)));
     let data_plane = DataPlane::start("laneway-router").map_err(StartError::Runtime)?;
@@ -390,6 +393,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
             ("job gateway forwarder", forward_task),
             ("router table", router_task),
             ("raft pulse", pulse_task),
+            ("snapshot points", snapshot_task),
         ],
         ctx,
     })
