@@ -24,6 +24,7 @@ pub mod raft_types;
 pub mod signals;
 pub mod snapshot_file;
 pub mod state_machine;
+mod state_rows;
 pub mod wal;
 
 use std::path::Path;

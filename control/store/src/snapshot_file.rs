@@ -17,6 +17,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::raft_types::SnapshotMeta;
+pub use crate::state_rows::Row;
+use crate::state_rows::{StateTables, KEY_FORMAT, KEY_SNAPSHOT};
 use laneway_core::state::AppState;
 
 /// The JSON snapshot format.
@@ -32,51 +34,6 @@ const _: () = assert!(ROWS_COMMAND_FORMAT <= laneway_core::command::COMMAND_FORM
 
 /// First bytes of a [`ROWS_FORMAT`] file (a JSON snapshot starts with `{`).
 const ROWS_MAGIC: &[u8; 8] = b"LWSNAP\x00\x02";
-
-/// One row of the state tables, as the state database and a row snapshot hold it.
-#[derive(Debug, Clone, Copy)]
-pub enum Row<'a> {
-    Setting(&'a str, &'a str),
-    /// A node's id and its record's JSON.
-    Node(&'a str, &'a [u8]),
-    /// A registry key (`kind/name`) and its JSON.
-    Registry(&'a str, &'a [u8]),
-    /// A job's id and its JSON.
-    Job(&'a str, &'a [u8]),
-    /// A ledger key and its JSON.
-    Ledger(&'a str, &'a [u8]),
-    /// A state-machine key (last applied, membership, retired ids) and its JSON.
-    Meta(&'a str, &'a [u8]),
-}
-
-impl<'a> Row<'a> {
-    fn parts(&self) -> (u8, &'a [u8], &'a [u8]) {
-        match *self {
-            Row::Setting(k, v) => (1, k.as_bytes(), v.as_bytes()),
-            Row::Node(k, v) => (2, k.as_bytes(), v),
-            Row::Registry(k, v) => (3, k.as_bytes(), v),
-            Row::Job(k, v) => (4, k.as_bytes(), v),
-            Row::Ledger(k, v) => (5, k.as_bytes(), v),
-            Row::Meta(k, v) => (6, k.as_bytes(), v),
-        }
-    }
-
-    fn from_parts(tag: u8, key: &'a [u8], value: &'a [u8]) -> io::Result<Self> {
-        let key = std::str::from_utf8(key).map_err(|_| bad("a row key is not UTF-8"))?;
-        Ok(match tag {
-            1 => Row::Setting(
-                key,
-                std::str::from_utf8(value).map_err(|_| bad("a setting's value is not UTF-8"))?,
-            ),
-            2 => Row::Node(key, value),
-            3 => Row::Registry(key, value),
-            4 => Row::Job(key, value),
-            5 => Row::Ledger(key, value),
-            6 => Row::Meta(key, value),
-            t => return Err(bad(&format!("unknown row table {t}"))),
-        })
-    }
-}
 
 fn bad(what: &str) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, format!("row snapshot: {what}"))
@@ -208,7 +165,7 @@ impl SnapshotFile {
     /// Decodes snapshot bytes of either format, refusing a format this binary does not know.
     pub fn decode(bytes: &[u8]) -> io::Result<Self> {
         if is_rows(bytes) {
-            let (meta, state) = crate::state_machine::state_from_rows(bytes)?;
+            let (meta, state) = state_from_rows(bytes)?;
             return Ok(SnapshotFile {
                 format: ROWS_FORMAT,
                 meta,
@@ -288,4 +245,20 @@ pub fn remove_all_but(dir: &Path, keep: Option<&str>) -> io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The meta and state of a [`ROWS_FORMAT`] snapshot.
+pub(crate) fn state_from_rows(bytes: &[u8]) -> std::io::Result<(SnapshotMeta, AppState)> {
+    let mut tables = StateTables::empty();
+    let at = Path::new("row snapshot");
+    let meta = read_rows(bytes, |row| {
+        if let Row::Meta(KEY_SNAPSHOT | KEY_FORMAT, _) = row {
+            return Err(std::io::Error::other("row snapshot: holds a database-only key"));
+        }
+        tables.load(row, at).map_err(std::io::Error::other)
+    })?;
+    let mut state = tables.state;
+    state.fleet.rebuild_index();
+    state.jobs.rebuild_index();
+    Ok((meta, state))
 }

@@ -25,9 +25,12 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuar
 use openraft::storage::{RaftStateMachine, Snapshot};
 use openraft::{AnyError, EntryPayload, OptionalSend, RaftSnapshotBuilder, StorageIOError, StoredMembership};
 use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
-use super::snapshot_file::{self, Row, RowWriter, SnapshotFile, JSON_FORMAT};
+use super::snapshot_file::{self, RowWriter, SnapshotFile, JSON_FORMAT};
+use super::state_rows::{
+    Row, SnapshotPointer, StateTables, KEY_FORMAT, KEY_LAST_APPLIED, KEY_MEMBERSHIP, KEY_RETIRED, KEY_SNAPSHOT,
+};
 use super::{StoreError, SNAPSHOT_DIR, SNAPSHOT_POINTER_FILE, STATE_DB_FILE};
 use laneway_core::command::{Command, CommandResponse, COMMAND_FORMAT};
 use laneway_core::fleet::{Fleet, Liveness};
@@ -55,12 +58,6 @@ const JOBS: TableDefinition<(u64, &str), &[u8]> = TableDefinition::new("jobs_by_
 /// Format 1 kept jobs by id; opening such a database moves them to [`JOBS`].
 const JOBS_BY_ID_V1: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs");
 
-const KEY_FORMAT: &str = "format";
-const KEY_LAST_APPLIED: &str = "last_applied";
-const KEY_MEMBERSHIP: &str = "last_membership";
-const KEY_RETIRED: &str = "retired_node_ids";
-const KEY_SNAPSHOT: &str = "snapshot";
-
 /// Current format of the state database (2: jobs keyed by `(seq, id)`).
 pub const STATE_FORMAT: u32 = 2;
 
@@ -76,14 +73,6 @@ fn retire_removed(
             state.retired_node_ids.insert(*id);
         }
     }
-}
-
-/// Pointer to the current snapshot: in [`SNAPSHOT_POINTER_FILE`], and in the state database
-/// (where versions before the pointer file kept it alone).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct SnapshotPointer {
-    meta: SnapshotMeta,
-    file: String,
 }
 
 /// How long applied changes may wait in memory before the write-behind flush persists them.
@@ -139,76 +128,12 @@ fn sm_err(what: &str, e: impl std::fmt::Display) -> StorageError {
     StorageIOError::write_state_machine(AnyError::error(format!("{what}: {e}"))).into()
 }
 
-/// What the state tables hold: the applied state as of the last flush, with the log id it was
-/// applied up to. Read in one redb read transaction, so it is consistent without holding the
+/// Reads the state tables in one redb read transaction: consistent without holding the
 /// in-memory state's lock (redb readers do not wait for its writer).
-struct StateTables {
-    state: AppState,
-    last_applied: Option<LogId>,
-    last_membership: StoredMembership<u64, ControllerNode>,
-    snapshot: Option<SnapshotPointer>,
-}
-
-impl StateTables {
-    fn read(db: &Database, path: &Path) -> Result<Self, StoreError> {
-        let mut tables = StateTables::empty();
-        scan(db, |row| tables.load(row, path))?;
-        Ok(tables)
-    }
-
-    fn empty() -> Self {
-        StateTables {
-            state: AppState::default(),
-            last_applied: None,
-            last_membership: StoredMembership::default(),
-            snapshot: None,
-        }
-    }
-
-    /// Adds one row of the tables (or of a row snapshot) to the state.
-    fn load(&mut self, row: Row<'_>, path: &Path) -> Result<(), StoreError> {
-        let corrupt = |what: &str, e: &dyn std::fmt::Display| StoreError::Corrupt {
-            path: path.to_path_buf(),
-            what: what.to_string(),
-            message: e.to_string(),
-        };
-        let state = &mut self.state;
-        match row {
-            Row::Setting(k, v) => {
-                state.settings.insert(k.to_string(), v.to_string());
-            }
-            Row::Node(k, v) => {
-                let record = serde_json::from_slice(v).map_err(|e| corrupt(&format!("node {k}"), &e))?;
-                state.fleet.nodes.insert(k.to_string(), record);
-            }
-            Row::Registry(k, v) => state
-                .load_registry_entry(k, v)
-                .map_err(|e| corrupt(&format!("registry entry {k}"), &e))?,
-            Row::Job(k, v) => {
-                let job = serde_json::from_slice(v).map_err(|e| corrupt(&format!("job {k}"), &e))?;
-                state.jobs.load(job);
-            }
-            Row::Ledger(k, v) => state
-                .ledger
-                .load(k, v)
-                .map_err(|e| corrupt(&format!("ledger entry {k}"), &e))?,
-            Row::Meta(KEY_LAST_APPLIED, v) => {
-                self.last_applied = serde_json::from_slice(v).map_err(|e| corrupt(KEY_LAST_APPLIED, &e))?;
-            }
-            Row::Meta(KEY_MEMBERSHIP, v) => {
-                self.last_membership = serde_json::from_slice(v).map_err(|e| corrupt(KEY_MEMBERSHIP, &e))?;
-            }
-            Row::Meta(KEY_RETIRED, v) => {
-                state.retired_node_ids = serde_json::from_slice(v).map_err(|e| corrupt(KEY_RETIRED, &e))?;
-            }
-            Row::Meta(KEY_SNAPSHOT, v) => {
-                self.snapshot = Some(serde_json::from_slice(v).map_err(|e| corrupt(KEY_SNAPSHOT, &e))?);
-            }
-            // The format (checked at open) and keys a newer binary may add.
-            Row::Meta(..) => {}
-        }
-        Ok(())
-    }
+fn read_tables(db: &Database, path: &Path) -> Result<StateTables, StoreError> {
+    let mut tables = StateTables::empty();
+    scan(db, |row| tables.load(row, path))?;
+    Ok(tables)
 }
 
 /// Hands every row of the state tables to `f`, in one read transaction (so they are
@@ -260,22 +185,6 @@ fn scan_txn(
     bytes_table(rtxn, LEDGER, "ledger", |k, v| Row::Ledger(k, v), &mut f)?;
     bytes_table(rtxn, SM_META, "sm_meta", |k, v| Row::Meta(k, v), &mut f)?;
     Ok(())
-}
-
-/// The meta and state of a [`snapshot_file::ROWS_FORMAT`] snapshot.
-pub(crate) fn state_from_rows(bytes: &[u8]) -> std::io::Result<(SnapshotMeta, AppState)> {
-    let mut tables = StateTables::empty();
-    let at = Path::new("row snapshot");
-    let meta = snapshot_file::read_rows(bytes, |row| {
-        if let Row::Meta(KEY_SNAPSHOT | KEY_FORMAT, _) = row {
-            return Err(std::io::Error::other("row snapshot: holds a database-only key"));
-        }
-        tables.load(row, at).map_err(std::io::Error::other)
-    })?;
-    let mut state = tables.state;
-    state.fleet.rebuild_index();
-    state.jobs.rebuild_index();
-    Ok((meta, state))
 }
 
 /// A [`snapshot_file::ROWS_FORMAT`] snapshot of the state tables as they are now: its meta
@@ -380,7 +289,7 @@ impl StateMachineStore {
             unflushed: Touched::default(),
             flush_scheduled: false,
         };
-        let tables = StateTables::read(&db, &path)?;
+        let tables = read_tables(&db, &path)?;
         inner.state = tables.state;
         inner.last_applied = tables.last_applied;
         inner.last_membership = tables.last_membership;

@@ -55,8 +55,7 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
                     last_applied,
                     last_membership,
                     ..
-                } = StateTables::read(&store.db, &db_path)
-                    .map_err(|e| sm_err("reading the state for a snapshot", e))?;
+                } = read_tables(&store.db, &db_path).map_err(|e| sm_err("reading the state for a snapshot", e))?;
                 lap(&mut steps.read);
                 let file = SnapshotFile {
                     format: JSON_FORMAT,
