@@ -20,7 +20,9 @@ use tokio::time::Instant;
 
 use crate::process_cluster::ProcessCluster;
 use crate::support::fleet::register;
-use crate::support::http::{client, free_port, open_loop, saturate, send, Failures, KillOnDrop, Target};
+use crate::support::http::{
+    allow_open_files, client, free_port, open_loop, saturate, send, Failures, KillOnDrop, Target,
+};
 
 /// Flags of `laneway-chaos jobs`.
 #[derive(Debug, clap::Args)]
@@ -38,8 +40,9 @@ pub struct JobsBenchArgs {
     rates: Vec<u64>,
     /// Concurrent connections of the saturation runs, comma-separated: each system's
     /// saturation throughput is its best over these (a system that needs more requests in
-    /// flight to fill its batches is not judged at a concurrency that starves it).
-    #[arg(long, default_value = "64,256,1024", value_delimiter = ',')]
+    /// flight to fill its batches is not judged at a concurrency that starves it). Both systems
+    /// get the same list; every count prints its own line.
+    #[arg(long, default_value = "64,256,1024,4096", value_delimiter = ',')]
     connections: Vec<usize>,
     /// Which laneway routers take the submissions: `all` (like etcd's members), `leader`, or
     /// `followers` (every submission forwarded).
@@ -58,7 +61,7 @@ const ETCD_PUT: &str = r#"{"key":"YmVuY2g=","value":"eHh4eHh4eHh4eHh4eHh4eHh4eHh
 
 /// A 3-member etcd cluster on loopback, killed on drop.
 struct Etcd {
-    _members: Vec<KillOnDrop>,
+    members: Vec<KillOnDrop>,
     clients: Vec<String>,
     _dir: tempfile::TempDir,
 }
@@ -107,7 +110,7 @@ fn start_etcd(bin: &std::path::Path) -> anyhow::Result<Etcd> {
         clients.push(format!("127.0.0.1:{client_port}"));
     }
     Ok(Etcd {
-        _members: members,
+        members,
         clients,
         _dir: dir,
     })
@@ -146,7 +149,18 @@ pub(crate) fn elections(before: Option<u64>, after: Option<u64>) -> serde_json::
     }
 }
 
+/// CPU time (user and system) of `pids` together, in seconds.
+fn cpu_seconds(pids: &[u32]) -> f64 {
+    // 100 clock ticks a second.
+    pids.iter()
+        .filter_map(|&p| crate::support::cpu::cpu_ticks(p))
+        .sum::<u64>() as f64
+        / 100.0
+}
+
 pub async fn run(args: JobsBenchArgs) -> anyhow::Result<()> {
+    let most = args.connections.iter().copied().max().unwrap_or(256) as u64;
+    allow_open_files(2 * most + 4096)?;
     let control = args
         .control_bin
         .clone()
@@ -197,25 +211,34 @@ pub async fn run(args: JobsBenchArgs) -> anyhow::Result<()> {
     let d = Duration::from_secs(args.duration_secs);
     let mut max = Vec::new();
     let mut best_connections = Vec::new();
-    for targets in [&reference, &laneway] {
-        let warm = args.connections.iter().copied().max().unwrap_or(256);
-        saturate(targets, warm, Duration::from_secs(2)).await?;
-        let mut best = (0.0f64, 0usize);
+    let mut best_cpu_us = Vec::new();
+    let etcd_pids: Vec<u32> = etcd.members.iter().map(|m| m.0.id()).collect();
+    let laneway_pids: Vec<u32> = (0..cluster.members.len()).filter_map(|i| cluster.pid(i)).collect();
+    for (targets, pids) in [(&reference, &etcd_pids), (&laneway, &laneway_pids)] {
+        saturate(targets, most as usize, Duration::from_secs(2)).await?;
+        let mut best = (0.0f64, 0usize, 0.0f64);
         for &connections in &args.connections {
             let term = cluster.term().await;
+            let cpu0 = cpu_seconds(pids);
             let (rps, failed) = saturate(targets, connections, d).await?;
+            // The three members' CPU per acknowledged write: what saturation is made of on a
+            // machine whose cores the load generator shares.
+            let cpu = cpu_seconds(pids) - cpu0;
+            let cpu_us = cpu * 1e6 / (rps * d.as_secs_f64()).max(1.0);
             let mut line = json!({"bench": "jobs", "mode": "saturation", "system": targets[0].name, "members": 3,
-                       "connections": connections, "acked_per_s": rps.round(), "failed": failed.total(), "failures": failed.to_json()});
+                       "connections": connections, "acked_per_s": rps.round(), "failed": failed.total(), "failures": failed.to_json(),
+                       "members_cpu_cores": (cpu / d.as_secs_f64() * 100.0).round() / 100.0, "cpu_us_per_ack": cpu_us.round()});
             if targets[0].name == "laneway" {
                 line["elections"] = elections(term, cluster.term().await);
             }
             println!("{line}");
             if rps > best.0 {
-                best = (rps, connections);
+                best = (rps, connections, cpu_us);
             }
         }
         max.push(best.0);
         best_connections.push(best.1);
+        best_cpu_us.push(best.2.round());
     }
     let mut p99_at = Vec::new();
     for &rate in &args.rates {
@@ -256,8 +279,8 @@ pub async fn run(args: JobsBenchArgs) -> anyhow::Result<()> {
         "{}",
         json!({
             "bench": "jobs", "summary": true,
-            "etcd_acked_per_s": max[0].round(), "etcd_connections": best_connections[0],
-            "laneway_acked_per_s": max[1].round(), "laneway_connections": best_connections[1],
+            "etcd_acked_per_s": max[0].round(), "etcd_connections": best_connections[0], "etcd_cpu_us_per_ack": best_cpu_us[0],
+            "laneway_acked_per_s": max[1].round(), "laneway_connections": best_connections[1], "laneway_cpu_us_per_ack": best_cpu_us[1],
             "ratio": (ratio * 100.0).round() / 100.0, "target_ratio": 1.5, "saturation_meets_target": ratio >= 1.5,
             "open_loop": per_rate, "latency_meets_target": latency_met,
             "meets_target": ratio >= 1.5 && latency_met,

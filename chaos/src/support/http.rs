@@ -199,6 +199,23 @@ pub fn free_port() -> anyhow::Result<u16> {
 
 pub struct KillOnDrop(pub Child);
 
+/// Raises this process's open-file limit (which the processes it starts inherit) to its hard
+/// limit, and fails with what to do when even that is below `need`: a saturation run holds a
+/// socket per connection here and another in the server it talks to.
+pub fn allow_open_files(need: u64) -> anyhow::Result<()> {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
+    if soft < hard {
+        setrlimit(Resource::RLIMIT_NOFILE, hard, hard)?;
+    }
+    if hard < need {
+        anyhow::bail!(
+            "this run needs about {need} open files and the hard limit is {hard}: raise it (`ulimit -Hn {need}` as root, or `LimitNOFILE=` in a unit) or pass fewer --connections"
+        );
+    }
+    Ok(())
+}
+
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
         let _ = self.0.kill();
