@@ -134,16 +134,12 @@ impl Env {
 }
 
 impl Env {
-    /// Stops the replicas (they are processes of their own) and the agent.
+    /// Stops the agent, then its replicas (they are processes of their own). In that order: a
+    /// running agent restarts a drained static replica on its next heartbeat reply, and that
+    /// process outlived the test.
     async fn stop(mut self) {
         if let Some(a) = self.agent.take() {
-            for r in a.supervisor.status() {
-                let _ = a
-                    .supervisor
-                    .drain(&r.id, Arc::new(|| 0), Duration::from_secs(1), Duration::from_secs(2))
-                    .await;
-            }
-            a.stop();
+            super::agents::stop_and_drain(a).await;
         }
     }
 }
