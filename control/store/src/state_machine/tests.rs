@@ -29,6 +29,12 @@ fn entry(index: u64, command: Command) -> Entry {
     }
 }
 
+/// Applies the setting `a` = `1` at index 1 and the job `j1` at index 2.
+async fn apply_a_setting_and_a_job(sm: &mut StateMachineStore) {
+    let entries = vec![entry(1, put("a", "1")), entry(2, Command::SubmitJob(submission("j1")))];
+    sm.apply(entries).await.unwrap();
+}
+
 /// Applies reach redb in the write-behind flush: a store reopened after a flush has every
 /// applied change and the index it was applied at; one reopened before has the last
 /// flushed state (openraft re-applies the rest from the log).
@@ -37,12 +43,7 @@ async fn the_write_behind_flush_persists_every_applied_change() {
     let dir = tempfile::tempdir().unwrap();
     {
         let mut sm = StateMachineStore::open(dir.path()).unwrap();
-        sm.apply(vec![
-            entry(1, put("a", "1")),
-            entry(2, Command::SubmitJob(submission("j1"))),
-        ])
-        .await
-        .unwrap();
+        apply_a_setting_and_a_job(&mut sm).await;
         sm.flush().unwrap();
         sm.apply(vec![
             entry(3, put("a", "2")),
@@ -86,12 +87,7 @@ async fn a_snapshot_survives_a_crash_that_loses_every_non_durable_commit() {
         let mut sm = StateMachineStore::open(dir.path()).unwrap();
         // What the disk holds of the database if no later commit is ever synced.
         std::fs::copy(&db_path, &before).unwrap();
-        sm.apply(vec![
-            entry(1, put("a", "1")),
-            entry(2, Command::SubmitJob(submission("j1"))),
-        ])
-        .await
-        .unwrap();
+        apply_a_setting_and_a_job(&mut sm).await;
         let mut builder = sm.get_snapshot_builder().await;
         let snapshot = builder.build_snapshot().await.unwrap();
         assert_eq!(snapshot.meta.last_log_id.map(|l| l.index), Some(2));
@@ -538,12 +534,7 @@ async fn a_row_snapshot_holds_the_same_state_as_the_json_one() {
 async fn a_damaged_row_snapshot_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let mut sm = StateMachineStore::open(dir.path()).unwrap();
-    sm.apply(vec![
-        entry(1, put("a", "1")),
-        entry(2, Command::SubmitJob(submission("j1"))),
-    ])
-    .await
-    .unwrap();
+    apply_a_setting_and_a_job(&mut sm).await;
     sm.flush().unwrap();
     let (_, rows) = rows_snapshot(&sm.db).unwrap();
     assert!(SnapshotFile::decode(&rows).is_ok());
