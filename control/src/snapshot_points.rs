@@ -5,7 +5,7 @@
 //! With `LogsSinceLast` every member reached the same count at the same entry and all three
 //! built at once. A build reads and writes the whole state (120 MB for a queue of 250,000 jobs);
 //! while all three built, both followers answered AppendEntries late at the same moment, the
-//! leader had no quorum, and submissions waited 100-400 ms (ADR 0032). Built one at a time, the
+//! leader had no quorum, and submissions waited 100-400 ms (ADR 0034). Built one at a time, the
 //! leader keeps a quorum with the other follower while one member builds.
 
 use std::time::Duration;

@@ -8,7 +8,7 @@
 //!   JSON the tables hold, after a magic and a JSON header with the snapshot meta, and ending in
 //!   a record with the row count and a CRC-32 of everything before it. Building it copies
 //!   bytes; format 1 decoded every row into the state and encoded the whole state again, which
-//!   for a queue of 250,000 jobs took 4-9 s of CPU on each member at once (ADR 0032).
+//!   for a queue of 250,000 jobs took 4-9 s of CPU on each member at once (ADR 0034).
 
 use std::fs::{self, File};
 use std::io::{self, Write};
@@ -200,7 +200,7 @@ const SYNC_CHUNK: usize = 1024 * 1024;
 /// snapshot held every other fsync on the disk (the Raft log's, on whichever member shares it)
 /// for 20-50 ms at a time, and the durable lane's p99 at 1,000/s went from 10 to 31-38 ms, as
 /// it did etcd's beside it; written at this pace, 1 MiB at a time, it stayed at 11-17 ms
-/// (ADR 0032). A 120 MB snapshot then takes about a second to write, on its own thread.
+/// (ADR 0034). A 120 MB snapshot then takes about a second to write, on its own thread.
 const WRITE_BYTES_PER_S: u64 = 128 * 1024 * 1024;
 
 /// Writes `bytes` to `dir/name` atomically and durably.

@@ -13,7 +13,7 @@
 //! ([`SNAPSHOT_POINTER_FILE`], written and fsync'd before the log is purged), not by a durable
 //! redb commit: that commit had to write back every page the non-durable flushes had left
 //! dirty (hundreds of MB after a burst of jobs), and its fsync held up every other fsync on
-//! the disk, the Raft log's included, for about 100 ms (ADR 0032). At open the state machine
+//! the disk, the Raft log's included, for about 100 ms (ADR 0034). At open the state machine
 //! is restored from the snapshot file if it is older than the snapshot — so a purge of the log
 //! can never leave the state machine behind a hole.
 

@@ -12,8 +12,9 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
         let store = self.store.clone();
         // Copying a large state (a long job queue runs to tens of MB) takes a good part of a
-        // second of CPU, and decoding and encoding it for a JSON snapshot several: off the async workers, so requests and applies on them do
-        // not stall behind it, and at a lower CPU priority, so that on a busy host it takes
+        // second of CPU, and decoding and encoding it for a JSON snapshot several: off the
+        // async workers, so requests and applies on them do not stall behind it, and at a
+        // lower CPU priority, so that on a busy host it takes
         // what the heartbeats, votes and appends leave (three members building at once used to
         // starve them past openraft's RPC deadline and set off elections).
         //
