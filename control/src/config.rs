@@ -76,6 +76,7 @@ pub struct FileRaftConfig {
     pub election_timeout_min_ms: Option<u64>,
     pub election_timeout_max_ms: Option<u64>,
     pub snapshot_logs: Option<u64>,
+    pub snapshot_max_log_mib: Option<u64>,
     pub keep_logs: Option<u64>,
 }
 
@@ -109,7 +110,9 @@ pub struct RunArgs {
     /// Upper bound (exclusive) of the election timeout in ms. Default 300.
     #[arg(long, env = "LANEWAY_RAFT_ELECTION_TIMEOUT_MAX_MS")]
     pub election_timeout_max_ms: Option<u64>,
-    /// Take a snapshot every this many applied entries (members a third of it apart). Default 10000.
+    /// Fewest applied entries between two snapshots; members build at points this far apart,
+    /// a third of it from each other, once the log since their last snapshot holds as many
+    /// bytes as it. Default 10000.
     #[arg(long, env = "LANEWAY_RAFT_SNAPSHOT_LOGS")]
     pub snapshot_logs: Option<u64>,
     /// A node whose heartbeats stop for this long (ms) is declared down and its jobs requeued.
@@ -167,9 +170,13 @@ pub struct RaftSettings {
     /// by accident.
     pub election_timeout_min_ms: u64,
     pub election_timeout_max_ms: u64,
-    /// Snapshot every this many applied entries, at points staggered by node id
-    /// (`snapshot_points`). Default 10000.
+    /// Snapshot points every this many applied entries, staggered by node id; a member builds
+    /// at one once the log since its last snapshot holds as many bytes as that snapshot
+    /// (`snapshot_points`, ADR 0035). Default 10000.
     pub snapshot_logs: u64,
+    /// A log since the last snapshot this large (MiB) is snapshotted at once: bounds the log's
+    /// memory and a restart's replay when the state is larger. Default 256.
+    pub snapshot_max_log_mib: u64,
     /// Entries kept in the log behind a snapshot, for slow followers. Default 1000.
     pub keep_logs: u64,
 }
@@ -181,6 +188,7 @@ impl Default for RaftSettings {
             election_timeout_min_ms: 150,
             election_timeout_max_ms: 300,
             snapshot_logs: 10_000,
+            snapshot_max_log_mib: 256,
             keep_logs: 1_000,
         }
     }
@@ -370,6 +378,7 @@ impl RunArgs {
                 .snapshot_logs
                 .or(file.raft.snapshot_logs)
                 .unwrap_or(defaults.snapshot_logs),
+            snapshot_max_log_mib: file.raft.snapshot_max_log_mib.unwrap_or(defaults.snapshot_max_log_mib),
             keep_logs: file.raft.keep_logs.unwrap_or(defaults.keep_logs),
         };
         validate_raft(&raft)?;
@@ -690,6 +699,13 @@ fn validate_raft(r: &RaftSettings) -> Result<(), ConfigError> {
     }
     if r.snapshot_logs < 100 {
         return Err(bad("raft.snapshot_logs", r.snapshot_logs, "at least 100 entries"));
+    }
+    if !(1..=1 << 20).contains(&r.snapshot_max_log_mib) {
+        return Err(bad(
+            "raft.snapshot_max_log_mib",
+            r.snapshot_max_log_mib,
+            "between 1 and 1048576 MiB (the log since the last snapshot is held in memory)",
+        ));
     }
     Ok(())
 }

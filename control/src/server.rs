@@ -222,7 +222,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         // of one AppendEntries exceed network::TARGET_APPEND_BYTES, the network answers
         // PayloadTooLarge with a smaller hint and openraft retries with fewer entries.
         max_payload_entries: 64,
-        // Every `snapshot_logs` entries, at points staggered across the members:
+        // At points staggered across the members, once the log is worth it:
         // `snapshot_points`, started below.
         snapshot_policy: openraft::SnapshotPolicy::Never,
         max_in_snapshot_log_to_keep: cfg.raft.keep_logs,
@@ -272,7 +272,16 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         },
     };
     let pulse_task = ctx.pulse.follow(&raft);
-    let snapshot_task = crate::snapshot_points::follow(raft.clone(), cfg.node_id, cfg.raft.snapshot_logs);
+    let snapshot_task = crate::snapshot_points::follow(
+        raft.clone(),
+        cfg.node_id,
+        crate::snapshot_points::Policy {
+            every: cfg.raft.snapshot_logs,
+            max_log_bytes: cfg.raft.snapshot_max_log_mib << 20,
+        },
+        ctx.log.clone(),
+        sm.clone(),
+    );
     let router = ctx.router.clone();
     router.enable_jobs(jobs, Arc::new(crate::router_host::Results(results)));
     let data_plane = DataPlane::start("laneway-router").map_err(StartError::Runtime)?;

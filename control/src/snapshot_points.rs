@@ -1,14 +1,22 @@
-//! When this member builds a snapshot: every `[raft] snapshot_logs` applied entries, like
-//! openraft's `LogsSinceLast`, but at points shifted by a third of that per member (by node id),
-//! so the members of a cluster build one at a time.
+//! When this member builds a snapshot.
 //!
-//! With `LogsSinceLast` every member reached the same count at the same entry and all three
-//! built at once. A build reads and writes the whole state (120 MB for a queue of 250,000 jobs);
-//! while all three built, both followers answered AppendEntries late at the same moment, the
-//! leader had no quorum, and submissions waited 100-400 ms (ADR 0034). Built one at a time, the
-//! leader keeps a quorum with the other follower while one member builds.
+//! **Where:** only at this member's points, every `[raft] snapshot_logs` applied entries shifted
+//! by a third of that per member (by node id), so the members of a cluster never build at the
+//! same entry. With openraft's `LogsSinceLast` every member reached the same count at the same
+//! entry and all three built at once: both followers answered AppendEntries late at the same
+//! moment, the leader had no quorum, and submissions waited 100-400 ms (ADR 0034).
+//!
+//! **Whether:** a build reads and writes the whole state (170 MB for a queue of 350,000 jobs) to
+//! replace the log since the last one. At a point, a member builds only once that log holds at
+//! least as many bytes as its last snapshot file, so a build's cost is spread over as many
+//! bytes of log as it rewrites (as Redis rewrites its append-only file once it has doubled).
+//! Counting entries alone, a member rebuilt a 170 MB state every 10-30 s at 1,000 small
+//! submissions/s (ADR 0035). A log that reaches `snapshot_max_log_mib` is snapshotted at once,
+//! point or not: that bounds the log's memory and what a restart replays.
 
 use std::time::Duration;
+
+use crate::store::{LogStore, StateMachineStore};
 
 use crate::raft_types::Raft;
 
@@ -16,7 +24,7 @@ use crate::raft_types::Raft;
 /// five, two pairs share one).
 const SPREAD: u64 = 3;
 /// A trigger openraft ignored (a build or an install already under way) is repeated this often
-/// while the point stays due.
+/// while the build stays due.
 const RETRY: Duration = Duration::from_secs(1);
 
 /// This member's offset within each period of `every` entries.
@@ -24,42 +32,139 @@ pub fn offset(node_id: u64, every: u64) -> u64 {
     (node_id % SPREAD) * every / SPREAD
 }
 
-/// The first snapshot point after a snapshot at `last`: the points are `offset`,
-/// `offset + every`, `offset + 2 * every`, … (`every`, `2 * every`, … when `offset` is 0).
-pub fn next_point(last: u64, every: u64, offset: u64) -> u64 {
+/// The first snapshot point after index `after`: the points are `offset`, `offset + every`,
+/// `offset + 2 * every`, … (`every`, `2 * every`, … when `offset` is 0).
+pub fn next_point(after: u64, every: u64, offset: u64) -> u64 {
     let every = every.max(1);
     let first = if offset == 0 { every } else { offset };
-    if last < first {
+    if after < first {
         first
     } else {
-        first + ((last - first) / every + 1) * every
+        first + ((after - first) / every + 1) * every
     }
 }
 
-/// Triggers this member's snapshots at its points, following the Raft metrics; ends when Raft
-/// stops. The Raft config must say `SnapshotPolicy::Never`.
-pub fn follow(raft: Raft, node_id: u64, every: u64) -> tokio::task::JoinHandle<()> {
-    let offset = offset(node_id, every);
+/// The settings that decide when a member builds (`[raft]` in the controller's file).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Policy {
+    /// `snapshot_logs`: the spacing of a member's points, and the fewest entries between two
+    /// of its snapshots.
+    pub every: u64,
+    /// `snapshot_max_log_mib`, in bytes: a log this large is snapshotted whatever the state's size.
+    pub max_log_bytes: u64,
+}
+
+/// What a member knows when it looks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Position {
+    pub applied: u64,
+    /// The index of its current snapshot (0 before the first).
+    pub snapshot: u64,
+    /// The current snapshot file's size (None before the first).
+    pub snapshot_bytes: Option<u64>,
+}
+
+/// What a member does when it looks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    /// Nothing until `applied` reaches this point (or the log its cap).
+    Wait(u64),
+    /// Build now.
+    Build,
+    /// This point came with too little log to be worth a build: wait for the next one.
+    Skip,
+}
+
+impl Policy {
+    /// `judged`: the newest index at which this member already skipped a point.
+    /// `log_bytes`: the bytes of the log after the snapshot (read only when needed, as it
+    /// takes the log's lock).
+    pub fn decide(&self, offset: u64, at: Position, judged: u64, log_bytes: impl Fn() -> u64) -> Decision {
+        let point = next_point(at.snapshot.max(judged), self.every, offset);
+        if at.applied <= at.snapshot {
+            return Decision::Wait(point);
+        }
+        if at.applied < point {
+            return if log_bytes() >= self.max_log_bytes {
+                Decision::Build
+            } else {
+                Decision::Wait(point)
+            };
+        }
+        let worth = at.snapshot_bytes.unwrap_or(0).min(self.max_log_bytes);
+        if log_bytes() >= worth {
+            Decision::Build
+        } else {
+            Decision::Skip
+        }
+    }
+}
+
+/// Triggers this member's snapshots as [`Policy::decide`] says, following the Raft metrics;
+/// ends when Raft stops. The Raft config must say `SnapshotPolicy::Never`.
+pub fn follow(
+    raft: Raft,
+    node_id: u64,
+    policy: Policy,
+    log: LogStore,
+    sm: StateMachineStore,
+) -> tokio::task::JoinHandle<()> {
+    let offset = offset(node_id, policy.every);
     tokio::spawn(async move {
         let mut rx = raft.metrics();
         let mut asked: Option<(u64, tokio::time::Instant)> = None;
+        let mut judged = 0;
+        // The current snapshot's size, by its index: read from the file once per snapshot.
+        let mut size: Option<(u64, u64)> = None;
         loop {
-            let (applied, last) = {
+            let (applied, snapshot) = {
                 let m = rx.borrow_and_update();
                 (m.last_applied.map_or(0, |l| l.index), m.snapshot.map_or(0, |l| l.index))
             };
-            let point = next_point(last, every, offset);
-            let ask = applied >= point && asked.is_none_or(|(p, at)| p != point || at.elapsed() >= RETRY);
-            if ask {
+            if size.is_none_or(|(s, _)| s != snapshot) {
+                size = sm.snapshot_bytes().map(|b| (snapshot, b));
+            }
+            let at = Position {
+                applied,
+                snapshot,
+                snapshot_bytes: size.map(|(_, b)| b),
+            };
+            let log_bytes = || log.db().bytes_after(snapshot);
+            let due = match policy.decide(offset, at, judged, log_bytes) {
+                Decision::Build => true,
+                Decision::Skip => {
+                    tracing::debug!(
+                        applied,
+                        snapshot,
+                        snapshot_bytes = at.snapshot_bytes,
+                        log_bytes = log_bytes(),
+                        "snapshot point passed: less log than the last snapshot"
+                    );
+                    judged = applied;
+                    false
+                }
+                Decision::Wait(_) => false,
+            };
+            let first_ask = asked.is_none_or(|(s, _)| s != snapshot);
+            if due && (first_ask || asked.is_some_and(|(_, t)| t.elapsed() >= RETRY)) {
+                if first_ask {
+                    tracing::info!(
+                        applied,
+                        snapshot,
+                        snapshot_bytes = at.snapshot_bytes,
+                        log_bytes = log_bytes(),
+                        "snapshot due"
+                    );
+                }
                 if raft.trigger().snapshot().await.is_err() {
                     return;
                 }
-                asked = Some((point, tokio::time::Instant::now()));
+                asked = Some((snapshot, tokio::time::Instant::now()));
             }
-            // While a point is due and not yet built, look again after RETRY even if nothing
+            // While a build is due and not yet done, look again after RETRY even if nothing
             // is applied meanwhile.
             let changed = rx.changed();
-            if applied >= point {
+            if due {
                 if let Ok(Err(_)) = tokio::time::timeout(RETRY, changed).await {
                     return;
                 }
@@ -103,5 +208,104 @@ mod tests {
         assert_eq!(next_point(11_999, 9_000, 3_000), 12_000);
         assert_eq!(next_point(0, 100, 0), 100);
         assert_eq!(next_point(5, 1, 0), 6, "every entry");
+    }
+
+    const MIB: u64 = 1 << 20;
+
+    fn policy() -> Policy {
+        Policy {
+            every: 9_000,
+            max_log_bytes: 256 * MIB,
+        }
+    }
+
+    fn at(applied: u64, snapshot: u64, snapshot_mib: Option<u64>) -> Position {
+        Position {
+            applied,
+            snapshot,
+            snapshot_bytes: snapshot_mib.map(|m| m * MIB),
+        }
+    }
+
+    #[test]
+    fn the_first_snapshot_comes_at_the_first_point() {
+        let p = policy();
+        assert_eq!(p.decide(3_000, at(2_999, 0, None), 0, || 0), Decision::Wait(3_000));
+        assert_eq!(p.decide(3_000, at(3_000, 0, None), 0, || 1), Decision::Build);
+    }
+
+    #[test]
+    fn a_point_with_less_log_than_the_last_snapshot_is_skipped_until_one_has_as_much() {
+        let p = policy();
+        // Last snapshot at 3,000, 170 MB; the log since holds 40 MB at the next point.
+        assert_eq!(
+            p.decide(3_000, at(12_000, 3_000, Some(170)), 0, || 40 * MIB),
+            Decision::Skip
+        );
+        // Skipped at 12,000: nothing until 21,000, even with the log grown meanwhile.
+        assert_eq!(
+            p.decide(3_000, at(20_999, 3_000, Some(170)), 12_000, || 169 * MIB),
+            Decision::Wait(21_000)
+        );
+        assert_eq!(
+            p.decide(3_000, at(21_000, 3_000, Some(170)), 12_000, || 170 * MIB),
+            Decision::Build
+        );
+        // A small state is snapshotted at every point, as counting entries did.
+        assert_eq!(
+            p.decide(3_000, at(12_000, 3_000, Some(1)), 0, || 2 * MIB),
+            Decision::Build
+        );
+    }
+
+    #[test]
+    fn a_log_at_its_cap_is_snapshotted_at_once_whatever_the_state() {
+        let p = policy();
+        assert_eq!(
+            p.decide(3_000, at(5_000, 3_000, Some(900)), 0, || 256 * MIB),
+            Decision::Build,
+            "between points"
+        );
+        assert_eq!(
+            p.decide(3_000, at(12_000, 3_000, Some(900)), 0, || 256 * MIB),
+            Decision::Build,
+            "a state larger than the cap waits for the cap, not for its own size"
+        );
+        assert_eq!(
+            p.decide(3_000, at(12_000, 3_000, Some(900)), 0, || 255 * MIB),
+            Decision::Skip
+        );
+        assert_eq!(
+            p.decide(3_000, at(3_000, 3_000, Some(900)), 0, || 300 * MIB),
+            Decision::Wait(12_000),
+            "nothing applied since the snapshot (its log is not yet purged)"
+        );
+    }
+
+    #[test]
+    fn members_skipping_points_still_build_only_at_their_own() {
+        // Whatever a member skips, it builds at an index on its own grid (or at the cap), so
+        // two members with different ids never build at the same entry below the cap.
+        let p = policy();
+        for id in 1..=3u64 {
+            let off = offset(id, p.every);
+            let mut snapshot = 0;
+            let mut judged = 0;
+            let mut snapshot_mib = None;
+            for applied in 1..=200_000u64 {
+                // 1 KB an entry; the state grows 1 KB an entry as well.
+                let log = || (applied - snapshot) * 1024;
+                match p.decide(off, at(applied, snapshot, snapshot_mib), judged, log) {
+                    Decision::Build => {
+                        assert_eq!(applied % p.every, off % p.every, "member {id} built at {applied}");
+                        snapshot = applied;
+                        snapshot_mib = Some(applied * 1024 / MIB);
+                    }
+                    Decision::Skip => judged = applied,
+                    Decision::Wait(_) => {}
+                }
+            }
+            assert!(snapshot > 100_000, "member {id} kept building: last at {snapshot}");
+        }
     }
 }

@@ -270,3 +270,25 @@ fn router_threads_default_to_the_cores_and_refuse_zero() {
         assert!(e.to_string().contains("between 1 and 1024"), "{e}");
     }
 }
+
+#[test]
+fn the_snapshot_log_cap_is_read_from_the_file_and_refuses_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("c.toml");
+    let resolve = |raft: &str| {
+        std::fs::write(&p, format!("node_id = 1\n[raft]\n{raft}\n")).unwrap();
+        RunArgs {
+            config: Some(p.clone()),
+            ..args()
+        }
+        .resolve()
+    };
+    assert_eq!(resolve("").unwrap().raft.snapshot_max_log_mib, 256);
+    assert_eq!(
+        resolve("snapshot_max_log_mib = 64").unwrap().raft.snapshot_max_log_mib,
+        64
+    );
+    let e = resolve("snapshot_max_log_mib = 0").unwrap_err();
+    assert_eq!(e.field, "raft.snapshot_max_log_mib", "{e}");
+    assert!(e.to_string().contains("held in memory"), "{e}");
+}

@@ -9,7 +9,10 @@
 //! and their callers wait for the sync before they return.
 //!
 //! Memory: the in-memory copy holds entries between the last purge and the head of the log,
-//! which the snapshot policy bounds (a snapshot every `snapshot_logs` entries, then purge).
+//! which the snapshot policy bounds (a snapshot once the log since the last one is at least
+//! `snapshot_logs` entries and as many bytes as that snapshot, or `snapshot_max_log_mib`, then
+//! purge). Each cached entry carries its encoded size, so that policy can read the log's bytes
+//! ([`LogDb::bytes_after`]).
 //! Disk: the segments hold the same entries plus at most one segment's worth
 //! ([`crate::wal::SEGMENT_BYTES`]) of older records; a purge deletes the segments it emptied.
 
@@ -37,10 +40,19 @@ const MAX_BATCH: usize = 4096;
 /// Called once an append is durable (or failed to become durable).
 pub type Durable = Box<dyn FnOnce(io::Result<()>) + Send>;
 
+/// One cached entry and where its encoding ends, counting the encoded bytes of every entry
+/// appended since this process opened the log (only differences of two ends mean anything).
+struct Cell {
+    entry: Entry,
+    end: u64,
+}
+
 /// What the in-memory copy holds.
 #[derive(Default)]
 struct Cached {
-    entries: BTreeMap<u64, Entry>,
+    entries: BTreeMap<u64, Cell>,
+    /// The end of the newest entry purged (where the oldest cached entry begins).
+    purged_end: u64,
     last_purged: Option<LogId>,
     vote: Option<Vote>,
     committed: Option<LogId>,
@@ -335,8 +347,8 @@ impl LogDb {
         }
         {
             let mut cache = self.cache();
-            for e in entries {
-                cache.entries.insert(e.get_log_id().index, e);
+            for (e, (_, bytes)) in entries.into_iter().zip(&rows) {
+                cache.insert(e, bytes.len());
             }
         }
         self.send(Op::Append { rows, done })
@@ -357,7 +369,11 @@ impl LogDb {
             let mut cache = self.cache();
             let keep = cache.entries.split_off(&(log_id.index + 1));
             cache.last_purged = Some(log_id);
-            std::mem::replace(&mut cache.entries, keep)
+            let dropped = std::mem::replace(&mut cache.entries, keep);
+            if let Some((_, newest)) = dropped.last_key_value() {
+                cache.purged_end = newest.end;
+            }
+            dropped
         };
         // Freeing thousands of entries took 33-88 ms in the jobs bench: off the core loop, and
         // outside the cache's lock.
@@ -445,14 +461,51 @@ impl LogDb {
         let last = cache
             .entries
             .last_key_value()
-            .map(|(_, e)| *e.get_log_id())
+            .map(|(_, c)| *c.entry.get_log_id())
             .or(cache.last_purged);
         (cache.last_purged, last)
     }
 
     /// Clones the entries whose index is in `range`.
     pub fn entries(&self, range: impl RangeBounds<u64>) -> Vec<Entry> {
-        self.cache().entries.range(range).map(|(_, e)| e.clone()).collect()
+        self.cache()
+            .entries
+            .range(range)
+            .map(|(_, c)| c.entry.clone())
+            .collect()
+    }
+
+    /// The encoded bytes of the cached entries after `index` (all of them when `index` is older
+    /// than the oldest; 0 when it is the newest or past it): how much log a snapshot at `index`
+    /// would let this member purge, and about what a restart from it would replay.
+    pub fn bytes_after(&self, index: u64) -> u64 {
+        let cache = self.cache();
+        let Some((_, newest)) = cache.entries.last_key_value() else {
+            return 0;
+        };
+        let from = match cache.entries.range(..=index).next_back() {
+            Some((_, c)) => c.end,
+            None => cache.purged_end,
+        };
+        newest.end.saturating_sub(from)
+    }
+}
+
+impl Cached {
+    /// Caches `entry`, whose encoding is `len` bytes, after the entries before its index.
+    fn insert(&mut self, entry: Entry, len: usize) {
+        let index = entry.get_log_id().index;
+        let start = match self.entries.range(..index).next_back() {
+            Some((_, c)) => c.end,
+            None => self.purged_end,
+        };
+        self.entries.insert(
+            index,
+            Cell {
+                entry,
+                end: start + len as u64,
+            },
+        );
     }
 }
 
@@ -740,6 +793,7 @@ fn recover(dir: &dyn SegmentDir, path: &Path) -> Result<Recovered, StoreError> {
     }
     let mut cached = Cached {
         entries: BTreeMap::new(),
+        purged_end: 0,
         vote: decode(&meta, MetaKey::Vote, path)?,
         committed: decode::<Option<LogId>>(&meta, MetaKey::Committed, path)?.flatten(),
         last_purged: decode(&meta, MetaKey::LastPurged, path)?,
@@ -754,7 +808,7 @@ fn recover(dir: &dyn SegmentDir, path: &Path) -> Result<Recovered, StoreError> {
             what: format!("log entry {index}"),
             message: e.to_string(),
         })?;
-        cached.entries.insert(index, entry);
+        cached.insert(entry, bytes.len());
     }
     Ok(Recovered { cached, meta, segments })
 }
@@ -1044,6 +1098,37 @@ mod tests {
         let (purged, last) = db.log_state();
         assert_eq!(purged.map(|l| l.index), Some(3));
         assert_eq!(last.map(|l| l.index), Some(8));
+    }
+
+    #[tokio::test]
+    async fn the_bytes_after_an_index_follow_appends_truncations_purges_and_a_restart() {
+        let dir = MemDir::default();
+        let len = |e: &Entry| encode(e).len() as u64;
+        let sum = |es: &[Entry]| es.iter().map(len).sum::<u64>();
+        let first: Vec<Entry> = (1..=10).map(|i| ent(1, i)).collect();
+        let db = LogDb::open_in(dir.clone(), &identity(), SEGMENT_BYTES).unwrap();
+        assert_eq!(db.bytes_after(0), 0, "an empty log");
+        append(&db, first.clone()).await;
+        assert_eq!(db.bytes_after(0), sum(&first));
+        assert_eq!(db.bytes_after(4), sum(&first[4..]));
+        assert_eq!(db.bytes_after(10), 0);
+        assert_eq!(db.bytes_after(99), 0, "a snapshot installed past the head");
+
+        // A new leader's entries replace 6..=10 with longer ones (a later term's id).
+        db.truncate(6).await.unwrap();
+        let second: Vec<Entry> = (6..=8).map(|i| ent(20_000, i)).collect();
+        append(&db, second.clone()).await;
+        assert_eq!(db.bytes_after(5), sum(&second));
+        assert_eq!(db.bytes_after(0), sum(&first[..5]) + sum(&second));
+
+        db.purge(*ent(1, 3).get_log_id()).await.unwrap();
+        assert_eq!(db.bytes_after(3), sum(&first[3..5]) + sum(&second));
+        assert_eq!(db.bytes_after(1), db.bytes_after(3), "purged entries are not counted");
+        drop(db);
+
+        let db = LogDb::open_in(dir.clone(), &identity(), SEGMENT_BYTES).unwrap();
+        assert_eq!(db.bytes_after(3), sum(&first[3..5]) + sum(&second), "after a restart");
+        assert_eq!(db.bytes_after(7), len(&second[2]));
     }
 
     #[tokio::test]

@@ -507,6 +507,13 @@ impl StateMachineStore {
         f(&self.read().state.registry)
     }
 
+    /// The size of the current snapshot's file, bytes (None before the first snapshot, or if
+    /// its file cannot be read: the snapshot policy then falls back to counting entries).
+    pub fn snapshot_bytes(&self) -> Option<u64> {
+        let file = self.read().snapshot.as_ref()?.file.clone();
+        std::fs::metadata(self.snapshot_dir.join(file)).ok().map(|m| m.len())
+    }
+
     /// Index of the last applied entry.
     pub fn applied_index(&self) -> u64 {
         self.read().last_applied.map_or(0, |l| l.index)

@@ -88,9 +88,15 @@ async fn a_snapshot_survives_a_crash_that_loses_every_non_durable_commit() {
         // What the disk holds of the database if no later commit is ever synced.
         std::fs::copy(&db_path, &before).unwrap();
         apply_a_setting_and_a_job(&mut sm).await;
+        assert_eq!(sm.snapshot_bytes(), None, "no snapshot yet");
         let mut builder = sm.get_snapshot_builder().await;
         let snapshot = builder.build_snapshot().await.unwrap();
         assert_eq!(snapshot.meta.last_log_id.map(|l| l.index), Some(2));
+        assert_eq!(
+            sm.snapshot_bytes(),
+            Some(snapshot.snapshot.get_ref().len() as u64),
+            "the snapshot policy weighs the log against the file's size"
+        );
         sm.apply(vec![entry(3, put("a", "2"))]).await.unwrap();
     }
     std::fs::rename(&before, &db_path).unwrap();
@@ -105,6 +111,11 @@ async fn a_snapshot_survives_a_crash_that_loses_every_non_durable_commit() {
         .unwrap()
         .expect("the snapshot is still there");
     assert_eq!(current.meta.last_log_id.map(|l| l.index), Some(2));
+    assert_eq!(
+        sm.snapshot_bytes(),
+        Some(current.snapshot.get_ref().len() as u64),
+        "after a restart"
+    );
 }
 
 /// The cluster's own settings hold in apply whatever the admin API let through: the
