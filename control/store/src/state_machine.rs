@@ -189,8 +189,9 @@ fn scan_txn(
 
 /// A [`snapshot_file::ROWS_FORMAT`] snapshot of the state tables as they are now: its meta
 /// (the log id and membership the tables were applied up to) and its bytes. One read
-/// transaction, so no lock that applies wait on; the rows are copied, not decoded.
-fn rows_snapshot(db: &Database) -> Result<(SnapshotMeta, Vec<u8>), StoreError> {
+/// transaction, so no lock that applies wait on; the rows are copied, not decoded. `path` is
+/// the database's, for the error a damaged meta row gets.
+fn rows_snapshot(db: &Database, path: &Path) -> Result<(SnapshotMeta, Vec<u8>), StoreError> {
     let rtxn = db.begin_read().map_err(|e| StoreError::db("opening read txn", e))?;
     let (last_log_id, last_membership) = {
         let meta = rtxn
@@ -199,7 +200,7 @@ fn rows_snapshot(db: &Database) -> Result<(SnapshotMeta, Vec<u8>), StoreError> {
         let mut tables = StateTables::empty();
         for key in [KEY_LAST_APPLIED, KEY_MEMBERSHIP] {
             if let Some(v) = meta.get(key).map_err(|e| StoreError::db(format!("reading {key}"), e))? {
-                tables.load(Row::Meta(key, v.value()), Path::new(STATE_DB_FILE))?;
+                tables.load(Row::Meta(key, v.value()), path)?;
             }
         }
         (tables.last_applied, tables.last_membership)

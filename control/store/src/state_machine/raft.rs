@@ -43,14 +43,15 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
                 let setting = inner.state.settings.get(laneway_core::command::FORMAT_SETTING);
                 laneway_core::command::allowed_format(setting.map(String::as_str)) >= snapshot_file::ROWS_COMMAND_FORMAT
             };
+            let db_path = store.snapshot_dir.with_file_name(STATE_DB_FILE);
             let (meta, bytes) = if rows {
                 // The rows as stored, copied: no decoding nor encoding of the state.
-                let built = rows_snapshot(&store.db).map_err(|e| sm_err("reading the state for a snapshot", e))?;
+                let built =
+                    rows_snapshot(&store.db, &db_path).map_err(|e| sm_err("reading the state for a snapshot", e))?;
                 lap(&mut steps.read);
                 built
             } else {
                 // Some member may not read row snapshots yet: the whole state, as JSON.
-                let db_path = store.snapshot_dir.with_file_name(STATE_DB_FILE);
                 let StateTables {
                     state,
                     last_applied,

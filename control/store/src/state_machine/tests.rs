@@ -517,7 +517,7 @@ async fn a_row_snapshot_holds_the_same_state_as_the_json_one() {
     sm.install_snapshot(&from_json.meta, Box::new(Cursor::new(json.clone())))
         .await
         .unwrap();
-    let (meta, rows) = rows_snapshot(&sm.db).unwrap();
+    let (meta, rows) = rows_snapshot(&sm.db, &dir.path().join(STATE_DB_FILE)).unwrap();
     assert!(snapshot_file::is_rows(&rows));
     assert_eq!(meta.last_log_id, from_json.meta.last_log_id);
     assert_eq!(meta.last_membership, from_json.meta.last_membership);
@@ -547,7 +547,7 @@ async fn a_damaged_row_snapshot_is_refused() {
     let mut sm = StateMachineStore::open(dir.path()).unwrap();
     apply_a_setting_and_a_job(&mut sm).await;
     sm.flush().unwrap();
-    let (_, rows) = rows_snapshot(&sm.db).unwrap();
+    let (_, rows) = rows_snapshot(&sm.db, &dir.path().join(STATE_DB_FILE)).unwrap();
     assert!(SnapshotFile::decode(&rows).is_ok());
     for cut in [rows.len() - 1, rows.len() - 5, rows.len() / 2, 12] {
         let err = SnapshotFile::decode(&rows[..cut]).unwrap_err();
