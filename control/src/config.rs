@@ -110,9 +110,9 @@ pub struct RunArgs {
     /// Upper bound (exclusive) of the election timeout in ms. Default 300.
     #[arg(long, env = "LANEWAY_RAFT_ELECTION_TIMEOUT_MAX_MS")]
     pub election_timeout_max_ms: Option<u64>,
-    /// Fewest applied entries between two snapshots; members build at points this far apart,
-    /// a third of it from each other, once the log since their last snapshot holds as many
-    /// bytes as it. Default 10000.
+    /// Spacing of snapshot points, applied entries; members' points are a third of it apart,
+    /// and a member builds at one once the log since its last snapshot holds as many bytes as
+    /// that snapshot. Default 10000.
     #[arg(long, env = "LANEWAY_RAFT_SNAPSHOT_LOGS")]
     pub snapshot_logs: Option<u64>,
     /// A node whose heartbeats stop for this long (ms) is declared down and its jobs requeued.
@@ -175,7 +175,8 @@ pub struct RaftSettings {
     /// (`snapshot_points`, ADR 0035). Default 10000.
     pub snapshot_logs: u64,
     /// A log since the last snapshot this large (MiB) is snapshotted at once: bounds the log's
-    /// memory and a restart's replay when the state is larger. Default 256.
+    /// memory and a restart's replay when the state is larger. Members use 6/6, 5/6 or 4/6 of
+    /// it by node id, so they do not reach it at the same entry. Default 256.
     pub snapshot_max_log_mib: u64,
     /// Entries kept in the log behind a snapshot, for slow followers. Default 1000.
     pub keep_logs: u64,

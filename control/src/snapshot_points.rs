@@ -1,8 +1,8 @@
 //! When this member builds a snapshot.
 //!
-//! **Where:** only at this member's points, every `[raft] snapshot_logs` applied entries shifted
-//! by a third of that per member (by node id), so the members of a cluster never build at the
-//! same entry. With openraft's `LogsSinceLast` every member reached the same count at the same
+//! **Where:** at this member's points, every `[raft] snapshot_logs` applied entries shifted by a
+//! third of that per member (by node id), so the members of a cluster never build at the same
+//! entry (and at its own cap, below). With openraft's `LogsSinceLast` every member reached the same count at the same
 //! entry and all three built at once: both followers answered AppendEntries late at the same
 //! moment, the leader had no quorum, and submissions waited 100-400 ms (ADR 0034).
 //!
@@ -12,7 +12,8 @@
 //! bytes of log as it rewrites (as Redis rewrites its append-only file once it has doubled).
 //! Counting entries alone, a member rebuilt a 170 MB state every 10-30 s at 1,000 small
 //! submissions/s (ADR 0035). A log that reaches `snapshot_max_log_mib` is snapshotted at once,
-//! point or not: that bounds the log's memory and what a restart replays.
+//! point or not: that bounds the log's memory and what a restart replays. Each member's cap
+//! is its own fraction of that (by node id), so cap builds are staggered too.
 
 use std::time::Duration;
 
@@ -47,10 +48,10 @@ pub fn next_point(after: u64, every: u64, offset: u64) -> u64 {
 /// The settings that decide when a member builds (`[raft]` in the controller's file).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Policy {
-    /// `snapshot_logs`: the spacing of a member's points, and the fewest entries between two
-    /// of its snapshots.
+    /// `snapshot_logs`: the spacing of a member's points.
     pub every: u64,
-    /// `snapshot_max_log_mib`, in bytes: a log this large is snapshotted whatever the state's size.
+    /// `snapshot_max_log_mib`, in bytes: a log this large is snapshotted whatever the state's
+    /// size (each member at its own fraction of it: [`Policy::for_member`]).
     pub max_log_bytes: u64,
 }
 
@@ -76,9 +77,20 @@ pub enum Decision {
 }
 
 impl Policy {
+    /// This member's policy: its cap is 6/6, 5/6 or 4/6 of `max_log_bytes` by node id, so
+    /// members whose last snapshots are at the same index (a new cluster, or followers that
+    /// installed the leader's) do not all reach the cap at the same entry.
+    pub fn for_member(self, node_id: u64) -> Policy {
+        let k = node_id % SPREAD;
+        Policy {
+            max_log_bytes: self.max_log_bytes * (2 * SPREAD - k) / (2 * SPREAD),
+            ..self
+        }
+    }
+
     /// `judged`: the newest index at which this member already skipped a point.
-    /// `log_bytes`: the bytes of the log after the snapshot (read only when needed, as it
-    /// takes the log's lock).
+    /// `log_bytes`: the bytes of the applied log after the snapshot, which a build at
+    /// `applied` would let go of (read only when needed, as it takes the log's lock).
     pub fn decide(&self, offset: u64, at: Position, judged: u64, log_bytes: impl Fn() -> u64) -> Decision {
         let point = next_point(at.snapshot.max(judged), self.every, offset);
         if at.applied <= at.snapshot {
@@ -110,26 +122,28 @@ pub fn follow(
     sm: StateMachineStore,
 ) -> tokio::task::JoinHandle<()> {
     let offset = offset(node_id, policy.every);
+    let policy = policy.for_member(node_id);
     tokio::spawn(async move {
         let mut rx = raft.metrics();
         let mut asked: Option<(u64, tokio::time::Instant)> = None;
         let mut judged = 0;
         // The current snapshot's size, by its index: read from the file once per snapshot.
-        let mut size: Option<(u64, u64)> = None;
+        let mut size: Option<(u64, Option<u64>)> = None;
         loop {
             let (applied, snapshot) = {
                 let m = rx.borrow_and_update();
                 (m.last_applied.map_or(0, |l| l.index), m.snapshot.map_or(0, |l| l.index))
             };
             if size.is_none_or(|(s, _)| s != snapshot) {
-                size = sm.snapshot_bytes().map(|b| (snapshot, b));
+                size = Some((snapshot, sm.snapshot_bytes()));
             }
             let at = Position {
                 applied,
                 snapshot,
-                snapshot_bytes: size.map(|(_, b)| b),
+                snapshot_bytes: size.and_then(|(_, b)| b),
             };
-            let log_bytes = || log.db().bytes_after(snapshot);
+            // Entries appended but not yet applied stay after a build at `applied`: not counted.
+            let log_bytes = || log.db().bytes_between(snapshot, applied);
             let due = match policy.decide(offset, at, judged, log_bytes) {
                 Decision::Build => true,
                 Decision::Skip => {
@@ -280,6 +294,27 @@ mod tests {
             Decision::Wait(12_000),
             "nothing applied since the snapshot (its log is not yet purged)"
         );
+    }
+
+    #[test]
+    fn members_reach_their_caps_at_different_sizes() {
+        let caps: Vec<u64> = (1..=3).map(|id| policy().for_member(id).max_log_bytes).collect();
+        assert_eq!(caps, [256 * MIB * 5 / 6, 256 * MIB * 4 / 6, 256 * MIB]);
+        // Three members whose snapshots are all at 3,000 (installed from the leader), with a
+        // state larger than any cap: with 1 MB an entry, each builds at a different entry.
+        let builds: Vec<u64> = (1..=3u64)
+            .map(|id| {
+                let p = policy().for_member(id);
+                let off = offset(id, p.every);
+                (3_001..)
+                    .find(|&applied| {
+                        let log = || (applied - 3_000) * MIB;
+                        p.decide(off, at(applied, 3_000, Some(900)), 0, log) == Decision::Build
+                    })
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(builds, [3_214, 3_171, 3_256]);
     }
 
     #[test]

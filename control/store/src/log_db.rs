@@ -479,15 +479,17 @@ impl LogDb {
     /// than the oldest; 0 when it is the newest or past it): how much log a snapshot at `index`
     /// would let this member purge, and about what a restart from it would replay.
     pub fn bytes_after(&self, index: u64) -> u64 {
+        self.bytes_between(index, u64::MAX)
+    }
+
+    /// The encoded bytes of the cached entries after `after` up to and including `upto`.
+    pub fn bytes_between(&self, after: u64, upto: u64) -> u64 {
         let cache = self.cache();
-        let Some((_, newest)) = cache.entries.last_key_value() else {
-            return 0;
-        };
-        let from = match cache.entries.range(..=index).next_back() {
+        let end_at = |index: u64| match cache.entries.range(..=index).next_back() {
             Some((_, c)) => c.end,
             None => cache.purged_end,
         };
-        newest.end.saturating_sub(from)
+        end_at(upto).saturating_sub(end_at(after))
     }
 }
 
@@ -1129,6 +1131,12 @@ mod tests {
         let db = LogDb::open_in(dir.clone(), &identity(), SEGMENT_BYTES).unwrap();
         assert_eq!(db.bytes_after(3), sum(&first[3..5]) + sum(&second), "after a restart");
         assert_eq!(db.bytes_after(7), len(&second[2]));
+        assert_eq!(
+            db.bytes_between(3, 6),
+            len(&first[3]) + len(&first[4]) + len(&second[0])
+        );
+        assert_eq!(db.bytes_between(6, 6), 0);
+        assert_eq!(db.bytes_between(7, 99), len(&second[2]), "up to the head");
     }
 
     #[tokio::test]

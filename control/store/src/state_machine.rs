@@ -510,9 +510,21 @@ impl StateMachineStore {
 
     /// The size of the current snapshot's file, bytes (None before the first snapshot, or if
     /// its file cannot be read: the snapshot policy then falls back to counting entries).
+    /// Without the snapshot lock (a build holds it for seconds): a build or install that
+    /// replaces the file between reading the pointer and the stat deletes the old file, so the
+    /// pointer is read again, and the new file's size is returned.
     pub fn snapshot_bytes(&self) -> Option<u64> {
-        let file = self.read().snapshot.as_ref()?.file.clone();
-        std::fs::metadata(self.snapshot_dir.join(file)).ok().map(|m| m.len())
+        let mut file = self.read().snapshot.as_ref()?.file.clone();
+        loop {
+            if let Ok(m) = std::fs::metadata(self.snapshot_dir.join(&file)) {
+                return Some(m.len());
+            }
+            let now = self.read().snapshot.as_ref()?.file.clone();
+            if now == file {
+                return None;
+            }
+            file = now;
+        }
     }
 
     /// Index of the last applied entry.
