@@ -2,9 +2,10 @@
 //!
 //! **Where:** at this member's points, every `[raft] snapshot_logs` applied entries shifted by a
 //! third of that per member (by node id), so the members of a cluster never build at the same
-//! entry (and at its own cap, below). With openraft's `LogsSinceLast` every member reached the same count at the same
-//! entry and all three built at once: both followers answered AppendEntries late at the same
-//! moment, the leader had no quorum, and submissions waited 100-400 ms (ADR 0034).
+//! entry (and at its own cap, below). With openraft's `LogsSinceLast` every member reached the
+//! same count at the same entry and all three built at once: both followers answered
+//! AppendEntries late at the same moment, the leader had no quorum, and submissions waited
+//! 100-400 ms (ADR 0034).
 //!
 //! **Whether:** a build reads and writes the whole state (170 MB for a queue of 350,000 jobs) to
 //! replace the log since the last one. At a point, a member builds only once that log holds at
@@ -17,9 +18,8 @@
 
 use std::time::Duration;
 
-use crate::store::{LogStore, StateMachineStore};
-
 use crate::raft_types::Raft;
+use crate::store::{LogStore, StateMachineStore};
 
 /// How many points a period is split into: three members build at three different points (with
 /// five, two pairs share one).
@@ -160,7 +160,7 @@ pub fn follow(
                 Decision::Wait(_) => false,
             };
             let first_ask = asked.is_none_or(|(s, _)| s != snapshot);
-            if due && (first_ask || asked.is_some_and(|(_, t)| t.elapsed() >= RETRY)) {
+            if due && asked.is_none_or(|(s, t)| s != snapshot || t.elapsed() >= RETRY) {
                 if first_ask {
                     tracing::info!(
                         applied,

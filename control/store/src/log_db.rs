@@ -12,7 +12,7 @@
 //! which the snapshot policy bounds (a snapshot once the log since the last one is at least
 //! `snapshot_logs` entries and as many bytes as that snapshot, or `snapshot_max_log_mib`, then
 //! purge). Each cached entry carries its encoded size, so that policy can read the log's bytes
-//! ([`LogDb::bytes_after`]).
+//! ([`LogDb::bytes_between`]).
 //! Disk: the segments hold the same entries plus at most one segment's worth
 //! ([`crate::wal::SEGMENT_BYTES`]) of older records; a purge deletes the segments it emptied.
 
@@ -475,14 +475,9 @@ impl LogDb {
             .collect()
     }
 
-    /// The encoded bytes of the cached entries after `index` (all of them when `index` is older
-    /// than the oldest; 0 when it is the newest or past it): how much log a snapshot at `index`
-    /// would let this member purge, and about what a restart from it would replay.
-    pub fn bytes_after(&self, index: u64) -> u64 {
-        self.bytes_between(index, u64::MAX)
-    }
-
-    /// The encoded bytes of the cached entries after `after` up to and including `upto`.
+    /// The encoded bytes of the cached entries after `after` up to and including `upto` (from
+    /// the oldest when `after` is older; 0 when `after` is the newest or past it): how much log
+    /// a snapshot at `upto` would let this member purge, of a snapshot at `after`.
     pub fn bytes_between(&self, after: u64, upto: u64) -> u64 {
         let cache = self.cache();
         let end_at = |index: u64| match cache.entries.range(..=index).next_back() {
@@ -1109,28 +1104,29 @@ mod tests {
         let sum = |es: &[Entry]| es.iter().map(len).sum::<u64>();
         let first: Vec<Entry> = (1..=10).map(|i| ent(1, i)).collect();
         let db = LogDb::open_in(dir.clone(), &identity(), SEGMENT_BYTES).unwrap();
-        assert_eq!(db.bytes_after(0), 0, "an empty log");
+        let after = |db: &LogDb, index| db.bytes_between(index, u64::MAX);
+        assert_eq!(after(&db, 0), 0, "an empty log");
         append(&db, first.clone()).await;
-        assert_eq!(db.bytes_after(0), sum(&first));
-        assert_eq!(db.bytes_after(4), sum(&first[4..]));
-        assert_eq!(db.bytes_after(10), 0);
-        assert_eq!(db.bytes_after(99), 0, "a snapshot installed past the head");
+        assert_eq!(after(&db, 0), sum(&first));
+        assert_eq!(after(&db, 4), sum(&first[4..]));
+        assert_eq!(after(&db, 10), 0);
+        assert_eq!(after(&db, 99), 0, "a snapshot installed past the head");
 
         // A new leader's entries replace 6..=10 with longer ones (a later term's id).
         db.truncate(6).await.unwrap();
         let second: Vec<Entry> = (6..=8).map(|i| ent(20_000, i)).collect();
         append(&db, second.clone()).await;
-        assert_eq!(db.bytes_after(5), sum(&second));
-        assert_eq!(db.bytes_after(0), sum(&first[..5]) + sum(&second));
+        assert_eq!(after(&db, 5), sum(&second));
+        assert_eq!(after(&db, 0), sum(&first[..5]) + sum(&second));
 
         db.purge(*ent(1, 3).get_log_id()).await.unwrap();
-        assert_eq!(db.bytes_after(3), sum(&first[3..5]) + sum(&second));
-        assert_eq!(db.bytes_after(1), db.bytes_after(3), "purged entries are not counted");
+        assert_eq!(after(&db, 3), sum(&first[3..5]) + sum(&second));
+        assert_eq!(after(&db, 1), after(&db, 3), "purged entries are not counted");
         drop(db);
 
         let db = LogDb::open_in(dir.clone(), &identity(), SEGMENT_BYTES).unwrap();
-        assert_eq!(db.bytes_after(3), sum(&first[3..5]) + sum(&second), "after a restart");
-        assert_eq!(db.bytes_after(7), len(&second[2]));
+        assert_eq!(after(&db, 3), sum(&first[3..5]) + sum(&second), "after a restart");
+        assert_eq!(after(&db, 7), len(&second[2]));
         assert_eq!(
             db.bytes_between(3, 6),
             len(&first[3]) + len(&first[4]) + len(&second[0])
