@@ -14,9 +14,9 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
         // Copying a large state (a long job queue runs to tens of MB) takes a good part of a
         // second of CPU, and decoding and encoding it for a JSON snapshot several: off the
         // async workers, so requests and applies on them do not stall behind it, and at a
-        // lower CPU priority, so that on a busy host it takes
-        // what the heartbeats, votes and appends leave (three members building at once used to
-        // starve them past openraft's RPC deadline and set off elections).
+        // lower CPU priority, so that on a busy host it takes what the heartbeats, votes and
+        // appends leave (three members building at once used to starve them past openraft's
+        // RPC deadline and set off elections).
         //
         // What was applied and not yet flushed goes to the tables first (a brief write lock,
         // at normal priority), so the snapshot covers everything applied when it was asked for.
