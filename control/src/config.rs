@@ -175,8 +175,10 @@ pub struct RaftSettings {
     /// (`snapshot_points`, ADR 0035). Default 10000.
     pub snapshot_logs: u64,
     /// A log since the last snapshot this large (MiB) is snapshotted at once: bounds the log's
-    /// memory and a restart's replay when the state is larger. Members use 6/6, 5/6 or 4/6 of
-    /// it by node id, so they do not reach it at the same entry. Default 256.
+    /// memory and a restart's replay when the state is larger. Between points, a log twice the
+    /// last snapshot (or twice an eighth of this) is snapshotted too (ADR 0036). Members use
+    /// 6/6, 5/6 or 4/6 of both by node id, so they do not reach them at the same entry.
+    /// Default 256.
     pub snapshot_max_log_mib: u64,
     /// Entries kept in the log behind a snapshot, for slow followers. Default 1000.
     pub keep_logs: u64,

@@ -275,10 +275,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
     let snapshot_task = crate::snapshot_points::follow(
         raft.clone(),
         cfg.node_id,
-        crate::snapshot_points::Policy {
-            every: cfg.raft.snapshot_logs,
-            max_log_bytes: cfg.raft.snapshot_max_log_mib << 20,
-        },
+        crate::snapshot_points::Policy::new(cfg.raft.snapshot_logs, cfg.raft.snapshot_max_log_mib << 20),
         ctx.log.clone(),
         sm.clone(),
     );
