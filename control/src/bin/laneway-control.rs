@@ -12,6 +12,9 @@ use laneway_control::telemetry::{self, LogFormat};
 /// mimalloc instead of glibc's malloc: the controller allocates and frees many small buffers
 /// per request across its worker threads, where glibc's arenas spent about a fifth of the CPU
 /// of the jobs benchmark (`laneway-chaos jobs`, perf) in malloc/free and consolidation.
+/// Built without transparent huge pages (`no_thp`): with them, the kernel zeroed a whole 2 MiB
+/// page at each first touch of a fresh allocator page, 13-23% of the members' CPU at
+/// saturation (ADR 0037).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
