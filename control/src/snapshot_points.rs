@@ -81,7 +81,8 @@ pub struct Position {
 /// What a member does when it looks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {
-    /// Nothing until `applied` reaches this point (or the log its cap).
+    /// Nothing until `applied` reaches this point (or, between points, the log its limit in the
+    /// member's turn, or its cap).
     Wait(u64),
     /// Build now, for this reason.
     Build(Trigger),
