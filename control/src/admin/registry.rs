@@ -205,8 +205,10 @@ pub(super) async fn list_registry(
             .collect(),
         // Every tenant's jobs, for the operator: state and placement, never the input.
         "jobs" => admin.sm.with_jobs(|jobs, _, _| {
-            jobs.jobs
-                .values()
+            // In id order, as before the jobs were kept in a hash map: a stable listing.
+            let mut all: Vec<&crate::jobs::Job> = jobs.jobs.values().collect();
+            all.sort_unstable_by(|a, b| a.id.cmp(&b.id));
+            all.into_iter()
                 .map(|j| {
                     let mut v = crate::router::jobs::view(j);
                     v["tenant"] = serde_json::json!(j.tenant);

@@ -98,11 +98,7 @@ async fn compact(ctx: &Context) {
         None => super::DEFAULT_RETENTION_MS,
     };
     let before_ms = super::unix_ms().saturating_sub(retention_ms);
-    let due = ctx.sm.with_jobs(|jobs, _, _| {
-        jobs.jobs
-            .values()
-            .any(|j| j.state.is_terminal() && j.finished_ms.is_some_and(|f| f < before_ms))
-    });
+    let due = ctx.sm.with_jobs(|jobs, _, _| jobs.any_finished_before(before_ms));
     if due {
         if let Err(e) = ctx.proposer.propose(Command::CompactJobs { before_ms }).await {
             tracing::warn!(error = %e, "job compaction not committed; retried later");

@@ -226,8 +226,10 @@ fn fleet(root: &mut Registry, ctx: &Context) {
                 by_state.insert((c.name.clone(), state.to_string()), 0);
             }
         }
-        for j in js.jobs.values() {
-            *by_state.entry((j.class.clone(), j.state.to_string())).or_default() += 1;
+        for (class, counts) in js.counts_by_class() {
+            for (state, n) in counts {
+                *by_state.entry((class.to_string(), state.to_string())).or_default() += n as i64;
+            }
         }
         for ((class, state), n) in by_state {
             jobs.get_or_create(&labels([("class", class), ("state", state)])).set(n);

@@ -69,12 +69,11 @@ pub fn render(ctx: &Context) -> String {
     let seen = ctx.heartbeats.all();
     let (replicas, jobs) = ctx.sm.with_jobs(|js, _, registry| {
         let mut jobs: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
-        for j in js.jobs.values() {
-            *jobs
-                .entry(j.class.clone())
-                .or_default()
-                .entry(j.state.to_string())
-                .or_default() += 1;
+        for (class, counts) in js.counts_by_class() {
+            let of_class = jobs.entry(class.to_string()).or_default();
+            for (state, n) in counts.into_iter().filter(|(_, n)| *n > 0) {
+                of_class.insert(state.to_string(), n);
+            }
         }
         (registry.placement.replicas.clone(), jobs)
     });

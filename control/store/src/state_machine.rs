@@ -709,7 +709,7 @@ fn flush(inner: &RwLock<Inner>, db: &Database, persist_lock: &Mutex<()>) -> Resu
                 .collect::<Vec<_>>(),
             dirty_jobs
                 .into_iter()
-                .map(|(id, seq)| {
+                .map(|(seq, id)| {
                     let job = state.jobs.get(&id).map(json);
                     (seq, id, job)
                 })

@@ -12,6 +12,9 @@
 //! or a node declared down, puts the job back to `Queued` until it has used `max_attempts`.
 
 pub mod dispatch;
+mod table;
+
+pub use table::JobTable;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -215,15 +218,26 @@ pub enum JobOutcome {
 }
 
 /// Every job, with indexes derived from them (rebuilt at load, never replicated).
+///
+/// The jobs are in a [`JobTable`] (hash maps that grow a shard at a time, ADR 0038): nothing
+/// reads them in id order, and what needs an order has its own index (`by_tenant`, `queues`,
+/// `finished`).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Jobs {
-    pub jobs: BTreeMap<String, Job>,
+    pub jobs: JobTable,
     /// (tenant, idempotency key) → job id.
     #[serde(skip)]
     by_key: HashMap<(String, String), String>,
-    /// (tenant, class) → jobs queued or placed.
+    /// tenant → class → jobs queued or placed.
     #[serde(skip)]
-    active: HashMap<(String, String), u32>,
+    active: HashMap<String, HashMap<String, u32>>,
+    /// class → jobs in each [`JobState`] (indexed as [`JobState::ALL`]): what the metrics and
+    /// the status page show, without walking every job under the state lock.
+    #[serde(skip)]
+    counts: HashMap<String, [u64; 6]>,
+    /// Finished jobs by `(finished_ms, id)`: retention finds what is due without a scan.
+    #[serde(skip)]
+    finished: BTreeSet<(u64, String)>,
     /// Queued jobs per model and tenant, oldest first: the dispatcher takes the heads, the
     /// router's drain estimate counts them, without walking every job.
     #[serde(skip)]
@@ -238,7 +252,7 @@ pub struct Jobs {
     /// Job ids changed since the state machine last persisted them, with their `seq` (the
     /// persisted key of a job is `(seq, id)`, so a removed job's row can still be found).
     #[serde(skip)]
-    dirty: BTreeMap<String, u64>,
+    dirty: HashMap<String, u64>,
     /// Bumped on every change, so a caller can tell whether a run of commands changed a job.
     #[serde(skip)]
     changes: u64,
@@ -261,12 +275,14 @@ impl Jobs {
     pub fn rebuild_index(&mut self) {
         self.by_key.clear();
         self.active.clear();
+        self.counts.clear();
+        self.finished.clear();
         self.queues.clear();
         self.placed.clear();
         self.by_tenant.clear();
         let ids: Vec<String> = self.jobs.keys().cloned().collect();
         for id in ids {
-            let j = &self.jobs[&id];
+            let j = &self.jobs[id.as_str()];
             if let Some(k) = &j.idempotency_key {
                 self.by_key.insert((j.tenant.clone(), k.clone()), id.clone());
             }
@@ -280,17 +296,54 @@ impl Jobs {
 
     /// Adds (`add`) or removes a job's part in the derived counts, from its current state.
     /// Every transition is `index(id, false)`, the change, `index(id, true)`.
+    ///
+    /// Runs on every apply: a map entry is created (its key allocated) only when it is new.
     fn index(&mut self, id: &str, add: bool) {
         let Some(j) = self.jobs.get(id) else { return };
+        let delta: i32 = if add { 1 } else { -1 };
+        let by_state = match self.counts.get_mut(&j.class) {
+            Some(c) => c,
+            None => self.counts.entry(j.class.clone()).or_default(),
+        };
+        let n = &mut by_state[j.state as usize];
+        *n = n.saturating_add_signed(delta.into());
+        if by_state.iter().all(|&n| n == 0) {
+            self.counts.remove(&j.class);
+        }
         if j.state.is_terminal() {
+            if let Some(at) = j.finished_ms {
+                if add {
+                    self.finished.insert((at, id.to_string()));
+                } else {
+                    self.finished.remove(&(at, id.to_string()));
+                }
+            }
             return;
         }
-        let delta: i32 = if add { 1 } else { -1 };
-        let e = self.active.entry((j.tenant.clone(), j.class.clone())).or_default();
+        let classes = match self.active.get_mut(&j.tenant) {
+            Some(c) => c,
+            None => self.active.entry(j.tenant.clone()).or_default(),
+        };
+        let e = match classes.get_mut(&j.class) {
+            Some(e) => e,
+            None => classes.entry(j.class.clone()).or_default(),
+        };
         *e = e.saturating_add_signed(delta);
+        if *e == 0 {
+            classes.remove(&j.class);
+            if classes.is_empty() {
+                self.active.remove(&j.tenant);
+            }
+        }
         if j.state == JobState::Queued {
-            let tenants = self.queues.entry(j.model.clone()).or_default();
-            let q = tenants.entry(j.tenant.clone()).or_default();
+            let tenants = match self.queues.get_mut(&j.model) {
+                Some(t) => t,
+                None => self.queues.entry(j.model.clone()).or_default(),
+            };
+            let q = match tenants.get_mut(&j.tenant) {
+                Some(q) => q,
+                None => tenants.entry(j.tenant.clone()).or_default(),
+            };
             if add {
                 q.insert((j.seq, id.to_string()));
             } else {
@@ -303,20 +356,40 @@ impl Jobs {
                 }
             }
         }
-        if let (true, Some(node)) = (j.state.is_placed(), j.node.clone()) {
-            if !self.touched_nodes.contains(&node) {
-                self.touched_nodes.insert(node.clone());
+        if let (true, Some(node)) = (j.state.is_placed(), j.node.as_deref()) {
+            if !self.touched_nodes.contains(node) {
+                self.touched_nodes.insert(node.to_string());
             }
-            let set = self.placed.entry(node.clone()).or_default();
+            let set = match self.placed.get_mut(node) {
+                Some(set) => set,
+                None => self.placed.entry(node.to_string()).or_default(),
+            };
             if add {
                 set.insert(id.to_string());
             } else {
                 set.remove(id);
                 if set.is_empty() {
-                    self.placed.remove(&node);
+                    self.placed.remove(node);
                 }
             }
         }
+    }
+
+    /// Jobs per class in each state, every state listed (zeros included), in
+    /// [`JobState::ALL`] order.
+    pub fn counts_by_class(&self) -> impl Iterator<Item = (&str, [(JobState, u64); 6])> {
+        self.counts.iter().map(|(class, n)| {
+            let mut out = [(JobState::Queued, 0); 6];
+            for (i, state) in JobState::ALL.into_iter().enumerate() {
+                out[i] = (state, n[i]);
+            }
+            (class.as_str(), out)
+        })
+    }
+
+    /// Whether a job finished before `before_ms` (retention would compact it).
+    pub fn any_finished_before(&self, before_ms: u64) -> bool {
+        self.finished.first().is_some_and(|(at, _)| *at < before_ms)
     }
 
     /// Queued jobs of `model`.
@@ -371,9 +444,12 @@ impl Jobs {
         self.jobs.insert(job.id.clone(), job);
     }
 
-    /// Job ids (and their `seq`) changed since the last call.
-    pub fn take_dirty(&mut self) -> BTreeMap<String, u64> {
-        std::mem::take(&mut self.dirty)
+    /// Jobs changed since the last call, as `(seq, id)` (their stored key) in key order, so the
+    /// write-behind flush writes its rows in the order they are stored.
+    pub fn take_dirty(&mut self) -> Vec<(u64, String)> {
+        let mut dirty: Vec<(u64, String)> = self.dirty.drain().map(|(id, seq)| (seq, id)).collect();
+        dirty.sort_unstable();
+        dirty
     }
 
     /// Nodes whose placed jobs (assigned or running) changed since the last call.
@@ -388,7 +464,8 @@ impl Jobs {
     /// Jobs queued or placed for `tenant` on `class`.
     pub fn active(&self, tenant: &str, class: &str) -> u32 {
         self.active
-            .get(&(tenant.to_string(), class.to_string()))
+            .get(tenant)
+            .and_then(|classes| classes.get(class))
             .copied()
             .unwrap_or(0)
     }
@@ -472,10 +549,11 @@ impl Jobs {
         if let Some(k) = &s.idempotency_key {
             self.by_key.insert((s.tenant.clone(), k.clone()), s.id.clone());
         }
-        self.by_tenant
-            .entry(s.tenant.clone())
-            .or_default()
-            .insert((job.seq, s.id.clone()));
+        let of_tenant = match self.by_tenant.get_mut(&s.tenant) {
+            Some(set) => set,
+            None => self.by_tenant.entry(s.tenant.clone()).or_default(),
+        };
+        of_tenant.insert((job.seq, s.id.clone()));
         self.jobs.insert(s.id.clone(), job);
         self.index(&s.id, true);
         self.touch(&s.id);
@@ -509,7 +587,7 @@ impl Jobs {
         Ok(())
     }
 
-    fn current<'a>(jobs: &'a mut BTreeMap<String, Job>, id: &str, token: u64) -> Result<&'a mut Job, Refused> {
+    fn current<'a>(jobs: &'a mut JobTable, id: &str, token: u64) -> Result<&'a mut Job, Refused> {
         let job = jobs
             .get_mut(id)
             .ok_or_else(|| Refused::NotFound(format!("no job {id}")))?;
@@ -526,8 +604,11 @@ impl Jobs {
     pub fn started(&mut self, id: &str, token: u64, at_ms: u64) -> Result<(), Refused> {
         let job = Self::current(&mut self.jobs, id, token)?;
         if job.state == JobState::Assigned {
+            self.index(id, false);
+            let job = self.jobs.get_mut(id).expect("checked above");
             job.state = JobState::Running;
             job.started_ms = Some(at_ms);
+            self.index(id, true);
             self.touch(id);
         }
         Ok(())
@@ -606,6 +687,7 @@ impl Jobs {
         self.index(id, false);
         let job = self.jobs.get_mut(id).expect("found above");
         Self::end(job, JobState::Cancelled, at_ms);
+        self.index(id, true);
         self.touch(id);
         Ok(JobOutcome::Cancelled { from })
     }
@@ -634,12 +716,12 @@ impl Jobs {
     /// Drops finished jobs that finished before `before_ms`; returns how many.
     pub fn compact(&mut self, before_ms: u64) -> usize {
         let old: Vec<String> = self
-            .jobs
-            .values()
-            .filter(|j| j.state.is_terminal() && j.finished_ms.is_some_and(|f| f < before_ms))
-            .map(|j| j.id.clone())
+            .finished
+            .range(..(before_ms, String::new()))
+            .map(|(_, id)| id.clone())
             .collect();
         for id in &old {
+            self.index(id, false);
             if let Some(j) = self.jobs.remove(id) {
                 self.touch_seq(id, j.seq);
                 if let Some(set) = self.by_tenant.get_mut(&j.tenant) {
@@ -667,19 +749,28 @@ impl Jobs {
         Vec<(String, BTreeSet<String>)>,
         Vec<((String, String), String)>,
         Vec<(String, BTreeSet<(u64, String)>)>,
+        Vec<(String, [u64; 6])>,
+        BTreeSet<(u64, String)>,
     ) {
         fn sorted<K: Ord + Clone, V: Clone>(m: &HashMap<K, V>) -> Vec<(K, V)> {
             let mut v: Vec<(K, V)> = m.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
             v.sort_by(|a, b| a.0.cmp(&b.0));
             v
         }
-        let nonzero = |v: Vec<((String, String), u32)>| v.into_iter().filter(|x| x.1 > 0).collect();
+        let mut active: Vec<((String, String), u32)> = self
+            .active
+            .iter()
+            .flat_map(|(t, classes)| classes.iter().map(move |(c, n)| ((t.clone(), c.clone()), *n)))
+            .collect();
+        active.sort();
         (
-            nonzero(sorted(&self.active)),
+            active,
             sorted(&self.queues),
             sorted(&self.placed),
             sorted(&self.by_key),
             sorted(&self.by_tenant),
+            sorted(&self.counts),
+            self.finished.clone(),
         )
     }
 }
