@@ -301,15 +301,7 @@ impl Jobs {
     fn index(&mut self, id: &str, add: bool) {
         let Some(j) = self.jobs.get(id) else { return };
         let delta: i32 = if add { 1 } else { -1 };
-        let by_state = match self.counts.get_mut(&j.class) {
-            Some(c) => c,
-            None => self.counts.entry(j.class.clone()).or_default(),
-        };
-        let n = &mut by_state[j.state as usize];
-        *n = n.saturating_add_signed(delta.into());
-        if by_state.iter().all(|&n| n == 0) {
-            self.counts.remove(&j.class);
-        }
+        count(&mut self.counts, &j.class, j.state, delta);
         if j.state.is_terminal() {
             if let Some(at) = j.finished_ms {
                 if add {
@@ -378,13 +370,9 @@ impl Jobs {
     /// Jobs per class in each state, every state listed (zeros included), in
     /// [`JobState::ALL`] order.
     pub fn counts_by_class(&self) -> impl Iterator<Item = (&str, [(JobState, u64); 6])> {
-        self.counts.iter().map(|(class, n)| {
-            let mut out = [(JobState::Queued, 0); 6];
-            for (i, state) in JobState::ALL.into_iter().enumerate() {
-                out[i] = (state, n[i]);
-            }
-            (class.as_str(), out)
-        })
+        self.counts
+            .iter()
+            .map(|(class, n)| (class.as_str(), JobState::ALL.map(|s| (s, n[s as usize]))))
     }
 
     /// Whether a job finished before `before_ms` (retention would compact it).
@@ -604,11 +592,12 @@ impl Jobs {
     pub fn started(&mut self, id: &str, token: u64, at_ms: u64) -> Result<(), Refused> {
         let job = Self::current(&mut self.jobs, id, token)?;
         if job.state == JobState::Assigned {
-            self.index(id, false);
-            let job = self.jobs.get_mut(id).expect("checked above");
             job.state = JobState::Running;
             job.started_ms = Some(at_ms);
-            self.index(id, true);
+            // Placed before and after: only the per-state count moves (not through `index`,
+            // which would mark the node's job list changed and send it an unchanged reply).
+            count(&mut self.counts, &job.class, JobState::Assigned, -1);
+            count(&mut self.counts, &job.class, JobState::Running, 1);
             self.touch(id);
         }
         Ok(())
@@ -772,6 +761,19 @@ impl Jobs {
             sorted(&self.counts),
             self.finished.clone(),
         )
+    }
+}
+
+/// Moves `class`'s count of jobs in `state` by `delta`; a class with no jobs left is dropped.
+fn count(counts: &mut HashMap<String, [u64; 6]>, class: &str, state: JobState, delta: i32) {
+    let by_state = match counts.get_mut(class) {
+        Some(c) => c,
+        None => counts.entry(class.to_string()).or_default(),
+    };
+    let n = &mut by_state[state as usize];
+    *n = n.saturating_add_signed(delta.into());
+    if by_state.iter().all(|&n| n == 0) {
+        counts.remove(class);
     }
 }
 

@@ -613,6 +613,8 @@ fn the_derived_indexes_kept_on_every_transition_match_a_rebuild() {
             .unwrap();
     }
     j.started("j00", 100, 0).unwrap();
+    // j03 stays running: its count in `Running` must match a rebuild's.
+    j.started("j03", 103, 0).unwrap();
     j.finish("j00", 100, &ok_result("j00", 100), 5).unwrap();
     j.finish("j01", 101, &failed(true), 5).unwrap();
     j.cancel("j02", 5).unwrap();
