@@ -5,7 +5,10 @@
 //! Both are driven the same way, over HTTP/1.1 with the same client, spread over the three
 //! members (a laneway follower's router forwards to the leader; an etcd follower does too):
 //! closed-loop saturation, then open-loop arrivals at fixed rates with latency timed from each
-//! request's intended send time. A laneway acknowledgement (`202`) means the job is committed
+//! request's intended send time. Each laneway open-loop line carries `stages`: every stage's
+//! count and 99th percentile in that phase from the members' own histograms (the proposer's
+//! wait, the commit, the log's write and fsync, the apply, the flush's hold of the state lock,
+//! and the followers' forward), so a tail says where it was made. A laneway acknowledgement (`202`) means the job is committed
 //! through Raft on a quorum; an etcd one means the put is. Everything shares the machine's two
 //! cores, load generator included, so only the ratio in the same run means much.
 
@@ -23,6 +26,7 @@ use crate::support::fleet::register;
 use crate::support::http::{
     allow_open_files, client, free_port, open_loop, saturate, send, Failures, KillOnDrop, Target,
 };
+use crate::support::stages::{scrape, stages, Scrape};
 
 /// Flags of `laneway-chaos jobs`.
 #[derive(Debug, clap::Args)]
@@ -149,6 +153,21 @@ pub(crate) fn elections(before: Option<u64>, after: Option<u64>) -> serde_json::
     }
 }
 
+/// Every member's write-path histograms, or none if one of them did not answer.
+async fn scrape_all(client: &crate::support::http::HttpClient, routers: &[&str]) -> Option<Vec<Scrape>> {
+    let mut all = Vec::new();
+    for r in routers {
+        match scrape(client, r).await {
+            Ok(s) => all.push(s),
+            Err(e) => {
+                eprintln!("reading {r}/metrics: {e}; this phase prints no stages");
+                return None;
+            }
+        }
+    }
+    Some(all)
+}
+
 /// CPU time (user and system) of `pids` together, in seconds.
 fn cpu_seconds(pids: &[u32]) -> f64 {
     // 100 clock ticks a second.
@@ -241,18 +260,34 @@ pub async fn run(args: JobsBenchArgs) -> anyhow::Result<()> {
         best_cpu_us.push(best.2.round());
     }
     let mut p99_at = Vec::new();
+    let routers: Vec<&str> = cluster
+        .members
+        .iter()
+        .filter_map(|m| m.router_addr.as_deref())
+        .collect();
+    let scraper = client(routers.len().max(1));
     for &rate in &args.rates {
         for targets in [&reference, &laneway] {
             // The rate is split over the three members.
             let per = (rate / targets.len() as u64).max(1);
             let term = cluster.term().await;
+            let is_laneway = targets[0].name == "laneway";
+            let before = if is_laneway {
+                scrape_all(&scraper, &routers).await
+            } else {
+                None
+            };
             let (h, failed) = merged(open_loop(targets, per, d).await?)?;
             let q = |p: f64| h.value_at_quantile(p) as f64 / 1000.0;
             let mut line = json!({"bench": "jobs", "mode": "open_loop", "system": targets[0].name, "rate": per * targets.len() as u64,
                        "acked": h.len(), "failed": failed.total(), "failures": failed.to_json(), "p50_ms": q(0.5), "p99_ms": q(0.99), "p999_ms": q(0.999),
                        "max_ms": h.max() as f64 / 1000.0});
-            if targets[0].name == "laneway" {
+            if is_laneway {
                 line["elections"] = elections(term, cluster.term().await);
+                // Where the submissions' time went, from the members' own histograms.
+                if let (Some(before), Some(after)) = (before, scrape_all(&scraper, &routers).await) {
+                    line["stages"] = stages(&before, &after);
+                }
             }
             println!("{line}");
             p99_at.push((targets[0].name, rate, q(0.99), failed.total()));

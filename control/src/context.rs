@@ -20,6 +20,8 @@ pub struct Context {
     pub log: LogStore,
     pub sm: StateMachineStore,
     pub proposer: Proposer,
+    /// AppendEntries round trips (leader) and handling times (follower), for `/metrics`.
+    pub raft_timings: crate::network::RaftTimings,
     pub heartbeats: Arc<HeartbeatTable>,
     /// This controller's inference router (its live lane state is reported by the admin API).
     pub router: Arc<crate::router::Router>,

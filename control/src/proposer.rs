@@ -9,7 +9,9 @@
 
 use std::sync::Arc;
 
+use prometheus_client::metrics::histogram::Histogram;
 use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::time::Instant;
 
 use crate::command::{Command, CommandEnvelope, CommandResponse};
 use crate::raft_types::{NodeId, Raft};
@@ -34,12 +36,25 @@ pub type ProposeResult = Result<(u64, CommandResponse), ProposeError>;
 struct Pending {
     command: Command,
     reply: oneshot::Sender<ProposeResult>,
+    queued: Instant,
 }
 
 /// Handle to the batching task; cheap to clone.
 #[derive(Clone)]
 pub struct Proposer {
     tx: mpsc::Sender<Pending>,
+    timings: Timings,
+}
+
+/// Where a proposal's time goes, for `/metrics`.
+#[derive(Clone)]
+struct Timings {
+    /// Per write: from its call to `propose` until its batch is proposed (all
+    /// [`MAX_IN_FLIGHT`] slots busy, or the queue ahead of it).
+    wait: Histogram,
+    /// Per entry: `client_write` until committed and applied (the leader's append and fsync,
+    /// a quorum's, and the apply).
+    commit: Histogram,
 }
 
 impl Proposer {
@@ -47,14 +62,34 @@ impl Proposer {
     /// ends only when every proposer handle is gone).
     pub fn start(raft: Raft) -> (Self, tokio::task::JoinHandle<()>) {
         let (tx, rx) = mpsc::channel(QUEUE);
-        let task = tokio::spawn(run(raft, rx));
-        (Proposer { tx }, task)
+        let timings = Timings {
+            wait: laneway_store::latency_histogram(),
+            commit: laneway_store::latency_histogram(),
+        };
+        let task = tokio::spawn(run(raft, rx, timings.clone()));
+        (Proposer { tx, timings }, task)
+    }
+
+    /// Seconds each write waited before its batch was proposed
+    /// (`laneway_raft_proposal_wait_seconds`).
+    pub fn wait_seconds(&self) -> Histogram {
+        self.timings.wait.clone()
+    }
+
+    /// Seconds each proposed entry took to commit and apply (`laneway_raft_commit_seconds`).
+    pub fn commit_seconds(&self) -> Histogram {
+        self.timings.commit.clone()
     }
 
     /// Proposes one (already validated) command and waits until it is committed and applied.
     pub async fn propose(&self, command: Command) -> ProposeResult {
         let (reply, rx) = oneshot::channel();
-        if self.tx.send(Pending { command, reply }).await.is_err() {
+        let pending = Pending {
+            command,
+            reply,
+            queued: Instant::now(),
+        };
+        if self.tx.send(pending).await.is_err() {
             return Err(RaftError::Fatal(openraft::error::Fatal::Stopped));
         }
         rx.await
@@ -62,7 +97,7 @@ impl Proposer {
     }
 }
 
-async fn run(raft: Raft, mut rx: mpsc::Receiver<Pending>) {
+async fn run(raft: Raft, mut rx: mpsc::Receiver<Pending>, timings: Timings) {
     let permits = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
     loop {
         // Wait for a free slot first, so writes keep accumulating while all slots are busy.
@@ -73,9 +108,15 @@ async fn run(raft: Raft, mut rx: mpsc::Receiver<Pending>) {
         let batch = with_queued(&mut rx, first, MAX_BATCH, MAX_BATCH_BYTES, |p| {
             p.command.payload_bytes()
         });
+        let now = Instant::now();
+        for p in &batch {
+            timings.wait.observe(now.duration_since(p.queued).as_secs_f64());
+        }
         let raft = raft.clone();
+        let commit = timings.commit.clone();
         tokio::spawn(async move {
             propose_batch(&raft, batch).await;
+            commit.observe(now.elapsed().as_secs_f64());
             drop(permit);
         });
     }

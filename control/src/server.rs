@@ -44,6 +44,7 @@ const GRPC_MAX_HEADER_BYTES: u32 = 16 * 1024;
 /// interval + timeout.
 const GRPC_KEEPALIVE: Duration = Duration::from_secs(20);
 const GRPC_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Connections are closed (GOAWAY, then the grace for calls in flight) after this long, so
 /// load spreads again over controllers that were restarted; agents and peers reconnect.
 const GRPC_MAX_CONNECTION_AGE: Duration = Duration::from_secs(3600);
@@ -231,10 +232,11 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
     .validate()
     .map_err(|e| StartError::RaftConfig(e.to_string()))?;
 
+    let raft_timings = crate::network::RaftTimings::default();
     let raft = Raft::new(
         cfg.node_id,
         Arc::new(raft_config),
-        NetworkFactory::new(cfg.cluster_name.clone(), cfg.tls.clone()),
+        NetworkFactory::new(cfg.cluster_name.clone(), cfg.tls.clone(), raft_timings.clone()),
         log.clone(),
         sm.clone(),
     )
@@ -255,6 +257,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         log,
         sm: sm.clone(),
         proposer,
+        raft_timings,
         heartbeats: Arc::new(HeartbeatTable::default()),
         router: Router::new(Arc::new(crate::router_host::AppliedState(sm.clone()))),
         load: Arc::default(),
@@ -310,6 +313,7 @@ pub async fn start(cfg: ControllerConfig) -> Result<Controller, StartError> {
         cfg.cluster_name.clone(),
         cfg.node_id,
         leader_contact.clone(),
+        &ctx.raft_timings,
     ))
     .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
     .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES);

@@ -5,6 +5,7 @@ pub mod admin;
 pub mod cpu;
 pub mod fleet;
 pub mod http;
+pub mod stages;
 
 /// The log filter the harness gives the controllers and agents it starts: `warn`, or
 /// `LANEWAY_CHAOS_LOG` when set (e.g. `warn,laneway_control::jobs=debug` to follow a job).

@@ -142,6 +142,7 @@ impl AdminGrpc {
             log,
             sm,
             proposer,
+            raft_timings: _,
             heartbeats,
             router,
             load,

@@ -91,6 +91,8 @@ pub struct JobGateway {
     /// Executor reports being committed now (job, token, state), so a report repeated by
     /// the next heartbeat before the first commit lands is not proposed twice.
     reporting: std::sync::Mutex<std::collections::HashSet<(String, u64, String)>>,
+    /// Per write forwarded from this follower: until the leader's answer arrived.
+    forward_seconds: prometheus_client::metrics::histogram::Histogram,
 }
 
 fn outcome(resp: CommandResponse) -> Result<JobOutcome, GatewayError> {
@@ -120,6 +122,7 @@ impl JobGateway {
             leaders,
             forward,
             reporting: Default::default(),
+            forward_seconds: laneway_store::latency_histogram(),
         };
         (gateway, task)
     }
@@ -146,6 +149,12 @@ impl JobGateway {
             }
             this.reporting.lock().unwrap_or_else(|p| p.into_inner()).remove(&key);
         });
+    }
+
+    /// Seconds each write this follower forwarded took to be answered by the leader, the wait
+    /// for a forwarding slot included (`laneway_raft_forward_seconds`).
+    pub fn forward_seconds(&self) -> prometheus_client::metrics::histogram::Histogram {
+        self.forward_seconds.clone()
     }
 
     fn leader(&self) -> Option<(NodeId, String)> {
@@ -231,6 +240,7 @@ impl JobGateway {
             };
         }
         let (reply, rx) = oneshot::channel();
+        let sent = Instant::now();
         let stopped = || Miss::Final(GatewayError::Unavailable("this controller is shutting down".into()));
         self.forward
             .send(Forward {
@@ -239,7 +249,9 @@ impl JobGateway {
             })
             .await
             .map_err(|_| stopped())?;
-        rx.await.unwrap_or_else(|_| Err(stopped()))
+        let answer = rx.await.unwrap_or_else(|_| Err(stopped()));
+        self.forward_seconds.observe(sent.elapsed().as_secs_f64());
+        answer
     }
 
     /// Whether this controller has applied everything the leader had committed when asked

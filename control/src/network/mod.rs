@@ -18,6 +18,27 @@ pub const MAX_RAFT_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 /// heartbeats that keep followers from campaigning.
 pub const TARGET_APPEND_BYTES: usize = 1024 * 1024;
 
+/// How long AppendEntries that carry entries take, on both ends (`/metrics`): a commit waits
+/// for a quorum's round trip, so these show whether a slow commit was the wire, the follower
+/// or the leader itself.
+#[derive(Clone)]
+pub struct RaftTimings {
+    /// Leader: each AppendEntries with entries, from encoding to the member's decoded answer.
+    pub append_round_trip: prometheus_client::metrics::histogram::Histogram,
+    /// Follower: each AppendEntries with entries, from decoding to the local Raft node's
+    /// answer (the log's write and fsync included).
+    pub append_handle: prometheus_client::metrics::histogram::Histogram,
+}
+
+impl Default for RaftTimings {
+    fn default() -> Self {
+        RaftTimings {
+            append_round_trip: laneway_store::latency_histogram(),
+            append_handle: laneway_store::latency_histogram(),
+        }
+    }
+}
+
 /// When this controller last took an AppendEntries (heartbeats included) from a leader: a
 /// follower that saw the leader's line break checks it before it campaigns, so a line broken
 /// by the network alone never unseats a leader that is still heard.

@@ -17,7 +17,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tonic::transport::Channel;
 
-use super::{MAX_RAFT_MESSAGE_BYTES, PAYLOAD_FORMAT, TARGET_APPEND_BYTES};
+use super::{RaftTimings, MAX_RAFT_MESSAGE_BYTES, PAYLOAD_FORMAT, TARGET_APPEND_BYTES};
 use crate::node::ControllerNode;
 use crate::raft_types::{NodeId, TypeConfig};
 
@@ -30,13 +30,15 @@ pub struct NetworkFactory {
     cluster: String,
     /// This controller's mTLS material; `None` in insecure development mode.
     tls: Option<laneway_pki::Tls>,
+    timings: RaftTimings,
 }
 
 impl NetworkFactory {
-    pub fn new(cluster: impl Into<String>, tls: Option<laneway_pki::Tls>) -> Self {
+    pub fn new(cluster: impl Into<String>, tls: Option<laneway_pki::Tls>, timings: RaftTimings) -> Self {
         NetworkFactory {
             cluster: cluster.into(),
             tls,
+            timings,
         }
     }
 }
@@ -63,6 +65,7 @@ impl RaftNetworkFactory<TypeConfig> for NetworkFactory {
             target,
             cluster: self.cluster.clone(),
             client,
+            round_trip: self.timings.append_round_trip.clone(),
         }
     }
 }
@@ -72,6 +75,8 @@ pub struct PeerClient {
     target: NodeId,
     cluster: String,
     client: Result<RaftServiceClient<Channel>, String>,
+    /// Round trips of AppendEntries that carry entries.
+    round_trip: prometheus_client::metrics::histogram::Histogram,
 }
 
 /// Which RPC to send.
@@ -156,7 +161,13 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         option: RPCOption,
     ) -> RpcResult<AppendEntriesResponse<NodeId>, openraft::error::Infallible> {
         let n = rpc.entries.len() as u64;
-        self.call(Rpc::AppendEntries, &rpc, Some(n), option.hard_ttl()).await
+        let sent = tokio::time::Instant::now();
+        let answer = self.call(Rpc::AppendEntries, &rpc, Some(n), option.hard_ttl()).await;
+        // Heartbeats (no entries) would drown the writes' round trips.
+        if n > 0 && answer.is_ok() {
+            self.round_trip.observe(sent.elapsed().as_secs_f64());
+        }
+        answer
     }
 
     async fn install_snapshot(

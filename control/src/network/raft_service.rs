@@ -12,7 +12,7 @@ use std::sync::Arc;
 use laneway_proto::raft::{WatchReply, WatchRequest};
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::{LeaderContact, PAYLOAD_FORMAT};
+use super::{LeaderContact, RaftTimings, PAYLOAD_FORMAT};
 use crate::raft_types::{NodeId, Raft, TypeConfig};
 use openraft::raft::{AppendEntriesRequest, InstallSnapshotRequest, VoteRequest};
 
@@ -23,15 +23,24 @@ pub struct RaftGrpc {
     node_id: NodeId,
     /// Stamped by every AppendEntries (the leader watch reads it).
     contact: Arc<LeaderContact>,
+    /// Handling times of AppendEntries that carry entries.
+    append_handle: prometheus_client::metrics::histogram::Histogram,
 }
 
 impl RaftGrpc {
-    pub fn new(raft: Raft, cluster: String, node_id: NodeId, contact: Arc<LeaderContact>) -> Self {
+    pub fn new(
+        raft: Raft,
+        cluster: String,
+        node_id: NodeId,
+        contact: Arc<LeaderContact>,
+        timings: &RaftTimings,
+    ) -> Self {
         RaftGrpc {
             raft,
             cluster,
             node_id,
             contact,
+            append_handle: timings.append_handle.clone(),
         }
     }
 
@@ -88,7 +97,13 @@ impl RaftService for RaftGrpc {
         let rpc: AppendEntriesRequest<TypeConfig> = self.open(req.get_ref())?;
         check_sender(&req, rpc.vote.leader_id().voted_for())?;
         self.contact.heard();
-        reply(self.raft.append_entries(rpc).await)
+        let carries = !rpc.entries.is_empty();
+        let started = tokio::time::Instant::now();
+        let answer = self.raft.append_entries(rpc).await;
+        if carries {
+            self.append_handle.observe(started.elapsed().as_secs_f64());
+        }
+        reply(answer)
     }
 
     async fn vote(&self, req: Request<RaftRequest>) -> Result<Response<RaftReply>, Status> {

@@ -24,6 +24,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuar
 
 use openraft::storage::{RaftStateMachine, Snapshot};
 use openraft::{AnyError, EntryPayload, OptionalSend, RaftSnapshotBuilder, StorageIOError, StoredMembership};
+use prometheus_client::metrics::histogram::Histogram;
 use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::Serialize;
 
@@ -107,6 +108,10 @@ pub struct StateMachineStore {
     jobs_changed: Arc<tokio::sync::watch::Sender<u64>>,
     /// Per node: what its agent is told may have changed.
     nodes_changed: Arc<crate::signals::NodeSignals>,
+    /// Seconds each apply call took, the wait for the state's write lock included.
+    apply_seconds: Histogram,
+    /// Seconds each write-behind flush held the state's write lock (applies wait that long).
+    flush_lock_seconds: Histogram,
 }
 
 /// Moves format-1 rows (jobs by id) into the `(seq, id)` table.
@@ -324,6 +329,8 @@ impl StateMachineStore {
             changed: Arc::new(tokio::sync::watch::channel(0).0),
             jobs_changed: Arc::new(tokio::sync::watch::channel(0).0),
             nodes_changed: Arc::default(),
+            apply_seconds: crate::latency_histogram(),
+            flush_lock_seconds: crate::latency_histogram(),
         };
         store.restore_from_snapshot_if_behind()?;
         Ok(store)
@@ -357,6 +364,18 @@ impl StateMachineStore {
         );
         self.replace_state(file.state, &pointer.meta, pointer.clone())
             .map_err(|e| StoreError::db("restoring from snapshot", e))
+    }
+
+    /// Seconds each apply call took, the wait for the state's write lock included
+    /// (`laneway_raft_apply_seconds`): what every committed write waits on before it is answered.
+    pub fn apply_seconds(&self) -> Histogram {
+        self.apply_seconds.clone()
+    }
+
+    /// Seconds each write-behind flush held the state's write lock, encoding the changed rows
+    /// (`laneway_raft_flush_lock_seconds`): applies and writers wait that long behind it.
+    pub fn flush_lock_seconds(&self) -> Histogram {
+        self.flush_lock_seconds.clone()
     }
 
     fn lock_snapshots(&self) -> MutexGuard<'_, ()> {
@@ -628,7 +647,7 @@ impl StateMachineStore {
     /// Writes everything applied since the last flush to redb in one transaction (no fsync;
     /// see the module docs). Blocking: run it off the async workers.
     pub fn flush(&self) -> Result<(), redb::Error> {
-        flush(&self.inner, &self.db, &self.persist_lock)
+        flush(&self.inner, &self.db, &self.persist_lock, &self.flush_lock_seconds)
     }
 
     /// Records `pointer` as the current snapshot: durably in the pointer file (before any log
@@ -675,10 +694,17 @@ fn read_pointer_file(path: &Path) -> Result<Option<SnapshotPointer>, StoreError>
 }
 
 /// [`StateMachineStore::flush`], on the parts it needs.
-fn flush(inner: &RwLock<Inner>, db: &Database, persist_lock: &Mutex<()>) -> Result<(), redb::Error> {
+fn flush(
+    inner: &RwLock<Inner>,
+    db: &Database,
+    persist_lock: &Mutex<()>,
+    lock_seconds: &Histogram,
+) -> Result<(), redb::Error> {
     let _persist = persist_lock.lock().unwrap_or_else(|p| p.into_inner());
     let (touched, last_applied, membership, retired, nodes, registry, jobs, ledger) = {
         let mut inner = inner.write().unwrap_or_else(|p| p.into_inner());
+        let locked = tokio::time::Instant::now();
+        let _timed = ObserveOnDrop(lock_seconds, locked);
         inner.flush_scheduled = false;
         let touched = std::mem::take(&mut inner.unflushed);
         let dirty_jobs = inner.state.jobs.take_dirty();
@@ -764,6 +790,15 @@ fn flush(inner: &RwLock<Inner>, db: &Database, persist_lock: &Mutex<()>) -> Resu
     }
     txn.commit()?;
     Ok(())
+}
+
+/// Observes the time since its instant when dropped: at the end of the scope that holds a lock.
+struct ObserveOnDrop<'a>(&'a Histogram, tokio::time::Instant);
+
+impl Drop for ObserveOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.observe(self.1.elapsed().as_secs_f64());
+    }
 }
 
 fn json<T: Serialize>(v: &T) -> Vec<u8> {

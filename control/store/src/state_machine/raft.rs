@@ -145,7 +145,9 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         I::IntoIter: OptionalSend,
     {
         let mut replies = Vec::new();
+        let started = tokio::time::Instant::now();
         let (fleet_changed, jobs_changed, schedule, nodes) = {
+            let _timed = ObserveOnDrop(&self.apply_seconds, started);
             let mut inner = self.write();
             let inner = &mut *inner;
             let mut touched = Touched::default();
@@ -204,13 +206,14 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                 Arc::downgrade(&self.db),
                 Arc::downgrade(&self.persist_lock),
             );
+            let lock_seconds = self.flush_lock_seconds.clone();
             tokio::spawn(async move {
                 tokio::time::sleep(FLUSH_DELAY).await;
                 let (Some(inner), Some(db), Some(lock)) = (parts.0.upgrade(), parts.1.upgrade(), parts.2.upgrade())
                 else {
                     return;
                 };
-                let flushed = tokio::task::spawn_blocking(move || flush(&inner, &db, &lock)).await;
+                let flushed = tokio::task::spawn_blocking(move || flush(&inner, &db, &lock, &lock_seconds)).await;
                 match flushed {
                     Ok(Ok(())) => {}
                     // The state stays correct in memory and the log still holds every entry:
