@@ -145,6 +145,14 @@ fn main() -> ExitCode {
             }
         };
         println!("laneway-sim-model listening on {}", cli.listen);
+        // axum 0.8 leaves Nagle's algorithm on; a model server answers at once (uvicorn,
+        // vLLM's server and Triton set TCP_NODELAY), and so does the simulator.
+        use axum::serve::ListenerExt as _;
+        let listener = listener.tap_io(|tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                eprintln!("laneway-sim-model: cannot set TCP_NODELAY on a connection: {e}");
+            }
+        });
         match axum::serve(listener, router).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
