@@ -110,49 +110,54 @@ fn raft(r: &mut Registry, ctx: &Context) {
             g,
         );
     }
-    // The unit is in the name: strict OpenMetrics parsers refuse a UNIT line on a histogram.
-    r.register(
-        "log_write_seconds",
-        "Time each batch of this member's Raft log took to write and fsync (appends, votes and answers to the leader wait on it)",
-        ctx.log.db().write_seconds(),
-    );
     // Where a durable write's time goes, stage by stage (a job submission through a follower
-    // passes every one; through the leader all but the forward).
-    r.register(
-        "proposal_wait_seconds",
-        "Leader only: time each write waited in the proposer before its entry was proposed",
-        ctx.proposer.wait_seconds(),
-    );
-    r.register(
-        "commit_seconds",
-        "Leader only: time each proposed entry took to be appended, replicated to a quorum, committed and applied",
-        ctx.proposer.commit_seconds(),
-    );
-    r.register(
-        "append_round_trip_seconds",
-        "Leader only: round trip of each AppendEntries that carried entries to a member, encoding and the member's fsync included",
-        ctx.raft_timings.append_round_trip.clone(),
-    );
-    r.register(
-        "append_handle_seconds",
-        "Followers: time this member took to take each AppendEntries that carried entries (its log's write and fsync included)",
-        ctx.raft_timings.append_handle.clone(),
-    );
-    r.register(
-        "apply_seconds",
-        "Time each apply of committed entries took, the wait for the state's write lock included",
-        ctx.sm.apply_seconds(),
-    );
-    r.register(
-        "flush_lock_seconds",
-        "Time each write-behind flush of applied state held the state's write lock (applies wait behind it)",
-        ctx.sm.flush_lock_seconds(),
-    );
-    r.register(
-        "forward_seconds",
-        "Followers: time each job write forwarded to the leader took to be answered",
-        ctx.jobs.forward_seconds(),
-    );
+    // passes every one; through the leader all but the forward). The unit is in each name:
+    // strict OpenMetrics parsers refuse a UNIT line on a histogram.
+    let stages = [
+        (
+            "log_write_seconds",
+            "Time each batch of this member's Raft log took to write and fsync (appends, votes and answers to the leader wait on it)",
+            ctx.log.db().write_seconds(),
+        ),
+        (
+            "proposal_wait_seconds",
+            "Leader only: time each write waited in the proposer before its entry was proposed",
+            ctx.proposer.wait_seconds(),
+        ),
+        (
+            "commit_seconds",
+            "Leader only: time each proposed entry took to be appended, replicated to a quorum, committed and applied",
+            ctx.proposer.commit_seconds(),
+        ),
+        (
+            "append_round_trip_seconds",
+            "Leader only: round trip of each AppendEntries that carried entries to a member, encoding and the member's fsync included",
+            ctx.raft_timings.append_round_trip.clone(),
+        ),
+        (
+            "append_handle_seconds",
+            "Followers: time this member took to take each AppendEntries that carried entries (its log's write and fsync included)",
+            ctx.raft_timings.append_handle.clone(),
+        ),
+        (
+            "apply_seconds",
+            "Time each apply of committed entries took, the wait for the state's write lock included",
+            ctx.sm.apply_seconds(),
+        ),
+        (
+            "flush_lock_seconds",
+            "Time each write-behind flush of applied state held the state's write lock (applies wait behind it)",
+            ctx.sm.flush_lock_seconds(),
+        ),
+        (
+            "forward_seconds",
+            "Followers: time each job write forwarded to the leader took to be answered",
+            ctx.jobs.forward_seconds(),
+        ),
+    ];
+    for (name, help, histogram) in stages {
+        r.register(name, help, histogram);
+    }
     let last = m.last_log_index.unwrap_or(0);
     for (id, matched) in m.replication.iter().flatten() {
         let behind = last.saturating_sub(matched.map_or(0, |l| l.index));
