@@ -6,9 +6,10 @@
 //! members (a laneway follower's router forwards to the leader; an etcd follower does too):
 //! closed-loop saturation, then open-loop arrivals at fixed rates with latency timed from each
 //! request's intended send time. Each laneway open-loop line carries `stages`: every stage's
-//! count and 99th percentile in that phase from the members' own histograms (the proposer's
-//! wait, the commit, the log's write and fsync, the apply, the flush's hold of the state lock,
-//! and the followers' forward), so a tail says where it was made. A laneway acknowledgement (`202`) means the job is committed
+//! count, p50 and p99 in that phase from the members' own histograms (the followers' forward,
+//! the proposer's wait, the commit, the log's write and fsync, the AppendEntries round trip and
+//! its handling, the apply, the flush's hold of the state lock; `support::stages`), so a tail
+//! says where it was made. A laneway acknowledgement (`202`) means the job is committed
 //! through Raft on a quorum; an etcd one means the put is. Everything shares the machine's two
 //! cores, load generator included, so only the ratio in the same run means much.
 
