@@ -266,6 +266,11 @@ impl MemDir {
         self.segments.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The bytes written to every segment so far, synced or not.
+    pub fn written_bytes(&self) -> usize {
+        self.lock().values().map(|s| s.lock().0.len()).sum()
+    }
+
     /// The directory as a power cut now would leave it: each segment's synced bytes only.
     pub fn after_power_loss(&self) -> MemDir {
         let segments = self
