@@ -9,7 +9,8 @@
 //! count, p50 and p99 in that phase from the members' own histograms (the followers' forward,
 //! the proposer's wait, the commit, the log's write and fsync, the AppendEntries round trip and
 //! its handling, the apply, the flush's hold of the state lock; `support::stages`), so a tail
-//! says where it was made. A laneway acknowledgement (`202`) means the job is committed
+//! says where it was made. Every open-loop line, etcd's too, lists its slowest 100 ms windows
+//! with their start in Unix seconds, so a tail also says when, against the members' logs. A laneway acknowledgement (`202`) means the job is committed
 //! through Raft on a quorum; an etcd one means the put is. Everything shares the machine's two
 //! cores, load generator included, so only the ratio in the same run means much.
 
@@ -18,14 +19,13 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use bytes::Bytes;
-use hdrhistogram::Histogram;
 use serde_json::json;
 use tokio::time::Instant;
 
 use crate::process_cluster::ProcessCluster;
 use crate::support::fleet::register;
 use crate::support::http::{
-    allow_open_files, client, free_port, open_loop, saturate, send, Failures, KillOnDrop, Target,
+    allow_open_files, client, free_port, open_loop, saturate, send, KillOnDrop, Latencies, Target,
 };
 use crate::support::stages::{scrape, stages, Scrape};
 
@@ -54,6 +54,9 @@ pub struct JobsBenchArgs {
     #[arg(long, default_value = "all")]
     via: String,
 }
+
+/// How many of a phase's slowest 100 ms windows each open-loop line lists.
+const SLOWEST_WINDOWS: usize = 5;
 
 /// An inference request of about the size of the etcd value below (96 bytes of data).
 fn job_body() -> Bytes {
@@ -136,14 +139,13 @@ async fn wait_serving(targets: &[Target], what: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn merged(hists: Vec<(Histogram<u64>, Failures)>) -> anyhow::Result<(Histogram<u64>, Failures)> {
-    let mut all = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
-    let mut failed = Failures::default();
-    for (h, f) in hists {
-        all.add(h)?;
-        failed.merge(f);
+fn merged(all: Vec<Latencies>) -> anyhow::Result<Latencies> {
+    let mut all = all.into_iter();
+    let mut first = all.next().context("an open loop without targets")?;
+    for other in all {
+        first.merge(other)?;
     }
-    Ok((all, failed))
+    Ok(first)
 }
 
 /// Elections held between two readings of the cluster's term (null when either is unknown).
@@ -278,11 +280,13 @@ pub async fn run(args: JobsBenchArgs) -> anyhow::Result<()> {
             } else {
                 None
             };
-            let (h, failed) = merged(open_loop(targets, per, d).await?)?;
+            let latencies = merged(open_loop(targets, per, d).await?)?;
+            let (h, failed) = (&latencies.hist, &latencies.failed);
             let q = |p: f64| h.value_at_quantile(p) as f64 / 1000.0;
             let mut line = json!({"bench": "jobs", "mode": "open_loop", "system": targets[0].name, "rate": per * targets.len() as u64,
                        "acked": h.len(), "failed": failed.total(), "failures": failed.to_json(), "p50_ms": q(0.5), "p99_ms": q(0.99), "p999_ms": q(0.999),
-                       "max_ms": h.max() as f64 / 1000.0});
+                       "max_ms": h.max() as f64 / 1000.0,
+                       "slowest_windows": latencies.slowest_windows(SLOWEST_WINDOWS)});
             if is_laneway {
                 line["elections"] = elections(term, cluster.term().await);
                 // Where the submissions' time went, from the members' own histograms.

@@ -25,7 +25,7 @@ use tokio::time::Instant;
 
 use crate::process_cluster::ProcessCluster;
 use crate::support::fleet::{play_agent, register};
-use crate::support::http::{client, free_port, open_loop, saturate, send, KillOnDrop, Target};
+use crate::support::http::{client, free_port, open_loop, saturate, send, KillOnDrop, Latencies, Target};
 
 /// Flags of `laneway-chaos router`.
 #[derive(Debug, clap::Args)]
@@ -218,7 +218,7 @@ pub async fn run(args: RouterBenchArgs) -> anyhow::Result<()> {
         max.push(rps);
     }
     let mut lat = Vec::new();
-    for (t, (h, failed)) in [&direct, &proxied, &routed, &router_only].into_iter().zip(
+    for (t, Latencies { hist: h, failed, .. }) in [&direct, &proxied, &routed, &router_only].into_iter().zip(
         open_loop(
             &[direct.clone(), proxied.clone(), routed.clone(), router_only.clone()],
             args.rate,

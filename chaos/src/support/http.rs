@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::process::Child;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -141,38 +142,98 @@ pub async fn saturate(targets: &[Target], connections: usize, d: Duration) -> an
     Ok((ok as f64 / start.elapsed().as_secs_f64(), failed))
 }
 
-/// Latencies of one target in an open-loop run.
+/// Latencies of one target in an open-loop run, as they come in.
 struct OpenLoop {
     hist: Mutex<Histogram<u64>>,
     failed: Mutex<Failures>,
+    /// The slowest acknowledged request of each [`WINDOW`] of intended send times, µs.
+    windows: Vec<AtomicU64>,
+}
+
+/// The span of intended send times whose slowest request [`Latencies::windows`] keeps.
+pub const WINDOW: Duration = Duration::from_millis(100);
+
+/// One target's results of an open-loop run.
+pub struct Latencies {
+    /// Every acknowledged request's latency from its intended send time, µs.
+    pub hist: Histogram<u64>,
+    pub failed: Failures,
+    /// The slowest acknowledged request of each [`WINDOW`] of intended send times, µs (0 for a
+    /// window with none), so a tail can be placed in time: when it was made, against the
+    /// servers' logs.
+    pub windows: Vec<u64>,
+    /// When the first window began, seconds since the Unix epoch.
+    pub started_unix_s: f64,
+}
+
+impl Latencies {
+    /// Folds `other` (another target of the same run) into this one.
+    pub fn merge(&mut self, other: Latencies) -> anyhow::Result<()> {
+        self.hist.add(other.hist)?;
+        self.failed.merge(other.failed);
+        for (mine, theirs) in self.windows.iter_mut().zip(other.windows) {
+            *mine = (*mine).max(theirs);
+        }
+        Ok(())
+    }
+
+    /// The `n` windows with the slowest requests, in time order: each window's start (seconds
+    /// since the Unix epoch, as servers' logs print it in UTC) and its slowest request, ms.
+    pub fn slowest_windows(&self, n: usize) -> serde_json::Value {
+        let mut worst: Vec<(usize, u64)> = self
+            .windows
+            .iter()
+            .copied()
+            .enumerate()
+            .filter(|(_, us)| *us > 0)
+            .collect();
+        worst.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        worst.truncate(n);
+        worst.sort_unstable();
+        let at = |i: usize| ((self.started_unix_s + i as f64 * WINDOW.as_secs_f64()) * 10.0).round() / 10.0;
+        worst
+            .into_iter()
+            .map(|(i, us)| serde_json::json!({"at_unix_s": at(i), "max_ms": us as f64 / 1000.0}))
+            .collect()
+    }
 }
 
 /// Open loop at `rate`/s per target for `d`, the targets' arrivals interleaved in the same
 /// window so that both see the same machine noise; latency from each intended send time, µs.
-pub async fn open_loop(targets: &[Target], rate: u64, d: Duration) -> anyhow::Result<Vec<(Histogram<u64>, Failures)>> {
+pub async fn open_loop(targets: &[Target], rate: u64, d: Duration) -> anyhow::Result<Vec<Latencies>> {
     let client = client(256);
+    let windows = (d.as_millis() / WINDOW.as_millis()) as usize + 1;
     let results: Vec<Arc<OpenLoop>> = targets
         .iter()
         .map(|_| {
             Ok(Arc::new(OpenLoop {
                 hist: Mutex::new(Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?),
                 failed: Default::default(),
+                windows: (0..windows).map(|_| AtomicU64::new(0)).collect(),
             }))
         })
         .collect::<anyhow::Result<_>>()?;
     let total_rate = rate * targets.len() as u64;
     let n = total_rate * d.as_secs();
-    let start = Instant::now() + Duration::from_millis(50);
+    let lead = Duration::from_millis(50);
+    let start = Instant::now() + lead;
+    let started_unix_s = (std::time::SystemTime::now() + lead)
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |t| t.as_secs_f64());
     let mut tasks = Vec::with_capacity(n as usize);
     for i in 0..n {
         let intended = start + Duration::from_nanos(i * 1_000_000_000 / total_rate);
         tokio::time::sleep_until(intended).await;
         let k = (i % targets.len() as u64) as usize;
         let (client, t, out) = (client.clone(), targets[k].clone(), results[k].clone());
+        let window = (i * 1_000 / total_rate / WINDOW.as_millis() as u64) as usize;
         tasks.push(tokio::spawn(async move {
             match try_send(&client, &t).await {
                 Ok(()) => {
                     let us = intended.elapsed().as_micros() as u64;
+                    if let Some(w) = out.windows.get(window) {
+                        w.fetch_max(us, Ordering::Relaxed);
+                    }
                     let _ = out.hist.lock().unwrap_or_else(|p| p.into_inner()).record(us.max(1));
                 }
                 Err(why) => out.failed.lock().unwrap_or_else(|p| p.into_inner()).add(why),
@@ -184,11 +245,11 @@ pub async fn open_loop(targets: &[Target], rate: u64, d: Duration) -> anyhow::Re
     }
     Ok(results
         .iter()
-        .map(|r| {
-            (
-                r.hist.lock().unwrap_or_else(|p| p.into_inner()).clone(),
-                r.failed.lock().unwrap_or_else(|p| p.into_inner()).clone(),
-            )
+        .map(|r| Latencies {
+            hist: r.hist.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+            failed: r.failed.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+            windows: r.windows.iter().map(|w| w.load(Ordering::Relaxed)).collect(),
+            started_unix_s,
         })
         .collect())
 }
@@ -220,5 +281,44 @@ impl Drop for KillOnDrop {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn latencies(windows: Vec<u64>) -> Latencies {
+        Latencies {
+            hist: Histogram::new_with_bounds(1, 60_000_000, 3).unwrap(),
+            failed: Failures::default(),
+            windows,
+            started_unix_s: 1_000.0,
+        }
+    }
+
+    #[test]
+    fn the_slowest_windows_are_listed_in_time_order_with_their_start() {
+        let l = latencies(vec![5_000, 90_000, 0, 40_000, 120_000, 7_000]);
+        assert_eq!(
+            l.slowest_windows(3),
+            serde_json::json!([
+                {"at_unix_s": 1000.1, "max_ms": 90.0},
+                {"at_unix_s": 1000.3, "max_ms": 40.0},
+                {"at_unix_s": 1000.4, "max_ms": 120.0},
+            ])
+        );
+        assert_eq!(
+            latencies(vec![0, 0]).slowest_windows(3),
+            serde_json::json!([]),
+            "no acknowledged request"
+        );
+    }
+
+    #[test]
+    fn merging_targets_keeps_each_windows_slowest() {
+        let mut a = latencies(vec![1, 50, 3]);
+        a.merge(latencies(vec![4, 2, 6])).unwrap();
+        assert_eq!(a.windows, [4, 50, 6]);
     }
 }
