@@ -10,8 +10,9 @@
 //! the proposer's wait, the commit, the log's write and fsync, the AppendEntries round trip and
 //! its handling, the apply, the flush's hold of the state lock; `support::stages`), so a tail
 //! says where it was made. Every open-loop line, etcd's too, lists its slowest 100 ms windows
-//! with their start in Unix seconds, so a tail also says when, against the members' logs. A laneway acknowledgement (`202`) means the job is committed
-//! through Raft on a quorum; an etcd one means the put is. Everything shares the machine's two
+//! with their start in Unix seconds, so a tail also says when, against the members' logs. A
+//! laneway acknowledgement (`202`) means the job is committed through Raft on a quorum; an
+//! etcd one means the put is. Everything shares the machine's two
 //! cores, load generator included, so only the ratio in the same run means much.
 
 use std::process::{Command, Stdio};
