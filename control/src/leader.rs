@@ -4,7 +4,9 @@
 
 use std::time::Duration;
 
-use crate::raft_types::{NodeId, Raft};
+use tokio::sync::watch;
+
+use crate::raft_types::{NodeId, Raft, RaftServerMetrics};
 
 /// The term this node leads according to `m`, if it leads one: in the leader state, naming
 /// itself leader, and with Raft running (openraft leaves `current_leader` as it was after a
@@ -12,6 +14,17 @@ use crate::raft_types::{NodeId, Raft};
 pub fn leads(m: &crate::raft_types::RaftMetrics, me: NodeId) -> Option<u64> {
     (m.state == openraft::ServerState::Leader && m.current_leader == Some(me) && m.running_state.is_ok())
         .then_some(m.current_term)
+}
+
+/// [`leads`], from the metrics openraft sends only when leadership changes
+/// (`Raft::server_metrics`), so that a watcher of leadership wakes only then, not on every
+/// turn of openraft's loop. Raft runs while that watch is open: openraft's core closes it when
+/// it ends (a shutdown, a fatal error), where it leaves `current_leader` as it was.
+pub fn leads_by_server(m: &watch::Receiver<RaftServerMetrics>, me: NodeId) -> Option<u64> {
+    let running = m.has_changed().is_ok();
+    let m = m.borrow();
+    (m.state == openraft::ServerState::Leader && m.current_leader == Some(me) && running)
+        .then(|| m.vote.leader_id().get_term())
 }
 
 /// A client of the controllers' admin API that presents `tls`'s certificate.
@@ -81,6 +94,10 @@ pub fn pulse_lease(lease: Duration, node_dead_after: Duration) -> Duration {
     lease.max((node_dead_after / 3).min(STREAM_LEASE_CAP))
 }
 
+/// How often at most [`RaftPulse::follow`] looks at openraft's metrics: small against the
+/// shortest lease (an election timeout and a heartbeat, 400 ms by default).
+pub const PULSE_LOOK_EVERY: Duration = Duration::from_millis(10);
+
 /// The longest a leader keeps its agents' streams without a quorum's acknowledgement when
 /// `node_dead_after` is long: agents on a deposed leader feed the new one nothing (no load,
 /// no caches, no replica reports) meanwhile.
@@ -97,21 +114,33 @@ impl RaftPulse {
         }
     }
 
-    /// Feeds the pulse from `raft`'s metrics until Raft shuts down.
+    /// Feeds the pulse from `raft`'s metrics until Raft shuts down. openraft sends them on
+    /// every turn of its loop, hundreds to thousands of times a second under load; the pulse
+    /// looks at most every [`PULSE_LOOK_EVERY`]. A report it finds already waiting was made
+    /// while it slept, so it is taken as made when the pulse last looked: the time without a
+    /// quorum is overstated by that much at most, never understated.
     pub fn follow(self: &std::sync::Arc<Self>, raft: &Raft) -> tokio::task::JoinHandle<()> {
         let mut rx = raft.metrics();
         let pulse = self.clone();
         tokio::spawn(async move {
+            let mut made = tokio::time::Instant::now();
             loop {
-                pulse.observe(&rx.borrow_and_update(), tokio::time::Instant::now());
-                if rx.changed().await.is_err() {
-                    return;
-                }
+                pulse.observe(&rx.borrow_and_update(), made);
+                let looked = tokio::time::Instant::now();
+                tokio::time::sleep(PULSE_LOOK_EVERY).await;
+                made = match rx.has_changed() {
+                    Ok(true) => looked,
+                    Ok(false) => match rx.changed().await {
+                        Ok(()) => tokio::time::Instant::now(),
+                        Err(_) => return,
+                    },
+                    Err(_) => return,
+                };
             }
         })
     }
 
-    /// Records one metrics report received at `at`.
+    /// Records one metrics report, made at `at` or later.
     pub fn observe(&self, m: &crate::raft_types::RaftMetrics, at: tokio::time::Instant) {
         self.record(leads(m, self.me), m.millis_since_quorum_ack, at);
     }

@@ -478,17 +478,16 @@ impl Controller {
                 None => std::future::pending().await,
             }
         };
-        let mut metrics = self.raft.metrics();
         // Raft's core ended (a fatal storage error, a panic in it): nothing is replicated or
-        // applied here any more.
+        // applied here any more. Its core closes the server metrics' watch when it ends; that
+        // watch changes only with leadership, where the whole metrics change on every turn of
+        // openraft's loop and would wake this thread each time.
+        let (mut server_metrics, metrics) = (self.raft.server_metrics(), self.raft.metrics());
         let raft = async move {
-            loop {
-                if let Err(fatal) = metrics.borrow_and_update().running_state.clone() {
-                    return fatal.to_string();
-                }
-                if metrics.changed().await.is_err() {
-                    return "its metrics channel closed".to_string();
-                }
+            while server_metrics.changed().await.is_ok() {}
+            match metrics.borrow().running_state.clone() {
+                Err(fatal) => fatal.to_string(),
+                Ok(()) => "its metrics channel closed".to_string(),
             }
         };
         tokio::select! {

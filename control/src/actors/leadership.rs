@@ -1,10 +1,11 @@
-//! `LeadershipWatcher`: reacts to openraft's metrics watch, builds a `LeaderScope` when this
+//! `LeadershipWatcher`: reacts to openraft's server metrics watch (sent only when who leads
+//! changes, not on every turn of openraft's loop), builds a `LeaderScope` when this
 //! node becomes leader of a term and stops it when it is not (a new term gets a new scope), so
 //! nothing a leader's actor holds survives a change of leader.
 //!
-//! Leadership is `state == Leader && current_leader == self && running_state is ok`: openraft
-//! leaves `current_leader` as it was after a shutdown or a fatal error, so an ex-leader whose
-//! Raft stopped must not keep "leading" ([`leads`]).
+//! Leadership is `state == Leader && current_leader == self && Raft running`: openraft leaves
+//! `current_leader` as it was after a shutdown or a fatal error, so an ex-leader whose Raft
+//! stopped must not keep "leading" ([`leads`], [`crate::leader::leads_by_server`]).
 
 use std::time::Duration;
 
@@ -21,7 +22,7 @@ use super::term;
 use super::LeaderConfig;
 use crate::context::Context;
 use crate::provision::slow_loop::Provider;
-use crate::raft_types::{NodeId, RaftMetrics};
+use crate::raft_types::{NodeId, RaftServerMetrics};
 use crate::scheduler::term::Term;
 
 /// Name on the board.
@@ -46,7 +47,7 @@ pub fn child(ctx: Context, cfg: LeaderConfig, provider: Option<Provider>) -> Chi
             LeadershipWatcher,
             WatcherArgs {
                 node_id: ctx.node_id,
-                metrics: ctx.raft.metrics(),
+                metrics: ctx.raft.server_metrics(),
                 board: ctx.actors.clone(),
                 scope: Arc::new(move |t: Arc<Term>| term::scope(&c, &cfg, provider.clone(), t)),
                 // A leader's heartbeat table is built afresh each term (every node gets
@@ -65,8 +66,8 @@ pub type ScopeFn = Arc<dyn Fn(Arc<Term>) -> SupervisorArgs + Send + Sync>;
 
 pub struct WatcherArgs {
     pub node_id: NodeId,
-    /// openraft's metrics watch (`Raft::metrics`).
-    pub metrics: watch::Receiver<RaftMetrics>,
+    /// openraft's server metrics watch (`Raft::server_metrics`), closed when Raft stops.
+    pub metrics: watch::Receiver<RaftServerMetrics>,
     pub board: ActorBoard,
     pub scope: ScopeFn,
     /// Called when a term's scope starts afresh or stops (what only a leader keeps).
@@ -75,7 +76,7 @@ pub struct WatcherArgs {
 
 /// Messages to the watcher.
 pub enum WatcherMsg {
-    /// Compare leadership with the scope (sent on every metrics change, and at least every
+    /// Compare leadership with the scope (sent on every server metrics change, and at least every
     /// second).
     Check,
     /// Start the scope of `term` again after it failed (sent to itself after the back-off).
@@ -97,7 +98,7 @@ pub struct WatcherState {
 
 impl WatcherState {
     fn leads(&self) -> Option<u64> {
-        leads(&self.args.metrics.borrow(), self.args.node_id)
+        crate::leader::leads_by_server(&self.args.metrics, self.args.node_id)
     }
 
     /// Stops the running scope and returns whether it has ended (with every actor under it):
@@ -185,7 +186,7 @@ impl Actor for LeadershipWatcher {
         myself: ActorRef<WatcherMsg>,
         state: &mut WatcherState,
     ) -> Result<(), ActorProcessingErr> {
-        // A Check on every metrics change, and at least every RECHECK. It ends when this
+        // A Check on every change of who leads, and at least every RECHECK. It ends when this
         // actor does (its sends fail) or when Raft is gone (the watch closes).
         let (mut metrics, me) = (state.args.metrics.clone(), myself.clone());
         state.forwarder = Some(tokio::spawn(async move {

@@ -130,7 +130,9 @@ impl RaftService for RaftGrpc {
                 self.node_id, self.cluster, w.target, w.cluster
             )));
         }
-        let mut metrics = self.raft.metrics();
+        // The server metrics change only with who leads: the whole metrics would wake this
+        // stream's task on every turn of openraft's loop.
+        let mut metrics = self.raft.server_metrics();
         let term = {
             let m = metrics.borrow();
             if m.current_leader != Some(self.node_id) {
@@ -139,7 +141,7 @@ impl RaftService for RaftGrpc {
                     self.node_id, m.current_leader
                 )));
             }
-            m.current_term
+            m.vote.leader_id().get_term()
         };
         let (tx, rx) = tokio::sync::mpsc::channel(1);
         let _ = tx.try_send(Ok(WatchReply {
@@ -153,7 +155,7 @@ impl RaftService for RaftGrpc {
             let still_leading = async {
                 while metrics.changed().await.is_ok() {
                     let m = metrics.borrow();
-                    if m.current_leader != Some(me) || m.current_term != term {
+                    if m.current_leader != Some(me) || m.vote.leader_id().get_term() != term {
                         return;
                     }
                 }

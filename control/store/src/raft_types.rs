@@ -29,4 +29,7 @@ pub type SnapshotMeta = openraft::SnapshotMeta<NodeId, ControllerNode>;
 pub type Snapshot = openraft::Snapshot<TypeConfig>;
 pub type StorageError = openraft::StorageError<NodeId>;
 pub type RaftMetrics = openraft::RaftMetrics<NodeId, ControllerNode>;
+/// Who leads and in which term: reported only when that changes (`Raft::server_metrics`), where
+/// [`RaftMetrics`] is sent on every turn of openraft's loop.
+pub type RaftServerMetrics = openraft::metrics::RaftServerMetrics<NodeId, ControllerNode>;
 pub type LogState = openraft::storage::LogState<TypeConfig>;

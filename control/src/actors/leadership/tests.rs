@@ -6,6 +6,7 @@ use openraft::error::Fatal;
 use openraft::ServerState;
 
 use super::*;
+use crate::raft_types::RaftMetrics;
 
 fn metrics(state: ServerState, term: u64, leader: Option<NodeId>) -> RaftMetrics {
     RaftMetrics {
@@ -14,6 +15,38 @@ fn metrics(state: ServerState, term: u64, leader: Option<NodeId>) -> RaftMetrics
         current_leader: leader,
         ..RaftMetrics::new_initial(1)
     }
+}
+
+/// What openraft's server metrics say: sent only when who leads changes.
+fn server(state: ServerState, term: u64, leader: Option<NodeId>) -> RaftServerMetrics {
+    RaftServerMetrics {
+        id: 1,
+        vote: openraft::Vote::new_committed(term, leader.unwrap_or(1)),
+        state,
+        current_leader: leader,
+        ..RaftServerMetrics::default()
+    }
+}
+
+#[test]
+fn by_the_server_metrics_a_node_leads_in_the_leader_state_naming_itself_until_raft_stops() {
+    let cases = [
+        ("leader of term 4", server(ServerState::Leader, 4, Some(1)), Some(4)),
+        ("follower", server(ServerState::Follower, 4, Some(2)), None),
+        (
+            "candidate that still names itself",
+            server(ServerState::Candidate, 5, Some(1)),
+            None,
+        ),
+    ];
+    for (what, m, want) in cases {
+        let (_tx, rx) = watch::channel(m);
+        assert_eq!(crate::leader::leads_by_server(&rx, 1), want, "{what}");
+    }
+    // openraft's core closes the watch when it ends and leaves the last leader in it.
+    let (tx, rx) = watch::channel(server(ServerState::Leader, 4, Some(1)));
+    drop(tx);
+    assert_eq!(crate::leader::leads_by_server(&rx, 1), None, "raft stopped");
 }
 
 #[test]
@@ -73,7 +106,7 @@ async fn until(what: &str, cond: impl Fn() -> bool) {
 #[tokio::test(start_paused = true)]
 async fn each_term_this_node_leads_gets_a_fresh_scope_and_losing_leadership_stops_it() {
     let board = ActorBoard::new();
-    let (tx, rx) = watch::channel(metrics(ServerState::Follower, 1, None));
+    let (tx, rx) = watch::channel(server(ServerState::Follower, 1, None));
     let terms = Arc::new(Mutex::new(Vec::new()));
     let resets = Arc::new(AtomicU32::new(0));
     let alive = Arc::new(AtomicU32::new(0));
@@ -112,13 +145,13 @@ async fn each_term_this_node_leads_gets_a_fresh_scope_and_losing_leadership_stop
     .await;
     assert_eq!(state(SCOPE), None, "a follower runs no leader's actors");
 
-    tx.send_replace(metrics(ServerState::Leader, 3, Some(1)));
+    tx.send_replace(server(ServerState::Leader, 3, Some(1)));
     until("term 3's scope", || state("Probe") == Some(ActorState::Running)).await;
     assert_eq!(board.get(SCOPE).unwrap().detail, "term 3");
     until("rounds", || board.get("Probe").unwrap().detail == "3 rounds").await;
 
     // A new term (re-elected): the old scope stops and a new one starts from nothing.
-    tx.send_replace(metrics(ServerState::Leader, 4, Some(1)));
+    tx.send_replace(server(ServerState::Leader, 4, Some(1)));
     until("term 4's scope", || {
         board.get(SCOPE).is_some_and(|s| s.detail == "term 4")
     })
@@ -132,7 +165,7 @@ async fn each_term_this_node_leads_gets_a_fresh_scope_and_losing_leadership_stop
     assert_eq!(*terms.lock().unwrap(), [3, 4]);
 
     // Another node leads: everything under the scope stops, and nothing ticks any more.
-    tx.send_replace(metrics(ServerState::Follower, 5, Some(2)));
+    tx.send_replace(server(ServerState::Follower, 5, Some(2)));
     until("the scope stopped", || state(SCOPE) == Some(ActorState::Stopped)).await;
     assert_eq!(state("Probe"), Some(ActorState::Stopped));
     let after = alive.load(Ordering::SeqCst);
@@ -143,14 +176,22 @@ async fn each_term_this_node_leads_gets_a_fresh_scope_and_losing_leadership_stop
         "no leader's actor runs on a follower"
     );
 
-    // Raft stopped by a fatal error while naming this node leader: not leading.
-    tx.send_replace(RaftMetrics {
-        running_state: Err(Fatal::Stopped),
-        ..metrics(ServerState::Leader, 6, Some(1))
-    });
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(state(SCOPE), Some(ActorState::Stopped));
-    assert_eq!(*terms.lock().unwrap(), [3, 4], "no scope for a stopped raft");
+    // Leading term 6 when Raft stops (a fatal error): openraft's core closes the watch with
+    // this node still named leader in it. Not leading any more.
+    tx.send_replace(server(ServerState::Leader, 6, Some(1)));
+    until("term 6's scope", || {
+        board
+            .get(SCOPE)
+            .is_some_and(|s| s.detail == "term 6" && s.state == ActorState::Running)
+    })
+    .await;
+    drop(tx);
+    until("the scope stopped with raft", || {
+        state(SCOPE) == Some(ActorState::Stopped)
+    })
+    .await;
+    assert_eq!(state("Probe"), Some(ActorState::Stopped));
+    assert_eq!(*terms.lock().unwrap(), [3, 4, 6], "no scope for a stopped raft");
     assert!(
         resets.load(Ordering::SeqCst) >= 3,
         "each new scope and each stop reset what only a leader keeps"
