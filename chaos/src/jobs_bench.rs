@@ -287,7 +287,8 @@ pub async fn run(args: JobsBenchArgs) -> anyhow::Result<()> {
             let mut line = json!({"bench": "jobs", "mode": "open_loop", "system": targets[0].name, "rate": per * targets.len() as u64,
                        "acked": h.len(), "failed": failed.total(), "failures": failed.to_json(), "p50_ms": q(0.5), "p99_ms": q(0.99), "p999_ms": q(0.999),
                        "max_ms": h.max() as f64 / 1000.0,
-                       "slowest_windows": latencies.slowest_windows(SLOWEST_WINDOWS)});
+                       "slowest_windows": latencies.slowest_windows(SLOWEST_WINDOWS),
+                       "pacer_lag_p99_ms": latencies.pacer_lag.value_at_quantile(0.99) as f64 / 1000.0});
             if is_laneway {
                 line["elections"] = elections(term, cluster.term().await);
                 // Where the submissions' time went, from the members' own histograms.

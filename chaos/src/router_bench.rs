@@ -140,7 +140,7 @@ pub async fn run(args: RouterBenchArgs) -> anyhow::Result<()> {
         body: Bytes::from_static(BODY.as_bytes()),
     };
     let proxy_port = free_port()?;
-    let (_haproxy, _haproxy_dir) = start_haproxy(&args.haproxy_bin, proxy_port, port)?;
+    let (haproxy, _haproxy_dir) = start_haproxy(&args.haproxy_bin, proxy_port, port)?;
     let proxied = Target {
         name: "haproxy",
         uri: format!("http://127.0.0.1:{proxy_port}/v2/models/noop/infer").parse()?,
@@ -150,7 +150,7 @@ pub async fn run(args: RouterBenchArgs) -> anyhow::Result<()> {
     // A router-only process following the controller: what an operator scales out with.
     let only_port = free_port()?;
     let results = tempfile::Builder::new().prefix("laneway-router-only-").tempdir()?;
-    let _router_only = KillOnDrop(
+    let router_only_process = KillOnDrop(
         Command::new(&control)
             .args([
                 "router",
@@ -201,24 +201,45 @@ pub async fn run(args: RouterBenchArgs) -> anyhow::Result<()> {
     let d = Duration::from_secs(args.duration_secs);
     let controller_pid = cluster.pid(0).context("controller pid")?;
     let mut max = Vec::new();
-    let mut router_cpu_us = 0.0;
-    for t in [&direct, &proxied, &routed, &router_only] {
-        let cpu0 = crate::support::cpu::cpu_ticks(controller_pid).unwrap_or(0);
+    let (mut router_cpu_us, mut haproxy_cpu_us) = (0.0, 0.0);
+    // The process whose CPU each proxied request costs: HAProxy's, the controller's (its
+    // router), the router-only process's.
+    let pids = [
+        None,
+        Some(haproxy.0.id()),
+        Some(controller_pid),
+        Some(router_only_process.0.id()),
+    ];
+    for (t, pid) in [&direct, &proxied, &routed, &router_only].into_iter().zip(pids) {
+        let ticks = || pid.and_then(crate::support::cpu::cpu_ticks).unwrap_or(0);
+        let cpu0 = ticks();
         let (rps, failed) = saturate(std::slice::from_ref(t), args.connections, d).await?;
-        let cpu1 = crate::support::cpu::cpu_ticks(controller_pid).unwrap_or(0);
-        // 100 clock ticks a second; CPU time of the controller process per routed request.
-        let cpu_s = cpu1.saturating_sub(cpu0) as f64 / 100.0;
+        // 100 clock ticks a second.
+        let cpu_s = ticks().saturating_sub(cpu0) as f64 / 100.0;
+        let cpu_us = cpu_s * 1e6 / (rps * d.as_secs_f64()).max(1.0);
         let mut line = json!({"bench": "router", "mode": "saturation", "target": t.name, "connections": args.connections, "rps": rps.round(), "failed": failed.total(), "failures": failed.to_json()});
-        if t.name == "router" {
-            router_cpu_us = cpu_s * 1e6 / (rps * d.as_secs_f64()).max(1.0);
-            line["router_cpu_cores"] = json!((cpu_s / d.as_secs_f64() * 100.0).round() / 100.0);
-            line["router_cpu_us_per_request"] = json!(router_cpu_us.round());
+        if pid.is_some() {
+            line["cpu_cores"] = json!((cpu_s / d.as_secs_f64() * 100.0).round() / 100.0);
+            line["cpu_us_per_request"] = json!(cpu_us.round());
+        }
+        match t.name {
+            "router" => router_cpu_us = cpu_us,
+            "haproxy" => haproxy_cpu_us = cpu_us,
+            _ => {}
         }
         println!("{line}");
         max.push(rps);
     }
     let mut lat = Vec::new();
-    for (t, Latencies { hist: h, failed, .. }) in [&direct, &proxied, &routed, &router_only].into_iter().zip(
+    for (
+        t,
+        Latencies {
+            hist: h,
+            failed,
+            pacer_lag,
+            ..
+        },
+    ) in [&direct, &proxied, &routed, &router_only].into_iter().zip(
         open_loop(
             &[direct.clone(), proxied.clone(), routed.clone(), router_only.clone()],
             args.rate,
@@ -229,7 +250,8 @@ pub async fn run(args: RouterBenchArgs) -> anyhow::Result<()> {
         let q = |p: f64| h.value_at_quantile(p) as f64 / 1000.0;
         println!(
             "{}",
-            json!({"bench": "router", "mode": "open_loop", "target": t.name, "rate": args.rate, "requests": h.len(), "failed": failed.total(), "failures": failed.to_json(), "p50_ms": q(0.5), "p99_ms": q(0.99), "p999_ms": q(0.999), "max_ms": h.max() as f64 / 1000.0})
+            json!({"bench": "router", "mode": "open_loop", "target": t.name, "rate": args.rate, "requests": h.len(), "failed": failed.total(), "failures": failed.to_json(), "p50_ms": q(0.5), "p99_ms": q(0.99), "p999_ms": q(0.999), "max_ms": h.max() as f64 / 1000.0,
+                   "pacer_lag_p99_ms": pacer_lag.value_at_quantile(0.99) as f64 / 1000.0})
         );
         lat.push((q(0.5), q(0.99)));
     }
@@ -249,7 +271,7 @@ pub async fn run(args: RouterBenchArgs) -> anyhow::Result<()> {
             "bench": "router", "summary": true,
             "max_rps_direct": max[0].round(), "max_rps_haproxy": max[1].round(), "max_rps_router": max[2].round(),
             "ratio_to_haproxy": (ratio * 100.0).round() / 100.0,
-            "router_cpu_us_per_request": router_cpu_us.round(),
+            "router_cpu_us_per_request": router_cpu_us.round(), "haproxy_cpu_us_per_request": haproxy_cpu_us.round(),
             "router_rps_per_core": (1e6 / router_cpu_us.max(1.0)).round(),
             "rate": args.rate, "added_p50_ms": round3(added_p50), "added_p99_ms": round3(added_p99),
             "haproxy_added_p99_ms": round3(lat[1].1 - lat[0].1),
