@@ -120,13 +120,21 @@ impl RaftPulse {
     /// while it slept, so it is taken as made when the pulse last looked: the time without a
     /// quorum is overstated by that much at most, never understated.
     pub fn follow(self: &std::sync::Arc<Self>, raft: &Raft) -> tokio::task::JoinHandle<()> {
-        let mut rx = raft.metrics();
+        self.follow_reports(raft.metrics())
+    }
+
+    /// [`Self::follow`], on the watch of openraft's metrics `rx`.
+    fn follow_reports(
+        self: &std::sync::Arc<Self>,
+        mut rx: watch::Receiver<crate::raft_types::RaftMetrics>,
+    ) -> tokio::task::JoinHandle<()> {
         let pulse = self.clone();
         tokio::spawn(async move {
             let mut made = tokio::time::Instant::now();
             loop {
-                pulse.observe(&rx.borrow_and_update(), made);
+                // Before the look: a report sent after it is later still.
                 let looked = tokio::time::Instant::now();
+                pulse.observe(&rx.borrow_and_update(), made);
                 tokio::time::sleep(PULSE_LOOK_EVERY).await;
                 made = match rx.has_changed() {
                     Ok(true) => looked,
@@ -202,6 +210,40 @@ mod tests {
         assert_eq!(pulse_lease(ms(1500 + 500), ms(3000)), ms(2000));
         // A long node_dead_after does not keep agents on a deposed leader for minutes.
         assert_eq!(pulse_lease(ms(300 + 100), ms(3_600_000)), STREAM_LEASE_CAP);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_report_found_after_the_pulses_sleep_counts_from_its_last_look() {
+        let ms = Duration::from_millis;
+        let report = || crate::raft_types::RaftMetrics {
+            state: openraft::ServerState::Leader,
+            current_leader: Some(1),
+            current_term: 3,
+            millis_since_quorum_ack: Some(0),
+            ..crate::raft_types::RaftMetrics::new_initial(1)
+        };
+        let pulse = std::sync::Arc::new(RaftPulse::new(1, ms(400), ms(400)));
+        let (tx, rx) = watch::channel(report());
+        let t0 = Instant::now();
+        let task = pulse.follow_reports(rx);
+        // Looked at t0, asleep until t0 + 10 ms; a report sent at t0 + 5 ms waits for it.
+        tokio::time::sleep(ms(5)).await;
+        tx.send_replace(report());
+        tokio::time::sleep(ms(10)).await;
+        assert_eq!(
+            pulse.out_of_touch(t0 + ms(401)),
+            Some(ms(401)),
+            "counted from the last look (t0), not from when it was sent: never understated"
+        );
+        // A quiet member: the pulse waits for the next report and takes it as made on arrival.
+        tokio::time::sleep(ms(100)).await;
+        let sent = Instant::now();
+        tx.send_replace(report());
+        tokio::time::sleep(ms(1)).await;
+        assert_eq!(pulse.out_of_touch(sent + ms(400)), None);
+        assert_eq!(pulse.out_of_touch(sent + ms(401)), Some(ms(401)));
+        drop(tx);
+        task.await.unwrap();
     }
 
     #[tokio::test(start_paused = true)]
