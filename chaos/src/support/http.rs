@@ -336,6 +336,40 @@ mod tests {
         );
     }
 
+    /// The pacing thread hands every send over and times each one: two targets at 20/s for a
+    /// second against a server that answers at once.
+    #[tokio::test]
+    async fn the_open_loop_sends_every_request_and_notes_how_late_the_pacer_handed_each_over() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let answer = hyper::service::service_fn(|_| async {
+                    Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(Bytes::from_static(b"{}"))))
+                });
+                tokio::spawn(
+                    hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), answer),
+                );
+            }
+        });
+        let target = |name| Target {
+            name,
+            uri: format!("http://{addr}/").parse().unwrap(),
+            key: None,
+            body: Bytes::from_static(b"{}"),
+        };
+        let out = open_loop(&[target("a"), target("b")], 20, Duration::from_secs(1))
+            .await
+            .unwrap();
+        assert_eq!(out.len(), 2);
+        for l in &out {
+            assert_eq!(l.failed.total(), 0);
+            assert_eq!(l.hist.len(), 20, "every send of this target answered and timed");
+            assert_eq!(l.pacer_lag.len(), 40, "one lag per send of the run, both targets");
+        }
+    }
+
     #[test]
     fn merging_targets_keeps_each_windows_slowest() {
         let mut a = latencies(vec![1, 50, 3]);
