@@ -28,7 +28,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::Serialize;
 
-use super::snapshot_file::{self, RowWriter, SnapshotFile, JSON_FORMAT};
+use super::snapshot_file::{self, PacedFile, RowSink, RowWriter, SnapshotFile, JSON_FORMAT};
 use super::state_rows::{
     Row, SnapshotPointer, StateTables, KEY_FORMAT, KEY_LAST_APPLIED, KEY_MEMBERSHIP, KEY_RETIRED, KEY_SNAPSHOT,
 };
@@ -192,11 +192,16 @@ fn scan_txn(
     Ok(())
 }
 
-/// A [`snapshot_file::ROWS_FORMAT`] snapshot of the state tables as they are now: its meta
-/// (the log id and membership the tables were applied up to) and its bytes. One read
-/// transaction, so no lock that applies wait on; the rows are copied, not decoded. `path` is
-/// the database's, for the error a damaged meta row gets.
-fn rows_snapshot(db: &Database, path: &Path) -> Result<(SnapshotMeta, Vec<u8>), StoreError> {
+/// A [`snapshot_file::ROWS_FORMAT`] snapshot of the state tables as they are now, written into
+/// the sink `open` makes for its meta (the log id and membership the tables were applied up
+/// to; a file's name comes from it). One read transaction, so no lock that applies wait on; the
+/// rows are copied, not decoded, a slice at a time. `path` is the database's, for the error a
+/// damaged meta row gets.
+fn rows_snapshot<S: RowSink>(
+    db: &Database,
+    path: &Path,
+    open: impl FnOnce(&SnapshotMeta) -> std::io::Result<S>,
+) -> Result<(SnapshotMeta, S), StoreError> {
     let rtxn = db.begin_read().map_err(|e| StoreError::db("opening read txn", e))?;
     let (last_log_id, last_membership) = {
         let meta = rtxn
@@ -215,15 +220,20 @@ fn rows_snapshot(db: &Database, path: &Path) -> Result<(SnapshotMeta, Vec<u8>), 
         last_log_id,
         last_membership,
     };
-    let mut writer = RowWriter::new(&meta);
+    let io = |source| StoreError::Io {
+        what: "writing a row snapshot".into(),
+        source,
+    };
+    let mut writer = RowWriter::to(&meta, open(&meta).map_err(io)?);
     scan_txn(&rtxn, |row| {
         // Database-only keys: a restored member writes its own.
-        if !matches!(row, Row::Meta(KEY_SNAPSHOT | KEY_FORMAT, _)) {
-            writer.row(row);
+        if matches!(row, Row::Meta(KEY_SNAPSHOT | KEY_FORMAT, _)) {
+            return Ok(());
         }
-        Ok(())
+        writer.row(row).map_err(io)
     })?;
-    Ok((meta, writer.finish()))
+    let sink = writer.finish().map_err(io)?;
+    Ok((meta, sink))
 }
 
 /// A new snapshot's id: the log id it covers and a random part.

@@ -92,9 +92,15 @@ async fn a_snapshot_survives_a_crash_that_loses_every_non_durable_commit() {
         let mut builder = sm.get_snapshot_builder().await;
         let snapshot = builder.build_snapshot().await.unwrap();
         assert_eq!(snapshot.meta.last_log_id.map(|l| l.index), Some(2));
+        let current = sm
+            .get_current_snapshot()
+            .await
+            .unwrap()
+            .expect("the snapshot just built");
+        assert_eq!(current.meta, snapshot.meta);
         assert_eq!(
             sm.snapshot_bytes(),
-            Some(snapshot.snapshot.get_ref().len() as u64),
+            Some(current.snapshot.get_ref().len() as u64),
             "the snapshot policy weighs the log against the file's size"
         );
         sm.apply(vec![entry(3, put("a", "2"))]).await.unwrap();
@@ -517,7 +523,7 @@ async fn a_row_snapshot_holds_the_same_state_as_the_json_one() {
     sm.install_snapshot(&from_json.meta, Box::new(Cursor::new(json.clone())))
         .await
         .unwrap();
-    let (meta, rows) = rows_snapshot(&sm.db, &dir.path().join(STATE_DB_FILE)).unwrap();
+    let (meta, rows) = rows_snapshot(&sm.db, &dir.path().join(STATE_DB_FILE), |_| Ok(Vec::new())).unwrap();
     assert!(snapshot_file::is_rows(&rows));
     assert_eq!(meta.last_log_id, from_json.meta.last_log_id);
     assert_eq!(meta.last_membership, from_json.meta.last_membership);
@@ -547,7 +553,7 @@ async fn a_damaged_row_snapshot_is_refused() {
     let mut sm = StateMachineStore::open(dir.path()).unwrap();
     apply_a_setting_and_a_job(&mut sm).await;
     sm.flush().unwrap();
-    let (_, rows) = rows_snapshot(&sm.db, &dir.path().join(STATE_DB_FILE)).unwrap();
+    let (_, rows) = rows_snapshot(&sm.db, &dir.path().join(STATE_DB_FILE), |_| Ok(Vec::new())).unwrap();
     assert!(SnapshotFile::decode(&rows).is_ok());
     for cut in [rows.len() - 1, rows.len() - 5, rows.len() / 2, 12] {
         let err = SnapshotFile::decode(&rows[..cut]).unwrap_err();
@@ -571,7 +577,8 @@ async fn row_snapshots_wait_for_the_cluster_command_format() {
     sm.apply(vec![entry(1, format(snapshot_file::ROWS_COMMAND_FORMAT - 1))])
         .await
         .unwrap();
-    let built = sm.get_snapshot_builder().await.build_snapshot().await.unwrap();
+    sm.get_snapshot_builder().await.build_snapshot().await.unwrap();
+    let built = sm.get_current_snapshot().await.unwrap().unwrap();
     assert!(
         !snapshot_file::is_rows(built.snapshot.get_ref()),
         "JSON below the format"
@@ -579,10 +586,61 @@ async fn row_snapshots_wait_for_the_cluster_command_format() {
     sm.apply(vec![entry(2, format(snapshot_file::ROWS_COMMAND_FORMAT))])
         .await
         .unwrap();
-    let built = sm.get_snapshot_builder().await.build_snapshot().await.unwrap();
+    sm.get_snapshot_builder().await.build_snapshot().await.unwrap();
+    let built = sm.get_current_snapshot().await.unwrap().unwrap();
     assert!(
         snapshot_file::is_rows(built.snapshot.get_ref()),
         "rows from the format on"
     );
     assert_eq!(built.meta.last_log_id.map(|l| l.index), Some(2));
+}
+
+/// A row snapshot of a state several times the size of one written slice is built straight
+/// into its file, slice by slice: the file checks whole (magic to checksum), holds every job,
+/// installs on another member with the same state, and no temporary file is left behind.
+#[tokio::test]
+async fn a_snapshot_of_many_slices_is_written_whole_and_installs_elsewhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut sm = StateMachineStore::open(dir.path()).unwrap();
+    let format = snapshot_file::ROWS_COMMAND_FORMAT.to_string();
+    sm.apply(vec![entry(1, put(laneway_core::command::FORMAT_SETTING, &format))])
+        .await
+        .unwrap();
+    // About 4 MB of jobs: four slices or more.
+    let jobs = 4_000u64;
+    let input = format!("{{\"prompt\": \"{}\"}}", "x".repeat(1_000));
+    let entries = (0..jobs)
+        .map(|i| {
+            let mut job = submission(&format!("j{i}"));
+            job.input = Some(input.clone());
+            entry(2 + i, Command::SubmitJob(job))
+        })
+        .collect::<Vec<_>>();
+    sm.apply(entries).await.unwrap();
+    let built = sm.get_snapshot_builder().await.build_snapshot().await.unwrap();
+    assert_eq!(built.meta.last_log_id.map(|l| l.index), Some(1 + jobs));
+
+    let current = sm.get_current_snapshot().await.unwrap().unwrap();
+    let bytes = current.snapshot.into_inner();
+    assert!(bytes.len() > 4 << 20, "{} bytes: more than four slices", bytes.len());
+    let file = SnapshotFile::decode(&bytes).expect("the file checks whole");
+    assert_eq!(file.meta, built.meta);
+    assert_eq!(file.state.jobs.jobs.len() as u64, jobs);
+    assert_eq!(file.state.state_hash(), sm.state_hash().0);
+    let names: Vec<String> = std::fs::read_dir(dir.path().join(SNAPSHOT_DIR))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        names,
+        vec![snapshot_file::file_name(&built.meta)],
+        "one file, no temporary one"
+    );
+
+    let other = tempfile::tempdir().unwrap();
+    let mut b = StateMachineStore::open(other.path()).unwrap();
+    b.install_snapshot(&current.meta, Box::new(Cursor::new(bytes)))
+        .await
+        .unwrap();
+    assert_eq!(b.state_hash().0, sm.state_hash().0);
 }
