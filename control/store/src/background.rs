@@ -41,8 +41,6 @@ where
     })
 }
 
-/// Lowers the calling thread's priority. On Linux the nice value belongs to the thread (NPTL):
-/// `setpriority` on this thread's id leaves the rest of the process as it was.
 /// CPU time the calling thread has used so far (user and system): what a background job
 /// cost the host, which its wall time on a contended, lowered-priority thread does not say.
 pub fn thread_cpu_time() -> std::time::Duration {
@@ -50,6 +48,8 @@ pub fn thread_cpu_time() -> std::time::Duration {
     std::time::Duration::new(t.tv_sec.max(0) as u64, t.tv_nsec.clamp(0, 999_999_999) as u32)
 }
 
+/// Lowers the calling thread's priority. On Linux the nice value belongs to the thread (NPTL):
+/// `setpriority` on this thread's id leaves the rest of the process as it was.
 #[cfg(target_os = "linux")]
 fn lower_priority(name: &str) {
     let me = Some(rustix::thread::gettid());

@@ -61,18 +61,11 @@ impl RowSink for Vec<u8> {
 /// Writes a [`ROWS_FORMAT`] snapshot a row at a time, handing it to its sink a slice of
 /// [`SYNC_CHUNK`] at a time, so a build holds one slice of the state in memory rather than
 /// all of it (a 226 MB buffer, grown by doubling, for a queue of 450,000 jobs).
-pub struct RowWriter<S: RowSink = Vec<u8>> {
+pub struct RowWriter<S: RowSink> {
     sink: S,
     buf: Vec<u8>,
     crc: crc32fast::Hasher,
     rows: u64,
-}
-
-impl RowWriter<Vec<u8>> {
-    /// A snapshot written into memory.
-    pub fn new(meta: &SnapshotMeta) -> Self {
-        RowWriter::to(meta, Vec::new())
-    }
 }
 
 impl<S: RowSink> RowWriter<S> {

@@ -38,38 +38,28 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             };
             // From the state tables in one read transaction rather than a copy of the state
             // in memory: no lock that applies and the router's reads would wait on, so a
-            // snapshot of a long job queue stalls nothing.
+            // snapshot of a long job queue stalls nothing. The snapshot lock is taken only to
+            // finish the file and move the pointer.
             let rows = {
                 let inner = store.read();
                 let setting = inner.state.settings.get(laneway_core::command::FORMAT_SETTING);
                 laneway_core::command::allowed_format(setting.map(String::as_str)) >= snapshot_file::ROWS_COMMAND_FORMAT
             };
             let db_path = store.snapshot_dir.with_file_name(STATE_DB_FILE);
-            // An install (or a later build) may have moved the pointer past this snapshot while
-            // it was being built; never move it back.
-            let superseded = |meta: &SnapshotMeta| {
-                let current = store.read().snapshot.as_ref().and_then(|p| p.meta.last_log_id);
-                current.is_some() && current >= meta.last_log_id
-            };
-            // Held from here to the new pointer, so no install or other build removes this
-            // build's file while it is being written, nor moves the pointer meanwhile.
-            let _guard = store.lock_snapshots();
-            let (meta, name, bytes) = if rows {
+            let (meta, built) = if rows {
                 // The rows as stored, copied straight into the file a slice at a time (paced):
                 // no decoding nor encoding of the state, and no copy of all of it in memory.
+                // Without the snapshot lock, so installs and `get_current_snapshot` (both on
+                // openraft's state machine worker, ahead of applies) do not wait for the copy.
+                // An install meanwhile may remove the unfinished file; it then also moves the
+                // pointer past this build (openraft installs only snapshots past what this
+                // member committed), so the check below drops the build.
                 let (meta, file) = rows_snapshot(&store.db, &db_path, |meta| {
                     PacedFile::create(&store.snapshot_dir, &snapshot_file::file_name(meta))
                 })
-                .map_err(|e| sm_err("writing a row snapshot", e))?;
+                .map_err(|e| sm_err("building a row snapshot", e))?;
                 lap(&mut steps.read);
-                if superseded(&meta) {
-                    return Ok((meta, file.written(), None));
-                }
-                let bytes = file.written();
-                let path = file.finish().map_err(|e| sm_err("writing snapshot file", e))?;
-                lap(&mut steps.write);
-                let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
-                (meta, name.unwrap_or_default(), bytes)
+                (meta, Built::Rows(file))
             } else {
                 // Some member may not read row snapshots yet: the whole state, as JSON.
                 let StateTables {
@@ -90,13 +80,25 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
                 };
                 let bytes = file.encode();
                 lap(&mut steps.encode);
-                if superseded(&file.meta) {
-                    return Ok((file.meta, bytes.len() as u64, None));
-                }
-                let pointer = store.save_snapshot(&file.meta, &bytes)?;
-                lap(&mut steps.write);
-                (file.meta, pointer.file, bytes.len() as u64)
+                (file.meta, Built::Json(bytes))
             };
+            let _guard = store.lock_snapshots();
+            // An install (or a later build) may have moved the pointer past this snapshot while
+            // it was being built; never move it back. A row build's unfinished file is removed
+            // as it is dropped.
+            let current = store.read().snapshot.as_ref().and_then(|p| p.meta.last_log_id);
+            if current.is_some() && current >= meta.last_log_id {
+                return Ok((meta, 0, None));
+            }
+            let (name, bytes) = match built {
+                Built::Rows(file) => {
+                    let bytes = file.written();
+                    file.finish().map_err(|e| sm_err("writing snapshot file", e))?;
+                    (snapshot_file::file_name(&meta), bytes)
+                }
+                Built::Json(bytes) => (store.save_snapshot(&meta, &bytes)?.file, bytes.len() as u64),
+            };
+            lap(&mut steps.write);
             let pointer = SnapshotPointer {
                 meta: meta.clone(),
                 file: name,
@@ -142,15 +144,22 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
     }
 }
 
+/// A built snapshot before it is recorded: a row snapshot's file, written but not yet renamed
+/// into place, or a JSON snapshot's bytes, not yet written.
+enum Built {
+    Rows(PacedFile),
+    Json(Vec<u8>),
+}
+
 /// How long each step of one snapshot build took (on its background thread).
 #[derive(Default)]
 struct SnapshotSteps {
-    /// Reading the state from the tables (for a row snapshot, copying the rows into the file,
-    /// paced: all of it).
+    /// Reading the state from the tables (for a row snapshot, copying the rows into its
+    /// unfinished file, paced: all of it).
     read: std::time::Duration,
     /// Encoding it (JSON snapshots only).
     encode: std::time::Duration,
-    /// Writing the file and syncing it (for a row snapshot, the last sync and the rename).
+    /// Writing the file and syncing it (for a row snapshot, its last sync and the rename).
     write: std::time::Duration,
     /// Recording the pointer to it (the pointer file, synced).
     commit: std::time::Duration,

@@ -606,9 +606,9 @@ async fn a_snapshot_of_many_slices_is_written_whole_and_installs_elsewhere() {
     sm.apply(vec![entry(1, put(laneway_core::command::FORMAT_SETTING, &format))])
         .await
         .unwrap();
-    // About 4 MB of jobs: four slices or more.
+    // About 5 MB of jobs: five slices or more.
     let jobs = 4_000u64;
-    let input = format!("{{\"prompt\": \"{}\"}}", "x".repeat(1_000));
+    let input = format!("{{\"prompt\": \"{}\"}}", "x".repeat(1_250));
     let entries = (0..jobs)
         .map(|i| {
             let mut job = submission(&format!("j{i}"));
@@ -643,4 +643,37 @@ async fn a_snapshot_of_many_slices_is_written_whole_and_installs_elsewhere() {
         .await
         .unwrap();
     assert_eq!(b.state_hash().0, sm.state_hash().0);
+}
+
+/// A build that an install overtook (the pointer is already past what it read) records
+/// nothing and leaves no file behind, not even its unfinished one.
+#[tokio::test]
+async fn a_build_overtaken_by_a_newer_snapshot_leaves_nothing_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut sm = StateMachineStore::open(dir.path()).unwrap();
+    let format = snapshot_file::ROWS_COMMAND_FORMAT.to_string();
+    sm.apply(vec![
+        entry(1, put(laneway_core::command::FORMAT_SETTING, &format)),
+        entry(2, Command::SubmitJob(submission("j1"))),
+    ])
+    .await
+    .unwrap();
+    // As an install of the leader's snapshot at index 9 leaves the pointer.
+    let newer = SnapshotPointer {
+        meta: SnapshotMeta {
+            snapshot_id: "leaders".into(),
+            last_log_id: Some(openraft::LogId::new(openraft::CommittedLeaderId::new(1, 1), 9)),
+            last_membership: Default::default(),
+        },
+        file: "leaders.snap".into(),
+    };
+    sm.write().snapshot = Some(newer.clone());
+    let built = sm.get_snapshot_builder().await.build_snapshot().await.unwrap();
+    assert_eq!(built.meta.last_log_id.map(|l| l.index), Some(2));
+    let pointer = sm.read().snapshot.clone().map(|p| (p.meta, p.file));
+    assert_eq!(pointer, Some((newer.meta, newer.file)), "the pointer never moves back");
+    let left: Vec<_> = std::fs::read_dir(dir.path().join(SNAPSHOT_DIR))
+        .map(|d| d.map(|e| e.unwrap().file_name()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "{left:?}");
 }
