@@ -181,6 +181,33 @@ fn cpu_seconds(pids: &[u32]) -> f64 {
         / 100.0
 }
 
+/// Most a saturation phase waits for both systems to go quiet after the phase before it.
+const SETTLE_MAX: Duration = Duration::from_secs(10);
+
+/// Waits until the members of both systems are quiet (under 0.3 cores of CPU and 4 MB/s
+/// written to disk over 250 ms), at most [`SETTLE_MAX`], and returns how long that took. The
+/// systems take turns, so work one of them leaves running after its phase (a snapshot build
+/// and its paced write, a compaction, a flush) would otherwise fall in the other's.
+async fn settle(pids: &[u32]) -> Duration {
+    let began = Instant::now();
+    let window = Duration::from_millis(250);
+    let written = || {
+        pids.iter()
+            .filter_map(|&p| crate::support::cpu::written_bytes(p))
+            .sum::<u64>()
+    };
+    while began.elapsed() < SETTLE_MAX {
+        let (cpu0, written0) = (cpu_seconds(pids), written());
+        tokio::time::sleep(window).await;
+        let cores = (cpu_seconds(pids) - cpu0) / window.as_secs_f64();
+        let bytes_per_s = written().saturating_sub(written0) as f64 / window.as_secs_f64();
+        if cores < 0.3 && bytes_per_s < 4e6 {
+            break;
+        }
+    }
+    began.elapsed()
+}
+
 pub async fn run(args: JobsBenchArgs) -> anyhow::Result<()> {
     let most = args.connections.iter().copied().max().unwrap_or(256) as u64;
     allow_open_files(2 * most + 4096)?;
@@ -241,21 +268,23 @@ pub async fn run(args: JobsBenchArgs) -> anyhow::Result<()> {
         .collect();
     let scraper = client(routers.len().max(1));
     let systems = [(&reference, &etcd_pids), (&laneway, &laneway_pids)];
+    let all_pids: Vec<u32> = etcd_pids.iter().chain(&laneway_pids).copied().collect();
     for (targets, _) in systems {
         saturate(targets, most as usize, Duration::from_secs(2)).await?;
     }
     // Best acked/s of each system, at how many connections, and its CPU per ack. The systems
     // take turns at each connection count, so a slow stretch of this shared machine falls on
-    // both rather than on whichever swept second (ADR 0043).
+    // both rather than on whichever swept second, and each phase starts once both are quiet
+    // (ADR 0043).
     let mut best = [(0.0f64, 0usize, 0.0f64); 2];
     for &connections in &args.connections {
         for (k, (targets, pids)) in systems.into_iter().enumerate() {
             let is_laneway = targets[0].name == "laneway";
-            let term = cluster.term().await;
-            let before = if is_laneway {
-                scrape_all(&scraper, &routers).await
+            let settled = settle(&all_pids).await;
+            let (term, before) = if is_laneway {
+                (cluster.term().await, scrape_all(&scraper, &routers).await)
             } else {
-                None
+                (None, None)
             };
             let cpu0 = cpu_seconds(pids);
             let (rps, failed) = saturate(targets, connections, d).await?;
@@ -265,7 +294,8 @@ pub async fn run(args: JobsBenchArgs) -> anyhow::Result<()> {
             let cpu_us = cpu * 1e6 / (rps * d.as_secs_f64()).max(1.0);
             let mut line = json!({"bench": "jobs", "mode": "saturation", "system": targets[0].name, "members": 3,
                        "connections": connections, "acked_per_s": rps.round(), "failed": failed.total(), "failures": failed.to_json(),
-                       "members_cpu_cores": (cpu / d.as_secs_f64() * 100.0).round() / 100.0, "cpu_us_per_ack": cpu_us.round()});
+                       "members_cpu_cores": (cpu / d.as_secs_f64() * 100.0).round() / 100.0, "cpu_us_per_ack": cpu_us.round(),
+                       "settled_ms": settled.as_millis() as u64});
             if is_laneway {
                 line["elections"] = elections(term, cluster.term().await);
                 // How many submissions each Raft entry carried: the batching that CPU per ack
