@@ -20,6 +20,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use crate::process_cluster::ProcessCluster;
+use crate::support::pace::pace;
 
 /// Flags of `laneway-chaos bench`.
 #[derive(Debug, clap::Args)]
@@ -77,12 +78,12 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
 
     for &rate in &args.rates {
-        let f = open_loop(&clients, rate, duration).await;
+        let (f, pacer_lag_p99_ms) = open_loop(&clients, rate, duration).await?;
         line(json!({
             "bench": "raft_write_open_loop", "nodes": args.nodes, "offered_per_sec": rate,
             "achieved_per_sec": f.achieved.round(), "p50_ms": ms(f.hist.value_at_quantile(0.5)),
             "p99_ms": ms(f.hist.value_at_quantile(0.99)), "p999_ms": ms(f.hist.value_at_quantile(0.999)),
-            "errors": f.errors,
+            "errors": f.errors, "pacer_lag_p99_ms": pacer_lag_p99_ms,
         }));
     }
     let sat = saturation(&clients, args.concurrency, duration).await;
@@ -152,42 +153,40 @@ struct Figures {
     errors: u64,
 }
 
-/// Arrivals at a fixed rate; latency measured from the intended send time, so a slow response
-/// does not delay (and hide) the next arrival.
-async fn open_loop(clients: &[Arc<AdminClient>], rate: u64, duration: Duration) -> Figures {
+/// Arrivals at a fixed rate, paced by a thread of their own ([`pace`], ADR 0041); latency
+/// measured from the intended send time, so a slow response does not delay (and hide) the next
+/// arrival. Also returns the pacer's p99 lateness, ms.
+async fn open_loop(clients: &[Arc<AdminClient>], rate: u64, duration: Duration) -> anyhow::Result<(Figures, f64)> {
     let hist = Arc::new(Mutex::new(hist()));
     let errors = Arc::new(AtomicU64::new(0));
     let total = rate * duration.as_secs();
-    let interval = Duration::from_secs_f64(1.0 / rate as f64);
-    let start = Instant::now();
-    let mut tasks = JoinSet::new();
-    for i in 0..total {
-        let intended = start + interval * i as u32;
-        tokio::time::sleep_until(intended).await;
+    let start = Instant::now() + Duration::from_millis(50);
+    let (clients, out, failed) = (clients.to_vec(), hist.clone(), errors.clone());
+    let paced = pace(rate, total, start, move |i, intended| {
         let client = clients[i as usize % clients.len()].clone();
-        let (hist, errors) = (hist.clone(), errors.clone());
-        tasks.spawn(async move {
+        let (hist, errors) = (out.clone(), failed.clone());
+        async move {
             match put(&client, i).await {
                 Ok(()) => {
                     let us = intended.elapsed().as_micros() as u64;
-                    let _ = hist.lock().unwrap().record(us.max(1));
+                    let _ = hist.lock().unwrap_or_else(|p| p.into_inner()).record(us.max(1));
                 }
                 Err(_) => {
                     errors.fetch_add(1, Ordering::Relaxed);
                 }
             }
-        });
-        while tasks.try_join_next().is_some() {}
-    }
-    while tasks.join_next().await.is_some() {}
+        }
+    })
+    .await?;
     let elapsed = start.elapsed().as_secs_f64();
-    let hist = hist.lock().unwrap().clone();
+    let hist = hist.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let errors = errors.load(Ordering::Relaxed);
-    Figures {
+    let figures = Figures {
         achieved: hist.len() as f64 / elapsed,
         hist,
         errors,
-    }
+    };
+    Ok((figures, paced.lag_p99_ms()))
 }
 
 /// `concurrency` writers each issuing the next write as soon as the previous one commits.

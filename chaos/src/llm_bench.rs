@@ -19,6 +19,7 @@ use tokio::time::Instant;
 use crate::process_cluster::ProcessCluster;
 use crate::support::fleet::{play_agent, register};
 use crate::support::http::{client, free_port, HttpClient, KillOnDrop, Target};
+use crate::support::pace::pace;
 
 /// Flags of `laneway-chaos llm`.
 #[derive(Debug, clap::Args)]
@@ -170,21 +171,17 @@ pub async fn run(args: LlmBenchArgs) -> anyhow::Result<()> {
     let total_rate = args.rate * targets.len() as u64;
     let n = total_rate * args.duration_secs;
     let start = Instant::now() + Duration::from_millis(50);
-    let mut tasks = Vec::with_capacity(n as usize);
-    for i in 0..n {
-        let intended = start + Duration::from_nanos(i * 1_000_000_000 / total_rate);
-        tokio::time::sleep_until(intended).await;
-        let k = (i % targets.len() as u64) as usize;
-        let (c, t, out) = (c.clone(), targets[k].clone(), results[k].clone());
-        tasks.push(tokio::spawn(async move {
+    let (client, targets_owned, out) = (c.clone(), targets.to_vec(), results.clone());
+    let paced = pace(total_rate, n, start, move |i, intended| {
+        let k = (i % targets_owned.len() as u64) as usize;
+        let (c, t, out) = (client.clone(), targets_owned[k].clone(), out[k].clone());
+        async move {
             if stream(&c, &t, intended, &out).await.is_err() {
                 out.failed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
-        }));
-    }
-    for t in tasks {
-        t.await?;
-    }
+        }
+    })
+    .await?;
     let mut figures = Vec::new();
     for (t, r) in targets.iter().zip(&results) {
         let ttft = r.ttft.lock().unwrap_or_else(|p| p.into_inner()).clone();
@@ -195,7 +192,8 @@ pub async fn run(args: LlmBenchArgs) -> anyhow::Result<()> {
             "{}",
             json!({"bench": "llm", "target": t.name, "rate": args.rate, "streams": ttft.len(), "failed": failed,
                 "ttft_p50_ms": ms(&ttft, 0.5), "ttft_p99_ms": ms(&ttft, 0.99),
-                "itl_p50_ms": ms(&itl, 0.5), "itl_p99_ms": ms(&itl, 0.99), "itl_samples": itl.len()})
+                "itl_p50_ms": ms(&itl, 0.5), "itl_p99_ms": ms(&itl, 0.99), "itl_samples": itl.len(),
+                "pacer_lag_p99_ms": paced.lag_p99_ms()})
         );
         figures.push((ms(&ttft, 0.99), ms(&itl, 0.99), failed));
     }

@@ -15,6 +15,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tokio::time::Instant;
 
+use super::pace::pace;
+
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
 /// One request target (the replica directly, a router, an etcd member): where to POST what.
@@ -204,12 +206,8 @@ impl Latencies {
 /// Open loop at `rate`/s per target for `d`, the targets' arrivals interleaved in the same
 /// window so that both see the same machine noise; latency from each intended send time, µs.
 ///
-/// The sends are paced by a thread of their own, not by tokio's timer: its wheel ticks once a
-/// millisecond, so each `sleep_until` woke up to a millisecond late and sends faster than
-/// 1,000/s went out in bursts, one per tick. Measured from the intended time, that lateness
-/// counted as every target's latency, about as large as a proxy's whole added p99 (ADR 0041).
-/// A thread's sleep wakes within tens of µs; how late each send still was comes back in
-/// [`Latencies::pacer_lag`], so a late generator shows instead of passing for a slow target.
+/// The sends are paced by a thread of their own ([`pace`], ADR 0041); how late each went out
+/// comes back in [`Latencies::pacer_lag`].
 pub async fn open_loop(targets: &[Target], rate: u64, d: Duration) -> anyhow::Result<Vec<Latencies>> {
     let client = client(256);
     let windows = (d.as_millis() / WINDOW.as_millis()) as usize + 1;
@@ -230,38 +228,25 @@ pub async fn open_loop(targets: &[Target], rate: u64, d: Duration) -> anyhow::Re
     let started_unix_s = (std::time::SystemTime::now() + lead)
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |t| t.as_secs_f64());
-    let (runtime, targets_owned, out) = (tokio::runtime::Handle::current(), targets.to_vec(), results.clone());
-    let pacer = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
-        // The kernel's default timer slack lets a sleep run 50 µs long on top of the wake-up.
-        let _ = nix::sys::prctl::set_timerslack(1);
-        let mut lag = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
-        let mut tasks = Vec::with_capacity(n as usize);
-        for i in 0..n {
-            let intended = start + Duration::from_nanos(i * 1_000_000_000 / total_rate);
-            std::thread::sleep(intended.saturating_duration_since(Instant::now()));
-            let k = (i % targets_owned.len() as u64) as usize;
-            let (client, t, out) = (client.clone(), targets_owned[k].clone(), out[k].clone());
-            let window = (i * 1_000 / total_rate / WINDOW.as_millis() as u64) as usize;
-            tasks.push(runtime.spawn(async move {
-                match try_send(&client, &t).await {
-                    Ok(()) => {
-                        let us = intended.elapsed().as_micros() as u64;
-                        if let Some(w) = out.windows.get(window) {
-                            w.fetch_max(us, Ordering::Relaxed);
-                        }
-                        let _ = out.hist.lock().unwrap_or_else(|p| p.into_inner()).record(us.max(1));
+    let (targets_owned, out) = (targets.to_vec(), results.clone());
+    let paced = pace(total_rate, n, start, move |i, intended| {
+        let k = (i % targets_owned.len() as u64) as usize;
+        let (client, t, out) = (client.clone(), targets_owned[k].clone(), out[k].clone());
+        let window = (i * 1_000 / total_rate / WINDOW.as_millis() as u64) as usize;
+        async move {
+            match try_send(&client, &t).await {
+                Ok(()) => {
+                    let us = intended.elapsed().as_micros() as u64;
+                    if let Some(w) = out.windows.get(window) {
+                        w.fetch_max(us, Ordering::Relaxed);
                     }
-                    Err(why) => out.failed.lock().unwrap_or_else(|p| p.into_inner()).add(why),
+                    let _ = out.hist.lock().unwrap_or_else(|p| p.into_inner()).record(us.max(1));
                 }
-            }));
-            lag.record((intended.elapsed().as_micros() as u64).max(1))?;
+                Err(why) => out.failed.lock().unwrap_or_else(|p| p.into_inner()).add(why),
+            }
         }
-        Ok((tasks, lag))
-    });
-    let (tasks, lag) = pacer.await??;
-    for task in tasks {
-        task.await?;
-    }
+    })
+    .await?;
     Ok(results
         .iter()
         .map(|r| Latencies {
@@ -269,7 +254,7 @@ pub async fn open_loop(targets: &[Target], rate: u64, d: Duration) -> anyhow::Re
             failed: r.failed.lock().unwrap_or_else(|p| p.into_inner()).clone(),
             windows: r.windows.iter().map(|w| w.load(Ordering::Relaxed)).collect(),
             started_unix_s,
-            pacer_lag: lag.clone(),
+            pacer_lag: paced.lag.clone(),
         })
         .collect())
 }

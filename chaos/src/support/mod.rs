@@ -5,6 +5,7 @@ pub mod admin;
 pub mod cpu;
 pub mod fleet;
 pub mod http;
+pub mod pace;
 pub mod stages;
 
 /// The log filter the harness gives the controllers and agents it starts: `warn`, or
