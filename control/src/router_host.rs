@@ -17,8 +17,8 @@ use crate::store::StateMachineStore;
 pub struct AppliedState(pub StateMachineStore);
 
 impl RoutingState for AppliedState {
-    fn routing_inputs(&self) -> (Fleet, Registry) {
-        self.0.routing_inputs()
+    fn visit_routing(&self, f: &mut dyn FnMut(&Fleet, &Registry)) {
+        self.0.with_routing(|fleet, registry| f(fleet, registry))
     }
 
     fn subscribe_changes(&self) -> watch::Receiver<u64> {

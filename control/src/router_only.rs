@@ -330,9 +330,9 @@ impl WatchedState {
 }
 
 impl RoutingState for WatchedState {
-    fn routing_inputs(&self) -> (Fleet, Registry) {
+    fn visit_routing(&self, f: &mut dyn FnMut(&Fleet, &Registry)) {
         let s = self.state.read().unwrap_or_else(|p| p.into_inner());
-        (s.0.clone(), s.1.clone())
+        f(&s.0, &s.1);
     }
 
     fn subscribe_changes(&self) -> watch::Receiver<u64> {

@@ -340,8 +340,12 @@ impl Router {
 
     /// Rebuilds the routing table from the applied state.
     pub fn rebuild(&self) {
-        let (fleet, registry) = self.sm.routing_inputs();
-        let table = table::build(&fleet, &registry, &self.table());
+        // Built in place under the state's read lock: the build reads only the nodes that hold
+        // replicas, where a copy of the inputs copied the whole fleet on every change.
+        let previous = self.table();
+        let table = self
+            .sm
+            .with_routing(|fleet, registry| table::build(fleet, registry, &previous));
         for (replica, why) in &table.unroutable {
             tracing::warn!(%replica, %why, "replica is ready but not routable");
         }

@@ -492,7 +492,14 @@ impl StateMachineStore {
         f(&inner.state.jobs, &inner.state.fleet, &inner.state.registry)
     }
 
-    /// A copy of the fleet and the registry, the router's inputs, without the settings.
+    /// `f`'s answer on the fleet and the registry, under the state's read lock (it holds up
+    /// applies while it runs: `f` should only read).
+    pub fn with_routing<T>(&self, f: impl FnOnce(&Fleet, &Registry) -> T) -> T {
+        let inner = self.read();
+        f(&inner.state.fleet, &inner.state.registry)
+    }
+
+    /// A copy of the fleet and the registry, without the settings.
     pub fn routing_inputs(&self) -> (Fleet, Registry) {
         let inner = self.read();
         (inner.state.fleet.clone(), inner.state.registry.clone())
