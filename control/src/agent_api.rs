@@ -125,21 +125,28 @@ impl AgentService for AgentGrpc {
         // anything is written. A peer address gets a burst of attempts, then one a second.
         let remote = req.remote_addr();
         let refuse = |status: Status| {
-            if let Some(log) = &self.audit {
-                log.record_refusal(None, remote, "Join", &status);
+            let recorded = self
+                .audit
+                .as_ref()
+                .and_then(|log| log.record_refusal(None, remote, "Join", &status));
+            async move {
+                if let Some(recorded) = recorded {
+                    let _ = recorded.await;
+                }
+                Err(status)
             }
-            Err(status)
         };
         if let Err(wait) = self.joins.check(remote) {
             return refuse(Status::resource_exhausted(format!(
                 "too many join attempts from {}; retry in {} s",
                 remote.map_or_else(|| "this address".into(), |a| a.ip().to_string()),
                 wait.as_secs() + 1
-            )));
+            )))
+            .await;
         }
         let r = req.into_inner();
         if let Err(why) = crate::fleet::validate_node_id(&r.node_id) {
-            return refuse(Status::invalid_argument(why.to_string()));
+            return refuse(Status::invalid_argument(why.to_string())).await;
         }
         // Never the request itself in the audit log: it holds the token.
         let caller = crate::admin::audit::Caller {

@@ -122,8 +122,16 @@ pub type MethodTable = fn(&str) -> Option<Access>;
 /// `crate::admin::audit::AuditLog`). A trait so the guard does not depend on the audit log's
 /// module, which reads the authenticated caller back from this one.
 pub trait RefusalLog: Send + Sync {
-    /// Records one refused call: who presented what (if anything), from where, and why.
-    fn refused(&self, who: Option<&PeerIdentity>, remote: Option<std::net::SocketAddr>, method: &str, status: &Status);
+    /// Records one refused call: who presented what (if anything), from where, and why. The
+    /// future ends once the record is on disk (or was not written: within the log's budget of
+    /// refusals, or after an error the log reports); the refusal is answered after it.
+    fn refused(
+        &self,
+        who: Option<&PeerIdentity>,
+        remote: Option<std::net::SocketAddr>,
+        method: &str,
+        status: &Status,
+    ) -> futures::future::BoxFuture<'static, ()>;
 }
 
 /// What every service of one controller is guarded with.
@@ -308,10 +316,17 @@ where
             }
             Err(status) => {
                 tracing::warn!(%method, remote = ?remote, reason = %status.message(), "call refused");
-                if let Some(log) = &self.policy.audit {
-                    log.refused(who.as_ref(), remote, &method, &status);
-                }
-                Box::pin(async move { Ok(status.into_http()) })
+                let recorded = self
+                    .policy
+                    .audit
+                    .as_ref()
+                    .map(|log| log.refused(who.as_ref(), remote, &method, &status));
+                Box::pin(async move {
+                    if let Some(recorded) = recorded {
+                        recorded.await;
+                    }
+                    Ok(status.into_http())
+                })
             }
         }
     }

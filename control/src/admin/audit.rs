@@ -3,6 +3,11 @@
 //! as one JSON line to `<data_dir>/audit.log` by the controller that served it, and synced to
 //! disk before the call answers. `lanectl audit` reads every controller's log and merges them.
 //!
+//! The writes and syncs are made by a thread of the log's own (`audit-writer`), which takes
+//! every entry queued while it synced the last ones and syncs them with one `fdatasync`: a
+//! call waits for its entry's sync without holding a runtime thread, and calls made together
+//! share a sync (ADR 0045).
+//!
 //! What goes in: the caller (peer address, and the identity its credentials name once admin
 //! tokens exist), the call, its target (the request's fields; for documents only the name),
 //! the outcome (ok, or the gRPC code and message) and how long it took. What never goes in:
@@ -38,10 +43,8 @@ pub struct Entry {
 pub struct AuditLog {
     path: PathBuf,
     controller: u64,
-    /// The open file and how many bytes it holds.
-    file: Mutex<(std::fs::File, u64)>,
-    /// Size past which the file is rotated.
-    max_bytes: u64,
+    /// Lines for the writer thread, each with who waits for its sync.
+    writes: std::sync::mpsc::Sender<Pending>,
     /// Refusals written in the current second, and refusals not written since the last one
     /// that was: anyone who reaches the port can be refused, and must not fill the disk.
     refusals: Mutex<(u64, u32, u64)>,
@@ -78,63 +81,55 @@ impl AuditLog {
     pub fn open_rotating_at(path: &Path, controller: u64, max_bytes: u64) -> std::io::Result<AuditLog> {
         let file = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
         let bytes = file.metadata()?.len();
+        let (writes, queued) = std::sync::mpsc::channel();
+        let writer = Writer {
+            path: path.to_path_buf(),
+            file,
+            bytes,
+            max_bytes,
+        };
+        std::thread::Builder::new()
+            .name("audit-writer".into())
+            .spawn(move || writer.run(queued))?;
         Ok(AuditLog {
             path: path.to_path_buf(),
             controller,
-            file: Mutex::new((file, bytes)),
-            max_bytes,
+            writes,
             refusals: Mutex::new((0, 0, 0)),
         })
     }
 
     /// `audit.log.N`.
     fn rotated(&self, n: usize) -> PathBuf {
-        let mut p = self.path.clone().into_os_string();
-        p.push(format!(".{n}"));
-        PathBuf::from(p)
+        rotated(&self.path, n)
     }
 
-    /// Moves the full file aside (`.1`, the older ones up by one, the oldest deleted) and
-    /// starts a new one.
-    fn rotate(&self, open: &mut (std::fs::File, u64)) -> std::io::Result<()> {
-        for n in (1..ROTATED_KEPT).rev() {
-            let from = self.rotated(n);
-            if from.exists() {
-                std::fs::rename(&from, self.rotated(n + 1))?;
-            }
-        }
-        std::fs::rename(&self.path, self.rotated(1))?;
-        let file = std::fs::OpenOptions::new().create(true).append(true).open(&self.path)?;
-        if let Some(dir) = self.path.parent() {
-            // The renames are durable before anything is written to the new file.
-            std::fs::File::open(dir).and_then(|d| d.sync_all())?;
-        }
-        *open = (file, 0);
-        Ok(())
-    }
-
-    /// Appends one entry and syncs it. A log that cannot be written is reported, and the call
-    /// it records has already happened: it is not undone.
-    pub fn record(&self, entry: &Entry) {
+    /// Queues one entry for the writer; the receiver answers once it is synced (or could not
+    /// be written, which the writer reports: the call it records has already happened and is
+    /// not undone).
+    fn queue(&self, entry: &Entry) -> tokio::sync::oneshot::Receiver<()> {
         let mut entry = entry.clone();
         entry.target = crate::text::clip(&entry.target, MAX_TARGET_CHARS);
         entry.who = crate::text::clip(&entry.who, MAX_TARGET_CHARS);
         entry.message = entry.message.map(|m| crate::text::clip(&m, MAX_MESSAGE_CHARS));
         let mut line = serde_json::to_vec(&entry).expect("entry serializes");
         line.push(b'\n');
-        let mut open = self.file.lock().unwrap_or_else(|p| p.into_inner());
-        if open.1 > 0 && open.1 + line.len() as u64 > self.max_bytes {
-            if let Err(e) = self.rotate(&mut open) {
-                tracing::error!(path = %self.path.display(), error = %e, "audit log rotation failed; appending to the current file");
-            }
+        let (synced, wait) = tokio::sync::oneshot::channel();
+        let pending = Pending {
+            line,
+            call: entry.call,
+            synced,
+        };
+        if self.writes.send(pending).is_err() {
+            tracing::error!(path = %self.path.display(), call = entry.call, "the audit log's writer has stopped; this entry is not written");
         }
-        let f = &mut open.0;
-        match f.write_all(&line).and_then(|_| f.sync_data()) {
-            Ok(()) => open.1 += line.len() as u64,
-            Err(e) => {
-                tracing::error!(path = %self.path.display(), error = %e, call = entry.call, "audit log write failed")
-            }
-        }
+        wait
+    }
+
+    /// Appends one entry and waits until it is synced to disk.
+    pub async fn record(&self, entry: &Entry) {
+        // An error means the writer is gone, which `queue` or the writer has reported.
+        let _ = self.queue(entry).await;
     }
 
     /// Whether one more refusal may be written this second, and how many were not written
@@ -153,26 +148,25 @@ impl AuditLog {
         Some(std::mem::take(&mut r.2))
     }
 
-    /// Records a call the authorization layer refused (before any handler ran).
+    /// Records a call refused before any handler ran; the receiver answers once the entry is
+    /// synced (`None`: over the budget of refusals a second, not written).
     pub fn record_refusal(
         &self,
         who: Option<&laneway_pki::PeerIdentity>,
         remote: Option<std::net::SocketAddr>,
         method: &str,
         status: &Status,
-    ) {
+    ) -> Option<tokio::sync::oneshot::Receiver<()>> {
         let addr = remote.map_or_else(|| "unknown".into(), |a| a.to_string());
         let now = crate::jobs::unix_ms();
-        let Some(suppressed) = self.refusal_budget(now) else {
-            return;
-        };
+        let suppressed = self.refusal_budget(now)?;
         let mut message = crate::text::clip(status.message(), MAX_MESSAGE_CHARS);
         if suppressed > 0 {
             message.push_str(&format!(
                 " ({suppressed} more refusals before this one were not recorded: over {REFUSALS_PER_SECOND} a second)"
             ));
         }
-        self.record(&Entry {
+        Some(self.queue(&Entry {
             unix_ms: now,
             at: rfc3339(now),
             controller: self.controller,
@@ -182,7 +176,7 @@ impl AuditLog {
             result: format!("{:?}", status.code()),
             message: Some(message),
             ms: 0,
-        });
+        }))
     }
 
     /// Runs `call` for `caller` and records it.
@@ -240,7 +234,8 @@ impl AuditLog {
             result: outcome,
             message,
             ms: start.elapsed().as_millis() as u64,
-        });
+        })
+        .await;
         result
     }
 
@@ -310,8 +305,13 @@ impl crate::auth::RefusalLog for AuditLog {
         remote: Option<std::net::SocketAddr>,
         method: &str,
         status: &Status,
-    ) {
-        self.record_refusal(who, remote, method, status);
+    ) -> futures::future::BoxFuture<'static, ()> {
+        let recorded = self.record_refusal(who, remote, method, status);
+        Box::pin(async move {
+            if let Some(recorded) = recorded {
+                let _ = recorded.await;
+            }
+        })
     }
 }
 
@@ -328,6 +328,94 @@ fn document_name(json: &str) -> String {
         .ok()
         .and_then(|v| v["name"].as_str().map(|n| format!("name: {n:?}")))
         .unwrap_or_else(|| "an unreadable document".into())
+}
+
+/// `path.N`: a rotated file.
+fn rotated(path: &Path, n: usize) -> PathBuf {
+    let mut p = path.to_path_buf().into_os_string();
+    p.push(format!(".{n}"));
+    PathBuf::from(p)
+}
+
+/// One line for the writer, and who waits for its sync.
+struct Pending {
+    line: Vec<u8>,
+    call: &'static str,
+    synced: tokio::sync::oneshot::Sender<()>,
+}
+
+/// Most entries written under one sync: a flood is synced in steps, so the first of it is
+/// answered without waiting for the whole of it to be written.
+const MAX_BATCH: usize = 1024;
+
+/// The audit log's writer thread: owns the open file.
+struct Writer {
+    path: PathBuf,
+    file: std::fs::File,
+    /// Bytes in the current file.
+    bytes: u64,
+    /// Size past which the file is rotated.
+    max_bytes: u64,
+}
+
+impl Writer {
+    /// Writes what is queued, syncs once, answers everyone it wrote for, and waits for more;
+    /// returns when the log is dropped and nothing is left to write.
+    fn run(mut self, queued: std::sync::mpsc::Receiver<Pending>) {
+        while let Ok(first) = queued.recv() {
+            let mut batch = vec![first];
+            while batch.len() < MAX_BATCH {
+                match queued.try_recv() {
+                    Ok(p) => batch.push(p),
+                    Err(_) => break,
+                }
+            }
+            for p in &batch {
+                self.append(&p.line, p.call);
+            }
+            if let Err(e) = self.file.sync_data() {
+                tracing::error!(path = %self.path.display(), error = %e, entries = batch.len(), "audit log sync failed");
+            }
+            for p in batch {
+                // The caller may have gone (its call was cancelled): nothing to answer.
+                let _ = p.synced.send(());
+            }
+        }
+    }
+
+    /// Appends one line, rotating the file first when the line would take it past its size.
+    fn append(&mut self, line: &[u8], call: &str) {
+        if self.bytes > 0 && self.bytes + line.len() as u64 > self.max_bytes {
+            if let Err(e) = self.rotate() {
+                tracing::error!(path = %self.path.display(), error = %e, "audit log rotation failed; appending to the current file");
+            }
+        }
+        match self.file.write_all(line) {
+            Ok(()) => self.bytes += line.len() as u64,
+            Err(e) => tracing::error!(path = %self.path.display(), error = %e, call, "audit log write failed"),
+        }
+    }
+
+    /// Moves the full file aside (`.1`, the older ones up by one, the oldest deleted) and
+    /// starts a new one. What was written to the old file is synced first.
+    fn rotate(&mut self) -> std::io::Result<()> {
+        self.file.sync_data()?;
+        for n in (1..ROTATED_KEPT).rev() {
+            let from = rotated(&self.path, n);
+            if from.exists() {
+                std::fs::rename(&from, rotated(&self.path, n + 1))?;
+            }
+        }
+        std::fs::rename(&self.path, rotated(&self.path, 1))?;
+        let file = std::fs::OpenOptions::new().create(true).append(true).open(&self.path)?;
+        if let Some(dir) = self.path.parent() {
+            // The renames are durable before anything is written to the new file.
+            std::fs::File::open(dir).and_then(|d| d.sync_all())?;
+        }
+        self.file = file;
+        self.bytes = 0;
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -366,6 +454,48 @@ mod tests {
         drop(log);
         let log = AuditLog::open(&dir.path().join("audit.log"), 1).unwrap();
         assert_eq!(log.read(0, 100).unwrap().len(), 2);
+    }
+
+    /// Calls made together share the writer's syncs, and each answers only once its own entry
+    /// is in the file: read back as soon as each call returns, every one is there.
+    #[tokio::test]
+    async fn concurrent_calls_each_answer_once_their_entry_is_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = std::sync::Arc::new(AuditLog::open(&dir.path().join("audit.log"), 1).unwrap());
+        let calls = (0..300).map(|i| {
+            let log = log.clone();
+            tokio::spawn(async move {
+                let _: Result<Response<()>, Status> = log
+                    .around(caller(&format!("key: \"k{i}\"")), "put_setting", async {
+                        Ok(Response::new(()))
+                    })
+                    .await;
+                let written = log.read(0, MAX_ENTRIES).unwrap();
+                let mine = format!("key: \"k{i}\"");
+                assert!(
+                    written.iter().any(|e| e["target"] == mine.as_str()),
+                    "call {i} answered before its entry was written"
+                );
+            })
+        });
+        for call in futures::future::join_all(calls).await {
+            call.unwrap();
+        }
+        assert_eq!(log.read(0, MAX_ENTRIES).unwrap().len(), 300);
+    }
+
+    /// A refusal's entry is written before the refusal is answered.
+    #[tokio::test]
+    async fn a_refusal_is_on_disk_when_its_record_answers() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = AuditLog::open(&dir.path().join("audit.log"), 1).unwrap();
+        let status = Status::unauthenticated("no certificate");
+        let recorded = crate::auth::RefusalLog::refused(&log, None, None, "PutSetting", &status);
+        recorded.await;
+        let all = log.read(0, 10).unwrap();
+        assert_eq!(all.len(), 1);
+        assert_eq!(all[0]["call"], "refused");
+        assert_eq!(all[0]["target"], "PutSetting");
     }
 
     /// What a caller sent is clipped, and the file is rotated: a flood of calls costs a
