@@ -4,7 +4,9 @@
 //! late and sends faster than 1,000/s go out in bursts, one per tick. Latency measured from the
 //! intended send time then counts that lateness as the target's. A thread's sleep wakes within
 //! tens of µs, and how late each send still was is returned, so a late generator shows instead
-//! of passing for a slow target. Every open-loop bench paces through here.
+//! of passing for a slow target. Every bench whose open loop times latency paces through here
+//! (the scaling bench's step load, which times a reaction in hundreds of ms, keeps tokio's
+//! timer).
 
 use std::future::Future;
 use std::time::Duration;
@@ -46,13 +48,21 @@ where
             let intended = start + Duration::from_nanos(i * 1_000_000_000 / rate);
             std::thread::sleep(intended.saturating_duration_since(Instant::now()));
             tasks.push(runtime.spawn(send(i, intended)));
-            lag.record((intended.elapsed().as_micros() as u64).max(1))?;
+            // Past the histogram's minute, as a minute: the run goes on.
+            lag.saturating_record((intended.elapsed().as_micros() as u64).max(1));
         }
         Ok((tasks, lag))
     });
     let (tasks, lag) = pacer.await??;
+    // Every send is waited for, even after one fails, so that none outlives the run.
+    let mut failed = None;
     for task in tasks {
-        task.await?;
+        if let Err(e) = task.await {
+            failed.get_or_insert(e);
+        }
+    }
+    if let Some(e) = failed {
+        anyhow::bail!("a send of the open loop failed: {e}");
     }
     Ok(Paced { lag })
 }
@@ -86,6 +96,44 @@ mod tests {
             );
             assert!(at >= intended, "send {i} went out before its time");
         }
+    }
+
+    /// A send still waiting for its answer never holds up the next one: every send here waits
+    /// until the last has been made, which only an open loop ever reaches.
+    #[tokio::test]
+    async fn a_send_waiting_for_its_answer_does_not_hold_up_the_next() {
+        let n = 20;
+        let all_sent = std::sync::Arc::new(tokio::sync::Barrier::new(n as usize));
+        let run = pace(1000, n, Instant::now(), move |_, _| {
+            let all_sent = all_sent.clone();
+            async move {
+                all_sent.wait().await;
+            }
+        });
+        // A guard against a hang, not a timing: the loop needs 20 ms.
+        let paced = tokio::time::timeout(Duration::from_secs(30), run)
+            .await
+            .expect("the sends waited on each other: the loop is closed, not open")
+            .unwrap();
+        assert_eq!(paced.lag.len(), n);
+    }
+
+    #[tokio::test]
+    async fn a_send_that_fails_fails_the_run_after_every_send_is_done() {
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counted = done.clone();
+        let err = pace(1000, 10, Instant::now(), move |i, _| {
+            let counted = counted.clone();
+            async move {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                assert_ne!(i, 3, "send 3 breaks");
+            }
+        })
+        .await
+        .err()
+        .unwrap();
+        assert!(err.to_string().contains("a send of the open loop failed"), "{err}");
+        assert_eq!(done.load(std::sync::atomic::Ordering::SeqCst), 10, "every send ran");
     }
 
     #[tokio::test]
