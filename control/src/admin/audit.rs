@@ -400,21 +400,26 @@ impl Writer {
     /// starts a new one. What was written to the old file is synced first.
     fn rotate(&mut self) -> std::io::Result<()> {
         self.file.sync_data()?;
-        for n in (1..ROTATED_KEPT).rev() {
-            let from = rotated(&self.path, n);
-            if from.exists() {
-                std::fs::rename(&from, rotated(&self.path, n + 1))?;
+        // Shifted only while the current file is in place. A rotation whose new file could
+        // not be opened (no file descriptors, a full disk) leaves the open file moved to `.1`;
+        // the retry at the next append must only open a new file, not shift the open one on
+        // until it is deleted and every later entry goes into a file nobody can read.
+        if self.path.exists() {
+            for n in (1..ROTATED_KEPT).rev() {
+                let from = rotated(&self.path, n);
+                if from.exists() {
+                    std::fs::rename(&from, rotated(&self.path, n + 1))?;
+                }
             }
+            std::fs::rename(&self.path, rotated(&self.path, 1))?;
         }
-        std::fs::rename(&self.path, rotated(&self.path, 1))?;
-        let file = std::fs::OpenOptions::new().create(true).append(true).open(&self.path)?;
-        if let Some(dir) = self.path.parent() {
-            // The renames are durable before anything is written to the new file.
-            std::fs::File::open(dir).and_then(|d| d.sync_all())?;
-        }
-        self.file = file;
+        self.file = std::fs::OpenOptions::new().create(true).append(true).open(&self.path)?;
         self.bytes = 0;
-        Ok(())
+        match self.path.parent() {
+            // The renames are durable before anything is written to the new file.
+            Some(dir) => std::fs::File::open(dir).and_then(|d| d.sync_all()),
+            None => Ok(()),
+        }
     }
 }
 
